@@ -1,0 +1,31 @@
+# Two commands matter: `make serve` and `make test`. Both create .venv when missing and install
+# everything they need; re-running set-up when nothing changed costs only a stamp check.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.epd-installed
+
+.PHONY: setup serve test lint typecheck pytest bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup_env.sh
+	VENV=$(VENV) bash scripts/setup_env.sh
+	@touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/epd serve
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,4 @@
+"""The epd service: configuration, the ``epd`` CLI, the ingress HTTP app, the launcher that
+starts and supervises the encoder and LLM processes, metrics and the OpenAI-compatible API."""
+
+__version__ = "0.1.0"

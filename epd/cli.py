@@ -1,0 +1,32 @@
+"""The ``epd`` command. Each subcommand lives in its own module; this file only dispatches."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("epd.serve_cmd", "start ingress, encoder workers and the LLM engine on this machine"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epd", description="epd multimodal inference service")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

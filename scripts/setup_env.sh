@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Creates the virtual environment and installs epd with its test extras, then swaps pillow for
+# pillow-simd (torchvision pulls pillow in; pillow-simd provides the same `PIL` module with SIMD
+# resize kernels). Called by the Makefile only when pyproject.toml or this script changed.
+set -euo pipefail
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/pip" install -q --upgrade pip
+fi
+PIP="$VENV/bin/pip"
+
+# WebP decoding needs libwebp's headers when pillow-simd is built from source.
+if [ ! -e /usr/include/webp/decode.h ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing libwebp-dev for the pillow-simd build"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libwebp-dev) >/dev/null 2>&1 \
+        || echo "setup: WARNING could not install libwebp-dev; WebP support depends on the pillow build"
+fi
+
+"$PIP" install -q -e '.[test]'
+
+# pillow -> pillow-simd. AVX2 where the CPU has it; on failure keep pillow and say so.
+if ! "$PIP" show -q pillow-simd >/dev/null 2>&1; then
+    cflags="-O3"
+    if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then cflags="-O3 -mavx2"; fi
+    "$PIP" uninstall -q -y pillow
+    if ! CC="cc $cflags" "$PIP" install -q --no-cache-dir --no-binary pillow-simd pillow-simd; then
+        echo "setup: WARNING pillow-simd failed to build; reinstalling pillow (slower resize)" >&2
+        "$PIP" install -q pillow
+    fi
+fi
+"$VENV/bin/python" -c "import PIL; print('setup: PIL', PIL.__version__)"
