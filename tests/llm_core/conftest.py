@@ -1,0 +1,89 @@
+"""Shared llm_core fixtures: a tiny random MiMo-V2-Flash checkpoint written by transformers.
+
+The checkpoint is the reference for every parity test in llm_core (model, engine): it is written once
+per test session by ``MiMoV2FlashForCausalLM.save_pretrained`` (so the on-disk layout is exactly what
+transformers writes: per-expert MLP weights, ``attention_sink_bias``), with shapes chosen so that
+
+- both layer types appear several times (7 layers: 0 and 5 full attention, the rest sliding window),
+- prompts of a few dozen tokens exceed the window (``sliding_window = 8``),
+- GQA is exercised in both layer types (8 query heads; 2 KV heads full, 4 KV heads SWA),
+- ``v_head_dim`` (16) differs from ``head_dim`` (32) and the rotary dim is partial (int(32 * 0.334) = 10),
+- routing uses groups (4 experts in 2 groups, top-1 group, top-2 experts) with a non-zero
+  ``e_score_correction_bias`` so the selection bias matters.
+
+Weights are drawn with a larger std than the transformers default so attention is far from uniform
+and the sinks carry real mass; otherwise a broken mask or a dropped sink could hide in the noise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+TINY_MIMO_CONFIG: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 7,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,  # SWA layers get 2x = 4
+    "head_dim": 32,
+    "v_head_dim": 16,
+    "sliding_window": 8,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "max_position_embeddings": 1024,
+    "initializer_range": 0.08,
+    "eos_token_id": 256,
+    "bos_token_id": None,
+    "tie_word_embeddings": False,
+}
+
+TINY_MIMO_SEED = 1234
+
+
+def build_tiny_mimo(out_dir: Path) -> Path:
+    """Write the tiny random checkpoint (config.json + model.safetensors) into ``out_dir``."""
+    from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+
+    torch.manual_seed(TINY_MIMO_SEED)
+    config = MiMoV2FlashConfig(**TINY_MIMO_CONFIG)
+    model = MiMoV2FlashForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(TINY_MIMO_SEED + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("self_attn.sinks"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 1.5)
+            elif name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.05)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_mimo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory with the tiny MiMo-V2-Flash checkpoint written by transformers' save_pretrained."""
+    return build_tiny_mimo(tmp_path_factory.mktemp("tiny_mimo"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mimo_hf(tiny_mimo_dir: Path) -> Any:
+    """transformers' MiMoV2FlashForCausalLM loaded from ``tiny_mimo_dir`` (fp32, eager attention, eval)."""
+    from transformers import MiMoV2FlashForCausalLM
+
+    model = MiMoV2FlashForCausalLM.from_pretrained(
+        tiny_mimo_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
