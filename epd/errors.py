@@ -1,0 +1,68 @@
+"""The service's one error channel towards clients.
+
+Everything that came from a request and is wrong raises ``APIError`` (or a ``MediaError`` from
+media_io, which carries its own status); ``error_response`` renders both as
+``{"error": {"type", "message", "param"}}`` with the right status. Internal invariants use
+``assert`` and surface as 500s, never as a client's fault.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from media_io.errors import MediaError
+
+
+class APIError(Exception):
+    """A request-level error with an HTTP status, an error type and the parameter it concerns."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def unprocessable(message: str, param: str | None = None) -> APIError:
+    """Schema errors: the body parsed but does not have the shape the route needs (422)."""
+    return APIError(422, message, type="invalid_request_error", param=param)
+
+
+def overloaded(message: str, retry_after_s: float = 1.0) -> APIError:
+    return APIError(503, message, type="overloaded", retry_after_s=retry_after_s)
+
+
+def error_body(status: int, type_: str, message: str, param: str | None) -> dict[str, Any]:
+    return {"error": {"type": type_, "message": message, "param": param, "code": status}}
+
+
+def error_response(exc: Exception) -> JSONResponse:
+    """Map an exception raised while serving a request to a JSON error response."""
+    if isinstance(exc, APIError):
+        headers = {}
+        if exc.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+        return JSONResponse(
+            error_body(exc.status, exc.type, exc.message, exc.param), status_code=exc.status, headers=headers
+        )
+    if isinstance(exc, MediaError):
+        return JSONResponse(error_body(exc.status, exc.kind, exc.message, exc.item), status_code=exc.status)
+    return JSONResponse(
+        error_body(500, "internal_error", f"internal error: {type(exc).__name__}", None), status_code=500
+    )
