@@ -1,0 +1,89 @@
+import base64
+
+import pytest
+
+from epd.errors import APIError
+from epd.media_request import chat_prompt, json_items_sources, upload_source
+
+
+def test_json_items_url_data_and_data_uri() -> None:
+    raw = b"\x89PNG fake"
+    body = {
+        "items": [
+            {"url": "https://example.com/a.jpg"},
+            {"data": base64.b64encode(raw).decode()},
+            {"data": "data:image/png;base64," + base64.b64encode(raw).decode(), "modality": "image"},
+        ]
+    }
+    a, b, c = json_items_sources(body, max_items=8)
+    assert a.url == "https://example.com/a.jpg" and a.data is None
+    assert b.data == raw and b.name == "items[1]"
+    assert c.url is not None and c.url.startswith("data:") and c.modality_hint == "image"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"nope": []}, 422, "items"),
+        ({"items": []}, 422, "items"),
+        ({"items": [{"url": "x", "data": "eA=="}]}, 422, "items[0]"),
+        ({"items": [{"data": "%%%"}]}, 400, "items[0].data"),
+        ({"items": [{"url": 5}]}, 422, "items[0].url"),
+        ({"items": [{"url": "u", "modality": "audio"}]}, 422, "items[0].modality"),
+        ({"items": [{"url": "u"}] * 10_000}, 413, "items"),
+    ],
+)
+def test_json_items_errors_name_the_parameter(body: object, status: int, param: str) -> None:
+    with pytest.raises(APIError) as info:
+        json_items_sources(body, max_items=64)
+    assert info.value.status == status
+    assert info.value.param == param
+
+
+def test_upload_content_types() -> None:
+    assert upload_source("a.jpg", "image/jpeg", b"x", 0).modality_hint == "image"
+    assert upload_source("a.mp4", "video/mp4", b"x", 0).modality_hint == "video"
+    assert upload_source("a.bin", "application/octet-stream", b"x", 0).modality_hint is None
+    with pytest.raises(APIError) as info:
+        upload_source("page.html", "text/html; charset=utf-8", b"<html>", 0)
+    assert info.value.status == 415 and info.value.param == "page.html"
+    with pytest.raises(APIError) as info:
+        upload_source("empty.jpg", "image/jpeg", b"", 0)
+    assert info.value.status == 400
+
+
+def test_chat_prompt_collects_media_in_order() -> None:
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "compare"},
+                {"type": "image_url", "image_url": {"url": "https://h/a.png"}},
+                {"type": "video_url", "video_url": {"url": "https://h/b.mp4"}},
+            ],
+        },
+    ]
+    prompt = chat_prompt(messages, max_items=4)
+    assert [m.url for m in prompt.media] == ["https://h/a.png", "https://h/b.mp4"]
+    assert [m.modality_hint for m in prompt.media] == ["image", "video"]
+    assert prompt.messages[1]["content"][1] == {"type": "image", "index": 0}
+    assert prompt.messages[1]["content"][2] == {"type": "video", "index": 1}
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([], "messages"),
+        ([{"role": "wizard", "content": "x"}], "messages[0].role"),
+        ([{"role": "user", "content": [{"type": "audio"}]}], "messages[0].content[0].type"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            "messages[0].content[0].image_url.url",
+        ),
+    ],
+)
+def test_chat_prompt_schema_errors(messages: object, param: str) -> None:
+    with pytest.raises(APIError) as info:
+        chat_prompt(messages, max_items=4)
+    assert info.value.status == 422 and info.value.param == param
