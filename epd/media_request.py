@@ -122,7 +122,7 @@ class ChatPrompt:
     media: list[MediaSource]
 
 
-_ROLES = ("system", "user", "assistant", "tool", "developer")
+_ROLES = ("system", "user", "assistant", "tool")
 
 
 def chat_prompt(messages: Any, max_items: int) -> ChatPrompt:

@@ -23,6 +23,9 @@ class IngressMetrics:
         self.stage_seconds = Histogram(
             "epd_stage_seconds", "Per-item stage latency", ["stage"], buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.request_seconds = Histogram(
+            "epd_request_seconds", "Request latency by route", ["route"], buckets=_LATENCY_BUCKETS, registry=r
+        )
         self.cache_hits = Counter(
             "epd_embed_cache_hits", "Embedding cache hits seen by the ingress", registry=r
         )

@@ -1,0 +1,32 @@
+"""Frozen configuration of the ingress role. The encoder worker and the LLM engine own their
+configs (``encoder.worker.WorkerConfig``, ``llm_core.server.LLMServerConfig``); ``epd serve``
+composes all three in ``epd.serve_cmd``, the one place the CLI maps onto fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from media_io.config import FetchConfig, MediaLimits, PreprocessConfig
+
+
+@dataclass(frozen=True)
+class IngressConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    encoder_urls: tuple[str, ...] = ()
+    encoder_weights: tuple[int, ...] = ()  # capacity weight per encoder url (default 1 each)
+    llm_url: str | None = None
+    llm_model_dir: str | None = None  # for the tokenizer and chat template; None = embedded default
+    model_name: str = "epd-default"
+    # Admission limits: refused with 413 / 503 at the edge, never queued without bound.
+    max_body_bytes: int = 256 * 1024 * 1024
+    max_items: int = 64
+    max_inflight_items: int = 256
+    max_inflight_chats: int = 128
+    request_timeout_s: float = 600.0
+    health_interval_s: float = 1.0
+    cache_namespace: str = "default"
+    cache_capacity_bytes: int = 1 << 30
+    fetch: FetchConfig = field(default_factory=FetchConfig)
+    limits: MediaLimits = field(default_factory=MediaLimits)
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)

@@ -1,0 +1,84 @@
+"""HTTP client the ingress uses to talk to encoder workers (local ports or remote hosts).
+
+A 4xx from a worker is the item's fault (bad media) and is raised as ``APIError`` carrying the
+worker's status and message; connection errors and 5xx raise ``EncoderUnavailable`` so that the
+router tries the next worker of the ring.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+from safetensors.torch import load as load_safetensors
+
+from encoder.embedding_ref import EmbeddingRef
+from epd.errors import APIError
+
+
+class EncoderUnavailable(RuntimeError):
+    """The worker could not be reached or failed internally; try another one."""
+
+
+class EncodeReply:
+    """What a worker answered for one item."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.ref = EmbeddingRef.from_json(body["ref"])
+        self.cache_hit = bool(body.get("cache_hit", False))
+        self.timings_ms: dict[str, float] = {k: float(v) for k, v in body.get("timings_ms", {}).items()}
+
+
+class EncoderClient:
+    def __init__(self, session: aiohttp.ClientSession, timeout_s: float = 600.0) -> None:
+        self.session = session
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def encode(self, worker_url: str, data: bytes, modality: str, item: str) -> EncodeReply:
+        params = {"modality": modality, "item": item}
+        try:
+            async with self.session.post(
+                f"{worker_url}/encode", data=data, params=params, timeout=self.timeout
+            ) as resp:
+                body = await _json_or_none(resp)
+                if resp.status == 200 and body is not None:
+                    return EncodeReply(body)
+                if 400 <= resp.status < 500 and resp.status != 429:
+                    err = (body or {}).get("error", {})
+                    raise APIError(
+                        resp.status,
+                        str(err.get("message", f"encoder refused the item ({resp.status})")),
+                        type=str(err.get("type", "bad_media")),
+                        param=item,
+                    )
+                raise EncoderUnavailable(f"{worker_url} answered {resp.status}")
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise EncoderUnavailable(f"{worker_url}: {type(exc).__name__}: {exc}") from exc
+
+    async def health(self, worker_url: str, timeout_s: float = 2.0) -> dict[str, Any] | None:
+        try:
+            async with self.session.get(
+                f"{worker_url}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                return await _json_or_none(resp) if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return None
+
+    async def fetch_embedding(self, ref_url: str) -> Any:
+        """Download a remote embedding (safetensors body, tensor 'embedding') -> torch.Tensor."""
+        try:
+            async with self.session.get(ref_url, timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    raise EncoderUnavailable(f"{ref_url} answered {resp.status}")
+                payload = await resp.read()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise EncoderUnavailable(f"{ref_url}: {exc}") from exc
+        return load_safetensors(payload)["embedding"]
+
+
+async def _json_or_none(resp: aiohttp.ClientResponse) -> dict[str, Any] | None:
+    try:
+        body = await resp.json(content_type=None)
+    except (ValueError, aiohttp.ContentTypeError):
+        return None
+    return body if isinstance(body, dict) else None

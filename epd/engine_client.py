@@ -1,0 +1,101 @@
+"""HTTP client the ingress uses to talk to the LLM engine's OpenAI-compatible ``/v1/completions``.
+
+The engine's own errors (4xx) pass through with their message; an unreachable or crashed engine
+becomes a 503 with Retry-After so that clients retry once the supervisor has restarted it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import aiohttp
+
+from epd.errors import APIError
+
+
+def engine_unavailable(detail: str) -> APIError:
+    return APIError(
+        503, f"the LLM engine is unavailable: {detail}", type="engine_unavailable", retry_after_s=2.0
+    )
+
+
+class EngineClient:
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, timeout_s: float = 600.0) -> None:
+        self.session = session
+        self.base_url = base_url.rstrip("/")
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Non-streaming completion -> the engine's JSON body."""
+        try:
+            async with self.session.post(
+                f"{self.base_url}/v1/completions", json={**body, "stream": False}, timeout=self.timeout
+            ) as resp:
+                payload = await _read_json(resp)
+                _raise_for_engine_status(resp, payload)
+                return payload
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise engine_unavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    async def stream(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        """Streaming completion: yields each SSE ``data:`` JSON chunk until ``[DONE]``.
+
+        Closing the generator (client went away) closes the engine connection, which aborts the
+        request in the engine.
+        """
+        try:
+            async with self.session.post(
+                f"{self.base_url}/v1/completions", json={**body, "stream": True}, timeout=self.timeout
+            ) as resp:
+                if resp.status != 200:
+                    _raise_for_engine_status(resp, await _read_json(resp))
+                async for raw in resp.content:
+                    line = raw.decode("utf-8", "replace").strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:") :].strip()
+                    if data == "[DONE]":
+                        return
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        err = chunk["error"]
+                        raise APIError(
+                            int(err.get("code", 500)), str(err.get("message")), type=str(err.get("type"))
+                        )
+                    yield chunk
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise engine_unavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    async def health(self, timeout_s: float = 2.0) -> dict[str, Any] | None:
+        try:
+            async with self.session.get(
+                f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                return await _read_json(resp) if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return None
+
+
+async def _read_json(resp: aiohttp.ClientResponse) -> dict[str, Any]:
+    try:
+        body = await resp.json(content_type=None)
+    except (ValueError, aiohttp.ContentTypeError):
+        body = None
+    return body if isinstance(body, dict) else {}
+
+
+def _raise_for_engine_status(resp: aiohttp.ClientResponse, payload: dict[str, Any]) -> None:
+    if resp.status == 200:
+        return
+    err = payload.get("error", {}) if isinstance(payload.get("error"), dict) else {}
+    message = str(err.get("message", f"engine answered {resp.status}"))
+    if resp.status in (429, 503):
+        retry = float(resp.headers.get("Retry-After", "1"))
+        raise APIError(resp.status, message, type=str(err.get("type", "overloaded")), retry_after_s=retry)
+    if 400 <= resp.status < 500:
+        raise APIError(
+            resp.status, message, type=str(err.get("type", "invalid_request_error")), param=err.get("param")
+        )
+    raise engine_unavailable(message)

@@ -1,0 +1,141 @@
+"""The ingress's long-lived state: one aiohttp session, the fetcher, the node cache, the router,
+the media pipeline, the tokenizer and the engine client, plus the health loop that keeps the
+router's view of the encoders and the metrics' view of the node current."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import aiohttp
+
+from encoder.embed_cache import EmbedCache
+from encoder.router import EncoderRouter, WorkerSpec
+from epd.config import IngressConfig
+from epd.encoder_client import EncoderClient
+from epd.engine_client import EngineClient
+from epd.errors import APIError
+from epd.media_pipeline import MediaPipeline
+from epd.metrics import IngressMetrics
+from llm_core.tokenizer import Tokenizer, load_tokenizer
+from media_io.fetch import Fetcher
+
+log = logging.getLogger("epd.ingress")
+
+
+class Ingress:
+    def __init__(self, config: IngressConfig) -> None:
+        if not config.encoder_urls:
+            raise ValueError("the ingress needs at least one encoder url")
+        self.config = config
+        self.metrics = IngressMetrics()
+        self.encoders_up: dict[str, bool] = {url: False for url in config.encoder_urls}
+        self.engine_up = False
+        self.fingerprint = ""
+        self._session: aiohttp.ClientSession | None = None
+        self._fetcher: Fetcher | None = None
+        self._pipeline: MediaPipeline | None = None
+        self._engine: EngineClient | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self.cache = EmbedCache(namespace=config.cache_namespace, capacity_bytes=config.cache_capacity_bytes)
+        weights = config.encoder_weights or (1,) * len(config.encoder_urls)
+        self.router = EncoderRouter(
+            [WorkerSpec(u, w) for u, w in zip(config.encoder_urls, weights, strict=True)]
+        )
+        self.tokenizer: Tokenizer = load_tokenizer(config.llm_model_dir)
+        self.chats_inflight = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.encoder_client = EncoderClient(self._session, timeout_s=self.config.request_timeout_s)
+        self._fetcher = Fetcher(self.config.fetch)
+        await self._fetcher.__aenter__()
+        if self.config.llm_url:
+            self._engine = EngineClient(
+                self._session, self.config.llm_url, timeout_s=self.config.request_timeout_s
+            )
+        self.fingerprint = await self._encoder_fingerprint()
+        self._pipeline = MediaPipeline(
+            fetcher=self._fetcher,
+            router=self.router,
+            cache=self.cache,
+            client=self.encoder_client,
+            preprocess=self.config.preprocess,
+            fingerprint=self.fingerprint,
+            metrics=self.metrics,
+            max_inflight=self.config.max_inflight_items,
+        )
+        await self.poll_health()
+        self._health_task = asyncio.create_task(self._health_loop(), name="epd-ingress-health")
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self._fetcher is not None:
+            await self._fetcher.__aexit__(None, None, None)
+        if self._session is not None:
+            await self._session.close()
+        self.cache.close()
+
+    @property
+    def pipeline(self) -> MediaPipeline:
+        assert self._pipeline is not None, "Ingress.start() has not run"
+        return self._pipeline
+
+    @property
+    def engine(self) -> EngineClient:
+        if self._engine is None:
+            raise APIError(404, "this ingress has no LLM engine configured", type="not_found")
+        return self._engine
+
+    async def _encoder_fingerprint(self) -> str:
+        """All encoders must serve the same checkpoint: its fingerprint is part of every MediaKey."""
+        deadline = asyncio.get_running_loop().time() + 60.0
+        while True:
+            healths = await asyncio.gather(*(self.encoder_client.health(u) for u in self.config.encoder_urls))
+            prints = {h.get("fingerprint") for h in healths if h}
+            if len(prints) > 1:
+                raise RuntimeError(f"encoder workers serve different checkpoints: {sorted(map(str, prints))}")
+            if prints:
+                return str(prints.pop())
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(f"no encoder answered /health: {list(self.config.encoder_urls)}")
+            await asyncio.sleep(0.2)
+
+    # -- health ----------------------------------------------------------------------------------
+    async def poll_health(self) -> None:
+        urls = list(self.config.encoder_urls)
+        healths = await asyncio.gather(*(self.encoder_client.health(u) for u in urls))
+        for url, health in zip(urls, healths, strict=True):
+            self._set_encoder_state(url, health)
+        self.metrics.encoders_up.set(sum(self.encoders_up.values()))
+        if self._engine is not None:
+            health = await self._engine.health()
+            self.engine_up = health is not None
+            if health:
+                for pool, usage in (health.get("kv_usage") or {}).items():
+                    self.metrics.kv_usage.labels(pool=pool).set(float(usage))
+                self.metrics.llm_waiting.set(float(health.get("waiting", 0)))
+
+    def _set_encoder_state(self, url: str, health: dict[str, Any] | None) -> None:
+        up = health is not None and health.get("fingerprint") == self.fingerprint
+        if up != self.encoders_up[url]:
+            log.info("encoder %s is %s", url, "up" if up else "down")
+            (self.router.mark_up if up else self.router.mark_down)(url)
+        self.encoders_up[url] = up
+        if health:
+            self.metrics.encoder_queue_depth.labels(worker=url).set(float(health.get("queue_depth", 0)))
+            self.metrics.encoder_batch_size.labels(worker=url).set(float(health.get("last_batch_items", 0)))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            try:
+                await self.poll_health()
+            except Exception:  # the loop must outlive any one bad poll
+                log.exception("health poll failed")

@@ -1,0 +1,115 @@
+"""The ingress HTTP app: routes, error mapping, request metrics and lifecycle."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib import resources
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from epd import chat_api, encode_api
+from epd.body_limit import BodyLimitMiddleware
+from epd.config import IngressConfig
+from epd.errors import APIError, error_body, error_response
+from epd.ingress import Ingress
+from media_io.errors import MediaError
+
+Handler = Callable[[Ingress, Request], Awaitable[Response]]
+
+
+def build_app(config: IngressConfig) -> Starlette:
+    ingress = Ingress(config)
+
+    def bind(handler: Handler, route: str) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            t0 = time.perf_counter()
+            ingress.metrics.inflight.inc()
+            status = 500
+            try:
+                response = await handler(ingress, request)
+                status = response.status_code
+                return response
+            except (APIError, MediaError) as exc:
+                status = exc.status
+                raise
+            finally:
+                ingress.metrics.inflight.dec()
+                ingress.metrics.requests.labels(route=route, status=str(status)).inc()
+                ingress.metrics.request_seconds.labels(route=route).observe(time.perf_counter() - t0)
+
+        return endpoint
+
+    async def health(_: Ingress, __: Request) -> Response:
+        # Answers from memory only, so it stays fast under full load.
+        return JSONResponse({"status": "ok"})
+
+    async def ready(ing: Ingress, _: Request) -> Response:
+        up = sum(ing.encoders_up.values())
+        engine_ok = ing.engine_up or not ing.config.llm_url
+        body = {"encoders_up": up, "encoders": len(ing.encoders_up), "engine_up": ing.engine_up}
+        return JSONResponse(
+            {"ready": bool(up and engine_ok), **body}, status_code=200 if up and engine_ok else 503
+        )
+
+    async def metrics(ing: Ingress, _: Request) -> Response:
+        return Response(ing.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def models(ing: Ingress, _: Request) -> Response:
+        model = {"id": ing.config.model_name, "object": "model", "created": 0, "owned_by": "epd"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def index(_: Ingress, __: Request) -> Response:
+        page = resources.files("epd").joinpath("static/index.html").read_text(encoding="utf-8")
+        return HTMLResponse(page)
+
+    routes = [
+        Route("/", bind(index, "/"), methods=["GET"]),
+        Route("/health", bind(health, "/health"), methods=["GET"]),
+        Route("/ready", bind(ready, "/ready"), methods=["GET"]),
+        Route("/metrics", bind(metrics, "/metrics"), methods=["GET"]),
+        Route("/v1/models", bind(models, "/v1/models"), methods=["GET"]),
+        Route("/v1/encode", bind(encode_api.encode, "/v1/encode"), methods=["POST"]),
+        Route("/v1/embeddings/{key}", bind(encode_api.embedding, "/v1/embeddings"), methods=["GET"]),
+        Route(
+            "/v1/chat/completions", bind(chat_api.chat_completions, "/v1/chat/completions"), methods=["POST"]
+        ),
+        Route("/v1/completions", bind(chat_api.completions, "/v1/completions"), methods=["POST"]),
+    ]
+
+    async def on_error(_: Request, exc: Exception) -> Response:
+        return error_response(exc)
+
+    async def on_http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return JSONResponse(
+            error_body(exc.status_code, "http_error", str(exc.detail), None), status_code=exc.status_code
+        )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await ingress.start()
+        try:
+            yield
+        finally:
+            await ingress.stop()
+
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)],
+        exception_handlers={
+            APIError: on_error,
+            MediaError: on_error,
+            HTTPException: on_http_error,
+            Exception: on_error,
+        },
+        lifespan=lifespan,
+    )
+    app.state.ingress = ingress
+    return app
