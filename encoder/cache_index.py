@@ -1,0 +1,201 @@
+"""The node cache's shared index: counters plus one fixed record per entry, in one mmap'ed file.
+
+::
+
+    index file
+    [0, 4096)                    header: magic, version, nslots, then u64 counters (COUNTERS)
+    [4096 + 128*i, +128)         record i: used, size, created_ns, last_access_ns, hits, key
+
+Entry files are the truth about what is cached; the index is the bookkeeping that makes LRU
+eviction and statistics O(1) syscalls: a victim is the used record with the smallest
+``last_access_ns`` (a numpy scan of the records, no directory walk), and ``get`` bumps
+``last_access_ns``/``hits`` of the slot written in the entry's header.
+
+Every write happens under the cache's FileLock, so counters never lose increments. Readers
+(stats, entries, the inspector) read without the lock: a value may be one update stale, never
+torn in a way that matters (each field is one aligned 8-byte store).
+
+Crash safety comes from ordering, not from transactions: a record is added *before* its file
+gets its final name and removed *after* the file is unlinked. A crash in between leaves a
+record without a file, which only over-counts ``used_bytes`` (so the budget still holds) until
+the next ``EmbedCache.sweep`` rebuilds the index from the directory.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+MAGIC = b"EPDINDEX"
+VERSION = 1
+HEADER_BYTES = 4096
+KEY_BYTES = 88
+RECORD = np.dtype(
+    [
+        ("used", "<u4"),
+        ("reserved", "<u4"),
+        ("size", "<u8"),
+        ("created_ns", "<u8"),
+        ("last_access_ns", "<u8"),
+        ("hits", "<u8"),
+        ("key", f"S{KEY_BYTES}"),
+    ]
+)
+assert RECORD.itemsize == 128
+COUNTERS: tuple[str, ...] = (
+    "capacity_bytes",
+    "used_bytes",
+    "hits",
+    "misses",
+    "inserts",
+    "evictions",
+    "evicted_bytes",
+    "removals",
+    "sweeps",
+)
+_COUNTER_OFFSET = 64  # magic(8) version(4) nslots(4), then padding to 64
+
+
+class Record(NamedTuple):
+    slot: int
+    key: str
+    size: int
+    created_ns: int
+    last_access_ns: int
+    hits: int
+
+
+class SharedIndex:
+    """The mmap'ed index file. Mutating methods must be called with the cache lock held."""
+
+    def __init__(self, path: Path, nslots: int, read_only: bool = False) -> None:
+        """Open ``path``; when missing or of another version (and not ``read_only``) it is
+        (re)created empty with ``nslots`` records. Call with the cache lock held unless read-only."""
+        self.path = path
+        self.read_only = read_only
+        if not read_only and not self._valid_file(path):
+            self._create(path, nslots)
+        fd = os.open(path, os.O_RDONLY if read_only else os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ if read_only else mmap.ACCESS_WRITE)
+        finally:
+            os.close(fd)
+        head = np.frombuffer(self._mm, dtype="<u4", count=4, offset=8)
+        self.nslots = int(head[1])
+        assert bytes(self._mm[:8]) == MAGIC and int(head[0]) == VERSION, f"{path} is not an index"
+        assert size == HEADER_BYTES + self.nslots * RECORD.itemsize, f"{path} has the wrong size"
+        self._counters = np.frombuffer(self._mm, dtype="<u8", count=len(COUNTERS), offset=_COUNTER_OFFSET)
+        self.rec = np.frombuffer(self._mm, dtype=RECORD, count=self.nslots, offset=HEADER_BYTES)
+
+    @staticmethod
+    def _valid_file(path: Path) -> bool:
+        try:
+            with open(path, "rb") as f:
+                head = f.read(16)
+                size = os.fstat(f.fileno()).st_size
+        except FileNotFoundError:
+            return False
+        if len(head) < 16 or head[:8] != MAGIC:
+            return False
+        version, nslots = np.frombuffer(head, dtype="<u4", count=2, offset=8)
+        return int(version) == VERSION and size == HEADER_BYTES + int(nslots) * RECORD.itemsize
+
+    @staticmethod
+    def _create(path: Path, nslots: int) -> None:
+        # Build the file under a private name and rename it: a reader never maps a half-built index.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+        header = bytearray(HEADER_BYTES)
+        header[:8] = MAGIC
+        header[8:16] = np.array([VERSION, nslots], dtype="<u4").tobytes()
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.truncate(HEADER_BYTES + nslots * RECORD.itemsize)
+        os.replace(tmp, path)
+
+    # counters -----------------------------------------------------------------------------
+    def counter(self, name: str) -> int:
+        return int(self._counters[COUNTERS.index(name)])
+
+    def add(self, name: str, delta: int = 1) -> None:
+        i = COUNTERS.index(name)
+        self._counters[i] = max(0, int(self._counters[i]) + delta)
+
+    def set(self, name: str, value: int) -> None:
+        self._counters[COUNTERS.index(name)] = value
+
+    # records ------------------------------------------------------------------------------
+    def used_count(self) -> int:
+        return int(np.count_nonzero(self.rec["used"]))
+
+    def find(self, key: str) -> int | None:
+        """The slot of ``key``, or None (a vectorized scan; use the slot in the entry header
+        when you have it)."""
+        hit = np.flatnonzero((self.rec["used"] == 1) & (self.rec["key"] == key.encode("ascii")))
+        return int(hit[0]) if len(hit) else None
+
+    def has_free_slot(self) -> bool:
+        return bool((self.rec["used"] == 0).any())
+
+    def insert(self, key: str, size: int, created_ns: int, last_access_ns: int, hits: int = 0) -> int:
+        """Add a record and count its bytes; the caller made sure a slot is free."""
+        free = np.flatnonzero(self.rec["used"] == 0)
+        assert len(free), "insert into a full index: evict first"
+        slot = int(free[0])
+        r = self.rec[slot]
+        r["size"], r["created_ns"], r["last_access_ns"], r["hits"] = size, created_ns, last_access_ns, hits
+        r["key"] = key.encode("ascii")
+        r["used"] = 1  # last: a lock-free reader never sees a used record with a stale key
+        self.add("used_bytes", size)
+        return slot
+
+    def remove(self, slot: int) -> None:
+        r = self.rec[slot]
+        if r["used"]:
+            r["used"] = 0
+            self.add("used_bytes", -int(r["size"]))
+
+    def touch(self, slot: int, key: str, now_ns: int) -> bool:
+        """Record one read of ``key`` at ``slot``; False when the slot holds another key."""
+        if not 0 <= slot < self.nslots:
+            return False
+        r = self.rec[slot]
+        if not r["used"] or r["key"] != key.encode("ascii"):
+            return False
+        r["last_access_ns"] = max(int(r["last_access_ns"]), now_ns)
+        r["hits"] = int(r["hits"]) + 1
+        return True
+
+    def oldest(self) -> Record | None:
+        """The least recently used record (the eviction victim), or None when empty."""
+        used = np.flatnonzero(self.rec["used"] == 1)
+        if not len(used):
+            return None
+        return self.record(int(used[np.argmin(self.rec["last_access_ns"][used])]))
+
+    def record(self, slot: int) -> Record:
+        r = self.rec[slot]
+        return Record(
+            slot=slot,
+            key=bytes(r["key"]).decode("ascii"),
+            size=int(r["size"]),
+            created_ns=int(r["created_ns"]),
+            last_access_ns=int(r["last_access_ns"]),
+            hits=int(r["hits"]),
+        )
+
+    def records(self) -> list[Record]:
+        return [self.record(int(s)) for s in np.flatnonzero(self.rec["used"] == 1)]
+
+    def clear_records(self) -> None:
+        self.rec["used"] = 0
+        self.set("used_bytes", 0)
+
+    def close(self) -> None:
+        # numpy views hold buffer exports on the mmap; drop them before closing it.
+        del self.rec, self._counters
+        self._mm.close()
