@@ -50,18 +50,34 @@ def test_fetch_then_decode_round_trip(server: MediaServer) -> None:
     assert decode_image(data).size == (64, 48)
 
 
-def test_fetch_many_is_concurrent(server: MediaServer) -> None:
-    urls = [server.url(f"/m/slow{i}.bin") for i in range(8)]  # each answers after 200 ms
-
+def _timed_fetch_many(cfg: FetchConfig, urls: list[str]) -> tuple[list[bytes | MediaError], float]:
     async def run() -> tuple[list[bytes | MediaError], float]:
-        async with Fetcher(LOCAL) as f:
+        async with Fetcher(cfg) as f:
             t0 = time.perf_counter()
             out = await f.fetch_many(urls)
             return out, time.perf_counter() - t0
 
-    results, elapsed = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_fetch_many_is_concurrent(server: MediaServer) -> None:
+    urls = [server.url(f"/m/slow{i}.bin") for i in range(8)]  # each answers after 200 ms
+    results, elapsed = _timed_fetch_many(LOCAL, urls)
     assert results == [bytes([i]) * 1000 for i in range(8)]
     assert elapsed < 0.5 * len(urls) * 0.2, f"{elapsed:.2f}s for 8 x 200 ms: not concurrent"
+
+
+def test_server_latency_and_per_host_limit(server: MediaServer) -> None:
+    # 8 URLs, 200 ms of server latency each, at most 2 connections to the host: 4 waves.
+    urls = [server.url("/m/img.png")] * 8
+    cfg = FetchConfig(allow_cidrs=LOCAL.allow_cidrs, limit_per_host=2)
+    server.latency_s = 0.2
+    try:
+        results, elapsed = _timed_fetch_many(cfg, urls)
+    finally:
+        server.latency_s = 0.0
+    assert results == [PNG] * 8
+    assert 0.75 < elapsed < 3.0, f"{elapsed:.2f}s; expected ~0.8 s (4 waves of 200 ms)"
 
 
 def test_fetch_many_isolates_failures(server: MediaServer) -> None:
