@@ -19,6 +19,8 @@ Routes (all GET):
                               otherwise the body is chunked (the size is only known by counting)
     /trickle?bytes=N[&chunk=K][&interval=S]
                               N bytes sent K at a time, S seconds apart (a slow server)
+    /gzip?bytes=N             N zero bytes sent gzip-compressed (``Content-Encoding: gzip``): a
+                              Content-Length of a few kB for a body that inflates to N bytes
     /html                     an HTML page served as ``image/jpeg`` (a misconfigured origin)
 
 ``latency_s`` (settable at any time) delays every response before its headers; ``hits`` counts
@@ -28,6 +30,7 @@ requests per path.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -136,6 +139,7 @@ class MediaServer:
         app.router.add_get("/status/{code}", self._status)
         app.router.add_get("/stream", self._stream)
         app.router.add_get("/trickle", self._trickle)
+        app.router.add_get("/gzip", self._gzip)
         app.router.add_get("/html", self._html)
         # A short shutdown timeout: stop() must not wait for a trickling response to finish.
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
@@ -218,6 +222,11 @@ class MediaServer:
         except ConnectionError:
             pass  # the client gave up (timeout): expected
         return resp
+
+    async def _gzip(self, request: web.Request) -> web.StreamResponse:
+        n = int(request.query["bytes"])
+        body = gzip.compress(bytes(n), compresslevel=9, mtime=0)
+        return web.Response(body=body, headers={"Content-Encoding": "gzip"})
 
     async def _html(self, request: web.Request) -> web.StreamResponse:
         return web.Response(body=HTML_PAGE, content_type="image/jpeg")

@@ -14,7 +14,15 @@ from urllib.parse import quote
 import pytest
 
 from media_io.config import FetchConfig
-from media_io.errors import BadMedia, FetchFailed, FetchRefused, FetchTimeout, MediaError, MediaTooLarge
+from media_io.errors import (
+    BadMedia,
+    FetchFailed,
+    FetchRefused,
+    FetchTimeout,
+    MediaError,
+    MediaTooLarge,
+    UnsupportedMedia,
+)
 from media_io.fetch import Fetcher, _open_beneath, decode_data_url
 from media_io.image import decode_image
 from tests.media_io.bad_media import small_image
@@ -109,6 +117,19 @@ def test_byte_cap(server: MediaServer, with_length: bool) -> None:
     assert err.value.status == 413
     # With a Content-Length the refusal happens before the body is read.
     assert ("Content-Length" in err.value.message) == with_length
+
+
+def test_byte_cap_counts_decompressed_bytes(server: MediaServer) -> None:
+    cfg = FetchConfig(allow_cidrs=LOCAL.allow_cidrs, max_bytes=100_000)
+    assert fetch(server.url("/gzip?bytes=100000"), cfg) == bytes(100_000)
+    with pytest.raises(MediaTooLarge, match="body exceeds"):  # ~10 kB on the wire, 10 MB inflated
+        fetch(server.url("/gzip?bytes=10000000"), cfg)
+
+
+def test_html_served_as_image_is_refused_by_decode(server: MediaServer) -> None:
+    data = fetch(server.url("/html"))  # Content-Type says image/jpeg; the bytes say otherwise
+    with pytest.raises(UnsupportedMedia, match="HTML"):
+        decode_image(data, item="html")
 
 
 def test_slow_server_times_out_with_504(server: MediaServer) -> None:
