@@ -141,6 +141,26 @@ def test_slow_server_times_out_with_504(server: MediaServer) -> None:
     assert time.perf_counter() - t0 < 3.0
 
 
+def test_connect_timeout_is_504() -> None:
+    # A listener whose accept queue is full: the kernel drops further SYNs, so connect() hangs.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        fillers = [socket.socket() for _ in range(3)]
+        for s in fillers:
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+        try:
+            cfg = FetchConfig(allow_cidrs=LOCAL.allow_cidrs, connect_timeout_s=0.3, total_timeout_s=10.0)
+            with pytest.raises(FetchTimeout, match=r"could not connect within 0\.3s") as err:
+                fetch(f"http://127.0.0.1:{port}/x", cfg)
+            assert err.value.status == 504
+        finally:
+            for s in fillers:
+                s.close()
+
+
 def test_added_latency_counts_against_the_deadline(server: MediaServer) -> None:
     cfg = FetchConfig(allow_cidrs=LOCAL.allow_cidrs, total_timeout_s=0.1)
     with pytest.raises(FetchTimeout):
