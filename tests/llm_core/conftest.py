@@ -23,6 +23,10 @@ from typing import Any
 import pytest
 import torch
 
+# Tiny matmuls gain nothing from intra-op threads, and on a loaded machine the thread hand-off costs
+# ~100x the work itself; one thread keeps these tests fast and their timing stable.
+torch.set_num_threads(1)
+
 TINY_MIMO_CONFIG: dict[str, Any] = {
     "vocab_size": 512,
     "hidden_size": 64,

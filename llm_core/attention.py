@@ -1,0 +1,147 @@
+"""Paged attention over the KV pools: causal, optional sliding window, optional learned sinks,
+GQA, and a value head dim that differs from the q/k head dim.
+
+Semantics (identical in every backend):
+
+    score(q at pos p, key at pos j) = (q . k_j) * scale       for max(0, p - W + 1) <= j <= p
+    probs = softmax([scores..., sink_h])[:-1]                  the sink is a per-head logit with no
+    out   = probs @ V                                          value: it only absorbs probability mass
+
+``W`` (``window``) counts the query itself; None means full causal attention. Query head h reads KV
+head ``h // (H // Hkv)``.
+
+Backends: :func:`paged_attention_torch` (gathers each sequence's pages and runs a masked softmax in
+fp32; the CPU path and the reference) and the Triton kernels in ``triton_attention`` (prefill: varlen
+queries; decode: one query per sequence), chosen by :func:`paged_attention` when the tensors are on
+CUDA. Both return [T, H, Dv] in q's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def write_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
+    """Store new tokens' k [T, Hkv, D] and v [T, Hkv, Dv] at flat ``slots`` [T] of the paged pools
+    k_cache [N, page, Hkv, D] / v_cache [N, page, Hkv, Dv] (viewed as [N * page, Hkv, *])."""
+    assert slots.shape[0] == k.shape[0] == v.shape[0]
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [N*page, Hkv, D]
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])  # [N*page, Hkv, Dv]
+    k_flat.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_flat.index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def masked_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    scale: float,
+    window: int | None,
+    sinks: Tensor | None,
+) -> Tensor:
+    """Dense reference attention for one sequence.
+
+    q [n, H, D], k [m, Hkv, D], v [m, Hkv, Dv], q_pos [n], k_pos [m] (absolute positions; the mask is
+    built from them, so k may start anywhere). sinks [H] or None. Returns [n, H, Dv] in q's dtype.
+    Every query must see at least one key or a sink (true for causal self-attention).
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv = k.shape[1]
+    group = num_heads // num_kv
+    qf = q.float().view(n, num_kv, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
+    kf = k.float().permute(1, 2, 0)[:, None]  # [Hkv, 1, D, m]
+    vf = v.float().permute(1, 0, 2)[:, None]  # [Hkv, 1, m, Dv]
+    scores = torch.matmul(qf, kf) * scale  # [Hkv, G, n, m]
+    allowed = k_pos[None, :] <= q_pos[:, None]  # [n, m]
+    if window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink_col = sinks.float().view(num_kv, group, 1, 1).expand(num_kv, group, n, 1)
+        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, vf)  # [Hkv, G, n, Dv]
+    return out.permute(2, 0, 1, 3).reshape(n, num_heads, -1).to(q.dtype)
+
+
+def paged_attention_torch(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Tensor,
+    cu_seqlens_q: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    window: int | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """Torch paged attention: q [T, H, D] packed by ``cu_seqlens_q`` -> out [T, H, Dv].
+
+    For each sequence only the pages that hold keys some of its queries can see are read:
+
+        positions  kv_start (= first_q - W + 1, or 0)        first_q          seq_len
+                   |<------- keys read (whole pages) ------->|<-- queries -->|
+        pages      p0 = kv_start // page   ...   p1 - 1 = (seq_len - 1) // page
+
+    so SWA pages that left the window (-1 in the table) are never touched.
+    """
+    page_size = k_cache.shape[1]
+    num_heads = q.shape[1]
+    out = q.new_empty(q.shape[0], num_heads, v_cache.shape[-1])
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        lo, hi = cu[b], cu[b + 1]
+        if hi == lo:
+            continue
+        first_q = seq_len - (hi - lo)
+        kv_start = 0 if window is None else max(0, first_q - window + 1)
+        p0, p1 = kv_start // page_size, (seq_len - 1) // page_size + 1
+        phys = page_table[b, p0:p1].to(torch.int64)
+        assert bool((phys >= 0).all()), f"sequence {b}: a page in [{p0}, {p1}) is not resident"
+        # Slice to exactly [kv_start, seq_len): slots past seq_len hold stale data, never read.
+        a, z = kv_start - p0 * page_size, seq_len - p0 * page_size
+        k_b = k_cache[phys].flatten(0, 1)[a:z]  # [m, Hkv, D]
+        v_b = v_cache[phys].flatten(0, 1)[a:z]  # [m, Hkv, Dv]
+        k_pos = torch.arange(kv_start, seq_len, device=q.device)
+        q_pos = torch.arange(first_q, seq_len, device=q.device)
+        out[lo:hi] = masked_attention(q[lo:hi], k_b, v_b, q_pos, k_pos, scale, window, sinks)
+    return out
+
+
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Tensor,
+    cu_seqlens_q: Tensor,
+    seq_lens: Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    window: int | None = None,
+    sinks: Tensor | None = None,
+    backend: str | None = None,
+) -> Tensor:
+    """Attention of packed queries q [T, H, D] over paged KV -> [T, H, Dv].
+
+    ``backend``: "torch", "triton", or None (Triton on CUDA, torch otherwise). With Triton, a batch of
+    single-token queries (``max_seqlen_q == 1``) uses the decode kernel, anything else the prefill one.
+    """
+    if backend is None:
+        backend = "triton" if q.is_cuda else "torch"
+    if backend == "torch":
+        return paged_attention_torch(
+            q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens, scale, window, sinks
+        )
+    assert backend == "triton", backend
+    from llm_core import triton_attention
+
+    if max_seqlen_q == 1:
+        return triton_attention.paged_decode(q, k_cache, v_cache, page_table, seq_lens, scale, window, sinks)
+    return triton_attention.paged_prefill(
+        q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens, max_seqlen_q, scale, window, sinks
+    )

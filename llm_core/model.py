@@ -1,0 +1,188 @@
+"""MiMoForCausalLM: the MiMo-V2-Flash decoder (hybrid full/sliding-window attention, MoE) over a
+packed, paged batch.
+
+    tokens [T] -> embed -> L x (RMSNorm -> attention -> +res -> RMSNorm -> MLP/MoE -> +res)
+           -> RMSNorm -> hidden [T, hidden]            compute_logits(hidden rows) -> [B, vocab]
+
+Attention per layer type (see config.py):
+
+    full layers   Hkv = num_key_value_heads,      theta = rope_theta,     all previous keys,
+                  KV in the full pool (batch.full_slots / full_page_table)
+    SWA layers    Hkv = swa_num_key_value_heads,  theta = swa_rope_theta, keys p-W+1..p + sinks,
+                  KV in the SWA pool (batch.swa_slots / swa_page_table)
+
+Values are scaled by ``attention_value_scale`` before they are cached, so the cache holds exactly
+what attention reads. ``forward_dense`` is the plain unpaged reference (one sequence, no cache).
+Parameter names match transformers' in-memory module tree, so a converted state dict loads as is.
+The model knows nothing about scheduling, sampling or where KV pages come from.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from llm_core.attention import masked_attention, paged_attention, write_kv
+from llm_core.attention_batch import AttentionBatch, PagedKV
+from llm_core.config import MiMoConfig
+from llm_core.moe import DenseMLP, SparseMoE
+from llm_core.rope import PartialRotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MiMoAttention(nn.Module):
+    """One attention layer (full or sliding window, by ``config.layer_types[layer_idx]``)."""
+
+    def __init__(self, config: MiMoConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.is_swa = not config.is_full_layer(layer_idx)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_kv_heads(layer_idx)
+        self.head_dim = config.head_dim
+        self.v_head_dim = config.v_head_dim
+        self.window = config.window(layer_idx)
+        self.scale = config.head_dim**-0.5
+        self.v_scale = config.attention_value_scale
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.v_head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.has_sinks(layer_idx) else None
+        self.rotary = PartialRotary(config.rope_dim(layer_idx), config.rope_theta_of(layer_idx))
+
+    def _qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [T, hidden] -> q [T, H, D], k [T, Hkv, D] (rotated), v [T, Hkv, Dv] (value-scaled)."""
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.v_head_dim) * self.v_scale
+        q, k = self.rotary(q, k, positions)
+        return q, k, v
+
+    def forward(self, x: Tensor, positions: Tensor, batch: AttentionBatch, kv: PagedKV) -> Tensor:
+        """Paged: write this step's KV into the layer's pool, then attend. x [T, hidden] -> [T, hidden]."""
+        q, k, v = self._qkv(x, positions)
+        layer_kv = kv.layer(self.layer_idx)
+        assert layer_kv.is_swa == self.is_swa, f"layer {self.layer_idx}: KV pool type mismatch"
+        slots = batch.swa_slots if self.is_swa else batch.full_slots
+        table = batch.swa_page_table if self.is_swa else batch.full_page_table
+        write_kv(layer_kv.k, layer_kv.v, slots, k, v)
+        out = paged_attention(
+            q,
+            layer_kv.k,
+            layer_kv.v,
+            table,
+            batch.cu_seqlens_q,
+            batch.seq_lens,
+            batch.max_seqlen_q,
+            self.scale,
+            self.window,
+            self.sinks,
+        )  # [T, H, Dv]
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+    def forward_dense(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Reference: one sequence x [S, hidden] at ``positions`` [S], no cache -> [S, hidden]."""
+        q, k, v = self._qkv(x, positions)
+        out = masked_attention(q, k, v, positions, positions, self.scale, self.window, self.sinks)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class MiMoDecoderLayer(nn.Module):
+    def __init__(self, config: MiMoConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = MiMoAttention(config, layer_idx)
+        self.mlp: nn.Module
+        if config.is_moe_layer(layer_idx):
+            self.mlp = SparseMoE(config)
+        else:
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: Tensor, positions: Tensor, batch: AttentionBatch | None, kv: PagedKV | None
+    ) -> Tensor:
+        h = self.input_layernorm(x)
+        if batch is None:
+            h = self.self_attn.forward_dense(h, positions)
+        else:
+            assert kv is not None
+            h = self.self_attn(h, positions, batch, kv)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MiMoModel(nn.Module):
+    def __init__(self, config: MiMoConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(MiMoDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MiMoForCausalLM(nn.Module):
+    """MiMo-V2-Flash causal LM. Paged ``forward`` for serving, ``forward_dense`` as the reference."""
+
+    def __init__(self, config: MiMoConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = MiMoModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """input_ids [T] -> [T, hidden]; the runner overwrites placeholder rows with media embeddings."""
+        return self.model.embed_tokens(input_ids)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        batch: AttentionBatch,
+        kv: PagedKV,
+        input_embeds: Tensor | None = None,
+    ) -> Tensor:
+        """Packed paged step: input_ids [T], positions [T] -> final-normed hidden [T, hidden].
+
+        Writes every layer's KV for the T new tokens at batch.full_slots / batch.swa_slots before
+        attending, so a later step (or a later prefill chunk) reads them from the pools.
+        ``input_embeds`` [T, hidden], when given, replaces the token embedding lookup.
+        """
+        x = self.embed(input_ids) if input_embeds is None else input_embeds
+        assert x.shape[0] == positions.shape[0] == batch.num_tokens, "tokens, positions, slots disagree"
+        for layer in self.model.layers:
+            x = layer(x, positions, batch, kv)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [B, hidden] (e.g. the last new token of each sequence) -> logits [B, vocab] (fp32)."""
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    @torch.inference_mode()
+    def forward_dense(self, input_ids: Tensor, input_embeds: Tensor | None = None) -> Tensor:
+        """Reference path without paging: input_ids [1, S] -> logits [1, S, vocab] (fp32)."""
+        assert input_ids.dim() == 2 and input_ids.shape[0] == 1, "forward_dense takes one sequence [1, S]"
+        ids = input_ids[0]
+        x = self.embed(ids) if input_embeds is None else input_embeds.reshape(ids.shape[0], -1)
+        positions = torch.arange(ids.shape[0], device=ids.device)
+        for layer in self.model.layers:
+            x = layer(x, positions, None, None)
+        return self.compute_logits(self.model.norm(x))[None]

@@ -1,0 +1,126 @@
+"""Feed-forward blocks: the dense SwiGLU MLP (layer 0) and the sigmoid-routed MoE (other layers).
+
+Routing (DeepSeek-V3 "noaux_tc" style, no shared experts):
+
+    scores  = sigmoid(x @ W_router^T)                       [T, E]   fp32
+    choice  = scores + e_score_correction_bias              (bias steers selection only)
+    groups  : E experts in n_group groups; a group's score is the sum of its top-2 choices;
+              keep the best topk_group groups, mask the rest to -inf
+    experts = top-k(choice)                                 [T, K]
+    weights = scores[experts] (/ their sum if norm_topk_prob) * routed_scaling_factor
+
+Experts are computed grouped: the T*K (token, expert) assignments are sorted by expert, each
+expert runs one matmul over its contiguous segment, and results are scattered back with the
+routing weights (a loop over experts, never over tokens). Parameter names follow transformers'
+in-memory layout (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]);
+checkpoint.py converts per-expert checkpoints into it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from llm_core.config import MiMoConfig
+
+
+class Routing(NamedTuple):
+    experts: Tensor  # int64 [T, K]
+    weights: Tensor  # fp32 [T, K]
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TopKRouter(nn.Module):
+    """Sigmoid scores with a selection-only bias and group-limited top-k. Kept in fp32."""
+
+    e_score_correction_bias: Tensor
+
+    def __init__(self, config: MiMoConfig) -> None:
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.n_group = config.n_group
+        self.topk_group = config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.scaling = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+
+    def forward(self, x: Tensor) -> Routing:
+        """x [T, H] -> Routing(experts [T, K], weights [T, K])."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias
+        if self.topk_group < self.n_group:
+            per_group = self.num_experts // self.n_group
+            grouped = choice.view(-1, self.n_group, per_group)  # [T, G, E/G]
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
+            keep = group_scores.topk(self.topk_group, dim=-1).indices  # [T, topk_group]
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            expert_mask = group_mask[:, :, None].expand_as(grouped).reshape_as(choice)
+            choice = choice.masked_fill(~expert_mask, float("-inf"))
+        experts = choice.topk(self.top_k, dim=-1).indices  # [T, K]
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return Routing(experts, weights * self.scaling)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored as stacked tensors; computed grouped by expert."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: Tensor, routing: Routing) -> Tensor:
+        """x [T, H] -> sum_k weights[t, k] * expert_{experts[t, k]}(x[t]), [T, H] in x's dtype."""
+        num_tokens, top_k = routing.experts.shape
+        flat = routing.experts.reshape(-1)  # [T*K]
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert
+        token_of = order // top_k  # [T*K] source token of each sorted assignment
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        x_sorted = x[token_of]  # [T*K, H]
+        y_sorted = torch.empty_like(x_sorted)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            seg = x_sorted[start : start + count]  # [c, H]
+            gate, up = F.linear(seg, self.gate_up_proj[e]).chunk(2, dim=-1)  # [c, I] each
+            y_sorted[start : start + count] = F.linear(F.silu(gate) * up, self.down_proj[e])
+            start += count
+        weighted = y_sorted.float() * routing.weights.reshape(-1)[order, None]
+        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+        out.index_add_(0, token_of, weighted)
+        return out.to(x.dtype)
+
+
+class SparseMoE(nn.Module):
+    """Router + grouped experts (MiMo-V2-Flash has no shared experts)."""
+
+    def __init__(self, config: MiMoConfig) -> None:
+        super().__init__()
+        self.gate = TopKRouter(config)
+        self.experts = GroupedExperts(
+            config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.experts(x, self.gate(x))

@@ -1,0 +1,196 @@
+"""MiMoForCausalLM parity: dense and paged forward vs transformers' MiMoV2FlashForCausalLM, chunked
+prefill vs one chunk, decode steps vs dense, and a mixed batch vs each sequence alone.
+
+Pools are built here with the agreed layout (k [N, page, Hkv, D], v [N, page, Hkv, Dv] per layer)
+and page tables are deliberately non-contiguous (shuffled physical pages), so an indexing slip in
+the slot or table math cannot cancel out.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from llm_core.attention_batch import SimpleLayerKV, build_attention_batch
+from llm_core.checkpoint import LoadedLLM, load_llm
+from llm_core.config import MiMoConfig
+from llm_core.model import MiMoForCausalLM
+
+PAGE = 16
+REL_TOL = 1e-4
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+class TensorKV:
+    """Per-layer page pools of the agreed shapes; poisoned with NaN so unwritten slots are loud."""
+
+    def __init__(self, config: MiMoConfig, num_pages: int, page_size: int = PAGE) -> None:
+        self.layers = []
+        for i in range(config.num_hidden_layers):
+            hkv = config.num_kv_heads(i)
+            k = torch.full((num_pages, page_size, hkv, config.head_dim), float("nan"))
+            v = torch.full((num_pages, page_size, hkv, config.v_head_dim), float("nan"))
+            self.layers.append(SimpleLayerKV(k, v, not config.is_full_layer(i)))
+
+    def layer(self, i: int) -> SimpleLayerKV:
+        return self.layers[i]
+
+
+class PagedSeq:
+    """One sequence's pages in both pools, allocated from shuffled free lists."""
+
+    def __init__(self, full_free: list[int], swa_free: list[int]) -> None:
+        self.full: list[int] = []
+        self.swa: list[int | None] = []
+        self.full_free, self.swa_free = full_free, swa_free
+        self.len = 0
+
+    def grow(self, new_len: int) -> None:
+        while len(self.full) * PAGE < new_len:
+            self.full.append(self.full_free.pop())
+            self.swa.append(self.swa_free.pop())
+        self.len = new_len
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_mimo_dir: Path) -> LoadedLLM:
+    return load_llm(tiny_mimo_dir)
+
+
+def prompt(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def free_lists(num_pages: int, seed: int) -> tuple[list[int], list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(num_pages, generator=g).tolist(), torch.randperm(num_pages, generator=g).tolist()
+
+
+def step(
+    model: MiMoForCausalLM, kv: TensorKV, seqs: list[PagedSeq], chunks: list[torch.Tensor]
+) -> torch.Tensor:
+    """Run one packed step; each seq appends its chunk. Returns hidden [T, hidden]."""
+    lens, news = [], []
+    for s, c in zip(seqs, chunks, strict=True):
+        s.grow(s.len + len(c))
+        lens.append(s.len)
+        news.append(len(c))
+    batch = build_attention_batch(lens, news, [s.full for s in seqs], [s.swa for s in seqs], PAGE)
+    ids = torch.cat(chunks)
+    return model(ids, batch.positions(), batch, kv)
+
+
+def test_config_reads_transformers_layout(loaded: LoadedLLM, tiny_mimo_hf: Any) -> None:
+    cfg, hf = loaded.config, tiny_mimo_hf.config
+    assert cfg.layer_types == tuple(hf.layer_types)
+    assert cfg.full_layer_ids == (0, 5) and cfg.is_full_layer(5) and not cfg.is_full_layer(6)
+    assert cfg.num_kv_heads(0) == hf.num_key_value_heads
+    assert cfg.num_kv_heads(1) == 2 * hf.num_key_value_heads  # transformers doubles SWA KV heads
+    assert cfg.sliding_window == hf.sliding_window
+    assert cfg.rope_theta_of(0) != cfg.rope_theta_of(1)
+    assert cfg.rotary_dim(0) == 10  # int(32 * 0.334) = 10 rotated dims of 32
+
+
+def test_forward_dense_matches_transformers(loaded: LoadedLLM, tiny_mimo_hf: Any) -> None:
+    ids = prompt(40)[None]  # 40 tokens, window 8
+    with torch.no_grad():
+        ref = tiny_mimo_hf(ids).logits
+    out = loaded.model.forward_dense(ids)
+    assert out.shape == ref.shape
+    assert rel_err(out, ref) <= REL_TOL
+
+
+def test_forward_dense_with_input_embeds_matches_transformers(loaded: LoadedLLM, tiny_mimo_hf: Any) -> None:
+    ids = prompt(24, seed=3)[None]
+    embeds = tiny_mimo_hf.get_input_embeddings()(ids).detach().clone()
+    embeds[0, 5:11] = torch.randn(6, embeds.shape[-1], generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = tiny_mimo_hf(inputs_embeds=embeds).logits
+    assert rel_err(loaded.model.forward_dense(ids, input_embeds=embeds), ref) <= REL_TOL
+
+
+def test_paged_prefill_matches_transformers(loaded: LoadedLLM, tiny_mimo_hf: Any) -> None:
+    ids = prompt(45, seed=1)
+    with torch.no_grad():
+        ref = tiny_mimo_hf(ids[None]).logits[0]
+    kv = TensorKV(loaded.config, num_pages=8)
+    seq = PagedSeq(*free_lists(8, seed=0))
+    hidden = step(loaded.model, kv, [seq], [ids])
+    logits = loaded.model.compute_logits(hidden)
+    assert rel_err(logits, ref) <= REL_TOL
+
+
+@pytest.mark.parametrize("chunk_sizes", [(20, 25), (5, 7, 3, 16, 14)])
+def test_chunked_prefill_equals_one_chunk(loaded: LoadedLLM, chunk_sizes: tuple[int, ...]) -> None:
+    ids = prompt(sum(chunk_sizes), seed=2)
+    model = loaded.model
+    one = step(model, TensorKV(loaded.config, 8), [PagedSeq(*free_lists(8, 1))], [ids])
+    kv = TensorKV(loaded.config, 8)
+    seq = PagedSeq(*free_lists(8, 2))
+    parts, start = [], 0
+    for n in chunk_sizes:
+        parts.append(step(model, kv, [seq], [ids[start : start + n]]))
+        start += n
+    chunked = torch.cat(parts)
+    assert rel_err(chunked, one) <= 1e-5
+
+
+def test_decode_steps_match_dense_with_swa_pages_freed(loaded: LoadedLLM) -> None:
+    model, window = loaded.model, loaded.config.sliding_window
+    ids = prompt(60, seed=4)
+    kv = TensorKV(loaded.config, 8)
+    seq = PagedSeq(*free_lists(8, 3))
+    step(model, kv, [seq], [ids[:30]])
+    for pos in range(30, 60):
+        # Before computing the token at `pos`, SWA pages wholly before pos - W + 1 are gone: poison them
+        # in every SWA layer and drop them from the table; decode must not notice.
+        first_needed = pos - window + 1
+        for i, page in enumerate(seq.swa[: max(0, first_needed) // PAGE]):
+            if page is not None:
+                for lk in kv.layers:
+                    if lk.is_swa:
+                        lk.k[page].fill_(float("nan"))
+                        lk.v[page].fill_(float("nan"))
+            seq.swa[i] = None
+        hidden = step(model, kv, [seq], [ids[pos : pos + 1]])
+        if pos % 7 == 0 or pos == 59:
+            dense = model.forward_dense(ids[None, : pos + 1])[0, -1]
+            assert rel_err(model.compute_logits(hidden)[0], dense) <= REL_TOL, pos
+    assert seq.swa[0] is None and seq.swa[1] is None
+
+
+def test_mixed_batch_equals_each_sequence_alone(loaded: LoadedLLM) -> None:
+    """One step with a decode, a first prefill chunk and a later prefill chunk equals dense per sequence."""
+    model = loaded.model
+    kv = TensorKV(loaded.config, 24)
+    full_free, swa_free = free_lists(24, 5)
+    seqs = [PagedSeq(full_free, swa_free) for _ in range(3)]
+    ids = [prompt(34, seed=10), prompt(21, seed=11), prompt(40, seed=12)]
+    # warm-up: seq0 has 33 tokens cached, seq2 has 17; seq1 starts fresh in the mixed step
+    step(model, kv, [seqs[0], seqs[2]], [ids[0][:33], ids[2][:17]])
+    chunks = [ids[0][33:34], ids[1], ids[2][17:40]]
+    hidden = step(model, kv, seqs, chunks)
+    logits = model.compute_logits(hidden)
+    offsets = [0, 1, 1 + 21, 1 + 21 + 23]
+    for b, (lo, hi) in enumerate(itertools.pairwise(offsets)):
+        n_total = seqs[b].len
+        dense = model.forward_dense(ids[b][None, :n_total])[0, n_total - (hi - lo) :]
+        assert rel_err(logits[lo:hi], dense) <= REL_TOL, b
+
+
+def test_embed_then_input_embeds_is_same_as_ids(loaded: LoadedLLM) -> None:
+    model, ids = loaded.model, prompt(19, seed=7)
+    a = step(model, TensorKV(loaded.config, 4), [PagedSeq(*free_lists(4, 0))], [ids])
+    kv = TensorKV(loaded.config, 4)
+    seq = PagedSeq(*free_lists(4, 0))
+    seq.grow(19)
+    batch = build_attention_batch([19], [19], [seq.full], [seq.swa], PAGE)
+    b = model(ids, batch.positions(), batch, kv, input_embeds=model.embed(ids))
+    assert torch.equal(a, b)
