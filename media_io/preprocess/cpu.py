@@ -1,0 +1,95 @@
+"""The ``cpu`` backend: Pillow(-SIMD) decode and resize, torch normalize and patchify.
+
+Per image:  bytes --decode (JPEG: DCT-domain draft when <= 1/2)--> RGB PIL
+                 --Image.resize(BICUBIC; Pillow's filter is antialiased)--> target size
+                 --uint8 [1, H, W, 3] tensor--> patchify_uint8 (reorder, then one fused normalize)
+
+No float64 anywhere and no Python loop over patches. Pillow releases the GIL while decoding and
+resizing, so several executor threads can share one instance.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from media_io.config import MediaLimits, PreprocessConfig
+from media_io.errors import BadMedia
+from media_io.image import to_rgb
+from media_io.preprocess.decode import decode_for_target
+from media_io.preprocess.patchify import Patches, patchify_uint8
+from media_io.preprocess.resize import smart_resize
+
+# np.asarray(PIL image) is read-only; torch warns when wrapping it. We only ever read from the
+# wrapped tensor (patchify copies), so the warning is noise.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+
+
+class CpuBackend:
+    """Preprocessing on the CPU; see ``PreprocessBackend`` for the contract.
+
+    ``jpeg_draft`` lets libjpeg decode large JPEGs at 1/2, 1/4 or 1/8 scale when the target is at
+    most half the size (see ``decode.py``); ``False`` decodes at full size like the reference.
+    """
+
+    name = "cpu"
+
+    def __init__(self, cfg: PreprocessConfig = PreprocessConfig(), jpeg_draft: bool = True) -> None:
+        self.cfg = cfg
+        self.jpeg_draft = jpeg_draft
+
+    def target(self, height: int, width: int, item: str | None = None) -> tuple[int, int]:
+        """``smart_resize`` target ``(height, width)`` of an image under this config."""
+        c = self.cfg
+        return smart_resize(height, width, c.factor, c.min_pixels, c.max_pixels, item=item)
+
+    def video_target(self, height: int, width: int, item: str | None = None) -> tuple[int, int]:
+        """``smart_resize`` target ``(height, width)`` of video frames under this config."""
+        c = self.cfg
+        return smart_resize(height, width, c.factor, c.video_min_pixels, c.video_max_pixels, item=item)
+
+    def image(self, img: Image.Image, item: str | None = None) -> Patches:
+        img = to_rgb(img)
+        return self._resized_patches(img, self.target(img.height, img.width, item))
+
+    def images(self, imgs: Sequence[Image.Image]) -> list[Patches]:
+        # Sequential on purpose: torch already uses its intra-op threads for the patchify, and
+        # callers that want image-level parallelism run several images in executor threads.
+        return [self.image(img, item=str(i)) for i, img in enumerate(imgs)]
+
+    def image_bytes(
+        self, data: bytes, limits: MediaLimits = MediaLimits(), item: str | None = None
+    ) -> Patches:
+        target_fn = functools.partial(self.target, item=item)
+        img, target = decode_for_target(data, target_fn, limits, item, draft=self.jpeg_draft)
+        return self._resized_patches(img, target)
+
+    def video(self, frames: np.ndarray, item: str | None = None) -> Patches:
+        if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or frames.shape[0] == 0:
+            raise BadMedia(
+                f"video frames must be a non-empty [T, H, W, 3] uint8 array, got {frames.dtype} {frames.shape}",
+                item,
+            )
+        _, height, width, _ = frames.shape
+        th, tw = self.video_target(height, width, item)
+        if (th, tw) != (height, width):
+            frames = np.stack([np.asarray(_resize(Image.fromarray(f), th, tw)) for f in frames])
+        return patchify_uint8(torch.from_numpy(np.ascontiguousarray(frames)), self.cfg)
+
+    def _resized_patches(self, img: Image.Image, target: tuple[int, int]) -> Patches:
+        th, tw = target
+        img = _resize(img, th, tw)
+        pixels = torch.from_numpy(np.asarray(img))  # [H, W, 3] uint8, read-only view
+        return patchify_uint8(pixels.unsqueeze(0), self.cfg)
+
+
+def _resize(img: Image.Image, height: int, width: int) -> Image.Image:
+    """Bicubic resize to ``height x width``; Pillow widens the kernel when downscaling (antialias)."""
+    if img.size == (width, height):
+        return img
+    return img.resize((width, height), Image.Resampling.BICUBIC)

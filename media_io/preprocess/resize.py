@@ -1,0 +1,60 @@
+"""Qwen2-VL's ``smart_resize``: the target size every backend resizes to.
+
+The rule (identical to transformers' ``Qwen2VLImageProcessor``):
+
+1. reject aspect ratios above 200:1 (the ViT cannot tile them sensibly);
+2. round each side to the nearest multiple of ``factor`` (patch 14 x merge 2 = 28);
+3. if the area is above ``max_pixels``, scale both sides down by the same factor and floor to
+   multiples of ``factor`` (never below ``factor``); if below ``min_pixels``, scale up and ceil.
+
+Python's ``round`` (banker's rounding) is part of the rule: ``round(2.5) == 2``. Using it keeps
+our grid identical to the reference for sides that are an odd multiple of 14.
+"""
+
+from __future__ import annotations
+
+import math
+
+from media_io.errors import BadMedia
+
+MAX_ASPECT_RATIO = 200.0
+
+
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int = 28,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 28 * 28 * 1280,
+    *,
+    item: str | None = None,
+) -> tuple[int, int]:
+    """The ``(height, width)`` to resize an image of ``height x width`` to.
+
+    Both results are multiples of ``factor``; their product lies in ``[min_pixels, max_pixels]``
+    except where ``factor`` itself forces more (a 28-pixel floor on each side).
+
+    Raises:
+        BadMedia: a side is not positive, or the aspect ratio is above 200:1 (``item`` names
+            the media in the message).
+    """
+    if height <= 0 or width <= 0:
+        raise BadMedia(f"image has an empty side: {width}x{height} (width x height)", item)
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise BadMedia(
+            f"aspect ratio {ratio:.1f}:1 of a {width}x{height} (width x height) image is above the "
+            f"{MAX_ASPECT_RATIO:.0f}:1 limit",
+            item,
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
