@@ -8,11 +8,12 @@ Life of a sequence's KV (all through this class; the scheduler decides *when*):
     finish   release(seq)           computed whole pages inserted into the tree, then unlocked
 
 The SWA pool holds only what some future query can read. After ``c`` tokens are computed the
-next query is at position c and reads keys from c-W+1, so logical SWA pages below
-``(c-W+1) // page`` are dropped::
+next query is at position c and reads keys from c-W+1; pages below the window of the last page
+boundary ``b = c // page * page`` are dropped (so a request resuming at ``b`` from the prefix
+cache still finds its window)::
 
-    positions  0 ......... c-W+1 ......... c        (W = sliding_window, counts the query)
-    SWA pages  [ dropped  |  resident: window  ]    a step computing [c, c+n) also needs [c, c+n)
+    positions  0 ......... b-W+1 ...... b .. c      (W = sliding_window, counts the query)
+    SWA pages  [ dropped  |  resident: window     ] a step computing [c, c+n) also needs [c, c+n)
 
 The manager knows nothing of scheduling policy or of tensors; ``check_integrity`` proves that
 every used page has exactly one owner (the tree, or one sequence) and that lock counts match the
@@ -162,8 +163,15 @@ class KVManager:
         self.free_out_of_window(seq)
 
     def free_out_of_window(self, seq: Sequence) -> int:
-        """Drop SWA pages below the window of the next query; returns how many were freed."""
-        lo = self.first_live_swa_page(seq.num_computed_tokens)
+        """Drop SWA pages below the window of the last page boundary; returns how many were freed.
+
+        The window kept is that of ``b = c // page * page`` rather than of ``c`` itself: ``b`` is
+        where a later request can resume from this sequence's cached pages, and its window
+        [b-W+1, b) reaches at most one page below c's. It costs nothing at the peak: a decode step
+        still holds at most ``swa_pages_per_sequence`` pages (the next page is not needed until
+        c reaches it, and then b moves with it).
+        """
+        lo = self.first_live_swa_page(seq.num_computed_tokens // self.page_size * self.page_size)
         freed: list[int] = []
         for i in range(seq.num_swa_released, min(lo, len(seq.swa_pages))):
             page = seq.swa_pages[i]
