@@ -26,7 +26,7 @@ class IngressConfig:
     request_timeout_s: float = 600.0
     health_interval_s: float = 1.0
     cache_namespace: str = "default"
-    cache_capacity_bytes: int = 1 << 30
+    cache_capacity_bytes: int | None = None  # None: keep the namespace's budget (set by the workers)
     fetch: FetchConfig = field(default_factory=FetchConfig)
     limits: MediaLimits = field(default_factory=MediaLimits)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)

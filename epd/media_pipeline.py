@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from encoder.embed_cache import EmbedCache
 from encoder.embedding_ref import EmbeddingRef
-from encoder.media_key import media_key
+from encoder.media_key import media_key_async
 from encoder.router import EncoderRouter
 from epd.encoder_client import EncoderClient, EncoderUnavailable
 from epd.errors import APIError, bad_request, overloaded
@@ -29,9 +29,6 @@ from media_io.config import PreprocessConfig
 from media_io.errors import MediaError
 from media_io.fetch import Fetcher
 from media_io.sniff import sniff
-
-# Bodies below this are hashed inline: a thread hop costs more than sha256 of 256 KiB (~0.2 ms).
-_INLINE_HASH_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -92,7 +89,7 @@ class MediaPipeline:
                 f"{src.name} was sent as {src.modality_hint} but its bytes are {kind.modality} ({kind.format})",
                 src.name,
             )
-        key = await self._key(data, kind.modality)
+        key = await media_key_async(data, kind.modality, self.preprocess, self.fingerprint)
         t_key = time.perf_counter()
         timings = {"download": (t_download - t0) * 1e3, "hash": (t_key - t_download) * 1e3}
 
@@ -127,12 +124,6 @@ class MediaPipeline:
         self.metrics.observe_timings(timings)
         self.metrics.media_items.labels(modality=kind.modality).inc()
         return EncodedItem(src.name, ref, False, timings)
-
-    async def _key(self, data: bytes, modality: str) -> str:
-        if len(data) <= _INLINE_HASH_BYTES:
-            return media_key(data, modality, self.preprocess, self.fingerprint)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, media_key, data, modality, self.preprocess, self.fingerprint)
 
 
 def _url(src: MediaSource) -> str:
