@@ -1,0 +1,456 @@
+"""LLMEngine: continuous batching on a dedicated thread, streamed to asyncio callers.
+
+    asyncio side (server)                         engine thread
+    ─────────────────────                         ─────────────
+    submit() ── validate, build Sequence ──▶ inbox ──▶ scheduler.add / scheduler.abort
+    RequestStream ◀── call_soon_threadsafe ◀── step: schedule → runner.execute → scheduler.update
+       (one asyncio.Queue per request)              → detokenize, stop strings, StepOutputs
+
+The thread owns the scheduler, the KV cache and the runner; nothing else touches them, so they need
+no locks. torch releases the GIL inside kernels, so the event loop stays responsive while a step
+runs. Admission is bounded: when ``max_waiting`` requests wait for their first step, ``submit``
+raises ``EngineOverloaded`` (the server answers 503 with Retry-After) instead of queueing more.
+
+The engine knows nothing of HTTP; it speaks token ids, ``SamplingParams`` and ``MultimodalInput``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from llm_core.config import MiMoConfig
+from llm_core.engine_stats import EngineStats, ThroughputMeter
+from llm_core.kv_manager import KVManager
+from llm_core.kv_pool import DualKVCache, KVCacheConfig, KVLayout
+from llm_core.model_runner import CausalLM, ModelRunner, MultimodalInput
+from llm_core.sampling import Sampler, SamplingParams, find_stop, stop_holdback
+from llm_core.scheduler import QueueFull, Scheduler, SchedulerConfig, SchedulerError
+from llm_core.sequence import MediaSpanError, media_spans
+from llm_core.sequence import Sequence as Seq
+from llm_core.server_config import EngineConfig
+from llm_core.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class EngineRequestError(ValueError):
+    """A request the engine cannot run (bad media alignment, too long); ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        self.param = param
+        super().__init__(message)
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full; retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
+
+
+class StepOutput(NamedTuple):
+    """What one step produced for one request (usually one token)."""
+
+    request_id: str
+    token_ids: list[int]  # new ids this step (stop ids included, though not rendered)
+    text: str  # new text safe to show (stop strings trimmed, partial characters held back)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+
+
+@dataclass
+class _Request:
+    """Engine-side state of one request; touched by the engine thread only (``queue`` excepted)."""
+
+    seq: Seq
+    sampling: SamplingParams
+    detok: IncrementalDetokenizer
+    queue: asyncio.Queue[StepOutput]
+    loop: asyncio.AbstractEventLoop
+    holdback: int
+    text: str = ""  # all rendered output text (stop strings not yet trimmed)
+    emitted: int = 0  # characters of ``text`` already sent
+    done: bool = False
+    pending_ids: list[int] = field(default_factory=list)
+
+
+class RequestStream:
+    """Async iterator over one request's ``StepOutput``s. Closing it early aborts the request."""
+
+    def __init__(self, engine: LLMEngine, request_id: str, queue: asyncio.Queue[StepOutput]) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self._finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            out = await self._queue.get()
+        except BaseException:
+            self.close()  # cancelled while waiting: the client is gone
+            raise
+        if out.finished:
+            self._finished = True
+        return out
+
+    def close(self) -> None:
+        """Abort the request unless it already finished (idempotent)."""
+        if not self._finished:
+            self._finished = True
+            self.engine.abort(self.request_id)
+
+
+class LLMEngine:
+    """Owns the scheduler, the KV cache and the model runner; serves many concurrent requests."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        model_config: MiMoConfig,
+        tokenizer: Tokenizer,
+        config: EngineConfig | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.max_model_len = self.config.max_model_len or model_config.max_position_embeddings
+        self.kv, self.scheduler = _build_kv_and_scheduler(
+            model_config, self.config, self.max_model_len, self.device, dtype
+        )
+        self.runner = ModelRunner(model, self.kv, Sampler(self.config.seed, self.device), self.device)
+        # Guards the scheduler and ``_requests`` between the event loop (add) and the step thread
+        # (schedule/update). Never held during the forward, so adds do not wait for a step.
+        self._lock = threading.Lock()
+        self._aborts: collections.deque[str] = collections.deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._requests: dict[str, _Request] = {}
+        self._meter = ThroughputMeter()
+        self._prompt_tokens_total = 0
+        self._cached_tokens_total = 0
+        self._steps = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the step thread (idempotent)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the step thread; unfinished requests end with finish_reason "abort"."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    # ---- requests (called from the event loop) -----------------------------------------------
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        mm: Sequence[MultimodalInput] = (),
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Queue a request and return its output stream.
+
+        Raises ``EngineRequestError`` (bad request) or ``EngineOverloaded`` (queue full) right away,
+        so the server can answer with a status before any streaming starts. Must be called from a
+        running event loop; outputs flow once ``start()`` has been called.
+        """
+        loop = asyncio.get_running_loop()
+        rid = request_id or uuid.uuid4().hex
+        seq = self._build_sequence(rid, list(prompt_ids), sampling, mm)
+        req = _Request(
+            seq=seq,
+            sampling=sampling,
+            detok=self.tokenizer.detokenizer(),
+            queue=asyncio.Queue(),
+            loop=loop,
+            holdback=stop_holdback(sampling.stop),
+        )
+        with self._lock:
+            if self.scheduler.num_waiting >= self.config.max_waiting:
+                raise EngineOverloaded(
+                    f"{self.scheduler.num_waiting} requests are waiting for the LLM engine", retry_after_s=1.0
+                )
+            try:
+                self.scheduler.add(seq)
+            except QueueFull as e:
+                raise EngineOverloaded(str(e), retry_after_s=1.0) from e
+            except SchedulerError as e:
+                raise EngineRequestError(str(e), "prompt") from e
+            self._requests[rid] = req
+            self._prompt_tokens_total += seq.num_prompt_tokens
+        self._wake.set()
+        return RequestStream(self, rid, req.queue)
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        mm: Sequence[MultimodalInput] = (),
+        request_id: str | None = None,
+    ) -> AsyncIterator[StepOutput]:
+        """``submit`` as an async generator; leaving the loop early aborts the request."""
+        stream = self.submit(prompt_ids, sampling, mm, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (thread-safe; unknown or finished ids are ignored)."""
+        self._aborts.append(request_id)
+        self._wake.set()
+
+    def _build_sequence(
+        self, rid: str, prompt_ids: list[int], sampling: SamplingParams, mm: Sequence[MultimodalInput]
+    ) -> Seq:
+        if not prompt_ids:
+            raise EngineRequestError("the prompt is empty", "prompt")
+        if len(prompt_ids) + sampling.max_tokens > self.max_model_len:
+            raise EngineRequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
+                f"max_model_len={self.max_model_len}",
+                "max_tokens",
+            )
+        tok = self.tokenizer
+        try:
+            spans = media_spans(prompt_ids, (tok.image_token_id, tok.video_token_id), [m.ref.key for m in mm])
+        except MediaSpanError as e:
+            raise EngineRequestError(str(e), "multimodal") from e
+        hidden = self.model_config.hidden_size
+        for i, (span, item) in enumerate(zip(spans, mm, strict=True)):
+            rows, width = item.embedding.shape
+            want_pad = tok.video_token_id if item.ref.modality == "video" else tok.image_token_id
+            if prompt_ids[span.start] != want_pad:
+                raise EngineRequestError(
+                    f"placeholder run {i} at token {span.start} does not match modality {item.ref.modality!r}",
+                    f"multimodal[{i}]",
+                )
+            if rows != span.length:
+                raise EngineRequestError(
+                    f"placeholder run {i} has {span.length} tokens but the embedding has {rows} rows",
+                    f"multimodal[{i}]",
+                )
+            if width != hidden:
+                raise EngineRequestError(
+                    f"embedding hidden size {width} != model hidden size {hidden}", f"multimodal[{i}]"
+                )
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids.add(tok.eos_token_id)
+        return Seq(
+            seq_id=rid,
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            max_new_tokens=sampling.max_tokens,
+            stop_token_ids=frozenset(stop_ids),
+            media=spans,
+            mm_items=list(mm),
+        )
+
+    # ---- engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()  # a submit or abort after this point makes the wait below return
+            with self._lock:
+                self._drain_aborts()
+                batch = self.scheduler.schedule() if self.scheduler.has_work() else None
+            if batch is None:
+                # Idle, or nothing fits in KV until a running sequence finishes.
+                self._wake.wait(0.05)
+                continue
+            try:
+                sampled = self.runner.execute(batch.seqs, batch.num_new_tokens)
+            except Exception:
+                log.exception("engine step failed; failing the requests of the batch")
+                with self._lock:
+                    self._fail(batch.seqs)
+                continue
+            with self._lock:
+                finished = self.scheduler.update(batch, sampled)
+                self._steps += 1
+                outs = self._publish(batch.seqs, sampled, finished)
+            self._deliver(outs)
+        with self._lock:
+            for rid in list(self._requests):
+                self.scheduler.abort(rid)
+                self._finish(self._requests[rid], "abort", [])
+
+    def _drain_aborts(self) -> None:
+        while self._aborts:
+            rid = self._aborts.popleft()
+            req = self._requests.get(rid)
+            if req is not None:
+                self.scheduler.abort(rid)
+                self._finish(req, "abort", [])
+
+    def _publish(
+        self, seqs: list[Seq], sampled: list[int | None], finished: list[Seq]
+    ) -> list[tuple[_Request, StepOutput]]:
+        """Turn the step's tokens into StepOutputs (one thread-hop per step, not per request)."""
+        done_ids = {id(s) for s in finished}
+        outs: list[tuple[_Request, StepOutput]] = []
+        n_tokens = 0
+        for s, tok in zip(seqs, sampled, strict=True):
+            req = self._requests.get(str(s.seq_id))
+            if req is None or req.done or tok is None:
+                continue
+            n_tokens += 1
+            if tok not in s.stop_token_ids:
+                req.text += req.detok.add(tok)
+            if id(s) in done_ids:
+                req.text += req.detok.flush()
+            match = find_stop(req.text, req.sampling.stop, req.emitted) if req.sampling.stop else None
+            if match is not None:
+                req.text = req.text[: match.start]
+                if id(s) not in done_ids:
+                    self.scheduler.finish(s.seq_id, "stop")
+                outs.append((req, self._finish(req, "stop", [tok], deliver=False)))
+            elif id(s) in done_ids:
+                outs.append((req, self._finish(req, s.finish_reason or "stop", [tok], deliver=False)))
+            else:
+                outs.append((req, self._output(req, [tok], finished=False, reason=None)))
+        self._meter.add(n_tokens)
+        return outs
+
+    def _output(self, req: _Request, ids: list[int], finished: bool, reason: str | None) -> StepOutput:
+        # While running, hold back a tail that could still become a stop string.
+        end = len(req.text) if finished else max(req.emitted, len(req.text) - req.holdback)
+        delta = req.text[req.emitted : end]
+        req.emitted = end
+        s = req.seq
+        return StepOutput(
+            request_id=str(s.seq_id),
+            token_ids=ids,
+            text=delta,
+            finished=finished,
+            finish_reason=reason,
+            num_prompt_tokens=s.num_prompt_tokens,
+            num_output_tokens=len(s.output_ids),
+            num_cached_tokens=s.num_cached_tokens,
+        )
+
+    def _finish(self, req: _Request, reason: str, ids: list[int], deliver: bool = True) -> StepOutput:
+        req.done = True
+        self._requests.pop(str(req.seq.seq_id), None)
+        self.runner.release(req.seq.seq_id)
+        self._cached_tokens_total += req.seq.num_cached_tokens
+        out = self._output(req, ids, finished=True, reason=reason)
+        if deliver:
+            self._deliver([(req, out)])
+        return out
+
+    def _fail(self, seqs: list[Seq]) -> None:
+        for s in seqs:
+            req = self._requests.get(str(s.seq_id))
+            if req is not None:
+                self.scheduler.abort(s.seq_id)
+                self._finish(req, "error", [])
+
+    @staticmethod
+    def _deliver(outs: list[tuple[_Request, StepOutput]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Request, StepOutput]]] = {}
+        for req, out in outs:
+            by_loop.setdefault(req.loop, []).append((req, out))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+                loop.call_soon_threadsafe(_put_all, items)
+
+    # ---- observability -----------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """A snapshot for /health and /metrics (read without locks: values may be one step old)."""
+        full, swa = self.kv.full_pages, self.kv.swa_pages
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_full_usage=full.num_used / max(1, full.num_pages),
+            kv_swa_usage=swa.num_used / max(1, swa.num_pages),
+            generation_tokens_total=self._meter.total,
+            prompt_tokens_total=self._prompt_tokens_total,
+            cached_prompt_tokens_total=self._cached_tokens_total,
+            tokens_per_s=self._meter.rate(),
+            steps_total=self._steps,
+            max_waiting=self.config.max_waiting,
+        )
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        model_path: str | Path | None,
+        config: EngineConfig | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> LLMEngine:
+        """Load a checkpoint (None: the embedded default) with its tokenizer and build an engine."""
+        from llm_core.checkpoint import load_llm
+        from llm_core.tokenizer import load_tokenizer
+
+        loaded = load_llm(model_path, dtype=dtype, device=device)
+        return cls(loaded.model, loaded.config, load_tokenizer(loaded.model_dir), config, device, dtype)
+
+
+def _build_kv_and_scheduler(
+    cfg: MiMoConfig, ec: EngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype
+) -> tuple[DualKVCache, Scheduler]:
+    """KV pools sized from the byte budget, the KV manager over them and the scheduler."""
+    layout = KVLayout.from_model_config(cfg, dtype)
+    kv_cfg = KVCacheConfig(
+        memory_budget_bytes=ec.kv_memory_bytes,
+        page_size=ec.page_size,
+        swa_fraction=ec.swa_fraction,
+        # Split so that both pools run out together for sequences as long as the model allows.
+        balance_context_len=min(max_model_len, 8192),
+        # Room for one prefill chunk beyond the window in the SWA pool.
+        swa_headroom_tokens=min(ec.max_num_batched_tokens, max_model_len),
+    )
+    kv = DualKVCache.from_budget(layout, kv_cfg, dtype, device)
+    manager = KVManager(
+        kv.full_pages, kv.swa_pages, cfg.sliding_window, enable_prefix_cache=ec.enable_prefix_cache
+    )
+    sched_cfg = SchedulerConfig(
+        max_num_seqs=ec.max_num_seqs,
+        max_num_batched_tokens=ec.max_num_batched_tokens,
+        max_prefill_chunk=ec.max_prefill_chunk,
+        max_model_len=max_model_len,
+        max_waiting=ec.max_waiting,
+    )
+    return kv, Scheduler(sched_cfg, manager)
+
+
+def _put_all(items: list[tuple[_Request, StepOutput]]) -> None:
+    for req, out in items:
+        req.queue.put_nowait(out)

@@ -1,0 +1,75 @@
+"""Configuration of the LLM engine process (``epd llm``): frozen dataclasses, one per concern.
+
+``EngineConfig`` is what the engine itself needs (KV budget, batching limits, queue bound);
+``LLMServerConfig`` adds where to listen, which checkpoint to load and where to read embeddings.
+The CLI maps its flags onto these fields in one place (``epd/llm_cmd.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Limits of one engine instance.
+
+    ``max_num_batched_tokens`` bounds the tokens of one forward (prefill is chunked to fit);
+    ``max_num_seqs`` the sequences decoded together; ``max_waiting`` the requests queued before the
+    server answers 503. ``kv_memory_bytes`` is split into the full and SWA pools.
+    """
+
+    kv_memory_bytes: int = 64 * 1024 * 1024
+    page_size: int = 16
+    swa_fraction: float | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: int | None = None  # per-sequence cap on one step's prefill chunk
+    max_waiting: int = 256
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    enable_prefix_cache: bool = True
+    seed: int | None = None  # of the shared generator used by unseeded sampled requests
+
+    def __post_init__(self) -> None:
+        for name in ("kv_memory_bytes", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class LLMServerConfig:
+    """Everything ``serve_llm`` needs. ``uds`` (a unix socket path) wins over host/port."""
+
+    host: str = "127.0.0.1"
+    port: int = 8002
+    uds: str | None = None
+    model_path: str | None = None  # None: the embedded default checkpoint
+    served_model_name: str = "epd-llm"
+    dtype: str = "float32"
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    cache_namespace: str = "default"  # node embedding cache to read multimodal embeddings from
+    fetch_timeout_s: float = 30.0  # for embeddings fetched from a remote encoder's URL
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"LLMServerConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def model_dir(self) -> Path | None:
+        return None if self.model_path is None else Path(self.model_path)
