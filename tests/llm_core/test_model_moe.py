@@ -1,0 +1,106 @@
+"""MoE routing and grouped experts vs transformers' router and a per-token reference."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from llm_core.config import MiMoConfig
+from llm_core.moe import GroupedExperts, Routing, SparseMoE, TopKRouter
+
+
+def moe_config(**kw: Any) -> MiMoConfig:
+    base: dict[str, Any] = {
+        "vocab_size": 16,
+        "hidden_size": 24,
+        "intermediate_size": 32,
+        "moe_intermediate_size": 8,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "swa_num_key_value_heads": 2,
+        "head_dim": 8,
+        "v_head_dim": 4,
+        "sliding_window": 4,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 3,
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 2.5,
+    }
+    base.update(kw)
+    return MiMoConfig(**base)
+
+
+def per_token_reference(experts: GroupedExperts, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(routing.experts.shape[1]):
+            e = int(routing.experts[t, k])
+            gate, up = (experts.gate_up_proj[e] @ x[t]).chunk(2)
+            out[t] += routing.weights[t, k] * (experts.down_proj[e] @ (F.silu(gate) * up))
+    return out
+
+
+def test_router_matches_transformers() -> None:
+    from transformers import MiMoV2FlashConfig
+    from transformers.models.mimo_v2_flash.modeling_mimo_v2_flash import MiMoV2FlashTopkRouter
+
+    cfg = moe_config()
+    hf_cfg = MiMoV2FlashConfig(
+        hidden_size=cfg.hidden_size,
+        n_routed_experts=cfg.n_routed_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+        norm_topk_prob=True,
+    )
+    theirs = MiMoV2FlashTopkRouter(hf_cfg)
+    ours = TopKRouter(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        theirs.weight.copy_(torch.randn(theirs.weight.shape, generator=g))
+        theirs.e_score_correction_bias.copy_(torch.randn(8, generator=g) * 0.3)
+        ours.weight.copy_(theirs.weight)
+        ours.e_score_correction_bias.copy_(theirs.e_score_correction_bias)
+    x = torch.randn(64, cfg.hidden_size, generator=g)
+    _, ref_w, ref_idx = theirs(x)
+    routing = ours(x)
+    # Same set of experts per token (order is unspecified), same weight per expert.
+    ours_sorted, o = routing.experts.sort(dim=-1)
+    ref_sorted, r = ref_idx.sort(dim=-1)
+    assert torch.equal(ours_sorted, ref_sorted)
+    torch.testing.assert_close(routing.weights.gather(1, o), ref_w.gather(1, r))
+    # Group limit: all chosen experts lie in at most topk_group groups.
+    groups = routing.experts // (cfg.n_routed_experts // cfg.n_group)
+    assert all(len(set(row)) <= cfg.topk_group for row in groups.tolist())
+
+
+def test_grouped_experts_match_per_token_loop() -> None:
+    cfg = moe_config()
+    moe = SparseMoE(cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    x = torch.randn(37, cfg.hidden_size, generator=g)
+    routing = moe.gate(x)
+    out = moe(x)
+    torch.testing.assert_close(out, per_token_reference(moe.experts, x, routing), rtol=1e-5, atol=1e-5)
+    # Batched or alone: each token's output does not depend on the other tokens in the batch.
+    torch.testing.assert_close(moe(x[5:6]), out[5:6], rtol=1e-5, atol=1e-6)
+
+
+def test_router_without_groups_or_normalisation() -> None:
+    cfg = moe_config(n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0)
+    router = TopKRouter(cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(2)))
+    x = torch.randn(10, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    routing = router(x)
+    scores = torch.sigmoid(x @ router.weight.T)
+    top = scores.topk(cfg.num_experts_per_tok, dim=-1)
+    torch.testing.assert_close(routing.weights.sort(-1).values, top.values.sort(-1).values)
