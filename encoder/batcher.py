@@ -1,0 +1,304 @@
+"""Cross-request batching for the vision encoder.
+
+Requests enqueue their patches; one dispatcher task packs queued items into a batch of at most
+``patch_budget`` patches (the first item always goes, even when it alone is larger) and runs the
+forward in a dedicated thread (torch releases the GIL), so the event loop keeps accepting,
+decoding and preprocessing the next items while the current forward runs.
+
+    time ─────────────────────────────────────────────────────────────▶
+    loop:    enqueue a ─ enqueue b ─┐ enqueue c ─ enqueue d ─┐
+    forward:                        └─[ a+b forward ]────────└─[ c+d forward ]─
+                         ▲ dispatch when the budget is full or the oldest item
+                           has waited max_wait_ms (items queued during a forward
+                           are dispatched as soon as it ends)
+
+Items are packed in arrival order; attention never crosses items, so each item's rows equal what
+it gets alone (up to float reassociation). If a batched forward raises, every item of the batch
+is retried alone so that only the bad one fails. The queue is bounded in patches; ``encode``
+raises ``QueueFull`` beyond it (the worker answers 503 with Retry-After).
+
+This module knows nothing of HTTP, media decoding or the embedding cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from encoder.model import VisionTransformer
+from media_io.preprocess import Patches
+
+
+class QueueFull(Exception):
+    """The encoder queue holds more patches than it may; retry later or elsewhere."""
+
+    def __init__(self, queued_patches: int, limit: int) -> None:
+        self.queued_patches = queued_patches
+        self.limit = limit
+        super().__init__(f"encoder queue full: {queued_patches} patches queued (limit {limit})")
+
+
+class EncodeResult(NamedTuple):
+    embedding: torch.Tensor  # [t*h*w // merge_unit, out_hidden] on output_device
+    queue_ms: float  # enqueue -> forward start
+    forward_ms: float  # the batched forward this item rode in (shared by the batch)
+    batch_items: int
+
+
+class BatcherStats(NamedTuple):
+    batches: int
+    items: int
+    patches: int
+    failed_items: int
+    retried_batches: int
+    queue_items: int
+    queue_patches: int
+    last_batch_items: int
+    last_batch_patches: int
+    forward_s: float  # total time spent in forwards
+
+
+@dataclass
+class _Item:
+    patches: Patches
+    num_patches: int
+    future: asyncio.Future[EncodeResult]
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+class _BatchOutcome(NamedTuple):
+    outputs: list[torch.Tensor | BaseException]
+    started: float
+    forward_s: float
+    retried: bool
+
+
+class EncodeBatcher:
+    """Batches ``encode`` calls into shared forwards of ``model``.
+
+    ``patch_budget``: most patches in one forward (a larger single item runs alone).
+    ``max_wait_ms``: longest an item waits for companions before its batch is dispatched.
+    ``max_queue_patches``: bound on queued patches (default 8 budgets).
+    """
+
+    def __init__(
+        self,
+        model: VisionTransformer,
+        patch_budget: int = 16384,
+        max_wait_ms: float = 5.0,
+        max_queue_patches: int | None = None,
+        output_device: str | torch.device = "cpu",
+    ) -> None:
+        if patch_budget <= 0:
+            raise ValueError(f"patch_budget must be positive, got {patch_budget}")
+        if max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms}")
+        self.model = model
+        self.patch_budget = patch_budget
+        self.max_wait_s = max_wait_ms / 1000.0
+        self.max_queue_patches = max_queue_patches if max_queue_patches is not None else 8 * patch_budget
+        self.output_device = torch.device(output_device)
+        self._pending: collections.deque[_Item] = collections.deque()
+        self._queued_patches = 0
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._inflight: list[_Item] = []  # the batch whose forward is running
+        self._executor: ThreadPoolExecutor | None = None
+        self._batches = self._items = self._patches = self._failed = self._retried = 0
+        self._last_items = self._last_patches = 0
+        self._forward_s = 0.0
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epd-encoder-forward")
+        self._task = asyncio.create_task(self._dispatch_loop(), name="epd-encode-batcher")
+
+    async def stop(self) -> None:
+        """Stop dispatching; queued and in-flight items fail with RuntimeError (a running forward is
+        allowed to finish in its thread before this returns)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        stranded = [*self._inflight, *self._pending]
+        self._inflight = []
+        self._pending.clear()
+        for item in stranded:
+            if not item.future.done():
+                item.future.set_exception(RuntimeError("encoder batcher stopped"))
+        self._queued_patches = 0
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    async def __aenter__(self) -> EncodeBatcher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- API ---------------------------------------------------------------------------------------
+    async def encode(self, patches: Patches) -> torch.Tensor:
+        """The embedding of one item: [t*h*w // merge_unit, out_hidden]."""
+        return (await self.encode_timed(patches)).embedding
+
+    async def encode_timed(self, patches: Patches) -> EncodeResult:
+        """``encode`` with the item's queue and forward timings."""
+        if self._task is None:
+            raise RuntimeError("EncodeBatcher.start() was not awaited")
+        n = self._validate(patches)
+        if self._pending and self._queued_patches + n > self.max_queue_patches:
+            raise QueueFull(self._queued_patches, self.max_queue_patches)
+        item = _Item(patches, n, asyncio.get_running_loop().create_future())
+        self._pending.append(item)
+        self._queued_patches += n
+        self._wakeup.set()
+        return await item.future
+
+    def stats(self) -> BatcherStats:
+        return BatcherStats(
+            batches=self._batches,
+            items=self._items,
+            patches=self._patches,
+            failed_items=self._failed,
+            retried_batches=self._retried,
+            queue_items=len(self._pending),
+            queue_patches=self._queued_patches,
+            last_batch_items=self._last_items,
+            last_batch_patches=self._last_patches,
+            forward_s=self._forward_s,
+        )
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _validate(self, patches: Patches) -> int:
+        cfg = self.model.config
+        t, h, w = patches.grid_thw
+        pv = patches.pixel_values
+        if t < 1 or h < 1 or w < 1 or h % cfg.spatial_merge_size or w % cfg.spatial_merge_size:
+            raise ValueError(f"grid_thw {patches.grid_thw} is not a positive grid of whole merge groups")
+        if pv.dim() != 2 or tuple(pv.shape) != (t * h * w, cfg.patch_dim):
+            raise ValueError(
+                f"pixel_values shape {tuple(pv.shape)} does not match grid_thw {patches.grid_thw} "
+                f"(expected ({t * h * w}, {cfg.patch_dim}))"
+            )
+        return t * h * w
+
+    def _take_batch(self) -> list[_Item]:
+        batch: list[_Item] = []
+        total = 0
+        while self._pending:
+            item = self._pending[0]
+            if item.future.done():  # caller gave up (cancelled) while queued
+                self._pending.popleft()
+                self._queued_patches -= item.num_patches
+                continue
+            if batch and total + item.num_patches > self.patch_budget:
+                break
+            self._pending.popleft()
+            self._queued_patches -= item.num_patches
+            batch.append(item)
+            total += item.num_patches
+        return batch
+
+    async def _wait_for_batch(self) -> None:
+        """Return when the queue holds a budget's worth or its oldest item has waited max_wait."""
+        while not self._pending:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+        deadline = self._pending[0].enqueued + self.max_wait_s
+        while self._pending and self._queued_patches < self.patch_budget:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                return
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+            except TimeoutError:
+                return
+
+    async def _dispatch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wait_for_batch()
+            batch = self._take_batch()
+            if not batch:
+                continue
+            self._inflight = batch
+            outcome = await loop.run_in_executor(self._executor, self._run_batch, [b.patches for b in batch])
+            self._inflight = []
+            self._record(batch, outcome)
+
+    def _record(self, batch: list[_Item], outcome: _BatchOutcome) -> None:
+        forward_ms = outcome.forward_s * 1000.0
+        self._batches += 1
+        self._retried += int(outcome.retried)
+        self._last_items = len(batch)
+        self._last_patches = sum(b.num_patches for b in batch)
+        self._forward_s += outcome.forward_s
+        for item, out in zip(batch, outcome.outputs, strict=True):
+            self._items += 1
+            self._patches += item.num_patches
+            if item.future.done():
+                continue
+            if isinstance(out, BaseException):
+                self._failed += 1
+                item.future.set_exception(out)
+            else:
+                queue_ms = (outcome.started - item.enqueued) * 1000.0
+                item.future.set_result(EncodeResult(out, queue_ms, forward_ms, len(batch)))
+
+    # Runs in the forward thread.
+    def _run_batch(self, items: list[Patches]) -> _BatchOutcome:
+        started = time.perf_counter()
+        outputs: list[torch.Tensor | BaseException]
+        retried = False
+        try:
+            outputs = list(self._forward(items))
+        except Exception as e:
+            if len(items) == 1:
+                outputs = [e]
+            else:  # isolate the bad item(s): everyone else still gets an embedding
+                outputs = [self._forward_or_error(p) for p in items]
+                retried = True
+        return _BatchOutcome(outputs, started, time.perf_counter() - started, retried)
+
+    def _forward_or_error(self, item: Patches) -> torch.Tensor | BaseException:
+        try:
+            return self._forward([item])[0]
+        except Exception as e:
+            return e
+
+    def _forward(self, items: list[Patches]) -> list[torch.Tensor]:
+        model = self.model
+        grids = [p.grid_thw for p in items]
+        layout = model.layout(grids)
+        if len(items) == 1:
+            pixels = items[0].pixel_values
+        else:
+            # One staging buffer (pinned when the model is on CUDA, so the upload is asynchronous).
+            total = sum(p.pixel_values.shape[0] for p in items)
+            pin = model.device.type == "cuda"
+            pixels = torch.empty((total, model.config.patch_dim), dtype=torch.float32, pin_memory=pin)
+            offset = 0
+            for p in items:
+                n = p.pixel_values.shape[0]
+                pixels[offset : offset + n].copy_(p.pixel_values)  # [n, patch_dim]
+                offset += n
+        with torch.inference_mode():
+            out = model.forward_layout(pixels, layout)  # [N // unit, out_hidden]
+            out = out.to(self.output_device)
+        unit = model.config.merge_unit
+        sizes = [t * h * w // unit for t, h, w in grids]
+        # Clone so one kept embedding does not pin the whole batch's output buffer.
+        return [part.clone() for part in out.split(sizes)] if len(items) > 1 else [out]

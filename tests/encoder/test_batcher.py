@@ -1,0 +1,179 @@
+"""EncodeBatcher: batched equals alone, budget and wait policy, failure isolation, back-pressure."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from encoder.batcher import EncodeBatcher, QueueFull
+from encoder.checkpoint import random_encoder
+from encoder.config import VisionConfig
+from encoder.model import VisionTransformer
+from media_io.preprocess import Patches
+
+CFG = VisionConfig(
+    depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=16,
+    window_size=56, fullatt_block_indexes=(1,),
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model() -> VisionTransformer:
+    return random_encoder(CFG, seed=11)
+
+
+def patches(grid: tuple[int, int, int], seed: int) -> Patches:
+    gen = torch.Generator().manual_seed(seed)
+    t, h, w = grid
+    return Patches(torch.randn(t * h * w, 1176, generator=gen), grid)
+
+
+def alone(model: VisionTransformer, p: Patches) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(p.pixel_values, torch.tensor([p.grid_thw]))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_batched_equals_alone_images_and_video(model: VisionTransformer) -> None:
+    items = [patches((1, 8, 12), 0), patches((3, 4, 6), 1), patches((1, 6, 10), 2), patches((2, 4, 4), 3)]
+
+    async def run() -> list:
+        async with EncodeBatcher(model, patch_budget=4096, max_wait_ms=200) as b:
+            return await asyncio.gather(*(b.encode_timed(p) for p in items))
+
+    results = asyncio.run(run())
+    assert [r.batch_items for r in results] == [4, 4, 4, 4]
+    for r, p in zip(results, items, strict=True):
+        ref = alone(model, p)
+        assert r.embedding.shape == ref.shape == (p.pixel_values.shape[0] // 4, 16)
+        assert rel_err(r.embedding, ref) <= 1e-5
+
+
+def test_budget_splits_batches_in_order(model: VisionTransformer) -> None:
+    items = [patches((1, 8, 8), i) for i in range(5)]  # 64 patches each
+
+    async def run() -> tuple[list, object]:
+        async with EncodeBatcher(model, patch_budget=128, max_wait_ms=100) as b:
+            res = await asyncio.gather(*(b.encode_timed(p) for p in items))
+            return res, b.stats()
+
+    results, stats = asyncio.run(run())
+    assert [r.batch_items for r in results] == [2, 2, 2, 2, 1]
+    assert stats.batches == 3 and stats.items == 5 and stats.patches == 320
+    assert stats.queue_items == 0 and stats.queue_patches == 0
+    for r, p in zip(results, items, strict=True):
+        assert rel_err(r.embedding, alone(model, p)) <= 1e-5
+
+
+def test_oversized_item_runs_alone(model: VisionTransformer) -> None:
+    big, small = patches((1, 16, 16), 0), patches((1, 4, 4), 1)
+
+    async def run() -> list:
+        async with EncodeBatcher(model, patch_budget=64, max_wait_ms=50) as b:
+            return await asyncio.gather(b.encode_timed(big), b.encode_timed(small))
+
+    r_big, r_small = asyncio.run(run())
+    assert r_big.batch_items == 1 and r_small.batch_items == 1
+    assert rel_err(r_big.embedding, alone(model, big)) <= 1e-5
+
+
+def test_full_budget_does_not_wait(model: VisionTransformer) -> None:
+    async def run() -> float:
+        async with EncodeBatcher(model, patch_budget=64, max_wait_ms=5000) as b:
+            t0 = time.perf_counter()
+            await b.encode(patches((1, 8, 8), 0))  # exactly one budget
+            return time.perf_counter() - t0
+
+    assert asyncio.run(run()) < 2.0
+
+
+def test_lone_item_waits_at_most_max_wait(model: VisionTransformer) -> None:
+    async def run() -> float:
+        async with EncodeBatcher(model, patch_budget=10_000, max_wait_ms=50) as b:
+            return (await b.encode_timed(patches((1, 4, 4), 0))).queue_ms
+
+    queue_ms = asyncio.run(run())
+    assert 40 <= queue_ms < 2000
+
+
+def test_failing_item_fails_only_itself(model: VisionTransformer) -> None:
+    good = [patches((1, 4, 4), 0), patches((2, 4, 4), 1)]
+    # A tensor with no data: passes the shape checks, fails inside the forward (real failure, no mock).
+    bad = Patches(torch.empty(16, 1176, device="meta"), (1, 4, 4))
+
+    async def run() -> tuple[list, object]:
+        async with EncodeBatcher(model, patch_budget=4096, max_wait_ms=200) as b:
+            res = await asyncio.gather(
+                b.encode_timed(good[0]), b.encode_timed(bad), b.encode_timed(good[1]), return_exceptions=True
+            )
+            after = await b.encode(good[0])  # the batcher survives
+            return [*res, after], b.stats()
+
+    (r0, r_bad, r1, after), stats = asyncio.run(run())
+    assert isinstance(r_bad, Exception)
+    assert r0.batch_items == 3 and r1.batch_items == 3
+    assert rel_err(r0.embedding, alone(model, good[0])) <= 1e-5
+    assert rel_err(r1.embedding, alone(model, good[1])) <= 1e-5
+    assert torch.equal(after, r0.embedding) or rel_err(after, r0.embedding) <= 1e-5
+    assert stats.failed_items == 1 and stats.retried_batches == 1
+
+
+def test_bad_shapes_rejected_before_queueing(model: VisionTransformer) -> None:
+    async def run() -> None:
+        async with EncodeBatcher(model) as b:
+            with pytest.raises(ValueError, match="does not match grid_thw"):
+                await b.encode(Patches(torch.zeros(15, 1176), (1, 4, 4)))
+            with pytest.raises(ValueError, match="whole merge groups"):
+                await b.encode(Patches(torch.zeros(12, 1176), (1, 3, 4)))
+            assert b.stats().queue_items == 0
+
+    asyncio.run(run())
+
+
+def test_queue_full_and_stop_fails_pending(model: VisionTransformer) -> None:
+    async def run() -> None:
+        b = EncodeBatcher(model, patch_budget=64, max_wait_ms=10_000, max_queue_patches=40)
+        await b.start()
+        first = asyncio.ensure_future(b.encode(patches((1, 4, 4), 0)))  # 16 patches, waits for companions
+        second = asyncio.ensure_future(b.encode(patches((1, 4, 4), 1)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(QueueFull, match="32 patches queued"):
+            await b.encode(patches((1, 4, 4), 2))
+        await b.stop()
+        for f in (first, second):
+            with pytest.raises(RuntimeError, match="stopped"):
+                await f
+
+    asyncio.run(run())
+
+
+def test_event_loop_stays_responsive_during_forward(model: VisionTransformer) -> None:
+    async def run() -> tuple[float, float]:
+        async with EncodeBatcher(model, patch_budget=100_000, max_wait_ms=0) as b:
+            gaps: list[float] = []
+            done = False
+
+            async def ticker() -> None:
+                last = time.perf_counter()
+                while not done:
+                    await asyncio.sleep(0.002)
+                    now = time.perf_counter()
+                    gaps.append(now - last)
+                    last = now
+
+            tick = asyncio.create_task(ticker())
+            t0 = time.perf_counter()
+            await b.encode(patches((4, 32, 32), 0))  # 4096 patches: a forward of many ms
+            elapsed = time.perf_counter() - t0
+            done = True
+            await tick
+            return max(gaps), elapsed
+
+    max_gap, elapsed = asyncio.run(run())
+    assert max_gap < max(0.5 * elapsed, 0.05), (max_gap, elapsed)
