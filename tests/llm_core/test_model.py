@@ -1,8 +1,8 @@
 """MiMoForCausalLM parity: dense and paged forward vs transformers' MiMoV2FlashForCausalLM, chunked
 prefill vs one chunk, decode steps vs dense, and a mixed batch vs each sequence alone.
 
-Pools are built here with the agreed layout (k [N, page, Hkv, D], v [N, page, Hkv, Dv] per layer)
-and page tables are deliberately non-contiguous (shuffled physical pages), so an indexing slip in
+KV lives in the real DualKVCache (poisoned with NaN); pages are handed out here from shuffled free
+lists rather than by the allocator, so page tables are deliberately non-contiguous (shuffled physical pages), so an indexing slip in
 the slot or table math cannot cancel out.
 """
 
@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from llm_core.attention_batch import SimpleLayerKV, build_attention_batch
+from llm_core.attention_batch import build_attention_batch
 from llm_core.checkpoint import LoadedLLM, load_llm
 from llm_core.config import MiMoConfig
+from llm_core.kv_pool import DualKVCache, KVLayout
 from llm_core.model import MiMoForCausalLM
 
 PAGE = 16
@@ -28,19 +29,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-class TensorKV:
-    """Per-layer page pools of the agreed shapes; poisoned with NaN so unwritten slots are loud."""
-
-    def __init__(self, config: MiMoConfig, num_pages: int, page_size: int = PAGE) -> None:
-        self.layers = []
-        for i in range(config.num_hidden_layers):
-            hkv = config.num_kv_heads(i)
-            k = torch.full((num_pages, page_size, hkv, config.head_dim), float("nan"))
-            v = torch.full((num_pages, page_size, hkv, config.v_head_dim), float("nan"))
-            self.layers.append(SimpleLayerKV(k, v, not config.is_full_layer(i)))
-
-    def layer(self, i: int) -> SimpleLayerKV:
-        return self.layers[i]
+def make_kv(config: MiMoConfig, num_pages: int) -> DualKVCache:
+    """The real dual pool, poisoned with NaN so a read of a slot nobody wrote is loud."""
+    kv = DualKVCache(KVLayout.from_model_config(config, torch.float32), num_pages, num_pages, PAGE)
+    for i in range(kv.num_layers):
+        kv.layer(i).k.fill_(float("nan"))
+        kv.layer(i).v.fill_(float("nan"))
+    return kv
 
 
 class PagedSeq:
@@ -74,7 +69,7 @@ def free_lists(num_pages: int, seed: int) -> tuple[list[int], list[int]]:
 
 
 def step(
-    model: MiMoForCausalLM, kv: TensorKV, seqs: list[PagedSeq], chunks: list[torch.Tensor]
+    model: MiMoForCausalLM, kv: DualKVCache, seqs: list[PagedSeq], chunks: list[torch.Tensor]
 ) -> torch.Tensor:
     """Run one packed step; each seq appends its chunk. Returns hidden [T, hidden]."""
     lens, news = [], []
@@ -120,7 +115,7 @@ def test_paged_prefill_matches_transformers(loaded: LoadedLLM, tiny_mimo_hf: Any
     ids = prompt(45, seed=1)
     with torch.no_grad():
         ref = tiny_mimo_hf(ids[None]).logits[0]
-    kv = TensorKV(loaded.config, num_pages=8)
+    kv = make_kv(loaded.config, 8)
     seq = PagedSeq(*free_lists(8, seed=0))
     hidden = step(loaded.model, kv, [seq], [ids])
     logits = loaded.model.compute_logits(hidden)
@@ -131,8 +126,8 @@ def test_paged_prefill_matches_transformers(loaded: LoadedLLM, tiny_mimo_hf: Any
 def test_chunked_prefill_equals_one_chunk(loaded: LoadedLLM, chunk_sizes: tuple[int, ...]) -> None:
     ids = prompt(sum(chunk_sizes), seed=2)
     model = loaded.model
-    one = step(model, TensorKV(loaded.config, 8), [PagedSeq(*free_lists(8, 1))], [ids])
-    kv = TensorKV(loaded.config, 8)
+    one = step(model, make_kv(loaded.config, 8), [PagedSeq(*free_lists(8, 1))], [ids])
+    kv = make_kv(loaded.config, 8)
     seq = PagedSeq(*free_lists(8, 2))
     parts, start = [], 0
     for n in chunk_sizes:
@@ -145,7 +140,7 @@ def test_chunked_prefill_equals_one_chunk(loaded: LoadedLLM, chunk_sizes: tuple[
 def test_decode_steps_match_dense_with_swa_pages_freed(loaded: LoadedLLM) -> None:
     model, window = loaded.model, loaded.config.sliding_window
     ids = prompt(60, seed=4)
-    kv = TensorKV(loaded.config, 8)
+    kv = make_kv(loaded.config, 8)
     seq = PagedSeq(*free_lists(8, 3))
     step(model, kv, [seq], [ids[:30]])
     for pos in range(30, 60):
@@ -154,7 +149,7 @@ def test_decode_steps_match_dense_with_swa_pages_freed(loaded: LoadedLLM) -> Non
         first_needed = pos - window + 1
         for i, page in enumerate(seq.swa[: max(0, first_needed) // PAGE]):
             if page is not None:
-                for lk in kv.layers:
+                for lk in (kv.layer(j) for j in range(kv.num_layers)):
                     if lk.is_swa:
                         lk.k[page].fill_(float("nan"))
                         lk.v[page].fill_(float("nan"))
@@ -169,7 +164,7 @@ def test_decode_steps_match_dense_with_swa_pages_freed(loaded: LoadedLLM) -> Non
 def test_mixed_batch_equals_each_sequence_alone(loaded: LoadedLLM) -> None:
     """One step with a decode, a first prefill chunk and a later prefill chunk equals dense per sequence."""
     model = loaded.model
-    kv = TensorKV(loaded.config, 24)
+    kv = make_kv(loaded.config, 24)
     full_free, swa_free = free_lists(24, 5)
     seqs = [PagedSeq(full_free, swa_free) for _ in range(3)]
     ids = [prompt(34, seed=10), prompt(21, seed=11), prompt(40, seed=12)]
@@ -187,8 +182,8 @@ def test_mixed_batch_equals_each_sequence_alone(loaded: LoadedLLM) -> None:
 
 def test_embed_then_input_embeds_is_same_as_ids(loaded: LoadedLLM) -> None:
     model, ids = loaded.model, prompt(19, seed=7)
-    a = step(model, TensorKV(loaded.config, 4), [PagedSeq(*free_lists(4, 0))], [ids])
-    kv = TensorKV(loaded.config, 4)
+    a = step(model, make_kv(loaded.config, 4), [PagedSeq(*free_lists(4, 0))], [ids])
+    kv = make_kv(loaded.config, 4)
     seq = PagedSeq(*free_lists(4, 0))
     seq.grow(19)
     batch = build_attention_batch([19], [19], [seq.full], [seq.swa], PAGE)
