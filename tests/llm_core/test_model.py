@@ -1,9 +1,9 @@
 """MiMoForCausalLM parity: dense and paged forward vs transformers' MiMoV2FlashForCausalLM, chunked
 prefill vs one chunk, decode steps vs dense, and a mixed batch vs each sequence alone.
 
-KV lives in the real DualKVCache (poisoned with NaN); pages are handed out here from shuffled free
-lists rather than by the allocator, so page tables are deliberately non-contiguous (shuffled physical pages), so an indexing slip in
-the slot or table math cannot cancel out.
+KV lives in the real DualKVCache (poisoned with NaN). Pages are handed out here from shuffled free
+lists rather than by the allocator, so page tables are deliberately non-contiguous and an indexing
+slip in the slot or table math cannot cancel out.
 """
 
 from __future__ import annotations
