@@ -40,24 +40,25 @@ def priority_score(num_tokens: int, hit: int, waited_s: float, w: PriorityWeight
 def fair_split(demands: list[int], budget: int, start: int = 0) -> list[int]:
     """Max-min fair shares of ``budget`` for ``demands`` (each share <= its demand).
 
-    Leftover single tokens from integer division go to buckets in round-robin order from
-    ``start`` so no bucket is always last.
+    Water-filling: the smallest demands are met in full while they are below an equal share of
+    what is left; the rest split it evenly. Leftover single tokens from integer division go
+    round-robin from bucket ``start`` so no bucket is always last.
     """
     n = len(demands)
     grant = [0] * n
     left = budget
-    open_ = [i for i in range(n) if demands[i] > 0]
-    while left > 0 and open_:
-        share, extra = divmod(left, len(open_))
-        order = open_[start % len(open_) :] + open_[: start % len(open_)]
-        still_open = []
-        for k, i in enumerate(order):
-            give = min(demands[i] - grant[i], share + (1 if k < extra else 0))
-            grant[i] += give
-            left -= give
-            if grant[i] < demands[i]:
-                still_open.append(i)
-        open_ = sorted(still_open)
+    open_ = sorted((i for i in range(n) if demands[i] > 0), key=lambda i: demands[i])
+    for k, i in enumerate(open_):
+        share = left // (len(open_) - k)
+        if demands[i] <= share:
+            grant[i] = demands[i]
+            left -= demands[i]
+            continue
+        # Every remaining demand exceeds the equal share (they are sorted): split evenly.
+        rest = sorted(open_[k:], key=lambda j: (j - start) % n)
+        for r, j in enumerate(rest):
+            grant[j] = share + (1 if r < left - share * len(rest) else 0)
+        break
     return grant
 
 
