@@ -9,6 +9,7 @@ import sys
 # subcommand -> (module, help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("epd.serve_cmd", "start ingress, encoder workers and the LLM engine on this machine"),
+    "cache": ("epd.cache_cmd", "inspect and manage the node embedding cache"),
 }
 
 
