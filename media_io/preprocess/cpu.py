@@ -11,7 +11,6 @@ resizing, so several executor threads can share one instance.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,10 +23,6 @@ from media_io.image import to_rgb
 from media_io.preprocess.decode import decode_for_target
 from media_io.preprocess.patchify import Patches, patchify_uint8
 from media_io.preprocess.resize import smart_resize
-
-# np.asarray(PIL image) is read-only; torch warns when wrapping it. We only ever read from the
-# wrapped tensor (patchify copies), so the warning is noise.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
 class CpuBackend:
@@ -84,7 +79,9 @@ class CpuBackend:
     def _resized_patches(self, img: Image.Image, target: tuple[int, int]) -> Patches:
         th, tw = target
         img = _resize(img, th, tw)
-        pixels = torch.from_numpy(np.asarray(img))  # [H, W, 3] uint8, read-only view
+        # np.array, not asarray: Pillow hands out a read-only buffer that torch refuses to wrap
+        # silently; the copy is one memcpy of the uint8 image, small next to the resize.
+        pixels = torch.from_numpy(np.array(img))  # [H, W, 3] uint8
         return patchify_uint8(pixels.unsqueeze(0), self.cfg)
 
 

@@ -117,7 +117,7 @@ class DaliBackend:
         try:
             return self._run_images("encoded", [np.frombuffer(data, dtype=np.uint8)], [target])[0]
         except RuntimeError as exc:  # DALI reports decoder failures as RuntimeError
-            raise BadMedia(f"corrupt or truncated jpeg image: {_first_line(exc)}", item) from exc
+            raise BadMedia(f"corrupt or truncated jpeg image: {_dali_reason(exc)}", item) from exc
 
     def video(self, frames: np.ndarray, item: str | None = None) -> Patches:
         if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or frames.shape[0] == 0:
@@ -138,7 +138,7 @@ class DaliBackend:
             "size": [np.array([th, tw], dtype=np.float32)],
             "shape": [shape],
         }
-        out = self._pipe("frames").run(feeds)
+        out = self._run("frames", feeds)
         return Patches(self._to_torch(out, 0), (gt, th // p, tw // p))
 
     # ---------------------------------------------------------------------------------- helpers
@@ -158,7 +158,7 @@ class DaliBackend:
                 np.array([3, th // p // m, m, p, tw // p // m, m, p], dtype=np.int32) for th, tw in targets
             ],
         }
-        out = self._pipe(source).run(feeds)
+        out = self._run(source, feeds)
         return [Patches(self._to_torch(out, i), (1, th // p, tw // p)) for i, (th, tw) in enumerate(targets)]
 
     def _to_torch(self, out: Any, i: int) -> torch.Tensor:
@@ -190,6 +190,18 @@ class DaliBackend:
         if img.mode not in ("RGB", "L") or width * height > limits.max_image_pixels or width * height <= 0:
             return None
         return (width, height) if orientation in _TRANSPOSING_ORIENTATIONS else (height, width)
+
+    def _run(self, source: str, feeds: dict[str, list[np.ndarray]]) -> Any:
+        pipe = self._pipe(source)
+        try:
+            return pipe.run(feeds)
+        except RuntimeError:
+            # DALI declares a pipeline that raised "no longer valid": drop it, the next call
+            # builds a fresh one. Only the failing request sees the error.
+            with self._build_lock:
+                if self._pipes.get(source) is pipe:
+                    del self._pipes[source]
+            raise
 
     def _pipe(self, source: str) -> _Pipe:
         pipe = self._pipes.get(source)
@@ -269,6 +281,11 @@ def _build_pipeline(
     return pipe
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+def _dali_reason(exc: BaseException) -> str:
+    """The informative part of a DALI error (it wraps the cause in pipeline boilerplate)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if "encountered:" in lines:
+        rest = lines[lines.index("encountered:") + 1 :]
+        if rest:
+            return rest[0].rstrip(" :")
+    return lines[0] if lines else type(exc).__name__

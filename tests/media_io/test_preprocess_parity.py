@@ -1,0 +1,223 @@
+"""Both backends against transformers' Qwen2-VL processors (PIL and torchvision variants).
+
+Parity bar for every case: identical ``grid_thw``; mean |diff| <= 0.01 and max |diff| <= 0.15 in
+normalized units (one uint8 level is ~0.015). Images are synthetic but camera-like: smooth colour
+fields, hard-edged shapes, sensor noise and a lens-like blur (media_io.preprocess.synthetic).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import Qwen2VLImageProcessor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from media_io.config import MediaLimits, PreprocessConfig
+from media_io.errors import BadMedia, MediaTooLarge
+from media_io.image import decode_image
+from media_io.preprocess import Patches, PreprocessBackend, get_backend
+from media_io.preprocess.cpu import CpuBackend
+from media_io.preprocess.decode import decode_for_target
+from media_io.preprocess.synthetic import encode, synthetic_photo
+
+MEAN_TOL, MAX_TOL = 0.01, 0.15
+BACKENDS = ["cpu", "dali"]
+
+# (width, height): extremes near 200:1, portrait, 4K, and sizes that hit min_pixels / max_pixels.
+SIZES = [
+    (28, 28),  # tiny: scaled up to min_pixels (56x56)
+    (100, 50),  # below min_pixels
+    (2000, 10),  # exactly 200:1, landscape
+    (11, 2000),  # ~182:1, portrait
+    (3000, 16),  # ~188:1, sides below one patch
+    (640, 480),
+    (480, 640),  # portrait
+    (333, 777),  # odd sides
+    (1920, 1080),  # above max_pixels
+    (1080, 1920),  # portrait, above max_pixels
+    (1283, 1283),  # square, above max_pixels
+    (3840, 2160),  # 4K UHD
+    (4032, 3024),  # 12 Mpx phone photo
+]
+
+
+@cache
+def photo(width: int, height: int) -> Image.Image:
+    return synthetic_photo(width, height, seed=width * 7 + height)
+
+
+@cache
+def jpeg(width: int, height: int) -> bytes:
+    return encode(photo(width, height))
+
+
+@cache
+def _processors() -> dict[str, Any]:
+    return {"pil": Qwen2VLImageProcessorPil(), "torchvision": Qwen2VLImageProcessor()}
+
+
+def reference(img: Image.Image, kind: str = "pil") -> Patches:
+    out = _processors()[kind](images=img, return_tensors="pt")
+    return Patches(out["pixel_values"], tuple(out["image_grid_thw"][0].tolist()))
+
+
+@cache
+def reference_for(width: int, height: int, kind: str) -> Patches:
+    return reference(photo(width, height), kind)
+
+
+def assert_parity(got: Patches, ref: Patches, mean_tol: float = MEAN_TOL, max_tol: float = MAX_TOL) -> None:
+    assert got.grid_thw == ref.grid_thw
+    assert got.pixel_values.shape == ref.pixel_values.shape
+    assert got.pixel_values.dtype == torch.float32 and got.pixel_values.is_contiguous()
+    diff = (got.pixel_values.cpu() - ref.pixel_values).abs()
+    assert diff.mean().item() <= mean_tol, f"mean |diff| {diff.mean().item():.4f}"
+    assert diff.max().item() <= max_tol, f"max |diff| {diff.max().item():.4f}"
+
+
+@pytest.mark.parametrize("kind", ["pil", "torchvision"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("width", "height"), SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
+def test_image_parity(width: int, height: int, backend: str, kind: str) -> None:
+    got = get_backend(backend).image(photo(width, height))
+    assert_parity(got, reference_for(width, height, kind))
+
+
+JPEG_SIZES = [(28, 28), (2000, 10), (640, 480), (333, 777), (1920, 1080), (3840, 2160), (4032, 3024)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("width", "height"), JPEG_SIZES, ids=[f"{w}x{h}" for w, h in JPEG_SIZES])
+def test_jpeg_bytes_parity_decode_included(width: int, height: int, backend: str) -> None:
+    data = jpeg(width, height)
+    # The reference decodes with Pillow at full size, as a client of transformers would.
+    ref = reference(Image.open(io.BytesIO(data)))
+    assert_parity(get_backend(backend).image_bytes(data, item="img"), ref)
+
+
+def test_jpeg_draft_decodes_at_reduced_scale_only_when_target_fits() -> None:
+    backend = CpuBackend()
+    big, _ = decode_for_target(jpeg(4032, 3024), backend.target)
+    assert big.size == (2016, 1512)  # 1/2 DCT scale; the target 1148x840 still fits
+    small, target = decode_for_target(jpeg(1920, 1080), backend.target)
+    assert small.size == (1920, 1080) and target == (728, 1316)  # 1/2 would undershoot 1316x728
+
+
+def test_exact_path_without_draft_on_harsh_content() -> None:
+    # Unblurred noise and aliased edges are where a reduced IDCT differs most from bicubic:
+    # with draft off the cpu backend equals the reference up to float rounding.
+    img = synthetic_photo(2400, 1800, seed=5, noise=12.0, blur=0.0)
+    data = encode(img)
+    got = CpuBackend(jpeg_draft=False).image_bytes(data)
+    assert_parity(got, reference(Image.open(io.BytesIO(data))), mean_tol=1e-6, max_tol=1e-5)
+
+
+def _with_exif_orientation(img: Image.Image, orientation: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=90, exif=exif)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("width", "height"), [(640, 360), (2400, 1600)])  # plain and drafted decode
+def test_exif_rotation_matches_upright_reference(backend: str, width: int, height: int) -> None:
+    data = _with_exif_orientation(photo(width, height), 6)  # stored landscape, shown portrait
+    upright = decode_image(data)
+    assert upright.size == (height, width)
+    got = get_backend(backend).image_bytes(data)
+    assert got.grid_thw[1] > got.grid_thw[2]  # portrait grid
+    assert_parity(got, reference(upright))
+
+
+def _rgba_png() -> bytes:
+    rgba = photo(320, 240).convert("RGBA")
+    alpha = Image.linear_gradient("L").resize(rgba.size)
+    rgba.putalpha(alpha)
+    return encode(rgba, "PNG")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "make",
+    [_rgba_png, lambda: encode(photo(300, 200), "GIF"), lambda: encode(photo(300, 200), "BMP")],
+    ids=["png-rgba", "gif", "bmp"],
+)
+def test_non_jpeg_formats_match_reference(backend: str, make: Callable[[], bytes]) -> None:
+    data = make()
+    # The reference sees the undecoded-by-us file through Pillow (alpha composited on white).
+    ref = reference(Image.open(io.BytesIO(data)))
+    assert_parity(get_backend(backend).image_bytes(data), ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batched_equals_one_by_one(backend: str) -> None:
+    be: PreprocessBackend = get_backend(backend)
+    sizes = [
+        (64, 48),
+        (640, 480),
+        (28, 28),
+        (300, 90),
+        (90, 300),
+        (640, 480),
+        (500, 500),
+        (56, 56),
+        (120, 40),
+    ]
+    imgs = [photo(w, h) for w, h in sizes]  # 9 images: more than one DALI batch of 8
+    batched = be.images(imgs)
+    assert len(batched) == len(imgs)
+    for img, got in zip(imgs, batched, strict=True):
+        one = be.image(img)
+        assert got.grid_thw == one.grid_thw
+        assert torch.equal(got.pixel_values, one.pixel_values)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_inputs_raise_typed_errors_and_backend_survives(backend: str) -> None:
+    be: PreprocessBackend = get_backend(backend)
+    data = jpeg(640, 480)
+    with pytest.raises(BadMedia, match="corrupt or truncated jpeg") as info:
+        be.image_bytes(data[: len(data) // 2], item="images[1]")
+    assert info.value.item == "images[1]"
+    with pytest.raises(BadMedia, match="aspect ratio"):
+        be.image(Image.new("RGB", (3000, 10)), item="wide")
+    with pytest.raises(BadMedia, match="aspect ratio"):
+        be.image_bytes(encode(Image.new("RGB", (10, 3000))), item="tall")
+    with pytest.raises(MediaTooLarge):
+        be.image_bytes(data, MediaLimits(max_image_pixels=640 * 480 - 1))
+    # The next request is unaffected.
+    assert_parity(be.image_bytes(data), reference(Image.open(io.BytesIO(data))))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_frames", [3, 4])
+def test_video_frames_at_target_are_not_resized(backend: str, num_frames: int) -> None:
+    cfg = PreprocessConfig()
+    frames = np.stack([np.asarray(photo(364, 308 + i))[:308] for i in range(num_frames)])  # [T, 308, 364, 3]
+    be: PreprocessBackend = get_backend(backend)
+    got = be.video(frames)
+    assert got.grid_thw == ((num_frames + 1) // 2, 22, 26)
+    # Already at smart_resize's target: the result is exactly normalize + patchify of the input.
+    expected = get_backend("cpu", cfg).video(frames)
+    torch.testing.assert_close(got.pixel_values.cpu(), expected.pixel_values, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_video_frames_off_target_are_resized_like_the_reference(backend: str) -> None:
+    from transformers import Qwen2VLVideoProcessor
+
+    frames = np.stack([np.asarray(photo(320, 240 + i))[:240] for i in range(5)])  # [5, 240, 320, 3]
+    ref = Qwen2VLVideoProcessor()(
+        videos=[torch.from_numpy(frames).permute(0, 3, 1, 2)], return_tensors="pt", cap_pixels_per_frame=False
+    )
+    got = get_backend(backend).video(frames)
+    assert_parity(got, Patches(ref["pixel_values_videos"], tuple(ref["video_grid_thw"][0].tolist())))
