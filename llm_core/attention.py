@@ -11,7 +11,8 @@ Semantics (identical in every backend):
 head ``h // (H // Hkv)``.
 
 Backends: :func:`paged_attention_torch` (gathers each sequence's pages and runs a masked softmax in
-fp32; the CPU path and the reference) and the Triton kernels in ``triton_attention`` (prefill: varlen
+fp32; the CPU path and the reference), :func:`paged_decode_torch` (the same, batched over sequences
+for single-token steps) and the Triton kernels in ``triton_attention`` (prefill: varlen
 queries; decode: one query per sequence), chosen by :func:`paged_attention` when the tensors are on
 CUDA. Both return [T, H, Dv] in q's dtype.
 """
@@ -113,6 +114,57 @@ def paged_attention_torch(
     return out
 
 
+def paged_decode_torch(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    window: int | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """Torch decode, batched over sequences: q [B, H, D] (query b at seq_lens[b] - 1) -> [B, H, Dv].
+
+    Every sequence reads the same number P of pages starting at its first needed page; shorter
+    ones are padded with page 0 and masked, so the whole step is a few batched ops:
+
+        seq b:  logical pages p0_b .. p0_b + P - 1     (p0_b = kv_start_b // page)
+                keys allowed: kv_start_b <= pos <= seq_len_b - 1
+    """
+    page_size = k_cache.shape[1]
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv = k_cache.shape[2]
+    group = num_heads // num_kv
+    q_pos = seq_lens.to(torch.int64) - 1  # [B]
+    kv_start = torch.zeros_like(q_pos) if window is None else (q_pos - window + 1).clamp(min=0)
+    p0 = kv_start // page_size  # [B]
+    last_page = q_pos // page_size  # [B]
+    num_pages = int((last_page - p0).max()) + 1
+    logical = p0[:, None] + torch.arange(num_pages, device=q.device)[None, :]  # [B, P]
+    in_range = logical <= last_page[:, None]
+    phys = page_table.to(torch.int64).gather(1, torch.minimum(logical, last_page[:, None]))
+    assert bool((phys[in_range] >= 0).all()), "a page inside some query's window is not resident"
+    phys = torch.where(in_range, phys, 0)
+    k = k_cache[phys].flatten(1, 2).float()  # [B, P*page, Hkv, D]
+    v = v_cache[phys].flatten(1, 2).float()  # [B, P*page, Hkv, Dv]
+    k_pos = (logical[:, :, None] * page_size + torch.arange(page_size, device=q.device)).flatten(1)  # [B, M]
+    allowed = (k_pos >= kv_start[:, None]) & (k_pos <= q_pos[:, None])  # [B, M]
+    # Padding and stale slots may hold anything (even NaN): zero them so 0-probability * value = 0.
+    k = k.masked_fill(~allowed[:, :, None, None], 0.0)
+    v = v.masked_fill(~allowed[:, :, None, None], 0.0)
+    qf = q.float().view(num_seqs, num_kv, group, head_dim)
+    scores = torch.einsum("bhgd,bmhd->bhgm", qf, k) * scale  # [B, Hkv, G, M]
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    if sinks is not None:
+        sink_col = sinks.float().view(1, num_kv, group, 1).expand(num_seqs, num_kv, group, 1)
+        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgm,bmhe->bhge", probs, v)  # [B, Hkv, G, Dv]
+    return out.reshape(num_seqs, num_heads, -1).to(q.dtype)
+
+
 def paged_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -134,6 +186,8 @@ def paged_attention(
     if backend is None:
         backend = "triton" if q.is_cuda else "torch"
     if backend == "torch":
+        if max_seqlen_q == 1 and q.shape[0] == seq_lens.shape[0]:
+            return paged_decode_torch(q, k_cache, v_cache, page_table, seq_lens, scale, window, sinks)
         return paged_attention_torch(
             q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens, scale, window, sinks
         )

@@ -15,7 +15,13 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from llm_core.attention import masked_attention, paged_attention, paged_attention_torch, write_kv
+from llm_core.attention import (
+    masked_attention,
+    paged_attention,
+    paged_attention_torch,
+    paged_decode_torch,
+    write_kv,
+)
 
 PAGE = 16
 
@@ -229,3 +235,18 @@ def test_triton_decode_matches_torch(window: int | None, with_sinks: bool) -> No
         backend="triton",
     ).cpu()
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 1, 11, 33])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_batched_torch_decode_matches_per_sequence(window: int | None, with_sinks: bool) -> None:
+    case = make_case([1, 17, 45, 64, 33], [1] * 5, heads=6, kv_heads=2, window=window, seed=9)
+    sinks = torch.randn(6, generator=torch.Generator().manual_seed(10)) if with_sinks else None
+    scale = 32**-0.5
+    args = (case.k_cache, case.v_cache, case.table)
+    loop = paged_attention_torch(case.q, *args, case.cu, case.seq_lens, scale, window, sinks)
+    batched = paged_decode_torch(case.q, *args, case.seq_lens, scale, window, sinks)
+    assert not batched.isnan().any()
+    torch.testing.assert_close(batched, loop, rtol=1e-5, atol=1e-6)
+    dispatched = paged_attention(case.q, *args, case.cu, case.seq_lens, 1, scale, window, sinks)
+    assert torch.equal(dispatched, batched)
