@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,3 +107,20 @@ def test_dual_kv_cache_layers_use_their_pool_shapes() -> None:
     plan = plan_pools(layout, KVCacheConfig(memory_budget_bytes=1 << 20, page_size=4))
     assert (sized.full_pages.num_pages, sized.swa_pages.num_pages) == plan[:2]
     kv.check_integrity()
+
+
+def test_kv_capacity_bench_quick_dual_pool_beats_uniform(tmp_path: Path) -> None:
+    import json
+
+    from bench import kv_capacity
+
+    out = tmp_path / "kv.json"
+    summary = kv_capacity.main(["--quick", "--json", str(out)])
+    assert summary["capacity_ratio_32k"] >= 6.0  # type: ignore[operator]
+    doc = json.loads(out.read_text())
+    for row in doc["results"]:
+        # The allocator agrees with the closed form up to whole-sequence rounding.
+        assert (
+            row["dual_seqs"] >= 1
+            and abs(row["ratio"] - row["closed_form_ratio"]) / row["closed_form_ratio"] < 0.15
+        )
