@@ -190,6 +190,13 @@ def load_llm(
         config = MiMoConfig.from_pretrained_dir(model_dir)
     except ConfigError as e:
         raise CheckpointError(f"{model_dir}/config.json: {e}") from e
+    quant = config.extra.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise CheckpointError(
+            f"{model_dir}/config.json: quantized checkpoints (quant_method={method!r}) are not supported;"
+            " convert the weights to bf16/fp32 first"
+        )
     with torch.device("meta"):  # no throw-away random init of a possibly large model
         skeleton = MiMoForCausalLM(config)
     model = skeleton.to_empty(device="cpu").to(dtype)

@@ -213,3 +213,12 @@ def test_config_errors_name_the_field(edit: dict[str, object], field: str) -> No
         base["mlp_layer_types"] = ["dense", "sparse"]
     with pytest.raises(ConfigError, match=field):
         MiMoConfig.from_hf_dict(base)
+
+
+def test_quantized_checkpoint_is_refused_by_name(tiny_mimo_dir: Path, tmp_path: Path) -> None:
+    d = copy_ckpt(tiny_mimo_dir, tmp_path / "c")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="quant_method='fp8'"):
+        load_llm(d)
