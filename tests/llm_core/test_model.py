@@ -29,9 +29,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def make_kv(config: MiMoConfig, num_pages: int) -> DualKVCache:
+def make_kv(
+    config: MiMoConfig, num_pages: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> DualKVCache:
     """The real dual pool, poisoned with NaN so a read of a slot nobody wrote is loud."""
-    kv = DualKVCache(KVLayout.from_model_config(config, torch.float32), num_pages, num_pages, PAGE)
+    layout = KVLayout.from_model_config(config, dtype)
+    kv = DualKVCache(layout, num_pages, num_pages, PAGE, dtype, device)
     for i in range(kv.num_layers):
         kv.layer(i).k.fill_(float("nan"))
         kv.layer(i).v.fill_(float("nan"))
@@ -69,7 +72,11 @@ def free_lists(num_pages: int, seed: int) -> tuple[list[int], list[int]]:
 
 
 def step(
-    model: MiMoForCausalLM, kv: DualKVCache, seqs: list[PagedSeq], chunks: list[torch.Tensor]
+    model: MiMoForCausalLM,
+    kv: DualKVCache,
+    seqs: list[PagedSeq],
+    chunks: list[torch.Tensor],
+    device: str = "cpu",
 ) -> torch.Tensor:
     """Run one packed step; each seq appends its chunk. Returns hidden [T, hidden]."""
     lens, news = [], []
@@ -77,8 +84,8 @@ def step(
         s.grow(s.len + len(c))
         lens.append(s.len)
         news.append(len(c))
-    batch = build_attention_batch(lens, news, [s.full for s in seqs], [s.swa for s in seqs], PAGE)
-    ids = torch.cat(chunks)
+    batch = build_attention_batch(lens, news, [s.full for s in seqs], [s.swa for s in seqs], PAGE, device)
+    ids = torch.cat(chunks).to(device)
     return model(ids, batch.positions(), batch, kv)
 
 
@@ -189,3 +196,20 @@ def test_embed_then_input_embeds_is_same_as_ids(loaded: LoadedLLM) -> None:
     batch = build_attention_batch([19], [19], [seq.full], [seq.swa], PAGE)
     b = model(ids, batch.positions(), batch, kv, input_embeds=model.embed(ids))
     assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Triton kernels on the GPU)")
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_cuda_triton_paged_matches_cpu_dense(tiny_mimo_dir: Path, dtype: torch.dtype, tol: float) -> None:
+    """On CUDA the model takes the Triton prefill and decode kernels; compare with the CPU reference."""
+    cpu = load_llm(tiny_mimo_dir).model
+    gpu_loaded = load_llm(tiny_mimo_dir, dtype=dtype, device="cuda")
+    ids = prompt(50, seed=21)
+    kv = make_kv(gpu_loaded.config, 8, dtype, "cuda")
+    seq = PagedSeq(*free_lists(8, 4))
+    outs = [step(gpu_loaded.model, kv, [seq], [ids[:37]], "cuda")]
+    outs += [step(gpu_loaded.model, kv, [seq], [ids[p : p + 1]], "cuda") for p in range(37, 50)]
+    logits = gpu_loaded.model.compute_logits(torch.cat(outs)).cpu()
+    dense = cpu.forward_dense(ids[None])[0]
+    assert rel_err(logits, dense) <= tol
