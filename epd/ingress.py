@@ -118,9 +118,9 @@ class Ingress:
             health = await self._engine.health()
             self.engine_up = health is not None
             if health:
-                for pool, usage in (health.get("kv_usage") or {}).items():
-                    self.metrics.kv_usage.labels(pool=pool).set(float(usage))
-                self.metrics.llm_waiting.set(float(health.get("waiting", 0)))
+                for pool in ("full", "swa"):
+                    self.metrics.kv_usage.labels(pool=pool).set(float(health.get(f"kv_{pool}_usage", 0.0)))
+                self.metrics.llm_waiting.set(float(health.get("num_waiting", 0)))
 
     def _set_encoder_state(self, url: str, health: dict[str, Any] | None) -> None:
         up = health is not None and health.get("fingerprint") == self.fingerprint
