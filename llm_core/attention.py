@@ -150,8 +150,8 @@ def paged_decode_torch(
     v = v_cache[phys].flatten(1, 2).float()  # [B, P*page, Hkv, Dv]
     k_pos = (logical[:, :, None] * page_size + torch.arange(page_size, device=q.device)).flatten(1)  # [B, M]
     allowed = (k_pos >= kv_start[:, None]) & (k_pos <= q_pos[:, None])  # [B, M]
-    # Padding and stale slots may hold anything (even NaN): zero them so 0-probability * value = 0.
-    k = k.masked_fill(~allowed[:, :, None, None], 0.0)
+    # Padding and stale slots may hold anything, even NaN. Their scores are overwritten with -inf
+    # below; their values must be zeroed too, since 0-probability * NaN would still be NaN.
     v = v.masked_fill(~allowed[:, :, None, None], 0.0)
     qf = q.float().view(num_seqs, num_kv, group, head_dim)
     scores = torch.einsum("bhgd,bmhd->bhgm", qf, k) * scale  # [B, Hkv, G, M]

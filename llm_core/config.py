@@ -329,5 +329,5 @@ class MiMoConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
             "eos_token_id": self.eos_token_id,
-            "torch_dtype": "float32",
+            "dtype": "float32",
         }
