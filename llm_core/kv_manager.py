@@ -72,12 +72,14 @@ class KVManager:
         return max(0, num_computed - self.sliding_window + 1) // self.page_size
 
     def pages_needed(self, seq: Sequence, n: int) -> PageNeed:
-        """New pages of each pool that computing the next ``n`` tokens of ``seq`` takes."""
-        end = math.ceil((seq.num_computed_tokens + n) / self.page_size)
-        full = max(0, end - len(seq.full_pages))
-        lo = self.first_live_swa_page(seq.num_computed_tokens)
-        swa = sum(1 for i in range(lo, end) if i >= len(seq.swa_pages) or seq.swa_pages[i] == NOT_RESIDENT)
-        return PageNeed(full, swa)
+        """New pages of each pool that computing the next ``n`` tokens of ``seq`` takes.
+
+        Both rows always have one entry per logical page, and every SWA entry from the window start
+        on is resident (``check_integrity`` verifies it), so both pools need one page per new
+        logical page.
+        """
+        new = max(0, math.ceil((seq.num_computed_tokens + n) / self.page_size) - len(seq.full_pages))
+        return PageNeed(new, new)
 
     def max_swa_pages_per_step(self, chunk: int) -> int:
         """SWA pages one sequence can hold while computing ``chunk`` tokens (window + chunk)."""
@@ -146,14 +148,7 @@ class KVManager:
             self.swa_pool.free(swa or [])
             return False
         seq.full_pages.extend(full)
-        end = math.ceil((seq.num_computed_tokens + n) / self.page_size)
-        if len(seq.swa_pages) < end:
-            seq.swa_pages.extend([NOT_RESIDENT] * (end - len(seq.swa_pages)))
-        it = iter(swa)
-        for i in range(self.first_live_swa_page(seq.num_computed_tokens), end):
-            if seq.swa_pages[i] == NOT_RESIDENT:
-                seq.swa_pages[i] = next(it)
-        assert next(it, None) is None
+        seq.swa_pages.extend(swa)
         return True
 
     def commit(self, seq: Sequence, n: int) -> None:
@@ -241,10 +236,11 @@ class KVManager:
                 raise AssertionError(f"seq {s.seq_id}: borrowed pages are not in the prefix cache")
             full_owned.extend(s.full_pages[nb:])
             swa_owned.extend(p for p in s.swa_pages[nb:] if p != NOT_RESIDENT)
+            if len(s.swa_pages) != len(s.full_pages):
+                raise AssertionError(f"seq {s.seq_id}: page rows of different lengths")
             lo = self.first_live_swa_page(s.num_computed_tokens)
-            for i in range(lo, min(len(s.swa_pages), len(s.full_pages))):
-                if i * self.page_size < s.num_computed_tokens and s.swa_pages[i] == NOT_RESIDENT:
-                    raise AssertionError(f"seq {s.seq_id}: SWA page {i} of the live window is missing")
+            if NOT_RESIDENT in s.swa_pages[lo:]:
+                raise AssertionError(f"seq {s.seq_id}: a SWA page of the live window is missing")
         for name, owned, pool in (("full", full_owned, self.full_pool), ("swa", swa_owned, self.swa_pool)):
             if len(owned) != len(set(owned)):
                 raise AssertionError(f"{name}: a page has two owners")
