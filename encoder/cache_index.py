@@ -31,7 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 MAGIC = b"EPDINDEX"
-VERSION = 1
+VERSION = 2
 HEADER_BYTES = 4096
 KEY_BYTES = 88
 RECORD = np.dtype(
@@ -49,6 +49,7 @@ assert RECORD.itemsize == 128
 COUNTERS: tuple[str, ...] = (
     "capacity_bytes",
     "used_bytes",
+    "entries",
     "hits",
     "misses",
     "inserts",
@@ -130,7 +131,7 @@ class SharedIndex:
 
     # records ------------------------------------------------------------------------------
     def used_count(self) -> int:
-        return int(np.count_nonzero(self.rec["used"]))
+        return self.counter("entries")
 
     def find(self, key: str) -> int | None:
         """The slot of ``key``, or None (a vectorized scan; use the slot in the entry header
@@ -139,18 +140,18 @@ class SharedIndex:
         return int(hit[0]) if len(hit) else None
 
     def has_free_slot(self) -> bool:
-        return bool((self.rec["used"] == 0).any())
+        return self.counter("entries") < self.nslots
 
     def insert(self, key: str, size: int, created_ns: int, last_access_ns: int, hits: int = 0) -> int:
         """Add a record and count its bytes; the caller made sure a slot is free."""
-        free = np.flatnonzero(self.rec["used"] == 0)
-        assert len(free), "insert into a full index: evict first"
-        slot = int(free[0])
+        slot = int(np.argmin(self.rec["used"]))  # first free slot
+        assert self.rec["used"][slot] == 0, "insert into a full index: evict first"
         r = self.rec[slot]
         r["size"], r["created_ns"], r["last_access_ns"], r["hits"] = size, created_ns, last_access_ns, hits
         r["key"] = key.encode("ascii")
         r["used"] = 1  # last: a lock-free reader never sees a used record with a stale key
         self.add("used_bytes", size)
+        self.add("entries")
         return slot
 
     def remove(self, slot: int) -> None:
@@ -158,6 +159,7 @@ class SharedIndex:
         if r["used"]:
             r["used"] = 0
             self.add("used_bytes", -int(r["size"]))
+            self.add("entries", -1)
 
     def touch(self, slot: int, key: str, now_ns: int) -> bool:
         """Record one read of ``key`` at ``slot``; False when the slot holds another key."""
@@ -172,10 +174,12 @@ class SharedIndex:
 
     def oldest(self) -> Record | None:
         """The least recently used record (the eviction victim), or None when empty."""
-        used = np.flatnonzero(self.rec["used"] == 1)
-        if not len(used):
+        if self.counter("entries") == 0:
             return None
-        return self.record(int(used[np.argmin(self.rec["last_access_ns"][used])]))
+        # One pass: free slots rank after every used one.
+        stamps = np.where(self.rec["used"] == 1, self.rec["last_access_ns"], np.iinfo(np.uint64).max)
+        slot = int(np.argmin(stamps))
+        return self.record(slot) if self.rec["used"][slot] else None
 
     def record(self, slot: int) -> Record:
         r = self.rec[slot]
@@ -194,6 +198,7 @@ class SharedIndex:
     def clear_records(self) -> None:
         self.rec["used"] = 0
         self.set("used_bytes", 0)
+        self.set("entries", 0)
 
     def close(self) -> None:
         # numpy views hold buffer exports on the mmap; drop them before closing it.

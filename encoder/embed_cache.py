@@ -208,7 +208,8 @@ class EmbedCache:
                 raise CacheNotFound(f"no embedding cache at {self.root}")
             self._index = SharedIndex(self.root / "index", 0, read_only=True)
             return
-        for d in (self.root, self._entries_dir, self._tmp_dir):
+        self.root.mkdir(mode=0o777, parents=True, exist_ok=True)
+        for d in (self._entries_dir, self._tmp_dir):
             d.mkdir(mode=0o777, exist_ok=True)
         self._lock = FileLock(self.root / "lock")
         with self._lock.held():
