@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llm_core.attention import (
     masked_attention,
@@ -250,3 +252,34 @@ def test_batched_torch_decode_matches_per_sequence(window: int | None, with_sink
     torch.testing.assert_close(batched, loop, rtol=1e-5, atol=1e-6)
     dispatched = paged_attention(case.q, *args, case.cu, case.seq_lens, 1, scale, window, sinks)
     assert torch.equal(dispatched, batched)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seqs=st.lists(st.tuples(st.integers(1, 70), st.integers(1, 70)), min_size=1, max_size=4),
+    window=st.one_of(st.none(), st.integers(1, 40)),
+    with_sinks=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_torch_matches_dense_property(
+    seqs: list[tuple[int, int]], window: int | None, with_sinks: bool, seed: int
+) -> None:
+    """Any mix of sequence lengths, chunk sizes and windows: paged == dense over the same keys."""
+    seq_lens = [n for n, _ in seqs]
+    q_lens = [min(n, q) for n, q in seqs]
+    case = make_case(seq_lens, q_lens, heads=4, kv_heads=2, head_dim=8, v_dim=4, window=window, seed=seed)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(seed)) if with_sinks else None
+    out = paged_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.table,
+        case.cu,
+        case.seq_lens,
+        case.max_q,
+        8**-0.5,
+        window,
+        sinks,
+    )
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, dense_reference(case, 8**-0.5, window, sinks), rtol=1e-5, atol=1e-5)
