@@ -10,6 +10,9 @@ the initial running state: a logit ``s_h`` with no value is exactly ``m = s_h, l
         window W:     pages max(0, q_first - W + 1) // page .. q_last // page
     per-element mask: j <= p  and  j > p - W  and  j < seq_len
 
+The decode kernel tiles the query heads of one KV head (the GQA group) as rows, so each KV page is
+read once per group.
+
 Head dims need not be powers of two (MiMo uses 192/128): loads are padded to the next power of two
 and masked. fp32 inputs use IEEE dots so the kernels agree with the torch path to ~1e-5.
 """
@@ -167,32 +170,41 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
     V_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     PAGE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    # One program per (sequence, query head); the single query sits at position seq_len - 1.
+    # One program per (sequence, KV head): the GROUP query heads that share the KV head are the rows
+    # of one tile (padded to BLOCK_H >= 16 for tl.dot), so each KV page is read once per group, not
+    # once per query head. Decode is bound by those reads. All queries sit at position seq_len - 1.
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    kvh = h // GROUP
+    kvh = tl.program_id(1)
     seq_len = tl.load(SeqLens + b)
     q_pos = seq_len - 1
+    offs_g = tl.arange(0, BLOCK_H)
+    head_ok = offs_g < GROUP
+    heads = kvh * GROUP + offs_g  # [BLOCK_H] query heads of this group
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = tl.arange(0, PAGE)
-    q = tl.load(Q + b.to(tl.int64) * stride_qt + h * stride_qh + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
-    q = q.to(tl.float32)
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=head_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )  # [H_blk, D]
 
     kv_lo = 0
     if HAS_WINDOW:
         kv_lo = tl.maximum(q_pos - window + 1, 0)
     if HAS_SINKS:
-        m_i = tl.load(Sinks + h).to(tl.float32)
-        l_i = tl.full([], 1.0, tl.float32)
+        m_i = tl.load(Sinks + heads, mask=head_ok, other=0.0).to(tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32) + 1.0
     else:
-        m_i = tl.full([], float("-inf"), tl.float32)
-        l_i = tl.full([], 0.0, tl.float32)
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+        m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
 
     for page in range(kv_lo // PAGE, q_pos // PAGE + 1):
         phys = tl.load(PageTable + b * stride_pt + page).to(tl.int64)
@@ -202,26 +214,21 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
             K + phys * stride_kp + offs_n[:, None] * stride_ko + kvh * stride_kh + offs_d[None, :],
             mask=key_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
             other=0.0,
-        ).to(tl.float32)  # [N, D]
+        )  # [N, D]
         v = tl.load(
             V + phys * stride_vp + offs_n[:, None] * stride_vo + kvh * stride_vh + offs_dv[None, :],
             mask=key_ok[:, None] & (offs_dv[None, :] < V_DIM),
             other=0.0,
-        ).to(tl.float32)  # [N, Dv]
-        s = tl.sum(k * q[None, :], 1) * sm_scale  # [N]
-        s = tl.where(key_ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp(m_i - m_new)  # the query sees itself, so m_new is finite after its page
-        p = tl.exp(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-        m_i = m_new
+        )  # [N, Dv]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale  # [H_blk, N]
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+        m_i, l_i, acc = _online_block(s, v, m_i, l_i, acc, DOT_PRECISION)
 
-    out = acc / l_i
+    out = acc / l_i[:, None]  # l_i > 0: every query sees itself
     tl.store(
-        Out + b.to(tl.int64) * stride_ot + h * stride_oh + offs_dv,
+        Out + b.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
         out.to(Out.dtype.element_ty),
-        mask=offs_dv < V_DIM,
+        mask=head_ok[:, None] & (offs_dv[None, :] < V_DIM),
     )
 
 
@@ -311,7 +318,7 @@ def paged_decode(
     out = torch.empty(num_seqs, num_heads, v_dim, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
-    _paged_decode_kernel[(num_seqs, num_heads)](
+    _paged_decode_kernel[(num_seqs, k_cache.shape[2])](
         q,
         k_cache,
         v_cache,
@@ -337,8 +344,10 @@ def paged_decode(
         V_DIM=v_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_DV=triton.next_power_of_2(v_dim),
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
         PAGE=page,
         HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out

@@ -212,10 +212,13 @@ def test_triton_prefill_matches_torch(window: int | None, with_sinks: bool, head
 
 
 @triton_interpret
-@pytest.mark.parametrize(("window", "with_sinks"), [(None, False), (11, True)])
-def test_triton_decode_matches_torch(window: int | None, with_sinks: bool) -> None:
+@pytest.mark.parametrize(
+    ("window", "with_sinks", "kv_heads"), [(None, False, 1), (11, True, 2), (5, True, 4)]
+)
+def test_triton_decode_matches_torch(window: int | None, with_sinks: bool, kv_heads: int) -> None:
+    # GQA groups of 4, 2 and 1 query heads per KV head (the kernel tiles one group per program)
     case = make_case(
-        [1, 17, 45], [1, 1, 1], heads=4, kv_heads=1, head_dim=32, v_dim=16, window=window, seed=7
+        [1, 17, 45], [1, 1, 1], heads=4, kv_heads=kv_heads, head_dim=32, v_dim=16, window=window, seed=7
     )
     dev = _device()
     sinks = torch.randn(4, generator=torch.Generator().manual_seed(8)) * 2 if with_sinks else None
