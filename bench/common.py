@@ -152,6 +152,8 @@ def print_table(
     for r in rows:
         table.add_row(*(_fmt(v) for v in r))
     console = Console()
+    if not console.is_terminal:  # piped to a file or CI log: do not squeeze columns into 80 chars
+        console = Console(width=200)
     console.print(table)
     if caption:
         console.print(caption, soft_wrap=True)

@@ -19,33 +19,41 @@ def _frames(t: int, h: int, w: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (t, h, w, 3), dtype=torch.uint8, generator=g)  # [T, H, W, 3]
 
 
-def test_image_rows_equal_transformers_pil_processor() -> None:
+IMPLS = ["numpy", "torch"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_image_rows_equal_transformers_pil_processor(impl: str) -> None:
     img = _frames(1, 84, 140)
     ref = Qwen2VLImageProcessorPil()(images=img[0].numpy(), do_resize=False, return_tensors="pt")
-    out = patchify_uint8(img, CFG)
+    out = patchify_uint8(img, CFG, impl=impl)
     assert out.grid_thw == tuple(ref["image_grid_thw"][0].tolist()) == (1, 6, 10)
     assert out.pixel_values.dtype == torch.float32 and out.pixel_values.is_contiguous()
     torch.testing.assert_close(out.pixel_values, ref["pixel_values"], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("num_frames", [1, 2, 3, 4, 5])
-def test_video_rows_equal_transformers_video_processor(num_frames: int) -> None:
+def test_video_rows_equal_transformers_video_processor(num_frames: int, impl: str) -> None:
     frames = _frames(num_frames, 56, 84, seed=num_frames)
     ref = Qwen2VLVideoProcessor()(
         videos=[frames.permute(0, 3, 1, 2)], do_resize=False, return_tensors="pt", cap_pixels_per_frame=False
     )
-    out = patchify_uint8(frames, CFG)
+    out = patchify_uint8(frames, CFG, impl=impl)
     # Odd frame counts are padded by repeating the last frame: t = ceil(T / 2).
     assert out.grid_thw == tuple(ref["video_grid_thw"][0].tolist()) == ((num_frames + 1) // 2, 4, 6)
     torch.testing.assert_close(out.pixel_values, ref["pixel_values_videos"], atol=1e-5, rtol=0)
 
 
-def test_every_four_rows_are_one_2x2_merge_group() -> None:
+@pytest.mark.parametrize("impl", IMPLS)
+def test_every_four_rows_are_one_2x2_merge_group(impl: str) -> None:
     # Encode each pixel's patch coordinates in its value so the layout can be read back.
     p, h, w = CFG.patch_size, 4, 6  # grid in patches
     ys, xs = np.meshgrid(np.arange(h * p) // p, np.arange(w * p) // p, indexing="ij")  # [H, W]
     img = np.stack([ys, xs, np.zeros_like(ys)], axis=-1).astype(np.uint8)[None]  # [1, H, W, 3]
-    rows = patchify_uint8(torch.from_numpy(img), PreprocessConfig(image_mean=(0, 0, 0), image_std=(1, 1, 1)))
+    rows = patchify_uint8(
+        torch.from_numpy(img), PreprocessConfig(image_mean=(0, 0, 0), image_std=(1, 1, 1)), impl
+    )
     vals = (rows.pixel_values * 255).round().long().view(h * w, 3, 2, p, p)  # [N, C, T, p, p]
     # Every row is one constant patch, repeated over the temporal axis.
     assert (vals == vals[:, :, :1, :1, :1]).all()
@@ -61,9 +69,10 @@ def test_every_four_rows_are_one_2x2_merge_group() -> None:
     ]
 
 
-def test_normalization_is_clip_mean_std() -> None:
+@pytest.mark.parametrize("impl", IMPLS)
+def test_normalization_is_clip_mean_std(impl: str) -> None:
     img = torch.full((1, 28, 28, 3), 255, dtype=torch.uint8)
-    rows = patchify_uint8(img, CFG).pixel_values.view(-1, 3, 2 * 14 * 14)  # [N, C, T*p*p]
+    rows = patchify_uint8(img, CFG, impl).pixel_values.view(-1, 3, 2 * 14 * 14)  # [N, C, T*p*p]
     expected = torch.tensor([(1.0 - m) / s for m, s in zip(CFG.image_mean, CFG.image_std, strict=True)])
     torch.testing.assert_close(rows[0, :, 0], expected)
     assert torch.equal(rows, rows[:1, :, :1].expand_as(rows))

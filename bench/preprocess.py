@@ -1,0 +1,164 @@
+"""Image preprocessing throughput: our cpu and dali backends against transformers, decode included.
+
+Every method gets the same JPEG bytes and must return Qwen2-VL patches:
+
+- transformers     Pillow decode + ``Qwen2VLImageProcessor`` (torchvision variant)
+- transformers-pil Pillow decode + ``Qwen2VLImageProcessorPil``
+- cpu              ``get_backend("cpu").image_bytes`` (Pillow-SIMD, JPEG draft, torch patchify)
+- cpu-nodraft      the same with full-size JPEG decode (isolates the draft's share)
+- dali             ``get_backend("dali").image_bytes`` (GPU when present, else DALI's CPU operators)
+
+Rounds are interleaved (one call of each method per round) so load from other processes on the
+machine hits every method alike; the baseline is the faster transformers variant of each size.
+
+    python -m bench.preprocess [--repeats 20] [--json out.json] [--quick]
+
+``summary.speedup_vs_transformers`` is the smallest cpu / transformers throughput ratio over the
+sizes; ``summary.max_abs_diff_cpu`` the largest |cpu - transformers| seen (normalized units).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from PIL import Image
+
+from bench.common import add_common_args, format_machine, machine_info, percentiles, print_table, write_json
+from media_io.preprocess import get_backend
+from media_io.preprocess.cpu import CpuBackend
+from media_io.preprocess.synthetic import encode, synthetic_photo
+
+SIZES = [(640, 480), (1920, 1080), (4032, 3024)]
+QUICK_SIZES = [(320, 240)]
+BASELINES = ("transformers", "transformers-pil")
+
+
+def _methods() -> dict[str, Callable[[bytes], torch.Tensor]]:
+    from transformers import Qwen2VLImageProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    fast, slow = Qwen2VLImageProcessor(), Qwen2VLImageProcessorPil()
+    cpu, nodraft, dali = get_backend("cpu"), CpuBackend(jpeg_draft=False), get_backend("dali")
+
+    def hf(proc: Any) -> Callable[[bytes], torch.Tensor]:
+        def run(data: bytes) -> torch.Tensor:
+            img = Image.open(io.BytesIO(data))  # decoded inside the processor's RGB conversion
+            return torch.as_tensor(proc(images=img, return_tensors="pt")["pixel_values"])
+
+        return run
+
+    def dali_run(data: bytes) -> torch.Tensor:
+        out = dali.image_bytes(data).pixel_values
+        if out.is_cuda:
+            torch.cuda.synchronize()
+        return out
+
+    return {
+        "transformers": hf(fast),
+        "transformers-pil": hf(slow),
+        "cpu": lambda data: cpu.image_bytes(data).pixel_values,
+        "cpu-nodraft": lambda data: nodraft.image_bytes(data).pixel_values,
+        "dali": dali_run,
+    }
+
+
+def run(sizes: list[tuple[int, int]], repeats: int, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    methods = _methods()
+    rows: list[dict[str, Any]] = []
+    ratios_cpu: dict[str, float] = {}
+    ratios_dali: dict[str, float] = {}
+    max_diff_cpu = 0.0
+    for width, height in sizes:
+        data = encode(synthetic_photo(width, height, seed=seed))
+        ref = methods["transformers"](data)
+        diffs = {}
+        for name, fn in methods.items():  # warm-up (DALI builds its pipeline here) + parity check
+            diffs[name] = float((fn(data).cpu() - ref).abs().max())
+        samples: dict[str, list[float]] = {name: [] for name in methods}
+        for _ in range(repeats):
+            for name, fn in methods.items():
+                t0 = time.perf_counter()
+                fn(data)
+                samples[name].append(time.perf_counter() - t0)
+        p50 = {name: percentiles(s).p50 for name, s in samples.items()}
+        baseline = min(BASELINES, key=lambda n: p50[n])
+        label = f"{width}x{height}"
+        for name, s in samples.items():
+            p = percentiles(s)
+            rows.append(
+                {
+                    "size": label,
+                    "method": name,
+                    "images_per_s": 1.0 / p.p50,
+                    "p50_ms": p.p50 * 1e3,
+                    "p90_ms": p.p90 * 1e3,
+                    "p99_ms": p.p99 * 1e3,
+                    "speedup": p50[baseline] / p.p50,
+                    "baseline": baseline,
+                    "max_abs_diff_vs_transformers": diffs[name],
+                    "bytes": len(data),
+                }
+            )
+        ratios_cpu[label] = p50[baseline] / p50["cpu"]
+        ratios_dali[label] = p50[baseline] / p50["dali"]
+        max_diff_cpu = max(max_diff_cpu, diffs["cpu"])
+    summary = {
+        "speedup_vs_transformers": min(ratios_cpu.values()),
+        "speedup_vs_transformers_by_size": ratios_cpu,
+        "dali_speedup_vs_transformers_by_size": ratios_dali,
+        "max_abs_diff_cpu": max_diff_cpu,
+        "baseline": "faster of Qwen2VLImageProcessor / Qwen2VLImageProcessorPil per size, Pillow decode included",
+        "dali_device": "gpu" if torch.cuda.is_available() else "cpu",
+        "repeats": repeats,
+    }
+    return rows, summary
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    add_common_args(parser)
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per method and size")
+    args = parser.parse_args(argv)
+    sizes = QUICK_SIZES if args.quick else SIZES
+    repeats = 2 if args.quick else args.repeats
+    machine = machine_info()
+    rows, summary = run(sizes, repeats, args.seed)
+    print_table(
+        "Qwen2-VL image preprocessing, JPEG bytes -> patches (decode included)",
+        ["size", "method", "img/s", "P50 ms", "P90 ms", "P99 ms", "x baseline", "max |diff|"],
+        [
+            [
+                r["size"],
+                r["method"],
+                r["images_per_s"],
+                r["p50_ms"],
+                r["p90_ms"],
+                r["p99_ms"],
+                r["speedup"],
+                r["max_abs_diff_vs_transformers"],
+            ]
+            for r in rows
+        ],
+        caption=format_machine(machine),
+    )
+    print(
+        f"cpu vs transformers (smallest over sizes): {summary['speedup_vs_transformers']:.2f}x; "
+        f"max |cpu - transformers| = {summary['max_abs_diff_cpu']:.3f}"
+    )
+    config = {
+        "sizes": [f"{w}x{h}" for w, h in sizes],
+        "repeats": repeats,
+        "seed": args.seed,
+        "quick": args.quick,
+    }
+    write_json(args.json, summary=summary, results=rows, machine=machine, config=config)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
