@@ -12,7 +12,7 @@ Both contenders run the real allocator without tensors (``PagePool`` + ``KVManag
 metadata-only use) over the same byte budget:
 
 - dual pool: the budget split so both pools run out together at the context length
-  (``balanced_swa_fraction``); each sequence is prefilled in chunks and takes one decode step, and
+  (``plan_pools`` with ``balance_context_len``); each sequence is prefilled in chunks and takes one decode step, and
   the manager drops SWA pages that left the window as it goes;
 - uniform: the same manager with ``swa_aware=False`` and pools split by bytes per token, i.e.
   every layer keeps every token (what an SWA-unaware engine allocates).
@@ -55,17 +55,15 @@ def held_sequences(
 ) -> tuple[int, float]:
     """Admit sequences of ``context`` tokens until one does not fit; (count, seconds spent)."""
     if swa_aware:
-        # Size the SWA pool for n decoding sequences plus one prefill chunk in flight (sequences are
-        # prefilled one at a time), with n chosen so both pools run out together.
-        full_seq = math.ceil((context + 1) / PAGE) * PAGE * layout.full_bytes_per_token
-        swa_page = PAGE * layout.swa_bytes_per_token
-        window = swa_pages_per_sequence(WINDOW, PAGE) * swa_page
-        in_flight = (math.ceil((WINDOW - 1 + chunk) / PAGE) + 1) * swa_page
-        n_seq = max(0.0, (budget - in_flight) / (full_seq + window))
-        frac = min(0.5, (n_seq * window + in_flight) / budget)
+        # Both pools run out together at this context, with one prefill chunk in flight on top
+        # (sequences are prefilled one at a time here).
+        cfg = KVCacheConfig(
+            budget, PAGE, balance_context_len=context + 1, swa_headroom_tokens=chunk + WINDOW + PAGE
+        )
     else:
         frac = layout.swa_bytes_per_token / (layout.full_bytes_per_token + layout.swa_bytes_per_token)
-    plan = plan_pools(layout, KVCacheConfig(memory_budget_bytes=budget, page_size=PAGE, swa_fraction=frac))
+        cfg = KVCacheConfig(budget, PAGE, swa_fraction=frac)
+    plan = plan_pools(layout, cfg)
     kv = KVManager(
         PagePool(plan.num_full_pages, PAGE, "full"),
         PagePool(plan.num_swa_pages, PAGE, "swa"),

@@ -203,8 +203,9 @@ class KVCacheConfig:
 
     ``swa_fraction`` is the share of ``memory_budget_bytes`` given to the SWA pool. None picks the
     split that makes both pools run out together for sequences of ``balance_context_len`` tokens
-    (see ``balanced_swa_fraction``), with ``swa_headroom_tokens`` extra SWA tokens per sequence for
-    the prefill chunk that is resident while it is computed.
+    (see ``balanced_swa_fraction``), after setting aside ``swa_headroom_tokens`` of SWA pool for the
+    prefill in flight: a step computing T prefill tokens holds their SWA KV on top of the windows
+    (until they leave the window), so the step's token budget is the natural value.
     """
 
     memory_budget_bytes: int
@@ -220,20 +221,16 @@ class KVCacheConfig:
             raise ValueError(f"swa_fraction must be in (0, 1), got {self.swa_fraction}")
 
 
-def balanced_swa_fraction(
-    layout: KVLayout, context_len: int, page_size: int, headroom_tokens: int = 0
-) -> float:
+def balanced_swa_fraction(layout: KVLayout, context_len: int, page_size: int) -> float:
     """SWA share of the budget at which full and SWA pages run out together for ``context_len``.
 
-    One sequence of ``context_len`` tokens holds ceil(L/page) full pages and (after prefill) the
+    One sequence of ``context_len`` tokens holds ceil(L/page) full pages and (between steps) the
     window's pages in the SWA pool; the split is the ratio of their bytes.
     """
-    full = math.ceil(context_len / page_size) * page_size * layout.full_bytes_per_token
-    swa_pages = min(
-        swa_pages_per_sequence(layout.sliding_window, page_size) + math.ceil(headroom_tokens / page_size),
-        math.ceil(context_len / page_size),
-    )
-    swa = swa_pages * page_size * layout.swa_bytes_per_token
+    full_pages = math.ceil(context_len / page_size)
+    full = full_pages * page_size * layout.full_bytes_per_token
+    swa = min(swa_pages_per_sequence(layout.sliding_window, page_size), full_pages) * page_size
+    swa *= layout.swa_bytes_per_token
     if full == 0:
         return 1.0 - 1e-9
     if swa == 0:
@@ -245,10 +242,14 @@ def plan_pools(layout: KVLayout, cfg: KVCacheConfig) -> PoolPlan:
     """Split ``cfg.memory_budget_bytes`` into whole pages of each pool (no tensors are made)."""
     full_page = cfg.page_size * layout.full_bytes_per_token
     swa_page = cfg.page_size * layout.swa_bytes_per_token
-    frac = cfg.swa_fraction
-    if frac is None:
-        frac = balanced_swa_fraction(layout, cfg.balance_context_len, cfg.page_size, cfg.swa_headroom_tokens)
-    swa_budget = int(cfg.memory_budget_bytes * frac)
+    if cfg.swa_fraction is not None:
+        swa_budget = int(cfg.memory_budget_bytes * cfg.swa_fraction)
+    else:
+        headroom = min(
+            math.ceil(cfg.swa_headroom_tokens / cfg.page_size) * swa_page, cfg.memory_budget_bytes // 2
+        )
+        frac = balanced_swa_fraction(layout, cfg.balance_context_len, cfg.page_size)
+        swa_budget = headroom + int((cfg.memory_budget_bytes - headroom) * frac)
     full_budget = cfg.memory_budget_bytes - swa_budget
     n_full = full_budget // full_page if full_page else 0
     n_swa = swa_budget // swa_page if swa_page else 0

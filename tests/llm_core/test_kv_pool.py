@@ -86,6 +86,17 @@ def test_plan_pools_stays_within_budget_and_balances() -> None:
         assert abs(seqs_full - seqs_swa) <= max(1.0, 0.02 * seqs_full)  # page rounding
     frac = balanced_swa_fraction(layout, 8192, 16)
     assert 0 < frac < 0.1  # a window of one page against 512 pages of full KV
+    # Headroom for the prefill in flight comes on top of the balanced windows.
+    base = plan_pools(
+        layout, KVCacheConfig(memory_budget_bytes=budget, page_size=16, balance_context_len=1024)
+    )
+    roomy = plan_pools(
+        layout,
+        KVCacheConfig(
+            memory_budget_bytes=budget, page_size=16, balance_context_len=1024, swa_headroom_tokens=4096
+        ),
+    )
+    assert roomy.num_swa_pages >= base.num_swa_pages + 512 // 16 - 1 and roomy.total_bytes <= budget
     with pytest.raises(ValueError, match="swa_fraction"):
         KVCacheConfig(memory_budget_bytes=budget, swa_fraction=1.5)
 
