@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import random
 
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llm_core.kv_manager import KVManager
 from llm_core.kv_pool import PagePool, swa_pages_per_sequence
-from llm_core.sequence import NOT_RESIDENT, MediaSpan, Sequence
+from llm_core.sequence import NOT_RESIDENT, MediaSpan, Sequence, build_page_tables
 
 P = 4
 
@@ -234,3 +235,26 @@ def test_random_workload_keeps_integrity_and_never_loses_locked_kv(
     assert kv.radix is not None
     kv.radix.evict_full(1 << 30)
     assert kv.full_pool.num_used == 0 and kv.swa_pool.num_used == 0
+
+
+def test_page_tables_follow_attention_batch_semantics() -> None:
+    window = 9
+    kv = make_manager(64, 64, window)
+    shadow = Shadow(kv)
+    long, short = Sequence("long", list(range(37))), Sequence("short", [5, 6, 7])
+    for s in (long, short):
+        kv.match_prefix(s)
+        assert run_step(kv, shadow, s, s.num_tokens)
+    for s in (long, short):
+        assert kv.allocate(s, 1)
+    tables = build_page_tables([long, short], [1, 1], P)
+    assert tables.full_page_table.dtype == torch.int32 and tables.full_page_table.shape == (2, 10)
+    assert tables.full_page_table[0].tolist() == long.full_pages
+    assert tables.full_page_table[1, :1].tolist() == short.full_pages
+    swa_row = tables.swa_page_table[0].tolist()
+    # Position 37 reads keys [29, 37]: logical pages 7..9 are resident, everything before is not.
+    assert all(p == NOT_RESIDENT for p in swa_row[:7]) and all(p != NOT_RESIDENT for p in swa_row[7:10])
+    assert tables.swa_page_table[1, 1:].tolist() == [NOT_RESIDENT] * 9  # padding of the short row
+    assert tables.full_slots.tolist() == [long.full_pages[9] * P + 1, short.full_pages[0] * P + 3]
+    assert tables.swa_slots.tolist() == [long.swa_pages[9] * P + 1, short.swa_pages[0] * P + 3]
+    assert tables.full_slots.dtype == torch.int64
