@@ -10,6 +10,7 @@ This module knows nothing of files, batching or HTTP.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -147,6 +148,9 @@ class VisionTransformer(nn.Module):
         self.merger = PatchMerger(cfg)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
         self.inv_freq: torch.Tensor
+        self._device_layouts: OrderedDict[tuple[tuple[tuple[int, ...], ...], str], VisionLayout] = (
+            OrderedDict()
+        )
 
     @property
     def device(self) -> torch.device:
@@ -157,9 +161,26 @@ class VisionTransformer(nn.Module):
         return self.patch_embed.proj.weight.dtype
 
     def layout(self, grids: Sequence[Grid]) -> VisionLayout:
-        """The (cached, CPU) token layout of a batch with these grids."""
+        """The token layout of a batch with these grids, on the model's device.
+
+        Built on the CPU (cached per distinct grids) and, off the CPU, kept in a small per-model
+        cache of device copies so repeated batch shapes upload nothing.
+        """
         cfg = self.config
-        return vision_layout(grids, cfg.spatial_merge_size, cfg.window_merged)
+        cpu_layout = vision_layout(grids, cfg.spatial_merge_size, cfg.window_merged)
+        device = self.device
+        if device.type == "cpu":
+            return cpu_layout
+        key = (tuple(tuple(int(x) for x in g) for g in grids), str(device))
+        cached = self._device_layouts.get(key)
+        if cached is None:
+            cached = cpu_layout.to(device)
+            self._device_layouts[key] = cached
+            while len(self._device_layouts) > 64:
+                self._device_layouts.popitem(last=False)
+        else:
+            self._device_layouts.move_to_end(key)
+        return cached
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
