@@ -285,29 +285,42 @@ class LLMEngine:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()  # a submit or abort after this point makes the wait below return
-            with self._lock:
-                self._drain_aborts()
-                batch = self.scheduler.schedule() if self.scheduler.has_work() else None
-            if batch is None:
-                # Idle, or nothing fits in KV until a running sequence finishes.
-                self._wake.wait(0.05)
-                continue
             try:
-                sampled = self.runner.execute(batch.seqs, batch.num_new_tokens)
+                busy = self._step()
             except Exception:
-                log.exception("engine step failed; failing the requests of the batch")
+                # The scheduler's state can no longer be trusted for the requests it holds: end
+                # them all with an error rather than leave their clients waiting forever.
+                log.exception("engine step failed outside the forward; failing every request")
                 with self._lock:
-                    self._fail(batch.seqs)
-                continue
-            with self._lock:
-                finished = self.scheduler.update(batch, sampled)
-                self._steps += 1
-                outs = self._publish(batch.seqs, sampled, finished)
-            self._deliver(outs)
+                    self._fail([r.seq for r in self._requests.values()])
+                busy = True
+            if not busy:
+                self._wake.wait(0.05)  # idle, or nothing fits in KV until a sequence finishes
         with self._lock:
             for rid in list(self._requests):
                 self.scheduler.abort(rid)
                 self._finish(self._requests[rid], "abort", [])
+
+    def _step(self) -> bool:
+        """Schedule, run and publish one step; False when there was nothing to run."""
+        with self._lock:
+            self._drain_aborts()
+            batch = self.scheduler.schedule() if self.scheduler.has_work() else None
+        if batch is None:
+            return False
+        try:
+            sampled = self.runner.execute(batch.seqs, batch.num_new_tokens)
+        except Exception:
+            log.exception("forward failed; failing the requests of the batch")
+            with self._lock:
+                self._fail(batch.seqs)
+            return True
+        with self._lock:
+            finished = self.scheduler.update(batch, sampled)
+            self._steps += 1
+            outs = self._publish(batch.seqs, sampled, finished)
+        self._deliver(outs)
+        return True
 
     def _drain_aborts(self) -> None:
         while self._aborts:
@@ -377,7 +390,8 @@ class LLMEngine:
         for s in seqs:
             req = self._requests.get(str(s.seq_id))
             if req is not None:
-                self.scheduler.abort(s.seq_id)
+                with contextlib.suppress(Exception):  # best effort: the state may be inconsistent
+                    self.scheduler.abort(s.seq_id)
                 self._finish(req, "error", [])
 
     @staticmethod

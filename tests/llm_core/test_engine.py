@@ -235,3 +235,27 @@ def test_admission_is_bounded(loaded: Any) -> None:
 
     asyncio.run(fill())
     assert engine.stats().num_waiting == 2
+
+
+def test_failed_forward_fails_only_that_batch(loaded: Any) -> None:
+    engine = make_engine(loaded, start=False)
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(*args: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return real(*args)
+
+    engine.runner.execute = flaky  # type: ignore[method-assign]
+    engine.start()
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        failed = asyncio.run(collect(engine, prompt_of(12, 7), sp))
+        assert failed[-1].finished and failed[-1].finish_reason == "error"
+        engine.scheduler.kv.check_integrity([])
+        ok = asyncio.run(collect(engine, prompt_of(12, 7), sp))  # the engine keeps serving
+        assert ok[-1].finish_reason == "length" and len(ids_of(ok)) == 4
+    finally:
+        engine.stop()
