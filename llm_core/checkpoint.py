@@ -205,8 +205,10 @@ def load_llm(
             module.float()  # routing decisions are made in fp32, as in the reference
     state = to_model_layout(read_state_dict(model_dir), config)
     load_state_dict_strict(model, state)
+    model = model.to(device).eval()
+    model.tie_weights()
     model.requires_grad_(False)  # serving only; also lets inference-mode tensors mix with weights
-    return LoadedLLM(model.to(device).eval(), config, model_dir)
+    return LoadedLLM(model, config, model_dir)
 
 
 # ---- the embedded default ------------------------------------------------------------------------

@@ -143,7 +143,12 @@ class MiMoForCausalLM(nn.Module):
         self.config = config
         self.model = MiMoModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share lm_head with the token embedding when the config ties them. Call again after
+        anything that re-materialises parameters (``to_empty``, dtype/device moves)."""
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def embed(self, input_ids: Tensor) -> Tensor:

@@ -3,6 +3,7 @@ that name the tensor, the embedded default, and config parsing of both config.js
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -15,9 +16,12 @@ from llm_core.checkpoint import (
     CheckpointError,
     default_llm_config,
     ensure_default_checkpoint,
+    init_random_weights,
     load_llm,
+    write_checkpoint,
 )
 from llm_core.config import FULL, SWA, ConfigError, MiMoConfig
+from llm_core.model import MiMoForCausalLM
 
 
 def copy_ckpt(src: Path, dst: Path) -> Path:
@@ -222,3 +226,21 @@ def test_quantized_checkpoint_is_refused_by_name(tiny_mimo_dir: Path, tmp_path: 
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="quant_method='fp8'"):
         load_llm(d)
+
+
+def test_tied_embeddings_round_trip(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(
+        default_llm_config(),
+        tie_word_embeddings=True,
+        num_hidden_layers=2,
+        layer_types=(),
+        mlp_layer_types=(),
+    )
+    model = MiMoForCausalLM(cfg)
+    init_random_weights(model, seed=1)
+    write_checkpoint(model, tmp_path)
+    assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))
+    loaded = load_llm(tmp_path).model
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    ids = torch.arange(5)[None]
+    torch.testing.assert_close(loaded.forward_dense(ids), model.forward_dense(ids))
