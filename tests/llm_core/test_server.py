@@ -7,6 +7,7 @@ import asyncio
 import http.server
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -261,3 +262,49 @@ def test_models_health_metrics(client: TestClient) -> None:
     text = client.get("/metrics").text
     assert "epd_llm_generation_tokens_total" in text and 'epd_llm_kv_usage{pool="swa"}' in text
     assert 'epd_llm_requests_total{status="200"}' in text
+
+
+def test_client_disconnect_aborts_the_request(loaded: Any) -> None:
+    """Over a real socket: a streaming client that goes away mid-generation frees its sequence."""
+    import socket
+
+    import aiohttp
+    import uvicorn
+
+    engine = make_engine(loaded)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="error", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+
+        async def stream_two_chunks_then_leave() -> int:
+            body = {"prompt": "go on and on", "max_tokens": 200, "ignore_eos": True, "stream": True}
+            async with aiohttp.ClientSession() as s:
+                for _ in range(100):  # wait for the server to come up
+                    try:
+                        async with s.get(f"http://127.0.0.1:{port}/health") as r:
+                            if r.status == 200:
+                                break
+                    except aiohttp.ClientConnectionError:
+                        await asyncio.sleep(0.05)
+                async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    seen = 0
+                    async for line in r.content:
+                        seen += line.startswith(b"data: ")
+                        if seen == 2:
+                            break  # leaving the block closes the connection mid-stream
+            return seen
+
+        assert asyncio.run(stream_two_chunks_then_leave()) == 2
+        deadline = time.monotonic() + 10
+        while engine.stats().num_running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = engine.stats()
+        assert stats.num_running == 0 and stats.generation_tokens_total < 200
+    finally:
+        server.should_exit = True
+        thread.join(10)
