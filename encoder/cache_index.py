@@ -174,8 +174,6 @@ class SharedIndex:
 
     def oldest(self) -> Record | None:
         """The least recently used record (the eviction victim), or None when empty."""
-        if self.counter("entries") == 0:
-            return None
         # One pass: free slots rank after every used one.
         stamps = np.where(self.rec["used"] == 1, self.rec["last_access_ns"], np.iinfo(np.uint64).max)
         slot = int(np.argmin(stamps))

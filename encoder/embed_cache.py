@@ -29,20 +29,24 @@ import logging
 import mmap
 import os
 import re
-import secrets
 import socket
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import NamedTuple
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
-
+from encoder.cache_files import (
+    check_entry,
+    dead_tmp_files,
+    entry_names,
+    open_tmp,
+    read_entry_header,
+    write_slot,
+)
 from encoder.cache_format import (
     ITEMSIZE,
-    MAX_KEY,
     MAX_WRITER,
     MODALITIES,
     SLOT_OFFSET,
@@ -51,126 +55,43 @@ from encoder.cache_format import (
     header_len_for,
     pack_header,
     pack_slot,
-    parse_header,
     payload_crc,
-    unpack_slot,
 )
-from encoder.cache_index import KEY_BYTES, Record, SharedIndex
-from encoder.cache_lock import FileLock, lock_file, try_lock_file
+from encoder.cache_index import Record, SharedIndex
+from encoder.cache_lock import FileLock
+from encoder.cache_types import (
+    CachedEmbedding,
+    CacheError,
+    CacheNotFound,
+    CacheStats,
+    EntryMeta,
+    EntryTooLarge,
+    InvalidKey,
+    VerifyFailure,
+    VerifyReport,
+    check_key,
+    default_root,
+)
 from encoder.embedding_ref import EmbeddingRef
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY_BYTES = 1 << 30
 DEFAULT_MAX_ENTRIES = 16384
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
-_KEY_RE = re.compile(r"[A-Za-z0-9_-]+")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _torch() -> ModuleType:
+    """torch, imported on first put/get: the inspector CLI's stats/ls/verify start without it."""
+    import torch
+
+    return torch
+
+
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-
-
-class CacheError(Exception):
-    """A request the cache cannot serve; the message names the offending value."""
-
-
-class InvalidKey(CacheError, ValueError):
-    """A key that is not a safe file name (letters, digits, '_' and '-', at most 88 chars)."""
-
-
-class EntryTooLarge(CacheError):
-    """One entry larger than the whole byte budget."""
-
-
-class CacheNotFound(CacheError):
-    """A read-only open of a cache directory that does not exist."""
-
-
-class EntryMeta(NamedTuple):
-    """What the cache knows about one entry (``last_access_ns``/``hits`` from the index)."""
-
-    key: str
-    dtype: str
-    shape: tuple[int, int]
-    grid_thw: tuple[tuple[int, int, int], ...]
-    modality: str
-    bytes: int
-    created_ns: int
-    last_access_ns: int
-    hits: int
-    writer: str
-
-
-class CachedEmbedding(NamedTuple):
-    tensor: torch.Tensor  # [tokens, hidden], zero-copy view of the entry's mapping
-    ref: EmbeddingRef
-    meta: EntryMeta
-
-
-class CacheStats(NamedTuple):
-    root: str
-    capacity_bytes: int
-    used_bytes: int
-    entries: int
-    hits: int
-    misses: int
-    inserts: int
-    evictions: int
-    evicted_bytes: int
-    removals: int
-
-    @property
-    def hit_rate(self) -> float:
-        lookups = self.hits + self.misses
-        return self.hits / lookups if lookups else 0.0
-
-
-class VerifyFailure(NamedTuple):
-    key: str
-    reason: str
-
-
-class VerifyReport(NamedTuple):
-    """Result of checking every entry's header and payload checksum."""
-
-    checked: int
-    failures: list[VerifyFailure]
-    orphan_tmp: int  # tmp files with no live writer (sweep removes them)
-    unindexed: int  # entry files without an index record
-    missing: int  # index records without an entry file
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-
-def default_root(namespace: str) -> Path:
-    """/dev/shm/epd-<namespace> (tmpfs), or the temp dir where there is no /dev/shm."""
-    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
-    return base / f"epd-{namespace}"
-
-
-def check_key(key: str) -> str:
-    if not (isinstance(key, str) and len(key) <= min(MAX_KEY, KEY_BYTES) and _KEY_RE.fullmatch(key)):
-        raise InvalidKey(f"cache key must be 1-{KEY_BYTES} chars of [A-Za-z0-9_-], got {key!r}")
-    return key
-
-
-def _read_header(fd: int, file_len: int) -> tuple[EntryHeader, int]:
-    """The checked header of an open entry file and the index slot recorded in it."""
-    head = os.pread(fd, 4096, 0)
-    try:
-        hdr = parse_header(head, file_len)
-    except CorruptEntry:
-        # A header with a very long grid list spans more than one page: read it whole and retry.
-        if len(head) < 4096 or file_len <= 4096:
-            raise
-        header_len = int.from_bytes(head[12:16], "little")
-        hdr = parse_header(os.pread(fd, min(header_len, file_len), 0), file_len)
-    return hdr, unpack_slot(head)
 
 
 class EmbedCache:
@@ -248,8 +169,8 @@ class EmbedCache:
         capacity = idx.counter("capacity_bytes")
         while idx.counter("used_bytes") + size > capacity or not idx.has_free_slot():
             victim = idx.oldest()
-            if victim is None:  # nothing left to evict: the counter drifted; nothing is cached
-                idx.set("used_bytes", 0)
+            if victim is None:  # no record left: the counters drifted (a crash); nothing is cached
+                idx.clear_records()
                 break
             self._unlink_entry(idx, victim)
             idx.add("evictions")
@@ -299,18 +220,18 @@ class EmbedCache:
         the byte budget; raises ``EntryTooLarge`` when the entry alone exceeds it.
         """
         path = self._path(key)
-        if tensor.dim() != 2 or tensor.dtype not in _DTYPE_NAMES or tensor.numel() == 0:
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if tensor.dim() != 2 or dtype not in _DTYPES or tensor.numel() == 0:
             raise CacheError(
                 f"put({key}): need a non-empty 2-D float32/bfloat16/float16 tensor, "
                 f"got shape {tuple(tensor.shape)} {tensor.dtype}"
             )
         if modality not in MODALITIES:
             raise CacheError(f"put({key}): modality must be one of {list(MODALITIES)}, got {modality!r}")
-        grid = tuple((int(g[0]), int(g[1]), int(g[2])) for g in grid_thw)
         if any(len(g) != 3 for g in grid_thw):
             raise CacheError(f"put({key}): grid_thw must be (t, h, w) triples, got {grid_thw!r}")
+        grid = tuple((int(g[0]), int(g[1]), int(g[2])) for g in grid_thw)
         writer = (writer or self.writer)[:MAX_WRITER]
-        dtype = _DTYPE_NAMES[tensor.dtype]
         rows, cols = int(tensor.shape[0]), int(tensor.shape[1])
         size = header_len_for(key, writer, len(grid)) + rows * cols * ITEMSIZE[dtype]
         ref = EmbeddingRef(key=key, dtype=dtype, shape=(rows, cols), grid_thw=grid, modality=modality)
@@ -319,7 +240,7 @@ class EmbedCache:
         if path.exists():
             return ref
 
-        data = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
+        data = tensor.detach().to("cpu").contiguous().view(_torch().uint8).reshape(-1).numpy()
         payload = data.data  # memoryview of the tensor bytes, no copy
         now = time.time_ns()
         header = pack_header(
@@ -332,7 +253,7 @@ class EmbedCache:
             created_ns=now,
             payload_crc=payload_crc(payload),
         )
-        fd, tmp = self._open_tmp(key)
+        fd, tmp = open_tmp(self._tmp_dir, key)
         try:
             os.write(fd, header)
             written = 0
@@ -355,17 +276,6 @@ class EmbedCache:
             os.close(fd)  # releases the tmp flock only after the rename
         return ref
 
-    def _open_tmp(self, key: str) -> tuple[int, Path]:
-        """Create and flock a private temp file. A sweeper may take the flock in the instant
-        between create and flock and unlink the name: then st_nlink is 0 and we try again."""
-        while True:
-            tmp = self._tmp_dir / f"{key}.{os.getpid()}.{secrets.token_hex(4)}"
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-            lock_file(fd)
-            if os.fstat(fd).st_nlink > 0:
-                return fd, tmp
-            os.close(fd)
-
     def get(self, key: str, touch: bool = True) -> CachedEmbedding | None:
         """The cached embedding for ``key`` (a zero-copy view), or None.
 
@@ -384,7 +294,7 @@ class EmbedCache:
         try:
             file_len = os.fstat(fd).st_size
             try:
-                hdr, slot = _read_header(fd, file_len)
+                hdr, slot = read_entry_header(fd, file_len)
                 if hdr.key != key:
                     raise CorruptEntry(f"header names key {hdr.key!r}")
             except CorruptEntry as e:
@@ -397,8 +307,9 @@ class EmbedCache:
         finally:
             os.close(fd)
         rows, cols = hdr.shape
+        torch = _torch()
         tensor = torch.frombuffer(
-            mm, dtype=_TORCH_DTYPES[hdr.dtype], count=rows * cols, offset=hdr.header_len
+            mm, dtype=getattr(torch, hdr.dtype), count=rows * cols, offset=hdr.header_len
         ).view(rows, cols)  # [tokens, hidden]
         rec: Record | None
         if touch:
@@ -416,12 +327,6 @@ class EmbedCache:
     def contains(self, key: str) -> bool:
         """Whether ``key`` is cached now (no counters touched)."""
         return self._path(key).exists()
-
-    def _entry_names(self) -> list[str]:
-        try:
-            return [e.name for e in os.scandir(self._entries_dir)]
-        except FileNotFoundError:
-            return []
 
     def stats(self) -> CacheStats:
         idx = self._index
@@ -445,7 +350,7 @@ class EmbedCache:
         except FileNotFoundError:
             return None
         try:
-            return _read_header(fd, os.fstat(fd).st_size)[0]
+            return read_entry_header(fd, os.fstat(fd).st_size)[0]
         finally:
             os.close(fd)
 
@@ -456,7 +361,7 @@ class EmbedCache:
         except FileNotFoundError:
             return None
         try:
-            hdr, slot = _read_header(fd, os.fstat(fd).st_size)
+            hdr, slot = read_entry_header(fd, os.fstat(fd).st_size)
         finally:
             os.close(fd)
         return self._meta(hdr, self._record_for(key, slot))
@@ -464,7 +369,7 @@ class EmbedCache:
     def entries(self) -> list[EntryMeta]:
         """Metadata of every readable entry (corrupt ones are left to ``verify``)."""
         out: list[EntryMeta] = []
-        for name in self._entry_names():
+        for name in entry_names(self._entries_dir):
             try:
                 m = self.meta(name)
             except (CorruptEntry, InvalidKey):
@@ -494,12 +399,10 @@ class EmbedCache:
         """Remove every entry; returns how many files were removed."""
         removed = 0
         with self._locked() as idx:
-            for name in self._entry_names():
-                try:
+            for name in entry_names(self._entries_dir):
+                with suppress(FileNotFoundError):
                     os.unlink(self._entries_dir / name)
                     removed += 1
-                except FileNotFoundError:
-                    pass
             idx.clear_records()
             idx.add("removals", removed)
         return removed
@@ -511,55 +414,19 @@ class EmbedCache:
         """
         failures: list[VerifyFailure] = []
         checked = unindexed = 0
-        names = self._entry_names()
+        names = entry_names(self._entries_dir)
         for name in names:
             try:
-                fd = os.open(self._entries_dir / name, os.O_RDONLY)
-            except FileNotFoundError:
-                continue  # evicted while we looked
-            try:
-                checked += 1
-                file_len = os.fstat(fd).st_size
-                hdr = _read_header(fd, file_len)[0]
-                if hdr.key != name:
-                    raise CorruptEntry(f"header names key {hdr.key!r}")
-                with mmap.mmap(fd, file_len, access=mmap.ACCESS_READ) as mm:
-                    crc = payload_crc(memoryview(mm)[hdr.header_len :])
-                    if crc != hdr.payload_crc:
-                        raise CorruptEntry(f"payload crc {crc:#010x} != stored {hdr.payload_crc:#010x}")
-                if self._index.find(name) is None:
-                    unindexed += 1
+                if check_entry(self._entries_dir / name, payload=True) is None:
+                    continue
             except CorruptEntry as e:
                 failures.append(VerifyFailure(name, str(e)))
-            finally:
-                os.close(fd)
+            checked += 1
+            unindexed += self._index.find(name) is None
         present = set(names)
         missing = sum(1 for r in self._index.records() if r.key not in present and not self.contains(r.key))
-        orphans = sum(1 for _ in self._dead_tmp_files(remove=False))
+        orphans = sum(1 for _ in dead_tmp_files(self._tmp_dir, remove=False))
         return VerifyReport(checked, failures, orphans, unindexed, missing)
-
-    def _dead_tmp_files(self, remove: bool) -> Iterator[str]:
-        """tmp files whose writer is gone (their flock is free); removed when ``remove``."""
-        try:
-            names = [e.name for e in os.scandir(self._tmp_dir)]
-        except FileNotFoundError:
-            return
-        for name in names:
-            try:
-                fd = os.open(self._tmp_dir / name, os.O_RDONLY)
-            except FileNotFoundError:
-                continue  # published or cleaned meanwhile
-            try:
-                if not try_lock_file(fd):
-                    continue  # a live writer
-                if remove:
-                    try:
-                        os.unlink(self._tmp_dir / name)
-                    except FileNotFoundError:
-                        continue
-                yield name
-            finally:
-                os.close(fd)  # also drops our flock if we took it
 
     def sweep(self) -> int:
         """Remove dead writers' tmp files and corrupt entries, rebuild the index from the
@@ -567,25 +434,20 @@ class EmbedCache:
         number of files removed. Runs at every (writable) open."""
         removed = 0
         with self._locked() as idx:
-            removed += sum(1 for _ in self._dead_tmp_files(remove=True))
+            removed += sum(1 for _ in dead_tmp_files(self._tmp_dir, remove=True))
             known = {r.key: r for r in idx.records()}
             found: list[tuple[str, EntryHeader]] = []
-            for name in self._entry_names():
+            for name in entry_names(self._entries_dir):
                 try:
-                    fd = os.open(self._entries_dir / name, os.O_RDONLY)
-                except FileNotFoundError:
-                    continue
-                try:
-                    hdr = _read_header(fd, os.fstat(fd).st_size)[0]
-                    if hdr.key != name:
-                        raise CorruptEntry(f"header names key {hdr.key!r}")
-                    found.append((name, hdr))
-                except (CorruptEntry, UnicodeDecodeError) as e:
+                    hdr = check_entry(self._entries_dir / name, payload=False)
+                except CorruptEntry as e:
                     log.warning("embedding cache %s: sweeping bad entry %s: %s", self.root, name, e)
-                    os.unlink(self._entries_dir / name)
+                    with suppress(FileNotFoundError):
+                        os.unlink(self._entries_dir / name)
                     removed += 1
-                finally:
-                    os.close(fd)
+                    continue
+                if hdr is not None:
+                    found.append((name, hdr))
             idx.clear_records()
             # Oldest first, so that if there are more files than slots the newest survive.
             found.sort(key=lambda kh: known[kh[0]].last_access_ns if kh[0] in known else kh[1].created_ns)
@@ -600,20 +462,10 @@ class EmbedCache:
                     last_access_ns=old.last_access_ns if old else hdr.created_ns,
                     hits=old.hits if old else 0,
                 )
-                self._write_slot(name, slot)
+                write_slot(self._entries_dir / name, slot)
             self._make_room(idx, 0)
             idx.add("sweeps")
         return removed
-
-    def _write_slot(self, key: str, slot: int) -> None:
-        try:
-            fd = os.open(self._entries_dir / key, os.O_WRONLY)
-        except FileNotFoundError:
-            return
-        try:
-            os.pwrite(fd, pack_slot(slot), SLOT_OFFSET)
-        finally:
-            os.close(fd)
 
     def close(self) -> None:
         self._index.close()

@@ -23,7 +23,6 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -231,6 +230,8 @@ def _clear(args: argparse.Namespace, console: Console) -> int:
 
 
 def _show(args: argparse.Namespace, console: Console) -> int:
+    import torch  # only `show` reads values; the other commands start without torch
+
     cache = _open(args, read_only=True)
     key = _resolve(cache, args.key)
     try:

@@ -163,7 +163,7 @@ def test_writers_killed_mid_write_leave_no_torn_entry_no_lock_no_orphan(tmp_path
         w.join()
         assert w.exitcode == -signal.SIGKILL
         # A kill inside put leaves an unlocked tmp file (the next writer's start sweeps it).
-        killed_mid_write += cache.verify().orphan_tmp
+        killed_mid_write += len(os.listdir(root / "tmp"))
         # Whatever the writer held, the lock is free now: a put and an evict complete promptly.
         k = key(1000 + i)
         assert completes_within(lambda k=k: cache.put(k, content(k, 16), [(1, 2, 2)], "image"), 5.0)
