@@ -6,8 +6,11 @@ It knows nothing of weights or files; ``encoder/checkpoint.py`` reads ``config.j
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # Keys older Qwen2.5-VL config.json files use for the same field.
 _ALIASES: dict[str, str] = {"in_chans": "in_channels", "num_attention_heads": "num_heads"}
@@ -111,8 +114,8 @@ class VisionConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> VisionConfig:
         """Build from a transformers ``vision_config`` dict (either the 5.x or the original layout).
 
-        Unknown keys that could change the math raise ``ValueError`` naming them, so a checkpoint
-        of a different architecture is never silently run with the wrong shapes.
+        Unknown keys are logged and ignored; values this tower cannot run (non-axial rope,
+        non-square patches, inconsistent sizes) raise ``ValueError`` naming them.
         """
         known = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {}
@@ -124,7 +127,10 @@ class VisionConfig:
             elif raw_key not in _IGNORED:
                 unknown.append(raw_key)
         if unknown:
-            raise ValueError(f"unknown vision_config keys {sorted(unknown)}")
+            # Older transformers wrote generic PretrainedConfig fields (return_dict, ...) into
+            # vision_config; refusing those would reject real checkpoints. A field that really
+            # changes the architecture also changes the tensors, which the loader checks strictly.
+            log.warning("ignoring unknown vision_config keys %s", sorted(unknown))
         rope = d.get("rope_parameters") or {}
         if rope.get("rope_type", "axial") not in ("axial", "default"):
             raise ValueError(

@@ -78,11 +78,22 @@ def test_wrong_model_type(ckpt: Path) -> None:
         load_encoder(ckpt)
 
 
-def test_unknown_config_key(ckpt: Path) -> None:
+def test_unknown_config_key_is_logged(ckpt: Path, caplog: pytest.LogCaptureFixture) -> None:
     cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["use_mystery_layer"] = True
+    cfg["return_dict"] = True  # generic field older transformers wrote into vision_config
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="use_mystery_layer"):
+    with caplog.at_level("WARNING"):
+        assert load_encoder(ckpt).config == TINY
+    assert "return_dict" in caplog.text
+
+
+def test_bad_config_value(ckpt: Path) -> None:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["fullatt_block_indexes"] = [1, 5]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        CheckpointError, match=r"config\.json: bad vision config: fullatt_block_indexes \[5\]"
+    ):
         load_encoder(ckpt)
 
 
