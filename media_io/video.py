@@ -6,7 +6,8 @@
           ──decode─▶ [T, H, W, 3] uint8           in-process, or pooled workers via shared memory
 
 The pieces live in ``video_probe`` (container facts), ``video_sampling`` (which frames, what
-size) and ``video_decode`` (segments, workers, shared memory). This module only wires them and
+size), ``video_plan`` (which GOPs, split how) and ``video_decode`` (decoders, workers, shared
+memory). This module only wires them and
 turns their failures into ``MediaError`` for the item.
 """
 
@@ -24,13 +25,11 @@ from media_io.errors import BadMedia, MediaTooLarge
 from media_io.video_decode import (
     POOL_MIN_WORK,
     ResizeMode,
-    Run,
     SegmentDecodeError,
     decode_in_pool,
     decode_segment,
-    plan_runs,
-    split_segments,
 )
+from media_io.video_plan import Run, plan_runs, split_segments
 from media_io.video_probe import VideoInfo, probe_video, scan_video
 from media_io.video_sampling import sample_frame_indices, target_size
 

@@ -1,22 +1,10 @@
-"""Decode only the sampled frames of a video, in keyframe-aligned segments, into one [T, H, W, 3] array.
+"""Decode the planned segments of a video into one [T, H, W, 3] uint8 array of sampled frames.
 
-Plan (parent, from the ``FrameTable``; no decoding):
-
-    display order:  K . . . . K . . . . . . K . . . . K . . .      K = keyframe, * = sampled
-    sampled:        *     *       *     *       *       *
-    runs:           [K0: *,*] [K1: *,*]   [K2: *]  [K3: *]          one run per keyframe with targets
-    segments:       [run0, run1]          [run2, run3]             contiguous runs, balanced by cost
-
-A run decodes forward from its keyframe to its last target; its cost is that many frames. Runs are
-split into contiguous segments of similar cost, one task each. Within a segment the decoder seeks
-to a run's keyframe unless it is only a few frames past the previous run's last target
-(``Run.seek``), in which case decoding on is cheaper than a decoder flush.
-
-Execution: a segment is decoded either in this process (short clips, where a pool would not pay
-off) or by a reused pool of worker processes ('forkserver': torch is imported here). The parent
-puts the compressed bytes in one shared-memory segment and allocates the output [T, H, W, 3] uint8
-in another; workers attach both by name and write their frames into their own slots. Nothing large
-is pickled. Both segments are unlinked in every path, errors included.
+A segment (see ``video_plan``) is decoded either in this process (short clips, where a pool would
+not pay off) or by a reused pool of worker processes ('forkserver': torch is imported here). The
+parent puts the compressed bytes in one shared-memory segment and allocates the output
+[T, H, W, 3] uint8 in another; workers attach both by name and write their frames into their own
+slots. Nothing large is pickled. Both segments are unlinked in every path, errors included.
 
 Per frame, only sampled frames are converted: the decoder's converter (swscale) makes RGB at the
 source size, exactly as the reference's PyAV loader does, and torch's antialiased bicubic resize
@@ -30,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import io
-import itertools
 import os
 import threading
 import uuid
@@ -38,111 +25,25 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from multiprocessing import get_context
 from multiprocessing.shared_memory import SharedMemory
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import av
 import av.error
 import numpy as np
 import torch
 
-from media_io.video_probe import FrameTable
+from media_io.video_plan import Segment, Target
 
 ResizeMode = Literal["exact", "swscale"]
 
-# Decode forward instead of seeking when the next run's keyframe is at most this many frames
-# past the previous run's last target.
-RESEEK_GAP_FRAMES = 8
 # Below this much decode work (frames x source pixels, ~1 s of 720p) the pool costs more than it
 # saves: shared-memory set-up and task round trips are a few ms, decode is ~3 ms per 720p frame.
 POOL_MIN_WORK = 300 * 1280 * 720
 SHM_PREFIX = "epd_vid"
 
 
-class Target(NamedTuple):
-    """One output frame: the source frame shown at ``pts`` goes to ``slot`` of the output."""
-
-    pts: int
-    slot: int
-
-
-class Run(NamedTuple):
-    """Frames decoded forward from one keyframe; ``targets`` ascend by pts."""
-
-    keyframe_pts: int
-    targets: tuple[Target, ...]
-    seek: bool  # seek to the keyframe (True), or keep decoding from the previous run
-    cost: int  # frames decoded for this run (from the keyframe, or from the previous target)
-
-
-class Segment(NamedTuple):
-    """Contiguous runs decoded by one task."""
-
-    runs: tuple[Run, ...]
-
-    @property
-    def cost(self) -> int:
-        return sum(r.cost for r in self.runs)
-
-    @property
-    def num_targets(self) -> int:
-        return sum(len(r.targets) for r in self.runs)
-
-
 class SegmentDecodeError(Exception):
     """A segment failed in a worker; carries only a message so it pickles back cleanly."""
-
-
-def plan_runs(table: FrameTable, indices: Sequence[int]) -> list[Run]:
-    """Group the sampled display-order ``indices`` (ascending) into runs, one per keyframe."""
-    assert all(b >= a for a, b in itertools.pairwise(indices)), "indices must ascend"
-    pts = table.pts
-    key_pos = np.searchsorted(pts, table.keyframe_pts)  # [K] display position of each keyframe
-    runs: list[Run] = []
-    groups: dict[int, list[Target]] = {}
-    order: list[int] = []
-    for slot, idx in enumerate(indices):
-        assert 0 <= idx < len(pts), (idx, len(pts))
-        k = int(np.searchsorted(table.keyframe_pts, pts[idx], side="right")) - 1
-        assert k >= 0, "the first frame is always a keyframe (FrameTable invariant)"
-        if k not in groups:
-            groups[k] = []
-            order.append(k)
-        groups[k].append(Target(int(pts[idx]), slot))
-    last_pos = -1  # display position of the previous run's last target
-    for k in order:
-        targets = groups[k]
-        start = int(key_pos[k])
-        end = int(np.searchsorted(pts, targets[-1].pts))
-        seek = last_pos < 0 or start - last_pos > RESEEK_GAP_FRAMES
-        cost = end - start + 1 if seek else end - last_pos
-        runs.append(Run(int(table.keyframe_pts[k]), tuple(targets), seek, cost))
-        last_pos = end
-    return runs
-
-
-def split_segments(runs: Sequence[Run], num_segments: int) -> list[Segment]:
-    """Cut ``runs`` into at most ``num_segments`` contiguous segments of similar cost.
-
-    Every segment starts with a seek (a worker begins with a fresh decoder).
-    """
-    assert num_segments >= 1
-    if not runs:
-        return []
-    total = sum(r.cost for r in runs)
-    segments: list[Segment] = []
-    current: list[Run] = []
-    acc = 0
-    for run in runs:
-        # close the current segment once it reached its share of the cost
-        if current and acc >= total * (len(segments) + 1) / num_segments:
-            segments.append(Segment(tuple(current)))
-            current = []
-        if not current and not run.seek:
-            run = run._replace(seek=True)
-        current.append(run)
-        acc += run.cost
-    segments.append(Segment(tuple(current)))
-    return segments
 
 
 class FrameResizer:
@@ -160,14 +61,23 @@ class FrameResizer:
             ).to_ndarray()
             return np.asarray(out)
         rgb = self._convert.reformat(frame, format="rgb24").to_ndarray()  # [h, w, 3] source size
+        return self.resize_rgb(np.asarray(rgb))
+
+    def resize_rgb(self, rgb: np.ndarray) -> np.ndarray:
+        """[h, w, 3] uint8 at the source size -> [height, width, 3] uint8 (torch, as the reference)."""
         if rgb.shape[:2] == (self.height, self.width):
-            return np.asarray(rgb)
-        # torchvision's resize for uint8 on CPU is this call (native uint8 bicubic + antialias)
-        chw = torch.from_numpy(rgb).permute(2, 0, 1)[None]  # [1, 3, h, w] channels-last view
+            return rgb
+        # torchvision's resize for uint8 on CPU is this call (native uint8 bicubic + antialias).
+        h, w, c = rgb.shape
+        # [1, 3, h, w] as a channels-last view of the HWC pixels. The batch stride is set to
+        # the tensor's size, not left ambiguous, so that interpolate also allocates its output
+        # channels-last (torch issue 68430): the result is then HWC-contiguous and copying it
+        # into the output is one memcpy, not a strided gather.
+        nchw = torch.from_numpy(rgb).as_strided((1, c, h, w), (h * w * c, 1, w * c, c))
         resized = torch.nn.functional.interpolate(
-            chw, size=(self.height, self.width), mode="bicubic", align_corners=False, antialias=True
-        )[0]  # [3, H, W] uint8
-        return np.asarray(resized.permute(1, 2, 0).numpy())  # [H, W, 3]
+            nchw, size=(self.height, self.width), mode="bicubic", align_corners=False, antialias=True
+        )  # [1, 3, H, W] uint8, channels-last
+        return np.asarray(resized[0].permute(1, 2, 0).numpy())  # [H, W, 3]
 
 
 def decode_segment(
@@ -207,7 +117,7 @@ def decode_segment(
             for run in segment.runs:
                 if run.seek or frames is None:
                     container.seek(run.keyframe_pts, stream=stream, backward=True, any_frame=False)
-                    frames = _video_frames(container, stream)
+                    frames = container.decode(stream)  # one generator per seek, resumed across runs
                     prev = None
                 pending = list(run.targets)
                 for frame in frames:
@@ -233,12 +143,6 @@ def decode_segment(
     return written
 
 
-def _video_frames(
-    container: av.container.InputContainer, stream: av.video.stream.VideoStream
-) -> Iterator[av.VideoFrame]:
-    yield from container.decode(stream)
-
-
 # ---- worker pool --------------------------------------------------------------------------------
 
 _pools: dict[int, ProcessPoolExecutor] = {}
@@ -262,6 +166,19 @@ def get_pool(workers: int) -> ProcessPoolExecutor:
             pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init)
             _pools[workers] = pool
         return pool
+
+
+def _worker_ping() -> int:
+    return os.getpid()
+
+
+def warm_pool(workers: int) -> set[int]:
+    """Start the pool's processes now (a service calls this at start, a benchmark before timing).
+
+    Returns the pids of the workers that answered (all of them unless some were busy).
+    """
+    pool = get_pool(workers)
+    return {f.result() for f in [pool.submit(_worker_ping) for _ in range(workers * 4)]}
 
 
 @atexit.register

@@ -10,16 +10,8 @@ import pytest
 from media_io.config import PreprocessConfig
 from media_io.errors import BadMedia
 from media_io.video import decode_video
-from media_io.video_decode import (
-    SHM_PREFIX,
-    Run,
-    Segment,
-    SegmentDecodeError,
-    Target,
-    decode_in_pool,
-    plan_runs,
-    split_segments,
-)
+from media_io.video_decode import SHM_PREFIX, SegmentDecodeError, decode_in_pool
+from media_io.video_plan import Run, Segment, Target, plan_runs, split_segments
 from media_io.video_probe import scan_video
 from media_io.video_sampling import sample_frame_indices, target_size
 from tests.media_io import bad_video
