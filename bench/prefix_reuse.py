@@ -107,7 +107,12 @@ def run_trace(layout: KVLayout, budget: int, trace: TraceConfig, swa_aware: bool
     while pending or sched.has_work():
         while pending and pending[0].ready_at <= step:
             s = pending.pop(0)
-            seq = Sequence(f"{s.sid}.{s.turn}", list(s.history), max_new_tokens=s.rng.randint(*trace.output))
+            seq = Sequence(
+                f"{s.sid}.{s.turn}",
+                list(s.history),
+                max_new_tokens=s.rng.randint(*trace.output),
+                arrival_time=step * STEP_S,  # the scheduler runs on the simulated clock
+            )
             owner[id(seq)] = s
             sched.add(seq)
         batch = sched.schedule()

@@ -23,6 +23,7 @@ sequences holding hits.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -59,6 +60,9 @@ class KVManager:
         self.sliding_window = sliding_window
         self.swa_aware = swa_aware
         self.radix: RadixCache | None = None
+        self._peeks: weakref.WeakKeyDictionary[Sequence, tuple[tuple[int, int], int]] = (
+            weakref.WeakKeyDictionary()
+        )
         if enable_prefix_cache:
             self.radix = RadixCache(
                 self.page_size, sliding_window, full_pool.free, swa_pool.free, swa_aware=swa_aware
@@ -87,10 +91,20 @@ class KVManager:
 
     # ---- prefix cache --------------------------------------------------------------------
     def peek_prefix(self, seq: Sequence) -> int:
-        """Tokens a prefix match would give ``seq`` now (no lock, no LRU touch)."""
+        """Tokens a prefix match would give ``seq`` now (no lock, no LRU touch).
+
+        Cached per sequence until the tree changes: the scheduler asks for every waiting sequence
+        on every step it can admit.
+        """
         if self.radix is None:
             return 0
-        return self.radix.match_prefix(seq.cache_keys, seq.num_tokens - 1, touch=False).length
+        stamp = (self.radix.version, seq.num_tokens)
+        cached = self._peeks.get(seq)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        hit = self.radix.match_prefix(seq.cache_keys, seq.num_tokens - 1, touch=False).length
+        self._peeks[seq] = (stamp, hit)
+        return hit
 
     def match_prefix(self, seq: Sequence) -> int:
         """Borrow (and lock) the cached prefix for a sequence that holds no pages yet; returns its length.

@@ -137,6 +137,8 @@ class RadixCache:
         self.root = RadixNode((), [], [], None, next(self._ids))
         self.root.lock_ref = 1  # never evicted
         self._nodes: dict[int, RadixNode] = {}
+        # Bumped whenever a match result could change (insert, heal, eviction); callers cache on it.
+        self.version = 0
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -186,6 +188,9 @@ class RadixCache:
 
     def _common_pages(self, child: RadixNode, key: list[int], i: int, n_pages: int) -> int:
         p = self.page_size
+        whole = min(len(child.full_pages), n_pages - i)
+        if child.key[: whole * p] == tuple(key[i * p : (i + whole) * p]):
+            return whole  # the common case: one slice comparison
         m = 1  # the first page matched through the children dict
         while m < len(child.full_pages) and i + m < n_pages:
             if child.key[m * p : (m + 1) * p] != tuple(key[(i + m) * p : (i + m + 1) * p]):
@@ -236,6 +241,7 @@ class RadixCache:
         node = self.root
         i = 0
         num_new = 0
+        self.version += 1
         while i < n_pages:
             child = node.children.get(tuple(key[i * p : (i + 1) * p]))
             if child is None:
@@ -344,6 +350,7 @@ class RadixCache:
         An unlocked leaf goes entirely; any other live node whose SWA is unlocked becomes a
         tombstone (its full KV stays cached). SWA-unaware mode only removes whole leaves.
         """
+        self.version += 1
         if not self.swa_aware:
             return self._evict_leaves(num_pages, lambda n: len(n.swa_pages or ()))
         heap = [
@@ -367,6 +374,7 @@ class RadixCache:
 
     def _evict_leaves(self, num_pages: int, gain: Callable[[RadixNode], int]) -> int:
         """Delete unlocked leaves in LRU order until ``gain`` summed over deleted nodes reaches ``num_pages``."""
+        self.version += 1
         heap = [
             (n.last_access, n.node_id, n) for n in self._nodes.values() if not n.children and n.lock_ref == 0
         ]

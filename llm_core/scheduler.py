@@ -201,6 +201,8 @@ class Scheduler:
                 assert self.kv.allocate(seq, n)
             take(seq, n)
             left -= n
+        if left == 0 or len(self.running) >= self.config.max_num_seqs or not self.waiting.bucket(b):
+            return
         now = self.clock()
         for seq in self.waiting.ordered(b, now, self.kv.peek_prefix):
             if left == 0 or len(self.running) >= self.config.max_num_seqs:
