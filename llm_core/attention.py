@@ -79,14 +79,16 @@ def paged_attention_torch(
     scale: float,
     window: int | None = None,
     sinks: Tensor | None = None,
+    q_block: int = 256,
 ) -> Tensor:
     """Torch paged attention: q [T, H, D] packed by ``cu_seqlens_q`` -> out [T, H, Dv].
 
-    For each sequence only the pages that hold keys some of its queries can see are read:
+    Each sequence's queries are processed in blocks of ``q_block`` rows (bounding the score
+    tensor at [H, q_block, keys]); a block reads only the pages holding keys it can see:
 
-        positions  kv_start (= first_q - W + 1, or 0)        first_q          seq_len
-                   |<------- keys read (whole pages) ------->|<-- queries -->|
-        pages      p0 = kv_start // page   ...   p1 - 1 = (seq_len - 1) // page
+        positions  kv_start (= q_first - W + 1, or 0)        q_first        q_last
+                   |<------- keys read (whole pages) ------->|<-- block -->|
+        pages      p0 = kv_start // page   ...   p1 - 1 = q_last // page
 
     so SWA pages that left the window (-1 in the table) are never touched.
     """
@@ -97,20 +99,21 @@ def paged_attention_torch(
     lens = seq_lens.tolist()
     for b, seq_len in enumerate(lens):
         lo, hi = cu[b], cu[b + 1]
-        if hi == lo:
-            continue
         first_q = seq_len - (hi - lo)
-        kv_start = 0 if window is None else max(0, first_q - window + 1)
-        p0, p1 = kv_start // page_size, (seq_len - 1) // page_size + 1
-        phys = page_table[b, p0:p1].to(torch.int64)
-        assert bool((phys >= 0).all()), f"sequence {b}: a page in [{p0}, {p1}) is not resident"
-        # Slice to exactly [kv_start, seq_len): slots past seq_len hold stale data, never read.
-        a, z = kv_start - p0 * page_size, seq_len - p0 * page_size
-        k_b = k_cache[phys].flatten(0, 1)[a:z]  # [m, Hkv, D]
-        v_b = v_cache[phys].flatten(0, 1)[a:z]  # [m, Hkv, Dv]
-        k_pos = torch.arange(kv_start, seq_len, device=q.device)
-        q_pos = torch.arange(first_q, seq_len, device=q.device)
-        out[lo:hi] = masked_attention(q[lo:hi], k_b, v_b, q_pos, k_pos, scale, window, sinks)
+        for q_first in range(first_q, seq_len, q_block):
+            q_end = min(q_first + q_block, seq_len)  # queries at q_first .. q_end - 1
+            kv_start = 0 if window is None else max(0, q_first - window + 1)
+            p0, p1 = kv_start // page_size, (q_end - 1) // page_size + 1
+            phys = page_table[b, p0:p1].to(torch.int64)
+            assert bool((phys >= 0).all()), f"sequence {b}: a page in [{p0}, {p1}) is not resident"
+            # Slice to exactly [kv_start, q_end): later slots are causally masked or stale.
+            a, z = kv_start - p0 * page_size, q_end - p0 * page_size
+            k_b = k_cache[phys].flatten(0, 1)[a:z]  # [m, Hkv, D]
+            v_b = v_cache[phys].flatten(0, 1)[a:z]  # [m, Hkv, Dv]
+            k_pos = torch.arange(kv_start, q_end, device=q.device)
+            q_pos = torch.arange(q_first, q_end, device=q.device)
+            rows = slice(lo + q_first - first_q, lo + q_end - first_q)
+            out[rows] = masked_attention(q[rows], k_b, v_b, q_pos, k_pos, scale, window, sinks)
     return out
 
 

@@ -148,7 +148,22 @@ def test_paged_torch_matches_dense(window: int | None, with_sinks: bool) -> None
         case.q, case.k_cache, case.v_cache, case.table, case.cu, case.seq_lens, scale, window, sinks
     )
     assert not out.isnan().any()
-    torch.testing.assert_close(out, dense_reference(case, scale, window, sinks), rtol=1e-5, atol=1e-5)
+    ref = dense_reference(case, scale, window, sinks)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # Query blocks smaller than a page and than the window read other page ranges: same result.
+    blocked = paged_attention_torch(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.table,
+        case.cu,
+        case.seq_lens,
+        scale,
+        window,
+        sinks,
+        q_block=5,
+    )
+    torch.testing.assert_close(blocked, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_sinks_take_probability_mass() -> None:
