@@ -101,6 +101,8 @@ class EncoderWorker:
         self.pool = ThreadPoolExecutor(
             max_workers=config.decode_threads, thread_name_prefix="epd-encoder-decode"
         )
+        # Hashing and cache I/O get their own threads so that cache hits never queue behind decodes.
+        self.io_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="epd-encoder-io")
         self.metrics = _Metrics()
         self.writer = f"encoder:{os.getpid()}"
         self._inflight: dict[str, asyncio.Task[EncodeOutcome]] = {}
@@ -119,6 +121,7 @@ class EncoderWorker:
         await asyncio.gather(*self._inflight.values(), return_exceptions=True)
         await self.batcher.stop()
         self.pool.shutdown(wait=True)
+        self.io_pool.shutdown(wait=True)
         self.cache.close()
 
     # -- encode ------------------------------------------------------------------------------------
@@ -131,9 +134,9 @@ class EncoderWorker:
             raise BadMedia(f"sent as {modality} but its bytes are {kind.modality} ({kind.format})", item)
         loop = asyncio.get_running_loop()
         key = await loop.run_in_executor(
-            self.pool, media_key, data, kind.modality, self.config.preprocess, self.fingerprint
+            self.io_pool, media_key, data, kind.modality, self.config.preprocess, self.fingerprint
         )
-        hit = await loop.run_in_executor(self.pool, self.cache.get, key)
+        hit = await loop.run_in_executor(self.io_pool, self.cache.get, key)
         if hit is not None:
             self.metrics.requests.labels(outcome="hit").inc()
             return EncodeOutcome(self._public(hit.ref), True, dict.fromkeys(STAGES, 0.0))
@@ -174,7 +177,7 @@ class EncoderWorker:
         timings["forward"] = result.forward_ms
         try:
             ref = await loop.run_in_executor(
-                self.pool, self.cache.put, key, result.embedding, [patches.grid_thw], modality, self.writer
+                self.io_pool, self.cache.put, key, result.embedding, [patches.grid_thw], modality, self.writer
             )
         except EntryTooLarge as e:
             raise MediaTooLarge(f"its embedding does not fit the node cache: {e}", item) from e
@@ -290,8 +293,12 @@ def build_app(config: WorkerConfig, loaded: LoadedEncoder | None = None) -> Star
             return _error(
                 400, "invalid_request", f"modality must be 'image' or 'video', got {modality!r}", "modality"
             )
-        data = await request.body()
         w = worker()
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > config.limits.max_bytes:
+            msg = f"body of {declared} bytes exceeds {config.limits.max_bytes}"
+            return _error(413, MediaTooLarge.kind, msg, item)
+        data = await request.body()
         try:
             outcome = await w.encode(data, modality, item)
         except MediaError as e:

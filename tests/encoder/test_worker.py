@@ -24,6 +24,7 @@ from encoder.embed_cache import EmbedCache
 from encoder.media_key import media_key
 from encoder.worker import WorkerConfig, plan_workers
 from encoder.worker_app import build_app
+from media_io.config import MediaLimits
 from media_io.image import decode_image
 from media_io.preprocess import get_backend
 from media_io.video import decode_video
@@ -77,6 +78,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         public_url="http://encoder-7:8001",
         max_wait_ms=20.0,
         patch_budget=4096,
+        limits=MediaLimits(max_bytes=1 << 20),
     )
     server = uvicorn.Server(uvicorn.Config(build_app(config), uds=sock, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -179,6 +181,14 @@ def test_bad_media_fails_alone_with_named_error(
     assert body["error"]["param"] in (params.get("item"), "modality")
     ok, _, _ = served.request("POST", "/encode", png(56, 56, seed=99))  # the worker still serves
     assert ok == 200
+
+
+def test_oversized_body_refused(served: Served) -> None:
+    status, body, _ = served.request(
+        "POST", "/encode", b"\x89PNG\r\n\x1a\n" + bytes(2 << 20), item="huge.png"
+    )
+    assert status == 413 and body["error"]["type"] == "media_too_large"
+    assert str(2 << 20) in body["error"]["message"] or "exceeds" in body["error"]["message"]
 
 
 def test_embeddings_route_errors(served: Served) -> None:
