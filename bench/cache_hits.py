@@ -110,7 +110,9 @@ def run_hit_rates(args: argparse.Namespace, base: Path) -> list[SimResult]:
     tokens = item_tokens(args.media, args.seed)
     stream = zipf_stream(args.media, args.requests, args.alpha, args.seed)
     mean_entry = 4096 + float(tokens.mean()) * HIDDEN * 2
-    total = int(args.cache_fraction * args.media * mean_entry)
+    # Every per-worker cache (total / 4) must hold a few of the largest entries, even in tiny runs.
+    largest = 4096 + int(tokens.max()) * HIDDEN * 2
+    total = max(int(args.cache_fraction * args.media * mean_entry), 4 * 4 * largest)
     router = EncoderRouter([WorkerSpec(u) for u in WORKERS])
 
     def ring(i: int, key: str) -> str:
