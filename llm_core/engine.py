@@ -137,6 +137,13 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.max_model_len = self.config.max_model_len or model_config.max_position_embeddings
+        # End of generation: the model's eos, the tokenizer's, and ChatML's end of turn (as in
+        # Qwen-style generation configs), unless a request sets ignore_eos.
+        self.eos_token_ids: frozenset[int] = frozenset(
+            t
+            for t in (model_config.eos_token_id, tokenizer.eos_token_id, tokenizer.im_end_token_id)
+            if t is not None
+        )
         self.kv, self.scheduler = _build_kv_and_scheduler(
             model_config, self.config, self.max_model_len, self.device, dtype
         )
@@ -246,7 +253,8 @@ class LLMEngine:
             )
         tok = self.tokenizer
         try:
-            spans = media_spans(prompt_ids, (tok.image_token_id, tok.video_token_id), [m.ref.key for m in mm])
+            pads = [t for t in (tok.image_token_id, tok.video_token_id) if t is not None]
+            spans = media_spans(prompt_ids, pads, [m.ref.key for m in mm])
         except MediaSpanError as e:
             raise EngineRequestError(str(e), "multimodal") from e
         hidden = self.model_config.hidden_size
@@ -269,7 +277,7 @@ class LLMEngine:
                 )
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
-            stop_ids.add(tok.eos_token_id)
+            stop_ids |= self.eos_token_ids
         return Seq(
             seq_id=rid,
             prompt_ids=prompt_ids,

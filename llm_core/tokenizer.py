@@ -105,19 +105,12 @@ class Tokenizer:
     def __init__(self, tok: HFTokenizer) -> None:
         self._tok = tok
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
-        self.eos_token_id: int = self._require_id(EOS_TOKEN)
+        # A text-only tokenizer.json may lack some of these; the engine then refuses media (and
+        # takes eos from the model config).
+        self.eos_token_id: int | None = tok.token_to_id(EOS_TOKEN)
         self.im_end_token_id: int | None = tok.token_to_id(IM_END)
-        self.image_token_id: int = self._require_id(IMAGE_PAD)
-        self.video_token_id: int = self._require_id(VIDEO_PAD)
-        self.special_ids: frozenset[int] = frozenset(
-            i for t in SPECIAL_TOKENS if (i := tok.token_to_id(t)) is not None
-        )
-
-    def _require_id(self, token: str) -> int:
-        i = self._tok.token_to_id(token)
-        if i is None:
-            raise ValueError(f"tokenizer has no {token!r} token")
-        return int(i)
+        self.image_token_id: int | None = tok.token_to_id(IMAGE_PAD)
+        self.video_token_id: int | None = tok.token_to_id(VIDEO_PAD)
 
     def encode(self, text: str) -> list[int]:
         """Text to ids; special tokens written in the text (e.g. ``<|im_start|>``) become their ids."""

@@ -119,3 +119,12 @@ def test_incremental_detokenize_invalid_bytes_and_specials() -> None:
     assert det.add(0xC3) == ""
     assert det.flush() == "\ufffd"
     assert det.text == "€\ufffda\ufffd"
+
+
+def test_text_only_tokenizer_has_no_media_ids() -> None:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    tok = Tokenizer(HFTokenizer(models.WordLevel(vocab={"a": 0, "b": 1}, unk_token="a")))
+    assert tok.eos_token_id is None and tok.image_token_id is None and tok.video_token_id is None
+    assert tok.vocab_size == 2
