@@ -122,3 +122,28 @@ def _any_flag_set(cls: type, args: argparse.Namespace, prefix: str, flatten: tup
         getattr(args, prefix + f.name, None) is not None
         for f in dataclasses.fields(cls)  # type: ignore[arg-type]
     )
+
+
+def dataclass_to_argv(cfg: Any, *, prefix: str = "", flatten: tuple[str, ...] = ()) -> list[str]:
+    """The flags that rebuild ``cfg`` through ``dataclass_from_args`` (fields equal to their default
+    are left out). Used to start child processes with exactly a parent's config."""
+    out: list[str] = []
+    for f in dataclasses.fields(cfg):
+        if not f.init:
+            continue
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            sub_prefix = prefix if f.name in flatten else f"{prefix}{f.name}_"
+            out += dataclass_to_argv(value, prefix=sub_prefix, flatten=flatten)
+            continue
+        if value is None or value == _default(f):
+            continue
+        flag = _flag(prefix, f.name)
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, tuple):
+            for item in value:
+                out += [flag, str(item)]
+        elif isinstance(value, int | float | str):
+            out += [flag, str(value)]
+    return out

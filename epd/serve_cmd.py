@@ -1,20 +1,213 @@
-"""``epd serve``: placeholder until the service lands (see README, Status)."""
+"""``epd serve``: the ingress, the encoder workers and the LLM engine on one machine.
+
+    epd serve ──▶ supervisor ──▶ encoder-0..N-1   (python -m epd.cli encoder ..., free loopback ports)
+       │                   └──▶ llm              (python -m epd.cli llm ...)
+       └──▶ ingress (uvicorn in this process) ──ring──▶ local workers + every --encoder-url
+
+All roles share one node embedding cache namespace (``serve-<port>`` unless set), so the ingress and
+the engine read what the workers wrote. A crashed child is restarted on the same address and the
+ring marks it down and up again. SIGTERM drains in-flight requests (uvicorn's graceful shutdown),
+stops the children and removes the namespace's shared memory.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
+import logging
+import shutil
+import signal
+import socket
 import sys
+from dataclasses import dataclass, field
+
+from encoder.embed_cache import default_root
+from encoder.worker import WorkerConfig, plan_workers
+from epd.config import IngressConfig
+from epd.config_cli import add_dataclass_args, dataclass_from_args, dataclass_to_argv
+from epd.encoder_cmd import worker_child
+from epd.supervisor import ChildFailed, ChildSpec, Supervisor, python_argv
+from llm_core.server_config import LLMServerConfig
+
+log = logging.getLogger("epd.serve")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    ingress: IngressConfig = field(default_factory=IngressConfig)
+    encoder: WorkerConfig = field(default_factory=WorkerConfig)  # template for the local workers
+    llm: LLMServerConfig = field(default_factory=LLMServerConfig)
+    encoder_workers: int = 1  # local CPU workers (with CUDA: one per device)
+    remote_encoders: tuple[str, ...] = ()  # --encoder-url: workers on other hosts, added to the ring
+    start_llm: bool = True
+    log_level: str = "info"
+
+
+# Fields that `epd serve` derives itself instead of taking from flags.
+_INGRESS_DERIVED = ("encoder_urls", "encoder_weights", "llm_url", "llm_model_dir")
+_WORKER_DERIVED = (
+    "host",
+    "port",
+    "uds",
+    "public_url",
+    "cache_namespace",
+    "cache_root",
+    "preprocess",
+    "limits",
+)
+_LLM_DERIVED = ("host", "port", "uds", "cache_namespace", "log_level")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    add_dataclass_args(parser, IngressConfig, skip=_INGRESS_DERIVED)
+    enc = parser.add_argument_group("encoder workers")
+    add_dataclass_args(enc, WorkerConfig, prefix="encoder_", skip=_WORKER_DERIVED)
+    llm = parser.add_argument_group("LLM engine")
+    add_dataclass_args(llm, LLMServerConfig, prefix="llm_", skip=_LLM_DERIVED)
+    parser.add_argument(
+        "--encoder-workers", type=int, default=1, help="local CPU encoder workers; default: 1"
+    )
+    parser.add_argument("--encoder-model", dest="encoder_model_path", help="encoder checkpoint dir (alias)")
+    parser.add_argument("--llm-model", dest="llm_model_path", help="LLM checkpoint dir (alias)")
+    parser.add_argument(
+        "--encoder-url",
+        dest="remote_encoders",
+        action="append",
+        default=[],
+        help="remote encoder worker (repeatable)",
+    )
+    parser.add_argument("--no-llm", dest="start_llm", action="store_false", help="serve /v1/encode only")
+    parser.add_argument("--log-level", default="info")
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    return ServeConfig(
+        ingress=dataclass_from_args(IngressConfig, args),
+        encoder=dataclass_from_args(WorkerConfig, args, prefix="encoder_"),
+        llm=dataclass_from_args(LLMServerConfig, args, prefix="llm_"),
+        encoder_workers=args.encoder_workers,
+        remote_encoders=tuple(args.remote_encoders),
+        start_llm=args.start_llm,
+        log_level=args.log_level,
+    )
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What will run: the children and the ingress config that points at them."""
+
+    children: list[ChildSpec]
+    encoder_children: dict[str, str]  # child name -> worker url
+    ingress: IngressConfig
+    namespace: str
+
+
+def plan(cfg: ServeConfig) -> Plan:
+    ing = cfg.ingress
+    namespace = ing.cache_namespace if ing.cache_namespace != "default" else f"serve-{ing.port}"
+    template = dataclasses.replace(
+        cfg.encoder,
+        host="127.0.0.1",
+        port=free_port("127.0.0.1"),
+        cache_namespace=namespace,
+        preprocess=ing.preprocess,
+        limits=ing.limits,
+        cache_capacity_bytes=cfg.encoder.cache_capacity_bytes or ing.cache_capacity_bytes,
+    )
+    workers = plan_workers(template, cpu_workers=cfg.encoder_workers)
+    # plan_workers numbers ports from the template's; give each worker its own free port instead.
+    workers = [dataclasses.replace(w, port=free_port("127.0.0.1")) for w in workers]
+    children = [worker_child(w, i) for i, w in enumerate(workers)]
+    encoder_children = {c.name: w.url for c, w in zip(children, workers, strict=True)}
+    llm_url = None
+    if cfg.start_llm:
+        llm = dataclasses.replace(
+            cfg.llm, host="127.0.0.1", port=free_port("127.0.0.1"), cache_namespace=namespace
+        )
+        llm_url = f"http://127.0.0.1:{llm.port}"
+        children.append(ChildSpec("llm", python_argv("llm", *dataclass_to_argv(llm)), f"{llm_url}/health"))
+    ingress = dataclasses.replace(
+        ing,
+        cache_namespace=namespace,
+        encoder_urls=tuple(w.url for w in workers) + cfg.remote_encoders,
+        llm_url=llm_url,
+        llm_model_dir=cfg.llm.model_path,
+    )
+    return Plan(children, encoder_children, ingress, namespace)
+
+
+async def serve(cfg: ServeConfig) -> int:
+    import uvicorn
+
+    from epd.ingress_app import build_app
+
+    p = plan(cfg)
+    app = build_app(p.ingress)
+    ingress = app.state.ingress
+
+    def on_down(spec: ChildSpec) -> None:
+        if spec.name in p.encoder_children:
+            ingress.router.mark_down(p.encoder_children[spec.name])
+
+    def on_up(spec: ChildSpec) -> None:
+        if spec.name in p.encoder_children:
+            ingress.router.mark_up(p.encoder_children[spec.name])
+
+    sup = Supervisor(p.children, on_down=on_down, on_up=on_up)
+    try:
+        try:
+            await sup.start()
+        except ChildFailed as exc:
+            print(f"epd serve: {exc}", file=sys.stderr)
+            return 1
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=p.ingress.host,
+                port=p.ingress.port,
+                log_level=cfg.log_level,
+                timeout_graceful_shutdown=30,
+            )
+        )
+        announce = asyncio.create_task(_announce(server, p))
+        await server.serve()
+        announce.cancel()
+        return 0 if server.started else 1
+    finally:
+        await sup.stop()
+        shutil.rmtree(default_root(p.namespace), ignore_errors=True)
+
+
+async def _announce(server: object, p: Plan) -> None:
+    while not getattr(server, "started", False):
+        await asyncio.sleep(0.05)
+    print(
+        f"epd serving on http://{p.ingress.host}:{p.ingress.port}  "
+        f"(encoders: {len(p.ingress.encoder_urls)}, llm: {p.ingress.llm_url or 'off'}, "
+        f"cache namespace: {p.namespace})",
+        flush=True,
+    )
+
+
+class _Terminated(SystemExit):
+    """SIGTERM outside uvicorn's own handling (during start-up, or re-raised by uvicorn after its
+    graceful shutdown): unwind through ``serve``'s finally so the children stop and the shared
+    memory is removed."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated(0)
 
 
 def run(args: argparse.Namespace) -> int:
-    print(
-        "epd serve: the service is not built yet. Built so far: media_io (fetch, decode, video, "
-        "preprocessing). Not yet: the ingress app, encoder workers, the LLM engine and the launcher.",
-        file=sys.stderr,
-    )
-    return 2
+    cfg = config_from_args(args)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return asyncio.run(serve(cfg))

@@ -61,3 +61,13 @@ def test_base_values_survive_unset_flags() -> None:
 def test_bad_value_is_an_argparse_error() -> None:
     with pytest.raises(SystemExit):
         _parse(["--port", "eighty"])
+
+
+def test_to_argv_round_trips() -> None:
+    from epd.config_cli import dataclass_to_argv
+
+    cfg = Outer(
+        port=1, verbose=True, allow_hosts=("x", "y"), model_path="/m", engine=Inner(page_size=8, ratio=0.25)
+    )
+    assert dataclass_from_args(Outer, _parse(dataclass_to_argv(cfg))) == cfg
+    assert dataclass_to_argv(Outer()) == []

@@ -1,0 +1,51 @@
+"""``epd encoder``: run encoder workers alone (flags map onto ``WorkerConfig``).
+
+With CUDA, one process per device; on CPU ``--workers N`` processes share the cores. Worker i
+listens on ``--port + i``. A single worker runs in this process; several are supervised children.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+
+from encoder.worker import WorkerConfig, plan_workers, serve_worker
+from epd.config_cli import add_dataclass_args, dataclass_from_args, dataclass_to_argv
+from epd.supervisor import ChildSpec, Supervisor, python_argv
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_dataclass_args(parser, WorkerConfig)
+    parser.add_argument("--workers", type=int, default=1, help="CPU worker processes (GPU: one per device)")
+
+
+def worker_argv(cfg: WorkerConfig) -> tuple[str, ...]:
+    """argv that starts exactly the worker ``cfg`` describes, as a child process."""
+    return python_argv("encoder", "--workers", "1", *dataclass_to_argv(cfg))
+
+
+def worker_child(cfg: WorkerConfig, index: int) -> ChildSpec:
+    health = f"{cfg.url}/health" if not cfg.uds else "http://localhost/health"
+    return ChildSpec(name=f"encoder-{index}", argv=worker_argv(cfg), health_url=health, uds=cfg.uds)
+
+
+def run(args: argparse.Namespace) -> int:
+    base = dataclass_from_args(WorkerConfig, args)
+    configs = plan_workers(base, cpu_workers=args.workers)
+    if len(configs) == 1:
+        serve_worker(configs[0])
+        return 0
+
+    async def supervise() -> None:
+        sup = Supervisor([worker_child(c, i) for i, c in enumerate(configs)])
+        await sup.start()
+        print("epd encoder workers: " + ", ".join(c.url for c in configs), flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await sup.stop()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(supervise())
+    return 0
