@@ -256,6 +256,14 @@ class EncoderWorker:
         return generate_latest(m.registry)
 
 
+def _warm_up(loaded: LoadedEncoder) -> None:
+    """One small forward before serving: the first call pays for kernel selection and allocator
+    growth (seconds on a busy CPU), which should not land on the first request."""
+    patch_dim = loaded.config.patch_dim
+    with torch.inference_mode():
+        loaded.model(torch.zeros(256, patch_dim), torch.tensor([[1, 16, 16]]))
+
+
 def _error(
     status: int, kind: str, message: str, param: str | None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
@@ -274,6 +282,7 @@ def build_app(config: WorkerConfig, loaded: LoadedEncoder | None = None) -> Star
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         def open_all() -> EncoderWorker:
             enc = loaded or load_encoder(config.model_path, config.torch_dtype, config.resolve_device())
+            _warm_up(enc)
             cache = EmbedCache(config.cache_namespace, config.cache_capacity_bytes, config.cache_root)
             return EncoderWorker(config, enc, cache)
 
