@@ -15,6 +15,13 @@ cache still finds its window)::
     positions  0 ......... b-W+1 ...... b .. c      (W = sliding_window, counts the query)
     SWA pages  [ dropped  |  resident: window     ] a step computing [c, c+n) also needs [c, c+n)
 
+Branch points: when a new sequence matches the tree further (full KV) than it can use (the SWA
+window before that point was dropped), it recomputes up to there anyway. It then keeps
+(*pins*) the SWA pages of the window before that point until it finishes, so its insert heals
+the tombstone and the next sequence through the same branch point gets the hit. This is what
+makes a shared system prompt hittable: the first sequence moved on past it, the second one
+pins it. A pin is dropped when the sequence's own allocation would not fit otherwise.
+
 The manager knows nothing of scheduling policy or of tensors; ``check_integrity`` proves that
 every used page has exactly one owner (the tree, or one sequence) and that lock counts match the
 sequences holding hits.
@@ -27,7 +34,7 @@ import weakref
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from llm_core.kv_pool import PagePool
+from llm_core.kv_pool import PagePool, swa_pages_per_sequence
 from llm_core.radix_cache import InsertResult, RadixCache
 from llm_core.sequence import NOT_RESIDENT, Sequence
 
@@ -122,7 +129,14 @@ class KVManager:
         seq.num_swa_released = self.first_live_swa_page(hit.length)
         seq.num_computed_tokens = hit.length
         seq.num_cached_tokens = hit.length
+        if self.swa_aware and hit.key_length > hit.length and self._can_pin():
+            seq.swa_pin_end = hit.key_length
         return hit.length
+
+    def _can_pin(self) -> bool:
+        # Pinning holds up to one extra window per sequence; only where the pool has room to spare
+        # (allocate() drops a sequence's pin anyway when its own pages would not fit).
+        return self.swa_pool.num_pages >= 4 * swa_pages_per_sequence(self.sliding_window, self.page_size)
 
     # ---- allocation ----------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, n: int) -> bool:
@@ -148,7 +162,7 @@ class KVManager:
         Returns False, taking nothing, when the pools cannot hold it even after eviction.
         """
         need = self.pages_needed(seq, n)
-        if not self._available(need):
+        if not self._available(need) and not (self.unpin(seq) and self._available(need)):
             return False
         if self.radix is not None:
             if need.full > self.full_pool.num_free:
@@ -181,8 +195,11 @@ class KVManager:
         c reaches it, and then b moves with it).
         """
         lo = self.first_live_swa_page(seq.num_computed_tokens // self.page_size * self.page_size)
+        pin_lo, pin_hi = self._pinned_pages(seq)
         freed: list[int] = []
         for i in range(seq.num_swa_released, min(lo, len(seq.swa_pages))):
+            if pin_lo <= i < pin_hi:
+                continue
             page = seq.swa_pages[i]
             if page != NOT_RESIDENT and i >= seq.num_borrowed_pages:
                 freed.append(page)  # borrowed pages belong to the tree: just stop referencing them
@@ -190,6 +207,28 @@ class KVManager:
         seq.num_swa_released = max(seq.num_swa_released, lo)
         self.swa_pool.free(freed)
         return len(freed)
+
+    def _pinned_pages(self, seq: Sequence) -> tuple[int, int]:
+        """Logical SWA pages [lo, hi) kept for the branch point ``seq.swa_pin_end`` (empty when none)."""
+        if not seq.swa_pin_end:
+            return 0, 0
+        return self.first_live_swa_page(seq.swa_pin_end), seq.swa_pin_end // self.page_size
+
+    def unpin(self, seq: Sequence) -> bool:
+        """Drop ``seq``'s pinned branch-point window (pages it already moved past); True if any."""
+        if not seq.swa_pin_end:
+            return False
+        pin_lo, pin_hi = self._pinned_pages(seq)
+        seq.swa_pin_end = 0
+        upto = min(pin_hi, seq.num_swa_released)
+        freed = []
+        for i in range(pin_lo, upto):
+            page = seq.swa_pages[i]
+            if page != NOT_RESIDENT and i >= seq.num_borrowed_pages:
+                freed.append(page)
+            seq.swa_pages[i] = NOT_RESIDENT
+        self.swa_pool.free(freed)
+        return bool(freed) or upto > pin_lo
 
     # ---- release -------------------------------------------------------------------------
     def release(self, seq: Sequence, cache: bool = True) -> None:
@@ -216,6 +255,7 @@ class KVManager:
         seq.swa_pages = []
         seq.num_borrowed_pages = 0
         seq.num_swa_released = 0
+        seq.swa_pin_end = 0
         seq.prefix_lock = None
 
     # ---- accounting ----------------------------------------------------------------------

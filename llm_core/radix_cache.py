@@ -93,13 +93,15 @@ class MatchResult(NamedTuple):
 
     ``full_pages[i]`` and ``swa_pages[i]`` are logical page ``i``; ``swa_pages`` holds only the
     window's pages (NOT_RESIDENT before it). ``node`` ends the hit (the root when there is none);
-    pass it to ``lock`` before using the pages.
+    pass it to ``lock`` before using the pages. ``key_length`` is how far the key matched the
+    tree at all (full KV present); beyond ``length`` it is a branch point whose SWA window is gone.
     """
 
     length: int
     full_pages: list[int]
     swa_pages: list[int]
     node: RadixNode
+    key_length: int
 
 
 class PrefixLock(NamedTuple):
@@ -184,7 +186,7 @@ class RadixCache:
         length = end.end_depth
         first_window_page = max(0, length - need) // p if length else 0
         swa[:first_window_page] = [NOT_RESIDENT] * first_window_page
-        return MatchResult(length, full, swa, end)
+        return MatchResult(length, full, swa, end, path[-1].end_depth if path else 0)
 
     def _common_pages(self, child: RadixNode, key: list[int], i: int, n_pages: int) -> int:
         p = self.page_size
@@ -252,19 +254,20 @@ class RadixCache:
             if m < len(child.full_pages):
                 child = self._split(child, m)
             given_swa = swa_pages[i : i + m]
-            if child.swa_pages is None and given_swa[-1] != NOT_RESIDENT:
+            if child.swa_pages is None:
                 live_from = m
                 while live_from > 0 and given_swa[live_from - 1] != NOT_RESIDENT:
                     live_from -= 1
-                assert all(s == NOT_RESIDENT for s in given_swa[:live_from]), (
-                    "live SWA pages must be a suffix"
-                )
-                if live_from > 0:
-                    # Only the tail can heal: split off the part that stays a tombstone.
+                if 0 < live_from < m:
+                    # Only a live tail can heal: split off the part that stays a tombstone and
+                    # re-enter at the same i (the next pass matches the dead part).
                     self._split(child, live_from)
-                    continue  # re-enter at the same i; the next pass matches the dead part
-                child.swa_pages = list(given_swa)  # heal: the tree now owns these SWA pages
-            elif child.swa_pages is not None:
+                    continue
+                if live_from == 0:
+                    child.swa_pages = list(given_swa)  # heal: the tree now owns these SWA pages
+                else:
+                    swa_free.extend(g for g in given_swa if g != NOT_RESIDENT)
+            else:
                 swa_free.extend(
                     g for g, t in zip(given_swa, child.swa_pages, strict=True) if g != NOT_RESIDENT and g != t
                 )

@@ -123,7 +123,8 @@ class Sequence:
     full_pages: list[int] = field(default_factory=list)
     swa_pages: list[int] = field(default_factory=list)
     num_borrowed_pages: int = 0
-    num_swa_released: int = 0  # leading logical SWA pages already dropped (all NOT_RESIDENT)
+    num_swa_released: int = 0  # leading logical SWA pages already dropped (NOT_RESIDENT unless pinned)
+    swa_pin_end: int = 0  # keep the SWA window before this position until release (heals a branch point)
     prefix_lock: Any = None  # radix_cache.PrefixLock while holding a prefix-cache hit
 
     def __post_init__(self) -> None:

@@ -258,3 +258,52 @@ def test_page_tables_follow_attention_batch_semantics() -> None:
     assert tables.full_slots.tolist() == [long.full_pages[9] * P + 1, short.full_pages[0] * P + 3]
     assert tables.swa_slots.tolist() == [long.swa_pages[9] * P + 1, short.swa_pages[0] * P + 3]
     assert tables.full_slots.dtype == torch.int64
+
+
+def test_branch_point_window_is_pinned_and_heals_the_tree() -> None:
+    window = 9  # 2 pages of SWA before a boundary
+    kv = make_manager(64, 64, window)
+    shadow = Shadow(kv)
+    system = list(range(100, 112))  # 3 pages shared by every request
+
+    def serve(name: str, tail: list[int]) -> int:
+        s = Sequence(name, system + tail)
+        hit = kv.match_prefix(s)
+        while s.in_prefill:
+            assert run_step(kv, shadow, s, min(3, s.num_uncomputed_tokens))  # chunks move past the branch
+            kv.check_integrity([s])
+        kv.release(s)
+        kv.check_integrity([])
+        return hit
+
+    assert serve("a", list(range(12))) == 0
+    # a moved past the end of the system prompt: its window there is gone, so b cannot resume at 12.
+    assert serve("b", list(range(50, 62))) == 0
+    # b recomputed the system prompt and kept the window before the branch point: c hits it.
+    assert serve("c", list(range(70, 82))) == 12
+    assert kv.radix is not None and kv.radix.num_tombstones() >= 1
+
+
+def test_pin_is_dropped_when_the_pool_is_tight() -> None:
+    window = 9
+    kv = make_manager(64, 12, window)  # 12 SWA pages: 4 windows, the least that allows pinning
+    shadow = Shadow(kv)
+    a = Sequence("a", list(range(24)))
+    kv.match_prefix(a)
+    assert run_step(kv, shadow, a, 24)
+    kv.release(a)
+    b = Sequence("b", [*range(12), *range(50, 100)])
+    assert kv.match_prefix(b) == 0
+    assert b.swa_pin_end == 12  # full KV matched 3 pages, but their window is gone
+    while b.num_computed_tokens < 20:
+        assert run_step(kv, shadow, b, 1)
+    assert all(p != NOT_RESIDENT for p in b.swa_pages[1:3])  # the pinned window before 12
+    # 40 more tokens need 10 new SWA pages; 6 are free and a's 2 cached ones can be evicted:
+    # only with the pin's 2 pages back does it fit.
+    assert kv.pages_needed(b, 40).swa == 10 and kv.swa_pool.num_free == 6
+    assert run_step(kv, shadow, b, 40)
+    assert b.swa_pin_end == 0 and b.swa_pages[1:3] == [NOT_RESIDENT] * 2
+    shadow.check(b)
+    kv.check_integrity([b])
+    kv.release(b)
+    kv.check_integrity([])
