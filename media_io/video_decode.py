@@ -20,6 +20,7 @@ import atexit
 import io
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
@@ -149,8 +150,23 @@ _pools: dict[int, ProcessPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
 
-def _worker_init() -> None:
+def _worker_init(owner_pid: int) -> None:
     torch.set_num_threads(1)  # one core per worker: the pool is the parallelism
+    # A pool worker blocks on its task queue forever if the owner dies without shutting the
+    # pool down (kill -9): the queue's pipe has writers in every worker, so no EOF arrives.
+    # Leave when the owner is gone instead of lingering as an orphan.
+    threading.Thread(target=_exit_with_owner, args=(owner_pid,), daemon=True).start()
+
+
+def _exit_with_owner(owner_pid: int, period_s: float = 1.0) -> None:
+    while True:
+        time.sleep(period_s)
+        try:
+            os.kill(owner_pid, 0)
+        except ProcessLookupError:
+            os._exit(0)
+        except PermissionError:  # the pid was reused by another user's process
+            os._exit(0)
 
 
 def get_pool(workers: int) -> ProcessPoolExecutor:
@@ -163,7 +179,9 @@ def get_pool(workers: int) -> ProcessPoolExecutor:
             # costs a fork, not a fresh interpreter importing torch. No effect if the server of
             # this process is already running.
             ctx.set_forkserver_preload([__name__])
-            pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init)
+            pool = ProcessPoolExecutor(
+                workers, mp_context=ctx, initializer=_worker_init, initargs=(os.getpid(),)
+            )
             _pools[workers] = pool
         return pool
 

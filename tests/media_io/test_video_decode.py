@@ -147,3 +147,39 @@ def test_total_pixel_budget_shrinks_the_frames() -> None:
     h, w = small.frames.shape[1:3]
     assert h * w <= 300_000 * 2 // len(small.indices) < full.frames.shape[1] * full.frames.shape[2]
     assert [read_barcode(f) for f in small.frames] == small.indices
+
+
+@pytest.mark.slow
+def test_pool_workers_exit_when_their_owner_is_killed() -> None:
+    """kill -9 of the process that owns the pool leaves no decoder processes behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import sys, time\n"
+        "from media_io.video_decode import warm_pool\n"
+        "print(' '.join(map(str, sorted(warm_pool(2)))), flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        pids = [int(p) for p in owner.stdout.readline().split()]
+        assert pids and all(_alive(p) for p in pids)
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+    deadline = time.monotonic() + 15.0
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
