@@ -11,7 +11,8 @@ no locks. torch releases the GIL inside kernels, so the event loop stays respons
 runs. Admission is bounded: when ``max_waiting`` requests wait for their first step, ``submit``
 raises ``EngineOverloaded`` (the server answers 503 with Retry-After) instead of queueing more.
 
-The engine knows nothing of HTTP; it speaks token ids, ``SamplingParams`` and ``MultimodalInput``.
+Detokenization, stop strings and the thread-to-loop hand-off live in ``request_stream.py``. The
+engine knows nothing of HTTP; it speaks token ids, ``SamplingParams`` and ``MultimodalInput``.
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -34,12 +33,14 @@ from llm_core.engine_stats import EngineStats, ThroughputMeter
 from llm_core.kv_manager import KVManager
 from llm_core.kv_pool import DualKVCache, KVCacheConfig, KVLayout
 from llm_core.model_runner import CausalLM, ModelRunner, MultimodalInput
-from llm_core.sampling import Sampler, SamplingParams, find_stop, stop_holdback
+from llm_core.request_stream import RequestState, RequestStream, StepOutput
+from llm_core.request_stream import deliver as deliver_outputs
+from llm_core.sampling import Sampler, SamplingParams
 from llm_core.scheduler import QueueFull, Scheduler, SchedulerConfig, SchedulerError
 from llm_core.sequence import MediaSpanError, media_spans
 from llm_core.sequence import Sequence as Seq
 from llm_core.server_config import EngineConfig
-from llm_core.tokenizer import IncrementalDetokenizer, Tokenizer
+from llm_core.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -58,66 +59,6 @@ class EngineOverloaded(RuntimeError):
     def __init__(self, message: str, retry_after_s: float) -> None:
         self.retry_after_s = retry_after_s
         super().__init__(message)
-
-
-class StepOutput(NamedTuple):
-    """What one step produced for one request (usually one token)."""
-
-    request_id: str
-    token_ids: list[int]  # new ids this step (stop ids included, though not rendered)
-    text: str  # new text safe to show (stop strings trimmed, partial characters held back)
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int  # prompt tokens served by the prefix cache
-
-
-@dataclass
-class _Request:
-    """Engine-side state of one request; touched by the engine thread only (``queue`` excepted)."""
-
-    seq: Seq
-    sampling: SamplingParams
-    detok: IncrementalDetokenizer
-    queue: asyncio.Queue[StepOutput]
-    loop: asyncio.AbstractEventLoop
-    holdback: int
-    text: str = ""  # all rendered output text (stop strings not yet trimmed)
-    emitted: int = 0  # characters of ``text`` already sent
-    done: bool = False
-    pending_ids: list[int] = field(default_factory=list)
-
-
-class RequestStream:
-    """Async iterator over one request's ``StepOutput``s. Closing it early aborts the request."""
-
-    def __init__(self, engine: LLMEngine, request_id: str, queue: asyncio.Queue[StepOutput]) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self._queue = queue
-        self._finished = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> StepOutput:
-        if self._finished:
-            raise StopAsyncIteration
-        try:
-            out = await self._queue.get()
-        except BaseException:
-            self.close()  # cancelled while waiting: the client is gone
-            raise
-        if out.finished:
-            self._finished = True
-        return out
-
-    def close(self) -> None:
-        """Abort the request unless it already finished (idempotent)."""
-        if not self._finished:
-            self._finished = True
-            self.engine.abort(self.request_id)
 
 
 class LLMEngine:
@@ -155,7 +96,7 @@ class LLMEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._meter = ThroughputMeter()
         self._prompt_tokens_total = 0
         self._cached_tokens_total = 0
@@ -196,14 +137,7 @@ class LLMEngine:
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
         seq = self._build_sequence(rid, list(prompt_ids), sampling, mm)
-        req = _Request(
-            seq=seq,
-            sampling=sampling,
-            detok=self.tokenizer.detokenizer(),
-            queue=asyncio.Queue(),
-            loop=loop,
-            holdback=stop_holdback(sampling.stop),
-        )
+        req = RequestState.create(seq, sampling, self.tokenizer, loop)
         with self._lock:
             if self.scheduler.num_waiting >= self.config.max_waiting:
                 raise EngineOverloaded(
@@ -218,7 +152,7 @@ class LLMEngine:
             self._requests[rid] = req
             self._prompt_tokens_total += seq.num_prompt_tokens
         self._wake.set()
-        return RequestStream(self, rid, req.queue)
+        return RequestStream(rid, req.queue, self.abort)
 
     async def generate(
         self,
@@ -327,7 +261,7 @@ class LLMEngine:
             finished = self.scheduler.update(batch, sampled)
             self._steps += 1
             outs = self._publish(batch.seqs, sampled, finished)
-        self._deliver(outs)
+        deliver_outputs(outs)
         return True
 
     def _drain_aborts(self) -> None:
@@ -340,58 +274,35 @@ class LLMEngine:
 
     def _publish(
         self, seqs: list[Seq], sampled: list[int | None], finished: list[Seq]
-    ) -> list[tuple[_Request, StepOutput]]:
-        """Turn the step's tokens into StepOutputs (one thread-hop per step, not per request)."""
+    ) -> list[tuple[RequestState, StepOutput]]:
+        """Turn the step's sampled tokens into StepOutputs; finish sequences a stop string ended."""
         done_ids = {id(s) for s in finished}
-        outs: list[tuple[_Request, StepOutput]] = []
+        outs: list[tuple[RequestState, StepOutput]] = []
         n_tokens = 0
         for s, tok in zip(seqs, sampled, strict=True):
             req = self._requests.get(str(s.seq_id))
             if req is None or req.done or tok is None:
                 continue
             n_tokens += 1
-            if tok not in s.stop_token_ids:
-                req.text += req.detok.add(tok)
-            if id(s) in done_ids:
-                req.text += req.detok.flush()
-            match = find_stop(req.text, req.sampling.stop, req.emitted) if req.sampling.stop else None
-            if match is not None:
-                req.text = req.text[: match.start]
-                if id(s) not in done_ids:
+            done = id(s) in done_ids
+            if req.add_token(tok, render=tok not in s.stop_token_ids, last=done):
+                if not done:
                     self.scheduler.finish(s.seq_id, "stop")
                 outs.append((req, self._finish(req, "stop", [tok], deliver=False)))
-            elif id(s) in done_ids:
+            elif done:
                 outs.append((req, self._finish(req, s.finish_reason or "stop", [tok], deliver=False)))
             else:
-                outs.append((req, self._output(req, [tok], finished=False, reason=None)))
+                outs.append((req, req.output([tok], finished=False, reason=None)))
         self._meter.add(n_tokens)
         return outs
 
-    def _output(self, req: _Request, ids: list[int], finished: bool, reason: str | None) -> StepOutput:
-        # While running, hold back a tail that could still become a stop string.
-        end = len(req.text) if finished else max(req.emitted, len(req.text) - req.holdback)
-        delta = req.text[req.emitted : end]
-        req.emitted = end
-        s = req.seq
-        return StepOutput(
-            request_id=str(s.seq_id),
-            token_ids=ids,
-            text=delta,
-            finished=finished,
-            finish_reason=reason,
-            num_prompt_tokens=s.num_prompt_tokens,
-            num_output_tokens=len(s.output_ids),
-            num_cached_tokens=s.num_cached_tokens,
-        )
-
-    def _finish(self, req: _Request, reason: str, ids: list[int], deliver: bool = True) -> StepOutput:
-        req.done = True
+    def _finish(self, req: RequestState, reason: str, ids: list[int], deliver: bool = True) -> StepOutput:
         self._requests.pop(str(req.seq.seq_id), None)
         self.runner.release(req.seq.seq_id)
         self._cached_tokens_total += req.seq.num_cached_tokens
-        out = self._output(req, ids, finished=True, reason=reason)
+        out = req.output(ids, finished=True, reason=reason)
         if deliver:
-            self._deliver([(req, out)])
+            deliver_outputs([(req, out)])
         return out
 
     def _fail(self, seqs: list[Seq]) -> None:
@@ -401,15 +312,6 @@ class LLMEngine:
                 with contextlib.suppress(Exception):  # best effort: the state may be inconsistent
                     self.scheduler.abort(s.seq_id)
                 self._finish(req, "error", [])
-
-    @staticmethod
-    def _deliver(outs: list[tuple[_Request, StepOutput]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Request, StepOutput]]] = {}
-        for req, out in outs:
-            by_loop.setdefault(req.loop, []).append((req, out))
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
-                loop.call_soon_threadsafe(_put_all, items)
 
     # ---- observability -----------------------------------------------------------------------
 
@@ -471,8 +373,3 @@ def _build_kv_and_scheduler(
         max_waiting=ec.max_waiting,
     )
     return kv, Scheduler(sched_cfg, manager)
-
-
-def _put_all(items: list[tuple[_Request, StepOutput]]) -> None:
-    for req, out in items:
-        req.queue.put_nowait(out)
