@@ -1,15 +1,18 @@
 """LLMEngine: continuous batching on a dedicated thread, streamed to asyncio callers.
 
-    asyncio side (server)                         engine thread
-    ─────────────────────                         ─────────────
-    submit() ── validate, build Sequence ──▶ inbox ──▶ scheduler.add / scheduler.abort
-    RequestStream ◀── call_soon_threadsafe ◀── step: schedule → runner.execute → scheduler.update
-       (one asyncio.Queue per request)              → detokenize, stop strings, StepOutputs
+    event loop (server)                              engine thread
+    ───────────────────                              ─────────────
+    submit(): validate, build Sequence,              loop:  [lock] drain aborts, schedule
+              [lock] scheduler.add ─────────────▶           runner.execute (no lock: the forward)
+    abort():  abort deque ──────────────────────▶           [lock] scheduler.update, StepOutputs
+    RequestStream ◀── asyncio.Queue ◀── call_soon_threadsafe (one hop per loop per step)
 
-The thread owns the scheduler, the KV cache and the runner; nothing else touches them, so they need
-no locks. torch releases the GIL inside kernels, so the event loop stays responsive while a step
-runs. Admission is bounded: when ``max_waiting`` requests wait for their first step, ``submit``
-raises ``EngineOverloaded`` (the server answers 503 with Retry-After) instead of queueing more.
+The thread alone runs the model and touches the KV tensors. The scheduler is shared with
+``submit`` under one lock that is never held during the forward, so a submit waits for at most a
+schedule or update, never a whole step; torch releases the GIL inside kernels, so the event loop
+stays responsive while a step runs. Admission is bounded: with ``max_waiting`` requests waiting,
+``submit`` raises ``EngineOverloaded`` (the server answers 503 with Retry-After) instead of
+queueing more, and requests that can never fit raise ``EngineRequestError`` before any streaming.
 
 Detokenization, stop strings and the thread-to-loop hand-off live in ``request_stream.py``. The
 engine knows nothing of HTTP; it speaks token ids, ``SamplingParams`` and ``MultimodalInput``.
