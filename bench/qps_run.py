@@ -1,0 +1,343 @@
+"""The steps of the encoder QPS benchmark (``bench.encoder_qps`` parses flags and calls
+:func:`run_benchmark`): corpus, media server, ceiling, then each service's phases, then the table,
+JSON and plot. See ``bench.encoder_qps`` for what is measured and why it is fair."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench import report
+from bench.ceiling import forward_ceiling
+from bench.common import format_machine, machine_info, print_table, write_json
+from bench.loadgen import BodyFn, LoadResult, closed_loop, new_session, open_loop
+from bench.media_corpus import (
+    DEFAULT_IMAGE_SIZES,
+    QUICK_IMAGE_SIZES,
+    CorpusItem,
+    default_corpus_dir,
+    image_corpus,
+    load_test_helper,
+    unique_variant,
+    video_corpus,
+)
+from bench.service_proc import ServiceProcess, free_port
+
+ENCODE_PATH = "/v1/encode"
+
+
+class Media:
+    """The media server plus the request bodies of every phase.
+
+    Cold phase ``tag`` request ``i`` fetches ``/m/{tag}-{i}.jpg``: base image ``order[i]`` with
+    a nonce unique to this run, tag and index. Every service sees the same ``order``.
+    """
+
+    def __init__(self, server: Any, images: Sequence[CorpusItem], videos: Sequence[CorpusItem], seed: int):
+        self.server = server
+        self.images = list(images)
+        self.videos = list(videos)
+        self.run_id = uuid.uuid4().hex[:12]
+        self.seed = seed
+
+    def order(self, n: int, salt: int) -> list[int]:
+        """``n`` base indices: every base once per cycle, each cycle shuffled (so the mix is uniform)."""
+        rng = random.Random(self.seed * 1_000_003 + salt)
+        out: list[int] = []
+        while len(out) < n:
+            cycle = list(range(len(self.images)))
+            rng.shuffle(cycle)
+            out.extend(cycle)
+        return out[:n]
+
+    def cold(self, tag: str, n: int, salt: int = 0, videos: bool = False) -> BodyFn:
+        """Register ``n`` fresh-bytes variants under ``tag`` and return the body of request i."""
+        base = self.videos if videos else self.images
+        order = self.order(n, salt) if not videos else [i % len(base) for i in range(n)]
+        urls = []
+        for i, b in enumerate(order):
+            item = base[b]
+            ext = item.name.rsplit(".", 1)[-1]
+            data = unique_variant(item.data, f"{self.run_id}-{tag}-{i}")
+            urls.append(self.server.add(f"{tag}-{i}.{ext}", data, item.content_type))
+
+        def body(i: int) -> dict[str, Any]:
+            return {"items": [{"url": urls[i]}]}
+
+        return body
+
+
+class Progress:
+    """A rich progress bar with one task per phase."""
+
+    def __init__(self, enabled: bool) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(
+            TextColumn("{task.description:<28}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            disable=not enabled,
+            transient=False,
+        )
+
+    def task(self, description: str, total: int) -> Callable[[], None]:
+        task_id = self.bar.add_task(description, total=total)
+        return lambda: self.bar.advance(task_id)
+
+
+async def _phase(
+    endpoint: str,
+    body: BodyFn,
+    *,
+    mode: str,
+    level: float,
+    requests: int,
+    seed: int,
+    progress: Progress,
+    label: str,
+) -> LoadResult:
+    async with new_session() as session:
+        on_done = progress.task(label, requests)
+        if mode == "closed":
+            return await closed_loop(
+                session, endpoint, body, concurrency=int(level), requests=requests, on_done=on_done
+            )
+        return await open_loop(
+            session, endpoint, body, rate=level, requests=requests, seed=seed, on_done=on_done
+        )
+
+
+def _check_ok(result: LoadResult, label: str) -> None:
+    if result.errors:
+        examples = sorted({o.error for o in result.outcomes if o.error})[:3]
+        print(
+            f"warning: {label}: {result.errors} of {len(result.outcomes)} requests failed: {examples}",
+            file=sys.stderr,
+        )
+
+
+def run_service(
+    service: str,
+    base_url: str,
+    media: Media,
+    args: argparse.Namespace,
+    progress: Progress,
+    open_rate: Callable[[LoadResult], float] | None,
+    hot: bool,
+    videos: bool,
+) -> list[report.Run]:
+    """Every phase against one running service; warm-up first (untimed, its own fresh bytes).
+
+    ``open_rate`` maps the cold closed-loop result to the open-loop rate (None: no open loop).
+    """
+    endpoint = base_url + ENCODE_PATH
+    runs: list[report.Run] = []
+
+    def go(phase: str, body: BodyFn, mode: str, level: float, n: int) -> LoadResult:
+        label = f"{service} {phase} {mode}"
+        result = asyncio.run(
+            _phase(
+                endpoint,
+                body,
+                mode=mode,
+                level=level,
+                requests=n,
+                seed=args.seed,
+                progress=progress,
+                label=label,
+            )
+        )
+        _check_ok(result, label)
+        return result
+
+    if args.warmup:
+        go(
+            "warm-up",
+            media.cold(f"{service}-warm", args.warmup, salt=99),
+            "closed",
+            args.concurrency,
+            args.warmup,
+        )
+    cold = media.cold(f"{service}-cold", args.requests, salt=1)
+    cold_result = go("cold", cold, "closed", args.concurrency, args.requests)
+    runs.append(report.Run(service, "cold", cold_result))
+    if hot:
+        # The cold phase's URLs again: same bytes, so every request should be a node-cache hit.
+        runs.append(report.Run(service, "hot", go("hot", cold, "closed", args.concurrency, args.requests)))
+    if open_rate is not None:
+        body = media.cold(f"{service}-open", args.requests, salt=2)
+        rate = open_rate(cold_result)
+        runs.append(report.Run(service, "cold", go("open", body, "open", rate, args.requests)))
+    if videos and media.videos and args.video_requests:
+        body = media.cold(f"{service}-video", args.video_requests, videos=True)
+        conc = min(args.concurrency, args.video_requests)
+        runs.append(report.Run(service, "video", go("video", body, "closed", conc, args.video_requests)))
+    return runs
+
+
+def _baseline_process(log_dir: Path) -> ServiceProcess:
+    port = free_port()
+    cmd = [sys.executable, "-m", "bench.baseline_server", "--port", str(port)]
+    return ServiceProcess(
+        "baseline", cmd, f"http://127.0.0.1:{port}", log_dir / "baseline.log", ready_path="/health"
+    )
+
+
+def _ours_process(log_dir: Path, namespace: str, extra: Sequence[str]) -> ServiceProcess:
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "epd.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--fetch-allow-hosts",
+        "127.0.0.1",
+        "--cache-namespace",
+        namespace,
+        "--no-llm",  # the benchmark measures encode; an idle engine would only take CPU
+        *extra,
+    ]
+    return ServiceProcess("epd serve", cmd, f"http://127.0.0.1:{port}", log_dir / "epd-serve.log")
+
+
+def _summary(records: list[dict[str, Any]], ceiling: Any) -> dict[str, Any]:
+    def find(service: str, phase: str, mode: str) -> dict[str, Any] | None:
+        return next(
+            (r for r in records if r["service"] == service and r["phase"] == phase and r["mode"] == mode),
+            None,
+        )
+
+    base, ours = find("baseline", "cold", "closed"), find("ours", "cold", "closed")
+    base_open, ours_open = find("baseline", "cold", "open"), find("ours", "cold", "open")
+    hot = find("ours", "hot", "closed")
+    video = find("ours", "video", "closed")
+    ours_qps = ours["qps"] if ours else None
+    summary: dict[str, Any] = {
+        "baseline_qps": base["qps"] if base else None,
+        "ours_qps": ours_qps,
+        "qps_ratio": report.ratio(ours_qps, base["qps"] if base else None),
+        "baseline_p90_ms": base["latency_ms"]["p90"] if base else None,
+        "ours_p90_ms": ours["latency_ms"]["p90"] if ours else None,
+        "p90_ratio": report.ratio(
+            ours["latency_ms"]["p90"] if ours else None, base["latency_ms"]["p90"] if base else None
+        ),
+        "open_loop_p90_ratio": report.ratio(
+            ours_open["latency_ms"]["p90"] if ours_open else None,
+            base_open["latency_ms"]["p90"] if base_open else None,
+        ),
+        "hot_qps": hot["qps"] if hot else None,
+        "hot_hit_rate": hot["cache_hit_rate"] if hot else None,
+        "hot_over_cold_qps": report.ratio(hot["qps"] if hot else None, ours_qps),
+        "video_qps": video["qps"] if video else None,
+        "video_p50_ms": video["latency_ms"]["p50"] if video else None,
+        "ceiling_images_per_s": ceiling.images_per_s if ceiling else None,
+        "ceiling_fraction": report.ratio(ours_qps, ceiling.images_per_s if ceiling else None),
+        "errors": sum(r["errors"] for r in records),
+    }
+    summary["targets_met"] = {
+        "qps_ratio>=2.5": summary["qps_ratio"] is not None and summary["qps_ratio"] >= 2.5,
+        "p90_ratio<=1": summary["p90_ratio"] is not None and summary["p90_ratio"] <= 1.0,
+        "ceiling_fraction>=0.8": summary["ceiling_fraction"] is not None
+        and summary["ceiling_fraction"] >= 0.8,
+    }
+    return summary
+
+
+def run_benchmark(args: argparse.Namespace) -> int:
+    """Every step of the benchmark for already-parsed (and --quick-adjusted) flags."""
+    machine = machine_info()
+    if not sys.stdout.isatty():
+        # rich wraps tables at 80 columns when piped; the results table needs ~130 to stay readable.
+        os.environ.setdefault("COLUMNS", "160")
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="epd-bench-logs-"))
+    corpus_dir = args.corpus_dir or default_corpus_dir()
+    t_corpus = time.perf_counter()
+    images = image_corpus(
+        corpus_dir, QUICK_IMAGE_SIZES if args.quick else DEFAULT_IMAGE_SIZES, seed=args.seed
+    )
+    videos = (
+        video_corpus(corpus_dir, args.video_clips, seconds=args.video_seconds)
+        if args.video_clips and args.video_requests
+        else []
+    )
+    print(
+        f"corpus: {len(images)} images, {len(videos)} clips in {corpus_dir} ({time.perf_counter() - t_corpus:.1f} s)"
+    )
+
+    ceiling = None
+    if not args.no_ceiling:
+        ceiling = forward_ceiling(
+            [it.data for it in images], patch_budget=args.patch_budget, min_seconds=args.ceiling_seconds
+        )
+        print(
+            f"forward-only ceiling: {ceiling.images_per_s:.2f} images/s ({ceiling.patches_per_s:,.0f} patches/s)"
+        )
+
+    media_server_cls = load_test_helper("media_server").MediaServer
+    runs: list[report.Run] = []
+    namespace = f"bench-{uuid.uuid4().hex[:8]}"
+    progress = Progress(enabled=sys.stderr.isatty() or sys.stdout.isatty())
+    with media_server_cls(latency_s=args.latency_ms / 1e3) as server, progress.bar:
+        media = Media(server, images, videos, args.seed)
+        # One offered rate for both services: --rate, else 80% of the first service's cold QPS.
+        rate: list[float] = [args.rate] if args.rate else []
+
+        def open_rate(cold: LoadResult) -> float:
+            if not rate:
+                rate.append(max(0.8 * cold.qps, 0.1))
+            return rate[0]
+
+        open_fn = None if args.no_open else open_rate
+        if not args.no_baseline:
+            base_proc = None if args.baseline_url else _baseline_process(log_dir).start()
+            try:
+                base_url = args.baseline_url or (base_proc.base_url if base_proc else "")
+                runs += run_service(
+                    "baseline", base_url, media, args, progress, open_fn, hot=False, videos=False
+                )
+            finally:
+                if base_proc is not None:
+                    base_proc.stop()
+        ours_proc = None if args.url else _ours_process(log_dir, namespace, args.serve_arg).start()
+        try:
+            ours_url = args.url or (ours_proc.base_url if ours_proc else "")
+            runs += run_service("ours", ours_url, media, args, progress, open_fn, hot=True, videos=True)
+        finally:
+            if ours_proc is not None:
+                ours_proc.stop()
+                shutil.rmtree(f"/dev/shm/epd-{namespace}", ignore_errors=True)
+
+    records = [report.record(r) for r in runs]
+    summary = _summary(records, ceiling)
+    caption = format_machine(machine) + f" | media latency {args.latency_ms:g} ms"
+    print_table(
+        "encoder QPS (images 448x448..1920x1080; video: 1-minute clips)",
+        report.COLUMNS,
+        [report.table_row(r) for r in records],
+        caption=caption,
+    )
+    ratio_rows = [[k, v] for k, v in summary.items() if k != "targets_met" and v is not None]
+    print_table("summary", ["metric", "value"], ratio_rows)
+    png = args.png or (args.json.with_suffix(".png") if args.json else None)
+    if png is not None:
+        report.plot(runs, png, caption)
+        print(f"plot: {png}")
+    config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    write_json(args.json, machine=machine, config=config, results=records, summary=summary)
+    if args.json:
+        print(f"json: {args.json}")
+    return 0 if summary["errors"] == 0 else 1

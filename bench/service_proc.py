@@ -1,0 +1,118 @@
+"""Start a service under test as a subprocess on a free loopback port, wait until it is ready,
+and stop it (with its children) afterwards. Its stdout/stderr go to a log file that is printed
+when it fails to come up."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the usual bind-to-0 trick; races are harmless here)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class ServiceError(RuntimeError):
+    """The service exited or did not become ready; the message carries the tail of its log."""
+
+
+class ServiceProcess:
+    """``cmd`` run in its own process group; ready when ``GET {base_url}{ready_path}`` answers 200."""
+
+    def __init__(
+        self,
+        name: str,
+        cmd: Sequence[str],
+        base_url: str,
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        ready_path: str = "/ready",
+        ready_timeout_s: float = 180.0,
+    ) -> None:
+        self.name = name
+        self.cmd = list(cmd)
+        self.base_url = base_url
+        self.log_path = log_path
+        self.env = {**os.environ, **(env or {})}
+        self.ready_path = ready_path
+        self.ready_timeout_s = ready_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ServiceProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            # A new session: stop() signals the whole group, so children (workers, engine) go too.
+            self._proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise ServiceError(f"{self.name} exited with {self._proc.returncode}:\n{self.log_tail()}")
+            if self._ready():
+                return self
+            time.sleep(0.25)
+        self.stop()
+        raise ServiceError(f"{self.name} not ready after {self.ready_timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + self.ready_path, timeout=2.0) as resp:
+                return int(resp.status) == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the leader (it drains and stops its own children), then SIGKILL what is left of
+        its process group."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        pgid = proc.pid  # start_new_session: the leader's pid is the group id
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout_s)
+        # Children get a moment to finish their own shutdown after the leader.
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and _group_alive(pgid):
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5.0)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> ServiceProcess:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
