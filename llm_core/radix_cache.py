@@ -35,91 +35,23 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections.abc import Callable
-from typing import NamedTuple
+
+from llm_core.radix_node import InsertResult, MatchResult, PrefixLock, RadixNode
+
+__all__ = ["NOT_RESIDENT", "InsertResult", "MatchResult", "PrefixLock", "RadixCache", "RadixNode"]
 
 NOT_RESIDENT = -1
 
 
-class RadixNode:
-    __slots__ = (
-        "children",
-        "end_depth",
-        "full_pages",
-        "key",
-        "last_access",
-        "lock_ref",
-        "node_id",
-        "parent",
-        "swa_lock_ref",
-        "swa_pages",
-    )
+class RadixCache:
+    """The tree, its two eviction orders and its locks; pages are freed through the given callbacks.
 
-    def __init__(
-        self,
-        key: tuple[int, ...],
-        full_pages: list[int],
-        swa_pages: list[int] | None,
-        parent: RadixNode | None,
-        node_id: int,
-    ) -> None:
-        self.key = key
-        self.full_pages = full_pages
-        self.swa_pages = swa_pages  # None: tombstone
-        self.parent: RadixNode | None = parent
-        self.children: dict[tuple[int, ...], RadixNode] = {}
-        self.end_depth: int = (parent.end_depth if parent is not None else 0) + len(key)
-        self.lock_ref = 0
-        self.swa_lock_ref = 0
-        self.last_access = 0
-        self.node_id = node_id
-
-    @property
-    def start_depth(self) -> int:
-        return self.end_depth - len(self.key)
-
-    @property
-    def is_tombstone(self) -> bool:
-        return self.swa_pages is None
-
-    def __repr__(self) -> str:
-        state = "tomb" if self.swa_pages is None else "live"
-        return f"RadixNode(#{self.node_id} [{self.start_depth}, {self.end_depth}) {state} lock={self.lock_ref}/{self.swa_lock_ref})"
-
-
-class MatchResult(NamedTuple):
-    """A usable prefix: ``length`` tokens (a page multiple) of KV ready in both pools.
-
-    ``full_pages[i]`` and ``swa_pages[i]`` are logical page ``i``; ``swa_pages`` holds only the
-    window's pages (NOT_RESIDENT before it). ``node`` ends the hit (the root when there is none);
-    pass it to ``lock`` before using the pages. ``key_length`` is how far the key matched the
-    tree at all (full KV present); beyond ``length`` it is a branch point whose SWA window is gone.
+    Invariants (``check_integrity``): every node holds whole pages; a node's lock count is the
+    number of held ``PrefixLock``s whose path passes through it, its SWA lock count the number
+    whose window covers it; a locked node is never evicted and a SWA-locked one never tombstoned.
     """
 
-    length: int
-    full_pages: list[int]
-    swa_pages: list[int]
-    node: RadixNode
-    key_length: int
-
-
-class PrefixLock(NamedTuple):
-    """Handle of a lock: the hit's last node and where its SWA lock starts (a node boundary)."""
-
-    node: RadixNode
-    swa_from_depth: int
-
-
-class InsertResult(NamedTuple):
-    """Pages the caller gave but the tree did not keep (the same tokens were already cached)."""
-
-    full_to_free: list[int]
-    swa_to_free: list[int]
-    num_new_pages: int  # pages of key that created new nodes
-
-
-class RadixCache:
     def __init__(
         self,
         page_size: int,
@@ -461,7 +393,3 @@ class RadixCache:
                 raise AssertionError(
                     f"{nd}: lock counts {nd.lock_ref}/{nd.swa_lock_ref}, holders say {want[i]}"
                 )
-
-
-def pages_for(tokens: int, page_size: int) -> int:
-    return math.ceil(tokens / page_size)
