@@ -5,7 +5,12 @@ Two paths with one contract: q, k, v are [N, H, D] (segments packed back to back
 
 - torch (CPU, and the fallback): segments of equal length are gathered into one [B, H, L, D]
   batch and run through SDPA, so a 448x448 image's 16 equal windows cost one call rather than
-  16, while memory stays O(B * L * D) per call (no N x N block-diagonal mask).
+  16, while memory stays O(B * L * D) per call (no N x N block-diagonal mask):
+
+      segments:  [ 64 | 64 | 32 | 64 | 32 | 16 ]      (starts 0, 64, 128, 160, 224, 256)
+      buckets:   L=16: [256]   L=32: [128, 224]   L=64: [0, 64, 160]
+                 each bucket -> rows starts[:, None] + arange(L) -> one SDPA of [B, H, L, D];
+                 a bucket whose segments are back to back is a plain view (no gather).
 - triton (CUDA): one flash-attention kernel over all segments (``encoder/triton_varlen.py``).
 """
 
