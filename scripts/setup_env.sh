@@ -19,14 +19,23 @@ if [ ! -e /usr/include/webp/decode.h ] && [ "$(id -u)" = 0 ] && command -v apt-g
         || echo "setup: WARNING could not install libwebp-dev; WebP support depends on the pillow build"
 fi
 
+# The web page's browser test drives Debian's Chromium (no browser downloads are possible here).
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing chromium for the browser test"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+        || echo "setup: WARNING could not install chromium; the browser test will be skipped"
+fi
+
 "$PIP" install -q -e '.[test]'
 
-# pillow -> pillow-simd. AVX2 where the CPU has it; on failure keep pillow and say so.
-if ! "$PIP" show -q pillow-simd >/dev/null 2>&1; then
+# pillow -> pillow-simd. AVX2 where the CPU has it; on failure keep pillow and say so. Any pip
+# install above may have brought pillow back (torchvision depends on it), overwriting PIL/: then
+# both are removed and pillow-simd is installed again (from pip's wheel cache after the first build).
+if "$PIP" show -q pillow >/dev/null 2>&1 || ! "$PIP" show -q pillow-simd >/dev/null 2>&1; then
     cflags="-O3"
     if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then cflags="-O3 -mavx2"; fi
-    "$PIP" uninstall -q -y pillow
-    if ! CC="cc $cflags" "$PIP" install -q --no-cache-dir --no-binary pillow-simd pillow-simd; then
+    "$PIP" uninstall -q -y pillow pillow-simd >/dev/null 2>&1 || true
+    if ! CC="cc $cflags" "$PIP" install -q --no-binary pillow-simd pillow-simd; then
         echo "setup: WARNING pillow-simd failed to build; reinstalling pillow (slower resize)" >&2
         "$PIP" install -q pillow
     fi
