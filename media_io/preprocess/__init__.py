@@ -1,7 +1,7 @@
 """Qwen2-VL preprocessing: ``smart_resize`` -> bicubic resize -> CLIP normalize -> patchify.
 
 Two backends produce the same ``Patches`` layout (``pixel_values [N, 1176]`` float32, ``grid_thw``
-in patches, rows in 2x2 merge groups): ``cpu`` (Pillow-SIMD + torch) and ``dali`` (NVIDIA DALI,
+in patches, rows in 2x2 merge groups): ``cpu`` (Pillow-SIMD + numpy) and ``dali`` (NVIDIA DALI,
 GPU when CUDA is present). Pick one with ``get_backend(name, cfg)``.
 
 This package knows nothing of fetching, models or serving.

@@ -4,7 +4,7 @@ Every backend turns media into the same ``Patches`` layout (see ``patchify.py``)
 tell which backend ran, up to resampling differences bounded by the parity tests against
 transformers' ``Qwen2VLImageProcessor``. Backends differ only in where the work runs:
 
-- ``cpu``: Pillow(-SIMD) decode and bicubic resize, torch normalize + patchify.
+- ``cpu``: Pillow(-SIMD) decode and bicubic resize, numpy normalize + patchify.
 - ``dali``: an NVIDIA DALI pipeline, nvJPEG decode and resize on the GPU when CUDA is present,
   DALI's CPU operators otherwise.
 

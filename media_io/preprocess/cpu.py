@@ -1,11 +1,12 @@
-"""The ``cpu`` backend: Pillow(-SIMD) decode and resize, torch normalize and patchify.
+"""The ``cpu`` backend: Pillow(-SIMD) decode and resize, single-threaded normalize and patchify.
 
 Per image:  bytes --decode (JPEG: DCT-domain draft when <= 1/2)--> RGB PIL
                  --Image.resize(BICUBIC; Pillow's filter is antialiased)--> target size
-                 --uint8 [1, H, W, 3] tensor--> patchify_uint8 (reorder, then one fused normalize)
+                 --uint8 [1, H, W, 3]--> patchify_uint8 (uint8 reorder, then one fused normalize)
 
-No float64 anywhere and no Python loop over patches. Pillow releases the GIL while decoding and
-resizing, so several executor threads can share one instance.
+No float64 anywhere and no Python loop over patches. Every step is single-threaded and releases
+the GIL (Pillow's decode/resize, numpy's copies and ufuncs), so throughput scales by running
+images in several executor threads, without fighting a model for torch's intra-op pool.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import functools
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 from PIL import Image
 
 from media_io.config import MediaLimits, PreprocessConfig
@@ -53,8 +53,8 @@ class CpuBackend:
         return self._resized_patches(img, self.target(img.height, img.width, item))
 
     def images(self, imgs: Sequence[Image.Image]) -> list[Patches]:
-        # Sequential on purpose: torch already uses its intra-op threads for the patchify, and
-        # callers that want image-level parallelism run several images in executor threads.
+        # Sequential on purpose: callers that want image-level parallelism run several images
+        # in executor threads (every step releases the GIL).
         return [self.image(img, item=str(i)) for i, img in enumerate(imgs)]
 
     def image_bytes(
@@ -74,15 +74,13 @@ class CpuBackend:
         th, tw = self.video_target(height, width, item)
         if (th, tw) != (height, width):
             frames = np.stack([np.asarray(_resize(Image.fromarray(f), th, tw)) for f in frames])
-        return patchify_uint8(torch.from_numpy(np.ascontiguousarray(frames)), self.cfg)
+        return patchify_uint8(frames, self.cfg)
 
     def _resized_patches(self, img: Image.Image, target: tuple[int, int]) -> Patches:
         th, tw = target
         img = _resize(img, th, tw)
-        # np.array, not asarray: Pillow hands out a read-only buffer that torch refuses to wrap
-        # silently; the copy is one memcpy of the uint8 image, small next to the resize.
-        pixels = torch.from_numpy(np.array(img))  # [H, W, 3] uint8
-        return patchify_uint8(pixels.unsqueeze(0), self.cfg)
+        pixels = np.asarray(img)[None]  # [1, H, W, 3] uint8, Pillow's buffer without a copy
+        return patchify_uint8(pixels, self.cfg)
 
 
 def _resize(img: Image.Image, height: int, width: int) -> Image.Image:

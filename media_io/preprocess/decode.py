@@ -12,9 +12,12 @@ The reduced IDCT is a slightly different low-pass than a bicubic antialias filte
 sharp, pixel-level detail move a little (measured in the parity tests: mean |diff| ~0.003 and
 max ~0.11 normalized units on camera-like images). Pass ``draft=False`` for the exact path.
 
-Everything except the draft itself is ``media_io.image.decode_image``: same format sniffing,
-pixel cap before decoding, EXIF rotation and RGB conversion. Anything unusual about the header
-falls back to ``decode_image`` so that errors are raised in exactly one place.
+JPEGs take this module's path (with or without a draft); it does what
+``media_io.image.decode_image`` does (format sniffing, pixel cap before decoding, EXIF
+rotation, RGB conversion with ``to_rgb``) minus one full-image copy: ``ImageOps.exif_transpose``
+copies even an already upright image, which costs about as much as the decode itself at
+1080p. Anything unusual about the header, and every other format, goes to ``decode_image``,
+so its typed errors are raised in one place.
 """
 
 from __future__ import annotations
@@ -58,10 +61,10 @@ def decode_for_target(
     Returns ``(image, (target_h, target_w))``; the image is at least the target size on both sides
     whenever drafting happened. Raises what ``decode_image`` raises (MediaError subclasses).
     """
-    if draft and _is_jpeg(data) and len(data) <= limits.max_bytes:
-        drafted = _decode_jpeg_drafted(data, target_fn, limits, item)
-        if drafted is not None:
-            return drafted
+    if _is_jpeg(data) and len(data) <= limits.max_bytes:
+        decoded = _decode_jpeg(data, target_fn, limits, item, draft)
+        if decoded is not None:
+            return decoded
     img = decode_image(data, limits, item)
     return img, target_fn(img.height, img.width)
 
@@ -73,10 +76,10 @@ def _is_jpeg(data: bytes) -> bool:
         return False  # decode_image raises the proper error
 
 
-def _decode_jpeg_drafted(
-    data: bytes, target_fn: TargetFn, limits: MediaLimits, item: str | None
+def _decode_jpeg(
+    data: bytes, target_fn: TargetFn, limits: MediaLimits, item: str | None, draft: bool
 ) -> tuple[Image.Image, tuple[int, int]] | None:
-    """The draft path, or None when it does not apply (then ``decode_image`` decides)."""
+    """The JPEG path, or None when the header looks wrong (then ``decode_image`` decides)."""
     try:
         img = Image.open(io.BytesIO(data), formats=["JPEG"])
         width, height = img.size
@@ -88,21 +91,26 @@ def _decode_jpeg_drafted(
     transposed = orientation in _TRANSPOSING_ORIENTATIONS
     up_h, up_w = (width, height) if transposed else (height, width)
     target_h, target_w = target_fn(up_h, up_w)  # may raise BadMedia (aspect ratio)
-    if 2 * target_h > up_h or 2 * target_w > up_w:
-        return None  # no DCT scale would stay at or above the target
-    # Draft is asked in the stored (pre-rotation) orientation; Pillow picks the smallest
-    # scale 1/s (s in 8, 4, 2) whose result is still >= the requested size on both sides.
+    # A DCT scale only helps when even 1/2 stays at or above the target. Draft is asked in the
+    # stored (pre-rotation) orientation; Pillow picks the smallest scale 1/s (s in 8, 4, 2)
+    # whose result is still >= the requested size on both sides, and keeps the mode.
+    use_draft = draft and 2 * target_h <= up_h and 2 * target_w <= up_w
     request = (target_h, target_w) if transposed else (target_w, target_h)  # (width, height)
     try:
-        img.draft("RGB", request)
+        if use_draft:
+            img.draft(img.mode, request)
         img.load()
     except Image.DecompressionBombError as exc:
         raise MediaTooLarge(f"jpeg image refused by the decompression-bomb check: {exc}", item) from exc
     except _DECODE_ERRORS as exc:
         raise BadMedia(f"corrupt or truncated jpeg image: {type(exc).__name__}: {exc}", item) from exc
     upright: Image.Image = img
-    with contextlib.suppress(*_DECODE_ERRORS):  # corrupt EXIF loses only the rotation, as in decode_image
-        upright = ImageOps.exif_transpose(img)
+    if orientation != 1:  # upright images are used as decoded, without exif_transpose's copy
+        with contextlib.suppress(*_DECODE_ERRORS):  # corrupt EXIF loses only the rotation
+            upright = ImageOps.exif_transpose(img)
     rgb = to_rgb(upright)
-    assert rgb.height >= target_h and rgb.width >= target_w, (rgb.size, (target_w, target_h))
+    assert not use_draft or (rgb.height >= target_h and rgb.width >= target_w), (
+        rgb.size,
+        (target_w, target_h),
+    )
     return rgb, (target_h, target_w)

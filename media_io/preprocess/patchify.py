@@ -58,12 +58,13 @@ def _affine(cfg: PreprocessConfig) -> tuple[np.ndarray, np.ndarray]:
 
 
 def patchify_uint8(
-    frames: torch.Tensor, cfg: PreprocessConfig = PreprocessConfig(), impl: Impl = "auto"
+    frames: torch.Tensor | np.ndarray, cfg: PreprocessConfig = PreprocessConfig(), impl: Impl = "auto"
 ) -> Patches:
     """Normalize (rescale 1/255, CLIP mean/std) and patchify ``frames``.
 
     Args:
-        frames: ``[T, H, W, 3]`` uint8 RGB (channels last, as decoders produce it), any device.
+        frames: ``[T, H, W, 3]`` uint8 RGB (channels last, as decoders produce it): a tensor on
+            any device, or a numpy array (read-only is fine: it is never written).
             ``H`` and ``W`` must be multiples of ``patch_size * merge_size``. ``T == 1`` for an image.
         impl: ``"numpy"`` (CPU tensors only) or ``"torch"``; ``"auto"`` picks numpy on CPU.
             Both give the same values. numpy is preferred on CPU because its ops are
@@ -75,19 +76,25 @@ def patchify_uint8(
         ``Patches`` with ``pixel_values`` ``[t*h*w, 3*tp*p*p]`` float32 on ``frames.device`` and
         ``grid_thw == (ceil(T / tp), H / p, W / p)``.
     """
-    assert frames.dim() == 4 and frames.shape[-1] == 3, f"expected [T, H, W, 3], got {tuple(frames.shape)}"
-    assert frames.dtype == torch.uint8, f"expected uint8 pixels, got {frames.dtype}"
+    assert frames.ndim == 4 and frames.shape[-1] == 3, f"expected [T, H, W, 3], got {tuple(frames.shape)}"
+    assert frames.dtype in (torch.uint8, np.uint8), f"expected uint8 pixels, got {frames.dtype}"
     n_frames, height, width, _ = frames.shape
     p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
     assert n_frames >= 1
     assert height % (p * m) == 0 and width % (p * m) == 0, f"{height}x{width} is not a multiple of {p * m}"
     grid = (-(-n_frames // tp), height // p, width // p)
-    if impl == "auto":
-        impl = "numpy" if frames.device.type == "cpu" else "torch"
-    if impl == "numpy":
-        pixel_values = torch.from_numpy(_rows_numpy(frames.numpy(), cfg))
+    if isinstance(frames, np.ndarray):
+        frames_np: np.ndarray | None = frames
     else:
-        pixel_values = _rows_torch(frames, cfg)
+        frames_np = frames.numpy() if frames.device.type == "cpu" else None
+    if impl == "auto":
+        impl = "numpy" if frames_np is not None else "torch"
+    if impl == "numpy":
+        assert frames_np is not None, "impl='numpy' needs CPU pixels"
+        pixel_values = torch.from_numpy(_rows_numpy(frames_np, cfg))
+    else:
+        tensor = torch.from_numpy(frames) if isinstance(frames, np.ndarray) else frames
+        pixel_values = _rows_torch(tensor, cfg)
     return Patches(pixel_values, grid)
 
 

@@ -221,3 +221,33 @@ def test_video_frames_off_target_are_resized_like_the_reference(backend: str) ->
     )
     got = get_backend(backend).video(frames)
     assert_parity(got, Patches(ref["pixel_values_videos"], tuple(ref["video_grid_thw"][0].tolist())))
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize(("width", "height"), [(640, 480), (1920, 1080), (4032, 3024)])
+def test_dali_gpu_nvjpeg_parity(width: int, height: int) -> None:
+    from media_io.preprocess.dali import DaliBackend
+
+    be = DaliBackend(use_gpu=True)
+    data = jpeg(width, height)
+    got = be.image_bytes(data)
+    assert got.pixel_values.is_cuda
+    assert_parity(got, reference(Image.open(io.BytesIO(data))))
+    frames = np.stack([np.asarray(photo(320, 240 + i))[:240] for i in range(3)])
+    assert_parity(be.video(frames), get_backend("cpu").video(frames))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_frames", [1, 3])
+def test_torch_patchify_on_cuda_equals_numpy(num_frames: int) -> None:
+    from media_io.preprocess import patchify_uint8
+
+    frames = torch.randint(0, 256, (num_frames, 56, 84, 3), dtype=torch.uint8)
+    on_gpu = patchify_uint8(frames.cuda())
+    assert on_gpu.pixel_values.is_cuda
+    torch.testing.assert_close(on_gpu.pixel_values.cpu(), patchify_uint8(frames).pixel_values)

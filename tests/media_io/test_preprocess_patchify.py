@@ -76,3 +76,12 @@ def test_normalization_is_clip_mean_std(impl: str) -> None:
     expected = torch.tensor([(1.0 - m) / s for m, s in zip(CFG.image_mean, CFG.image_std, strict=True)])
     torch.testing.assert_close(rows[0, :, 0], expected)
     assert torch.equal(rows, rows[:1, :, :1].expand_as(rows))
+
+
+def test_numpy_input_equals_tensor_input() -> None:
+    frames = _frames(3, 28, 56, seed=9)
+    readonly = frames.numpy().copy()
+    readonly.setflags(write=False)  # Pillow's buffers are read-only; they must be accepted as is
+    a, b = patchify_uint8(frames, CFG), patchify_uint8(readonly, CFG)
+    assert a.grid_thw == b.grid_thw == (2, 2, 4)
+    assert torch.equal(a.pixel_values, b.pixel_values)
