@@ -78,7 +78,7 @@ class SharedIndex:
         (re)created empty with ``nslots`` records. Call with the cache lock held unless read-only."""
         self.path = path
         self.read_only = read_only
-        if not read_only and not self._valid_file(path):
+        if not read_only and not self.valid_file(path):
             self._create(path, nslots)
         fd = os.open(path, os.O_RDONLY if read_only else os.O_RDWR)
         try:
@@ -94,7 +94,8 @@ class SharedIndex:
         self.rec = np.frombuffer(self._mm, dtype=RECORD, count=self.nslots, offset=HEADER_BYTES)
 
     @staticmethod
-    def _valid_file(path: Path) -> bool:
+    def valid_file(path: Path) -> bool:
+        """Whether ``path`` is an index of this version with a consistent size."""
         try:
             with open(path, "rb") as f:
                 head = f.read(16)

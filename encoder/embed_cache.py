@@ -127,6 +127,8 @@ class EmbedCache:
         if read_only:
             if not (self.root / "index").exists():
                 raise CacheNotFound(f"no embedding cache at {self.root}")
+            if not SharedIndex.valid_file(self.root / "index"):
+                raise CacheError(f"{self.root}/index is from another version; a read-write open rebuilds it")
             self._index = SharedIndex(self.root / "index", 0, read_only=True)
             return
         self.root.mkdir(mode=0o777, parents=True, exist_ok=True)

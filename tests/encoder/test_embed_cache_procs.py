@@ -179,3 +179,27 @@ def test_writers_killed_mid_write_leave_no_torn_entry_no_lock_no_orphan(tmp_path
     assert report.ok and report.orphan_tmp == 0 and report.unindexed == 0 and report.missing == 0
     assert reopened.stats().used_bytes == dir_bytes(root) <= capacity
     assert reopened.stats().inserts > 0
+
+
+def put_with_inherited_instance(cache: EmbedCache, q: "mp.Queue[str]") -> None:
+    try:
+        k = key(5000)
+        cache.put(k, content(k, 16), [(1, 2, 2)], "image")
+        got = cache.get(k)
+        q.put("ok" if got is not None and same(got.tensor, content(k, 16)) else "bad read")
+    except BaseException as e:
+        q.put(repr(e))
+
+
+def test_an_instance_inherited_through_fork_gets_its_own_lock(tmp_path: Path) -> None:
+    cache = EmbedCache("t", capacity_bytes=1 << 20, root=tmp_path / "cache")
+    assert cache._lock is not None
+    q: mp.Queue[str] = CTX.Queue()
+    with cache._lock.held():  # the child must wait for us, not share our lock
+        child = CTX.Process(target=put_with_inherited_instance, args=(cache, q))
+        child.start()
+        time.sleep(0.2)
+        assert q.empty() and not cache.contains(key(5000))
+    assert q.get(timeout=20) == "ok"
+    child.join(timeout=10)
+    assert cache.contains(key(5000)) and completes_within(lambda: cache.evict(key(5000)), 5.0)
