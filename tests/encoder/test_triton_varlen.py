@@ -99,3 +99,23 @@ def test_model_forward_with_triton_backend() -> None:
         model.attn_backend = "triton"
         out = model(pixels, grids)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_model_bf16_triton_on_gpu_close_to_cpu_fp32() -> None:
+    from encoder.checkpoint import random_encoder
+    from encoder.config import VisionConfig
+
+    cfg = VisionConfig(
+        depth=4, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=64,
+        window_size=112, fullatt_block_indexes=(1, 3),
+    )  # fmt: skip
+    cpu_model = random_encoder(cfg, seed=6)
+    gpu_model = random_encoder(cfg, seed=6).to("cuda", torch.bfloat16)
+    grids = torch.tensor([[1, 32, 44], [4, 16, 16]])
+    pixels = torch.randn(int(grids.prod(-1).sum()), 1176)
+    with torch.inference_mode():
+        ref = cpu_model(pixels, grids)
+        out = gpu_model(pixels.cuda(), grids).float().cpu()
+    assert float((out - ref).abs().max() / ref.abs().max()) < 5e-2
