@@ -71,8 +71,10 @@ def _tokens(rng: random.Random, span: tuple[int, int]) -> list[int]:
 def run_trace(layout: KVLayout, budget: int, trace: TraceConfig, swa_aware: bool) -> dict[str, float]:
     """Run the whole trace through the scheduler; returns the per-run metrics."""
     if swa_aware:
+        # Balance the pools for the trace's mean context (what a deployment would measure): the
+        # middle turn's history.
         typical = trace.system_tokens + sum(trace.first_message) // 2
-        typical += trace.turns * (sum(trace.message) // 2 + sum(trace.output) // 2)
+        typical += (trace.turns - 1) // 2 * (sum(trace.message) // 2 + sum(trace.output) // 2)
         cfg = KVCacheConfig(budget, PAGE, balance_context_len=typical, swa_headroom_tokens=MAX_BATCHED_TOKENS)
     else:
         frac = layout.swa_bytes_per_token / (layout.full_bytes_per_token + layout.swa_bytes_per_token)

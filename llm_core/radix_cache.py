@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 
 from llm_core.radix_node import InsertResult, MatchResult, PrefixLock, RadixNode
@@ -280,23 +281,36 @@ class RadixCache:
         return self._evict_leaves(num_pages, lambda n: len(n.full_pages))
 
     def evict_swa(self, num_pages: int) -> int:
-        """Free at least ``num_pages`` SWA pages, least recently used first.
+        """Free at least ``num_pages`` SWA pages, least recently used first, cheapest loss first.
 
-        An unlocked leaf goes entirely; any other live node whose SWA is unlocked becomes a
-        tombstone (its full KV stays cached). SWA-unaware mode only removes whole leaves.
+        1. Trim: a node's SWA pages more than W-1 tokens before its end serve no hit at a node
+           boundary (only a future branch inside the node), so the node is split and its upper
+           part tombstoned; its own boundary stays a hit.
+        2. Tombstone: a live node whose SWA is unlocked loses it (its full KV stays cached); an
+           unlocked leaf goes entirely instead (a tombstone leaf can never end a hit).
+        SWA-unaware mode only removes whole leaves.
         """
         self.version += 1
         if not self.swa_aware:
             return self._evict_leaves(num_pages, lambda n: len(n.swa_pages or ()))
-        heap = [
-            (n.last_access, n.node_id, n)
-            for n in self._nodes.values()
-            if n.swa_pages is not None and n.swa_lock_ref == 0
-        ]
-        heapq.heapify(heap)
+        live = sorted(
+            (n for n in self._nodes.values() if n.swa_pages is not None and n.swa_lock_ref == 0),
+            key=lambda n: (n.last_access, n.node_id),
+        )
+        keep = math.ceil((self.sliding_window - 1) / self.page_size)  # pages of one boundary's window
         freed = 0
-        while freed < num_pages and heap:
-            _, _, nd = heapq.heappop(heap)
+        for nd in live:
+            if freed >= num_pages:
+                return freed
+            if nd.swa_pages is not None and len(nd.swa_pages) > keep:
+                top = self._split(nd, len(nd.swa_pages) - keep) if keep else nd
+                assert top.swa_pages is not None and top.swa_lock_ref == 0
+                freed += len(top.swa_pages)
+                self._free_swa(top.swa_pages)
+                top.swa_pages = None
+        for nd in live:
+            if freed >= num_pages:
+                break
             if nd.node_id not in self._nodes or nd.swa_pages is None or nd.swa_lock_ref:
                 continue
             freed += len(nd.swa_pages)

@@ -113,11 +113,24 @@ def test_swa_eviction_tombstones_oldest_and_keeps_locked_window() -> None:
     cache.check_integrity([lock])
     assert cache.evictable_swa_pages() == 4  # pages 0-3 are outside the 2-page locked window
     freed = cache.evict_swa(100)
-    assert freed == 4 and cache.num_tombstones() == 1
+    # Trimmed to its window ([1, 2] tombstoned), then [3, 4] itself: two tombstones.
+    assert freed == 4 and cache.num_tombstones() == 2
     assert cache.match_prefix(key_of(1, 2, 3, 4, 5, 6)).length == 24  # tail window still live
     assert cache.match_prefix(key_of(1, 2, 3, 4)).length == 0  # its window is now a tombstone
     cache.check_integrity([lock])
     cache.unlock(lock)
+    cache.check_integrity([])
+
+
+def test_swa_eviction_trims_to_the_boundary_window_first() -> None:
+    cache, full, swa = make_cache(window=9)  # a boundary needs 2 pages of SWA
+    insert(cache, full, swa, key_of(1, 2, 3, 4, 5, 6), [True] * 6)
+    insert(cache, full, swa, key_of(7, 8), [True] * 2)  # more recent, exactly one window
+    assert cache.evict_swa(1) == 4  # the old node's pages 0-3 serve no node boundary
+    assert cache.match_prefix(key_of(1, 2, 3, 4, 5, 6)).length == 24  # its boundary still hits
+    assert cache.match_prefix(key_of(7, 8)).length == 8
+    assert cache.match_prefix(key_of(1, 2, 3, 9)).length == 0  # only a mid-node branch is lost
+    assert swa.num_used == 4
     cache.check_integrity([])
 
 
