@@ -141,7 +141,9 @@ class SharedIndex:
         return int(hit[0]) if len(hit) else None
 
     def has_free_slot(self) -> bool:
-        return self.counter("entries") < self.nslots
+        # From the records, not the "entries" counter: a crash inside insert/remove can leave
+        # the counter one off until the next sweep, and the slot search must never come up empty.
+        return not bool(self.rec["used"].all())
 
     def insert(self, key: str, size: int, created_ns: int, last_access_ns: int, hits: int = 0) -> int:
         """Add a record and count its bytes; the caller made sure a slot is free."""
