@@ -130,7 +130,8 @@ def _expected_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _read_tensors(path: Path, cfg: VisionConfig) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+def _read_tensors(path: Path, cfg: VisionConfig) -> dict[str, torch.Tensor]:
+    """The tower's tensors (names without the prefix), after strict key, shape and dtype checks."""
     weight_map = _weight_map(path)
     prefix = next((p for p in _PREFIXES if p + _ANCHOR in weight_map), None)
     if prefix is None:
@@ -160,9 +161,7 @@ def _read_tensors(path: Path, cfg: VisionConfig) -> tuple[dict[str, torch.Tensor
             with safe_open(str(f), framework="pt") as handle:
                 for name in names:
                     tensors[name] = handle.get_tensor(prefix + name)
-        except CheckpointError:
-            raise
-        except Exception as e:
+        except Exception as e:  # safetensors raises its own error types for corrupt files
             raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from e
     for name, t in tensors.items():
         if tuple(t.shape) != expected[name]:
@@ -171,7 +170,7 @@ def _read_tensors(path: Path, cfg: VisionConfig) -> tuple[dict[str, torch.Tensor
             )
         if not t.is_floating_point():
             raise CheckpointError(f"{ours[name]}: tensor {prefix + name} has non-float dtype {t.dtype}")
-    return tensors, ours
+    return tensors
 
 
 def fingerprint(cfg: VisionConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
@@ -197,7 +196,7 @@ def load_checkpoint_dir(
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise CheckpointError(f"dtype {dtype} is not supported (float32, bfloat16, float16)")
     cfg = read_vision_config(path)
-    tensors, _ = _read_tensors(path, cfg)
+    tensors = _read_tensors(path, cfg)
     fp = fingerprint(cfg, tensors, dtype)
     state = {name: t.to(dtype) for name, t in tensors.items()}
     state[_ANCHOR] = state[_ANCHOR].reshape(cfg.hidden_size, cfg.patch_dim)
