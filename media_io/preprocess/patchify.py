@@ -118,9 +118,8 @@ def _rows_numpy(frames: np.ndarray, cfg: PreprocessConfig) -> np.ndarray:
         src = np.ascontiguousarray(frames[0].reshape(gh // m, m, p, gw // m, m, p, c).transpose(_IMAGE_PERM))
         norm = np.multiply(src, scale.reshape(c, 1, 1), dtype=np.float32)  # [gh/m, gw/m, m, m, C, p, p]
         norm += bias.reshape(c, 1, 1)
-        out = np.empty((*norm.shape[:5], tp, p, p), dtype=np.float32)  # [gh/m, gw/m, m, m, C, tp, p, p]
-        for t in range(tp):
-            out[:, :, :, :, :, t] = norm
+        # One pass that writes every temporal copy next to its source.
+        out = np.repeat(norm[:, :, :, :, :, None], tp, axis=5)  # [gh/m, gw/m, m, m, C, tp, p, p]
     else:
         if pad := -n % tp:  # repeat the last frame
             frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
