@@ -92,10 +92,6 @@ class KVManager:
         new = max(0, math.ceil((seq.num_computed_tokens + n) / self.page_size) - len(seq.full_pages))
         return PageNeed(new, new)
 
-    def max_swa_pages_per_step(self, chunk: int) -> int:
-        """SWA pages one sequence can hold while computing ``chunk`` tokens (window + chunk)."""
-        return math.ceil((self.sliding_window - 1 + chunk) / self.page_size) + 1
-
     # ---- prefix cache --------------------------------------------------------------------
     def peek_prefix(self, seq: Sequence) -> int:
         """Tokens a prefix match would give ``seq`` now (no lock, no LRU touch).

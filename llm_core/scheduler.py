@@ -198,7 +198,8 @@ class Scheduler:
                     continue  # wait a step; planned sequences will free KV as they finish
                 n = 1
             else:
-                assert self.kv.allocate(seq, n)
+                ok = self.kv.allocate(seq, n)  # _fit() checked it fits
+                assert ok
             take(seq, n)
             left -= n
         if left == 0 or len(self.running) >= self.config.max_num_seqs or not self.waiting.bucket(b):
@@ -214,7 +215,8 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 seq.num_cached_tokens = 0
                 return  # KV is full: admit nothing more this step (admission never preempts)
-            assert self.kv.allocate(seq, n)
+            ok = self.kv.allocate(seq, n)
+            assert ok
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -231,12 +233,11 @@ class Scheduler:
     def _allocate_or_preempt(self, seq: Sequence, n: int, plan: dict[int, int]) -> bool:
         """Allocate ``n`` tokens for a running ``seq``, preempting newer unplanned sequences if needed."""
         while not self.kv.allocate(seq, n):
-            victims = [s for s in self.running if id(s) not in plan and s is not seq]
-            pos = self.running.index(seq)
-            newer = [s for s in victims if self.running.index(s) > pos]
-            if not newer:
+            newer = self.running[self.running.index(seq) + 1 :]
+            victim = next((s for s in reversed(newer) if id(s) not in plan), None)
+            if victim is None:
                 return False
-            self._preempt(newer[-1])
+            self._preempt(victim)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
