@@ -301,8 +301,10 @@ class EmbedCache:
                     raise CorruptEntry(f"header names key {hdr.key!r}")
             except CorruptEntry as e:
                 log.warning("embedding cache %s: dropping corrupt entry %s: %s", self.root, key, e)
-                if not self.read_only:
-                    self.evict(key)
+                if touch:
+                    self.evict(key)  # so that the next put can replace it
+                    with self._locked() as idx:
+                        idx.add("misses")
                 return None
             # MAP_PRIVATE: pages are shared with the page cache until someone writes to them.
             mm = mmap.mmap(fd, file_len, access=mmap.ACCESS_COPY)
