@@ -330,6 +330,9 @@ def run_benchmark(args: argparse.Namespace) -> int:
         [report.table_row(r) for r in records],
         caption=caption,
     )
+    stage_names, stage_rows = report.stage_table(records)
+    if stage_rows:
+        print_table("where the time goes: server-side stage medians (ms)", ["run", *stage_names], stage_rows)
     ratio_rows = [[k, v] for k, v in summary.items() if k != "targets_met" and v is not None]
     print_table("summary", ["metric", "value"], ratio_rows)
     png = args.png or (args.json.with_suffix(".png") if args.json else None)

@@ -94,6 +94,18 @@ def table_row(rec: dict[str, Any]) -> list[object]:
     ]
 
 
+def stage_table(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[object]]]:
+    """Stage names seen in any record, and one row per record of its median stage times (ms)."""
+    names = sorted({k for r in records for k in r["server_stage_median_ms"]})
+    rows: list[list[object]] = []
+    for r in records:
+        stages = r["server_stage_median_ms"]
+        if stages:
+            label = f"{r['service']} {r['phase']} {r['mode']}"
+            rows.append([label, *(stages.get(n, float("nan")) for n in names)])
+    return names, rows
+
+
 def ratio(num: float | None, den: float | None) -> float | None:
     """``num / den``, or None when either is missing or the denominator is 0."""
     if num is None or den is None or den == 0:

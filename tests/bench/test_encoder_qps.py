@@ -236,3 +236,11 @@ def test_quick_run_writes_summary_json_and_plot(tmp_path: Path, monkeypatch: pyt
     phases = {(r["service"], r["phase"], r["mode"]) for r in doc["results"]}
     assert ("baseline", "cold", "open") in phases and ("ours", "cold", "open") in phases
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_stage_table_reports_medians_per_run() -> None:
+    outs = [Outcome(i, 0.0, 1.0, 200, False, None, {"forward": float(i), "decode": 2.0}) for i in range(5)]
+    rec = report.record(report.Run("ours", "cold", LoadResult("closed", 2.0, outs, 1.0)))
+    names, rows = report.stage_table([rec])
+    assert names == ["decode", "forward"]
+    assert rows == [["ours cold closed", 2.0, 2.0]]
