@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from encoder.config import VisionConfig
 from encoder.model import VisionTransformer
 from encoder.rope import rope_inv_freq
+from epd.settings import epd_home
 
 FULL_MODEL_TYPE = "qwen2_5_vl"
 VISION_MODEL_TYPE = "qwen2_5_vl_vision"
@@ -63,8 +64,7 @@ class LoadedEncoder(NamedTuple):
 
 def default_model_dir() -> Path:
     """Where embedded defaults live: $EPD_HOME, else ~/.cache/epd."""
-    home = os.environ.get("EPD_HOME")
-    return Path(home) if home else Path.home() / ".cache" / "epd"
+    return epd_home()
 
 
 def read_vision_config(path: Path) -> VisionConfig:

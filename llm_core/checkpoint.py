@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from epd.settings import epd_home
 from llm_core.config import ConfigError, MiMoConfig
 from llm_core.model import MiMoForCausalLM
 from llm_core.moe import TopKRouter
@@ -77,10 +78,6 @@ def default_llm_config() -> MiMoConfig:
 
 def default_model_dir() -> Path:
     """Root for embedded default checkpoints (``$EPD_HOME`` or ~/.cache/epd)."""
-    try:
-        from epd.settings import epd_home
-    except ImportError:  # llm_core used without the service package
-        return Path(os.environ.get("EPD_HOME", str(Path.home() / ".cache" / "epd")))
     return epd_home()
 
 
