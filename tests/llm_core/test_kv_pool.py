@@ -62,11 +62,15 @@ def test_swa_pages_per_sequence_bounds_any_window_placement() -> None:
                 assert worst == swa_pages_per_sequence(window, page)
 
 
-def test_layout_from_transformers_config_matches_modeling_shapes() -> None:
+def test_layout_from_model_configs_matches_modeling_shapes() -> None:
     from transformers import MiMoV2FlashConfig
 
-    cfg = MiMoV2FlashConfig(**TINY_MIMO_CONFIG)
-    layout = KVLayout.from_model_config(cfg, dtype=torch.float32)
+    from llm_core.config import MiMoConfig
+
+    hf = MiMoV2FlashConfig(**TINY_MIMO_CONFIG)
+    assert KVLayout.from_model_config(hf, dtype=torch.float32) == small_layout()
+    ours = MiMoConfig.from_hf_dict(hf.to_dict())
+    layout = KVLayout.from_model_config(ours, dtype=torch.float32)
     assert layout == small_layout()
     assert layout.num_full_layers == 2 and layout.num_swa_layers == 5
     assert layout.full_bytes_per_token == 2 * 2 * (32 + 16) * 4
