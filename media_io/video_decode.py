@@ -69,6 +69,7 @@ class FrameResizer:
         if rgb.shape[:2] == (self.height, self.width):
             return rgb
         # torchvision's resize for uint8 on CPU is this call (native uint8 bicubic + antialias).
+        rgb = np.ascontiguousarray(rgb)  # decoders may pad rows (linesize > 3 * width)
         h, w, c = rgb.shape
         # [1, 3, h, w] as a channels-last view of the HWC pixels. The batch stride is set to
         # the tensor's size, not left ambiguous, so that interpolate also allocates its output
@@ -186,17 +187,20 @@ def get_pool(workers: int) -> ProcessPoolExecutor:
         return pool
 
 
-def _worker_ping() -> int:
+def _worker_ping(hold_s: float) -> int:
+    time.sleep(hold_s)  # stay busy a moment so that the other workers take the other pings
     return os.getpid()
 
 
-def warm_pool(workers: int) -> set[int]:
-    """Start the pool's processes now (a service calls this at start, a benchmark before timing).
-
-    Returns the pids of the workers that answered (all of them unless some were busy).
-    """
+def warm_pool(workers: int, timeout_s: float = 60.0) -> set[int]:
+    """Start all of the pool's processes now (a service calls this at start, a benchmark before
+    timing). Returns the workers' pids (fewer only if ``timeout_s`` ran out first)."""
     pool = get_pool(workers)
-    return {f.result() for f in [pool.submit(_worker_ping) for _ in range(workers * 4)]}
+    pids: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(pids) < workers and time.monotonic() < deadline:
+        pids.update(f.result() for f in [pool.submit(_worker_ping, 0.05) for _ in range(workers * 2)])
+    return pids
 
 
 @atexit.register

@@ -163,7 +163,10 @@ def test_pool_workers_exit_when_their_owner_is_killed() -> None:
         "print(' '.join(map(str, sorted(warm_pool(2)))), flush=True)\n"
         "time.sleep(120)\n"
     )
-    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    # stderr muted: the killed owner's resource tracker reports its leaked semaphores there
+    owner = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     try:
         assert owner.stdout is not None
         pids = [int(p) for p in owner.stdout.readline().split()]

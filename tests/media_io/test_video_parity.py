@@ -51,6 +51,7 @@ def _reference(data: bytes, max_video_tokens: int) -> tuple[list[int], torch.Ten
 CASES = {
     "upscale-320x240": (lambda: make_clip(320, 240, fps=10.0, seconds=3.0, keyint=7, bframes=2), 128_000),
     "downscale-1280x720": (lambda: make_clip(1280, 720, fps=6.0, seconds=2.0, keyint=5), 128_000),
+    "odd-size-330x250": (lambda: make_clip(330, 250, fps=5.0, seconds=2.0, keyint=3), 128_000),
     "budget-640x360": (lambda: make_clip(640, 360, fps=8.0, seconds=2.0, keyint=4), 500),
     "vfr-320x240": (
         lambda: make_vfr_clip([0, 90, 200, 230, 600, 650, 990, 1400, 1500, 2100, 2150], keyint=3),
