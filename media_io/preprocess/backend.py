@@ -48,9 +48,10 @@ class PreprocessBackend(Protocol):
         ...
 
     def video(self, frames: np.ndarray, item: str | None = None) -> Patches:
-        """Sampled frames ``[T, H, W, 3]`` uint8 RGB. Resized only when ``(H, W)`` is not already
-        ``smart_resize(H, W)`` under the video pixel bounds; ``T`` is padded to a multiple of
-        ``temporal_patch_size`` by repeating the last frame."""
+        """Sampled frames ``[T, H, W, 3]`` uint8 RGB. Frames already at a target size (sides
+        multiples of 28, area within ``video_max_pixels``, as ``decode_video`` produces) are used
+        as they are; others are resized (``resize.video_frame_target``). ``T`` is padded to a
+        multiple of ``temporal_patch_size`` by repeating the last frame."""
         ...
 
     def image_bytes(

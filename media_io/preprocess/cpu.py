@@ -22,7 +22,7 @@ from media_io.errors import BadMedia
 from media_io.image import to_rgb
 from media_io.preprocess.decode import decode_for_target
 from media_io.preprocess.patchify import Patches, patchify_uint8
-from media_io.preprocess.resize import smart_resize
+from media_io.preprocess.resize import smart_resize, video_frame_target
 
 
 class CpuBackend:
@@ -42,11 +42,6 @@ class CpuBackend:
         """``smart_resize`` target ``(height, width)`` of an image under this config."""
         c = self.cfg
         return smart_resize(height, width, c.factor, c.min_pixels, c.max_pixels, item=item)
-
-    def video_target(self, height: int, width: int, item: str | None = None) -> tuple[int, int]:
-        """``smart_resize`` target ``(height, width)`` of video frames under this config."""
-        c = self.cfg
-        return smart_resize(height, width, c.factor, c.video_min_pixels, c.video_max_pixels, item=item)
 
     def image(self, img: Image.Image, item: str | None = None) -> Patches:
         img = to_rgb(img)
@@ -71,7 +66,7 @@ class CpuBackend:
                 item,
             )
         _, height, width, _ = frames.shape
-        th, tw = self.video_target(height, width, item)
+        th, tw = video_frame_target(height, width, self.cfg, item)
         if (th, tw) != (height, width):
             frames = np.stack([np.asarray(_resize(Image.fromarray(f), th, tw)) for f in frames])
         return patchify_uint8(frames, self.cfg)

@@ -39,7 +39,7 @@ from media_io.config import MediaLimits, PreprocessConfig
 from media_io.errors import BadMedia, MediaError
 from media_io.image import decode_image, to_rgb
 from media_io.preprocess.patchify import Patches
-from media_io.preprocess.resize import smart_resize
+from media_io.preprocess.resize import smart_resize, video_frame_target
 from media_io.sniff import sniff
 
 _EXIF_ORIENTATION_TAG = 0x0112
@@ -127,7 +127,7 @@ class DaliBackend:
             )
         c = self.cfg
         n, height, width, _ = frames.shape
-        th, tw = smart_resize(height, width, c.factor, c.video_min_pixels, c.video_max_pixels, item=item)
+        th, tw = video_frame_target(height, width, c, item)  # (H, W) itself when already at target
         if pad := -n % c.temporal_patch_size:  # repeat the last frame, as transformers does
             frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
         gt = frames.shape[0] // c.temporal_patch_size

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+from media_io.config import PreprocessConfig
 from media_io.errors import BadMedia
 
 MAX_ASPECT_RATIO = 200.0
@@ -58,3 +59,20 @@ def smart_resize(
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+def video_frame_target(
+    height: int, width: int, cfg: PreprocessConfig = PreprocessConfig(), item: str | None = None
+) -> tuple[int, int]:
+    """The size ``video()`` resizes sampled ``height x width`` frames to.
+
+    Frames from ``media_io.video.decode_video`` are already at their target: sides multiples of
+    ``cfg.factor`` and an area at most ``video_max_pixels`` (its per-frame cap shrinks with the
+    frame count, so the area may even be below ``video_min_pixels``). Such frames are kept as
+    they are: resizing them again to the uncapped target would blow up a long video's token
+    count. Any other frames get ``smart_resize`` under the video pixel bounds.
+    """
+    f = cfg.factor
+    if height % f == 0 and width % f == 0 and 0 < height * width <= cfg.video_max_pixels:
+        return height, width
+    return smart_resize(height, width, f, cfg.video_min_pixels, cfg.video_max_pixels, item=item)

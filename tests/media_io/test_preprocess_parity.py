@@ -251,3 +251,26 @@ def test_torch_patchify_on_cuda_equals_numpy(num_frames: int) -> None:
     on_gpu = patchify_uint8(frames.cuda())
     assert on_gpu.pixel_values.is_cuda
     torch.testing.assert_close(on_gpu.pixel_values.cpu(), patchify_uint8(frames).pixel_values)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_video_frames_at_a_capped_target_are_kept(backend: str) -> None:
+    # decode_video's per-frame cap shrinks with the frame count and may land below
+    # video_min_pixels (here 252x336 = 84672 < 100352): such frames must not be scaled back up.
+    frames = np.stack([np.asarray(photo(336, 252 + i))[:252] for i in range(2)])  # [2, 252, 336, 3]
+    got = get_backend(backend).video(frames)
+    assert got.grid_thw == (1, 18, 24)
+
+
+def test_video_frame_target_rule() -> None:
+    from media_io.preprocess.resize import smart_resize, video_frame_target
+
+    cfg = PreprocessConfig()
+    assert video_frame_target(252, 336, cfg) == (252, 336)  # at a (capped) target already
+    assert video_frame_target(1008, 1792, cfg) == smart_resize(
+        1008, 1792, 28, cfg.video_min_pixels, cfg.video_max_pixels
+    )
+    assert video_frame_target(1008, 1792, cfg) != (1008, 1792)  # multiples of 28 but over the cap
+    assert video_frame_target(720, 1280, cfg) == smart_resize(
+        720, 1280, 28, cfg.video_min_pixels, cfg.video_max_pixels
+    )
