@@ -27,8 +27,9 @@ class PreprocessConfig:
     max_frames: int = 768
     video_min_pixels: int = 128 * 28 * 28
     video_max_pixels: int = 28 * 28 * 768
-    # Qwen2-VL caps the total pixels of a video's frames together.
-    video_total_pixels: int = 28 * 28 * 768 * 128 * 2
+    # Total pixel budget of one video's frames: 90% of 128000 tokens, the rule transformers'
+    # Qwen2VLVideoProcessor applies with cap_pixels_per_frame=True (and qwen-vl-utils by default).
+    video_total_pixels: int = int(128000 * 28 * 28 * 0.9)
 
     @property
     def factor(self) -> int:
