@@ -168,22 +168,24 @@ OPS = st.lists(
         ),
         st.integers(0, 1 << 30),
     ),
-    min_size=1,
+    min_size=30,
     max_size=80,
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=OPS,
     window=st.sampled_from([1, 3, 5, 9, 16]),
     pages=st.integers(6, 30),
+    swa_pages=st.integers(0, 24),
     swa_aware=st.booleans(),
 )
 def test_random_workload_keeps_integrity_and_never_loses_locked_kv(
-    ops: list[tuple[str, int]], window: int, pages: int, swa_aware: bool
+    ops: list[tuple[str, int]], window: int, pages: int, swa_pages: int, swa_aware: bool
 ) -> None:
-    kv = make_manager(pages, max(pages // 2, swa_pages_per_sequence(window, P) + 2), window, swa_aware)
+    # SWA pools from barely one window (pressure, tombstones) to roomy (branch-point pins).
+    kv = make_manager(pages, swa_pages_per_sequence(window, P) + 2 + swa_pages, window, swa_aware)
     shadow = Shadow(kv)
     running: list[Sequence] = []
     history: list[list[int]] = []
