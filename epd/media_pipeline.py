@@ -83,7 +83,10 @@ class MediaPipeline:
         t0 = time.perf_counter()
         data = src.data if src.data is not None else await self.fetcher.fetch(_url(src), item=src.name)
         t_download = time.perf_counter()
-        kind = sniff(data)
+        try:
+            kind = sniff(data)
+        except MediaError as exc:  # sniff sees bytes only; name the item so the client knows which
+            raise type(exc)(exc.message, exc.item or src.name) from exc
         if src.modality_hint is not None and kind.modality != src.modality_hint:
             raise bad_request(
                 f"{src.name} was sent as {src.modality_hint} but its bytes are {kind.modality} ({kind.format})",
