@@ -243,7 +243,7 @@ def test_abort_releases_running_and_waiting() -> None:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     arrivals=st.lists(
-        st.tuples(st.integers(1, 60), st.integers(1, 12), st.integers(0, 3)), min_size=1, max_size=12
+        st.tuples(st.integers(1, 60), st.integers(1, 12), st.integers(0, 3)), min_size=3, max_size=12
     ),
     budget=st.integers(1, 48),
     full_pages=st.integers(20, 60),
