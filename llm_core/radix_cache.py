@@ -14,15 +14,17 @@ When is a prefix a hit? Resuming at position ``b`` means the query at ``b`` atte
 is the longest node boundary ``b`` on the matched path whose trailing ``W-1`` tokens (or all of
 [0, b) when shorter) are live in the SWA pool, i.e. the min over both attention types::
 
-    path:   [ live | TOMB | live | live ]        W-1 = 2 pages
-    b:                    ^ no (window in TOMB)
-                                 ^ no (1 live page)
-                                        ^ hit (2 live pages)
+    page:   [  0   |  1   |  2   |  3   ]        W-1 = 2 pages of SWA needed before b
+    SWA:    [ live | TOMB | live | live ]
+    b = 1 page:   window [0, 1) live          valid
+    b = 2 pages:  window [0, 2) has TOMB      not valid
+    b = 3 pages:  window [1, 3) has TOMB      not valid
+    b = 4 pages:  window [2, 4) live          valid: the hit is 4 pages
 
 Two LRU orders, by ``last_access`` (a counter; a match touches root-to-leaf so parents are older):
-full eviction removes unlocked leaves (both pages); SWA eviction tombstones live nodes whose
-window is not locked (a leaf with no lock at all is removed instead: a tombstone leaf can never
-end a hit). Locks: ``lock_ref`` on every node of a locked path (full KV in use); ``swa_lock_ref``
+full eviction removes unlocked leaves (both pages); SWA eviction first trims nodes to the window
+their own end needs, then tombstones live nodes whose window is not locked (a leaf with no lock
+at all is removed instead: a tombstone leaf can never end a hit). Locks: ``lock_ref`` on every node of a locked path (full KV in use); ``swa_lock_ref``
 only on the trailing nodes that cover the window (SWA KV in use), so the SWA of a running
 sequence's older prefix can still be reclaimed. A later insert of the same tokens with live SWA
 pages heals a tombstone.
