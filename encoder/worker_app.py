@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -84,6 +85,16 @@ class _Metrics:
         )
 
 
+def serving_fingerprint(checkpoint_fingerprint: str, backend: str) -> str:
+    """What every MediaKey of this worker folds in: the checkpoint and the preprocessing backend.
+
+    The cpu and dali backends agree with the reference within tolerance, not bit for bit, so
+    workers with different backends must not share cache entries. The ingress learns this value
+    from /health, so its keys match the workers'.
+    """
+    return hashlib.sha256(f"{checkpoint_fingerprint}|preprocess={backend}".encode()).hexdigest()
+
+
 class EncoderWorker:
     """The state behind the routes: model, batcher, node cache, preprocessing backend, pools."""
 
@@ -110,7 +121,7 @@ class EncoderWorker:
 
     @property
     def fingerprint(self) -> str:
-        return self.loaded.fingerprint
+        return serving_fingerprint(self.loaded.fingerprint, self.backend.name)
 
     async def start(self) -> None:
         await self.batcher.start()

@@ -23,7 +23,7 @@ from encoder.config import VisionConfig
 from encoder.embed_cache import EmbedCache
 from encoder.media_key import media_key
 from encoder.worker import WorkerConfig, plan_workers
-from encoder.worker_app import build_app
+from encoder.worker_app import build_app, serving_fingerprint
 from media_io.config import MediaLimits
 from media_io.image import decode_image
 from media_io.preprocess import get_backend
@@ -103,7 +103,7 @@ def test_image_miss_then_hit_matches_direct_pipeline(served: Served) -> None:
     status, body, _ = served.request("POST", "/encode", data, modality="image", item="photo.png")
     assert status == 200, body
     ref = body["ref"]
-    fingerprint = load_encoder(served.config.model_path).fingerprint
+    fingerprint = serving_fingerprint(load_encoder(served.config.model_path).fingerprint, "cpu")
     assert ref["key"] == media_key(data, "image", served.config.preprocess, fingerprint)
     assert ref["grid_thw"] == [[1, 8, 12]] and ref["shape"] == [24, 16] and ref["modality"] == "image"
     assert ref["url"] == f"http://encoder-7:8001/embeddings/{ref['key']}"
@@ -201,7 +201,9 @@ def test_embeddings_route_errors(served: Served) -> None:
 def test_health_and_metrics(served: Served) -> None:
     status, health, _ = served.request("GET", "/health")
     assert status == 200 and health["status"] == "ok"
-    assert health["fingerprint"] == load_encoder(served.config.model_path).fingerprint
+    assert health["fingerprint"] == serving_fingerprint(
+        load_encoder(served.config.model_path).fingerprint, "cpu"
+    )
     assert health["queue_depth"] == 0 and health["out_hidden_size"] == 16
     served.request("POST", "/encode", png(56, 84, seed=5))
     status, text, _ = served.request("GET", "/metrics")
