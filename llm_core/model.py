@@ -25,9 +25,10 @@ from torch import Tensor, nn
 
 from llm_core.attention import masked_attention, paged_attention, write_kv
 from llm_core.attention_batch import AttentionBatch, PagedKV
+from llm_core.attention_plan import StepPlan, decode_attention, prefill_attention
 from llm_core.config import MiMoConfig
 from llm_core.moe import DenseMLP, SparseMoE
-from llm_core.rope import PartialRotary
+from llm_core.rope import PartialRotary, apply_partial_rotary
 
 
 class RMSNorm(nn.Module):
@@ -64,23 +65,54 @@ class MiMoAttention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.has_sinks(layer_idx) else None
         self.rotary = PartialRotary(config.rope_dim(layer_idx), config.rope_theta_of(layer_idx))
 
-    def _qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _qkv(
+        self, x: Tensor, positions: Tensor, plan: StepPlan | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """x [T, hidden] -> q [T, H, D], k [T, Hkv, D] (rotated), v [T, Hkv, Dv] (value-scaled)."""
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.v_head_dim) * self.v_scale
-        q, k = self.rotary(q, k, positions)
+        if plan is None:
+            q, k = self.rotary(q, k, positions)
+        else:  # one cos/sin table per (rope_dim, theta) per step, shared by the layers of a type
+            rot = self.rotary
+            cos, sin = plan.rope((rot.rope_dim, rot.theta), lambda: rot.cos_sin(positions, q.dtype))
+            q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         return q, k, v
 
-    def forward(self, x: Tensor, positions: Tensor, batch: AttentionBatch, kv: PagedKV) -> Tensor:
-        """Paged: write this step's KV into the layer's pool, then attend. x [T, hidden] -> [T, hidden]."""
-        q, k, v = self._qkv(x, positions)
+    def forward(
+        self, x: Tensor, positions: Tensor, batch: AttentionBatch, kv: PagedKV, plan: StepPlan | None = None
+    ) -> Tensor:
+        """Paged: write this step's KV into the layer's pool, then attend. x [T, hidden] -> [T, hidden].
+
+        With a ``plan`` (the torch/CPU path) attention reuses the step's shared gather indices;
+        without one it goes through :func:`paged_attention` (Triton on CUDA)."""
+        q, k, v = self._qkv(x, positions, plan)
         layer_kv = kv.layer(self.layer_idx)
         assert layer_kv.is_swa == self.is_swa, f"layer {self.layer_idx}: KV pool type mismatch"
         slots = batch.swa_slots if self.is_swa else batch.full_slots
         table = batch.swa_page_table if self.is_swa else batch.full_page_table
         write_kv(layer_kv.k, layer_kv.v, slots, k, v)
+        if plan is not None:
+            if plan.is_decode:
+                dp = plan.decode(self.is_swa, layer_kv.k.shape[1], self.window)
+                rows = plan.rows(self.is_swa, self.num_kv_heads)
+                out = decode_attention(q, layer_kv.k, layer_kv.v, dp, self.scale, self.sinks, rows)
+            else:
+                out = prefill_attention(
+                    q,
+                    k,
+                    v,
+                    layer_kv.k,
+                    layer_kv.v,
+                    table,
+                    plan.prefill(),
+                    self.scale,
+                    self.window,
+                    self.sinks,
+                )
+            return self.o_proj(out.reshape(x.shape[0], -1))
         out = paged_attention(
             q,
             layer_kv.k,
@@ -115,14 +147,19 @@ class MiMoDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: Tensor, positions: Tensor, batch: AttentionBatch | None, kv: PagedKV | None
+        self,
+        x: Tensor,
+        positions: Tensor,
+        batch: AttentionBatch | None,
+        kv: PagedKV | None,
+        plan: StepPlan | None = None,
     ) -> Tensor:
         h = self.input_layernorm(x)
         if batch is None:
             h = self.self_attn.forward_dense(h, positions)
         else:
             assert kv is not None
-            h = self.self_attn(h, positions, batch, kv)
+            h = self.self_attn(h, positions, batch, kv, plan)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -172,8 +209,12 @@ class MiMoForCausalLM(nn.Module):
         """
         x = self.embed(input_ids) if input_embeds is None else input_embeds
         assert x.shape[0] == positions.shape[0] == batch.num_tokens, "tokens, positions, slots disagree"
+        plan = None
+        if not x.is_cuda:  # torch path: index work once per step, shared by the layers of a type
+            tables = {False: batch.full_page_table, True: batch.swa_page_table}
+            plan = StepPlan(tables, batch.cu_seqlens_q, batch.seq_lens, batch.max_seqlen_q)
         for layer in self.model.layers:
-            x = layer(x, positions, batch, kv)
+            x = layer(x, positions, batch, kv, plan)
         return self.model.norm(x)
 
     @torch.inference_mode()

@@ -1,0 +1,246 @@
+"""Per-step attention plans for the torch (CPU) path: gather indices and additive masks built once
+per forward step for each layer type, then shared by every layer of that type.
+
+Why: on CPU a decode step used to spend most of its time gathering whole KV pages and filling
+big boolean masks in every layer. All full layers read through one page table and all SWA layers
+through another, so the index arithmetic is done once per step and each layer does one
+``index_select`` for k and one for v, straight into the layout the matmuls want.
+
+Decode (one query per sequence; query b sits at position q_b = seq_lens[b] - 1)::
+
+    keys of seq b     kv_start_b = max(0, q_b - W + 1)   (0 without a window)  ..  q_b
+    column j          position kv_start_b + j,   j < M = max_b (q_b - kv_start_b + 1)
+
+    seq 0   | k k k k k k k |                 q_0 - kv_start_0 + 1 = M
+    seq 1   | k k k k . . . |   '.' = padding: reads seq 1's own new slot (written this step,
+                                   so finite) and gets bias -inf
+
+    rows[b, h, j] = slot(kv_start_b + j) * Hkv + h      (k viewed as [N * page * Hkv, D])
+
+Prefill (chunks of several queries per sequence): sequences without a cached prefix attend over
+this step's k/v directly (no page gather at all); the others gather exactly the key positions
+their queries can see. Queries run in blocks of ``q_block`` rows with an additive [n, m] bias.
+
+Semantics are those of ``attention.masked_attention`` (window counts the query; sinks are
+value-less per-head logits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class DecodePlan(NamedTuple):
+    """Gather plan for one layer type in a decode step (every sequence has one new token)."""
+
+    slots: Tensor  # int64 [B, M] flat KV slot of key column j of sequence b
+    bias: Tensor  # fp32 [B, 1, 1, M] 0 for keys the query sees, -inf for padding columns
+
+
+def plan_decode(page_table: Tensor, seq_lens: Tensor, page_size: int, window: int | None) -> DecodePlan:
+    """Build the decode gather plan from a page table [B, P] and seq_lens [B] (see module doc)."""
+    q_pos = seq_lens.to(torch.int64) - 1  # [B]
+    kv_start = torch.zeros_like(q_pos) if window is None else (q_pos - window + 1).clamp(min=0)
+    num_keys = q_pos - kv_start + 1  # [B]
+    width = int(num_keys.max())
+    cols = torch.arange(width, device=seq_lens.device)  # [M]
+    pos = kv_start[:, None] + cols[None, :]  # [B, M]
+    valid = cols[None, :] < num_keys[:, None]  # [B, M]
+    pos = torch.minimum(pos, q_pos[:, None])  # padding reads the query's own (fresh) slot
+    pages = page_table.to(torch.int64).gather(1, pos // page_size)  # [B, M]
+    assert bool((pages >= 0).all()), "a page inside some query's window is not resident"
+    slots = pages * page_size + pos % page_size
+    bias = torch.zeros(valid.shape, dtype=torch.float32, device=seq_lens.device)
+    bias.masked_fill_(~valid, float("-inf"))
+    return DecodePlan(slots, bias[:, None, None, :])
+
+
+def _kv_rows(slots: Tensor, num_kv: int) -> Tensor:
+    """slots [B, M] -> int64 [B * Hkv * M] rows of a pool viewed as [N * page * Hkv, D]."""
+    heads = torch.arange(num_kv, device=slots.device)
+    return (slots[:, None, :] * num_kv + heads[None, :, None]).reshape(-1)  # [B, Hkv, M] flattened
+
+
+def decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    plan: DecodePlan,
+    scale: float,
+    sinks: Tensor | None,
+    rows: Tensor | None = None,
+) -> Tensor:
+    """q [B, H, D] over the planned keys of paged k_cache [N, page, Hkv, D] / v_cache [N, page, Hkv, Dv]
+    -> [B, H, Dv] in q's dtype. ``rows`` (from :func:`kv_rows`) may be passed in to share it across
+    layers with the same KV-head count."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv = k_cache.shape[2]
+    group = num_heads // num_kv
+    width = plan.slots.shape[1]
+    if rows is None:
+        rows = _kv_rows(plan.slots, num_kv)
+    k = k_cache.view(-1, head_dim).index_select(0, rows).view(num_seqs, num_kv, width, head_dim)
+    v = v_cache.view(-1, v_cache.shape[-1]).index_select(0, rows).view(num_seqs, num_kv, width, -1)
+    qf = q.view(num_seqs, num_kv, group, head_dim)
+    # fp32 scores and softmax whatever the cache dtype (.float() is free for fp32 tensors)
+    scores = torch.matmul(qf.float(), k.float().transpose(-1, -2))  # [B, Hkv, G, M]
+    scores = torch.addcmul(plan.bias, scores, torch.tensor(scale, dtype=torch.float32))
+    if sinks is not None:
+        sink_col = sinks.float().view(1, num_kv, group, 1).expand(num_seqs, num_kv, group, 1)
+        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :width]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.float())  # [B, Hkv, G, Dv]
+    return out.reshape(num_seqs, num_heads, -1).to(q.dtype)
+
+
+def kv_rows(plan: DecodePlan, num_kv: int) -> Tensor:
+    """The pool-row index of ``plan`` for layers with ``num_kv`` KV heads (share it across layers)."""
+    return _kv_rows(plan.slots, num_kv)
+
+
+class PrefillSeq(NamedTuple):
+    """One sequence of a prefill step, as plain ints (read once per step, not per layer)."""
+
+    lo: int  # its rows in the packed batch: [lo, hi)
+    hi: int
+    seq_len: int  # tokens after this step; the queries sit at seq_len - (hi - lo) .. seq_len - 1
+
+
+def prefill_seqs(cu_seqlens_q: Tensor, seq_lens: Tensor) -> list[PrefillSeq]:
+    cu = cu_seqlens_q.tolist()
+    return [PrefillSeq(cu[b], cu[b + 1], n) for b, n in enumerate(seq_lens.tolist())]
+
+
+def prefill_attention(
+    q: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Tensor,
+    seqs: list[PrefillSeq],
+    scale: float,
+    window: int | None,
+    sinks: Tensor | None,
+    q_block: int = 256,
+) -> Tensor:
+    """Varlen prefill: q [T, H, D] packed as ``seqs`` -> [T, H, Dv] in q's dtype.
+
+    k_new [T, Hkv, D] / v_new [T, Hkv, Dv] are this step's keys and values (already written to
+    the pools). A sequence with no cached prefix reads them directly; one with a cached prefix
+    gathers the key positions its queries can see from the pools::
+
+        positions  kv_start = (q_first - W + 1, or 0)      q_first              seq_len
+                   |<---- gathered from the pools (slots) ---->|<-- this chunk -->|
+    """
+    page_size = k_cache.shape[1]
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+    for b, s in enumerate(seqs):
+        n = s.hi - s.lo
+        q_first = s.seq_len - n
+        kv_start = 0 if window is None else max(0, q_first - window + 1)
+        if kv_start == q_first:  # nothing cached is visible: attend over this chunk only
+            k, v = k_new[s.lo : s.hi], v_new[s.lo : s.hi]
+        else:
+            pos = torch.arange(kv_start, s.seq_len, device=q.device)
+            slots = _slots(page_table, b, pos, page_size)
+            k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, slots)  # [m, Hkv, D]
+            v = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, slots)  # [m, Hkv, Dv]
+        out[s.lo : s.hi] = _blocked(q[s.lo : s.hi], k, v, q_first, kv_start, scale, window, sinks, q_block)
+    return out
+
+
+def _slots(page_table: Tensor, b: int, pos: Tensor, page_size: int) -> Tensor:
+    pages = page_table[b].to(torch.int64)[pos // page_size]
+    assert bool((pages >= 0).all()), f"sequence {b}: a page its queries can see is not resident"
+    return pages * page_size + pos % page_size
+
+
+def _blocked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_first: int,
+    k_first: int,
+    scale: float,
+    window: int | None,
+    sinks: Tensor | None,
+    q_block: int,
+) -> Tensor:
+    """One sequence: q [n, H, D] at positions q_first.., k [m, Hkv, D] / v [m, Hkv, Dv] at k_first..
+    (k ends where q ends). Query blocks read only the key range they can see. -> [n, H, Dv]."""
+    n, num_heads, head_dim = q.shape
+    num_kv = k.shape[1]
+    group = num_heads // num_kv
+    out = q.new_empty(n, num_heads, v.shape[-1])
+    kt = k.float().permute(1, 2, 0)  # [Hkv, D, m]
+    vh = v.float().permute(1, 0, 2)  # [Hkv, m, Dv]
+    for a in range(0, n, q_block):
+        z = min(a + q_block, n)
+        qp0, qp1 = q_first + a, q_first + z  # query positions [qp0, qp1)
+        kp0 = k_first if window is None else max(k_first, qp0 - window + 1)
+        ka, kz = kp0 - k_first, qp1 - k_first  # key columns [ka, kz)
+        q_pos = torch.arange(qp0, qp1, device=q.device)[:, None]  # [nb, 1]
+        k_pos = torch.arange(kp0, qp1, device=q.device)[None, :]  # [1, mb]
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed &= k_pos > q_pos - window
+        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=q.device)
+        bias.masked_fill_(~allowed, float("-inf"))  # [nb, mb]
+        qb = q[a:z].view(z - a, num_kv, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, nb, D]
+        scores = torch.matmul(qb.float(), kt[:, None, :, ka:kz])  # [Hkv, G, nb, mb]
+        scores = torch.addcmul(bias, scores, torch.tensor(scale, dtype=torch.float32))
+        if sinks is not None:
+            sink_col = sinks.float().view(num_kv, group, 1, 1).expand(num_kv, group, z - a, 1)
+            probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        o = torch.matmul(probs, vh[:, None, ka:kz])  # [Hkv, G, nb, Dv]
+        out[a:z] = o.permute(2, 0, 1, 3).reshape(z - a, num_heads, -1).to(q.dtype)
+    return out
+
+
+class StepPlan:
+    """Everything the torch attention path derives from an AttentionBatch, computed lazily on first
+    use in a step and reused by every later layer of the same type (and rotary tables per theta)."""
+
+    def __init__(
+        self, page_tables: dict[bool, Tensor], cu_seqlens_q: Tensor, seq_lens: Tensor, max_seqlen_q: int
+    ) -> None:
+        self.page_tables = page_tables  # is_swa -> [B, P]
+        self.cu_seqlens_q = cu_seqlens_q
+        self.seq_lens = seq_lens
+        self.is_decode = max_seqlen_q == 1 and cu_seqlens_q.shape[0] - 1 == seq_lens.shape[0]
+        self._decode: dict[bool, DecodePlan] = {}
+        self._rows: dict[tuple[bool, int], Tensor] = {}
+        self._prefill: list[PrefillSeq] | None = None
+        self._rope: dict[tuple[int, float], tuple[Tensor, Tensor]] = {}
+
+    def decode(self, is_swa: bool, page_size: int, window: int | None) -> DecodePlan:
+        if is_swa not in self._decode:
+            self._decode[is_swa] = plan_decode(self.page_tables[is_swa], self.seq_lens, page_size, window)
+        return self._decode[is_swa]
+
+    def rows(self, is_swa: bool, num_kv: int) -> Tensor:
+        key = (is_swa, num_kv)
+        if key not in self._rows:
+            self._rows[key] = _kv_rows(self._decode[is_swa].slots, num_kv)
+        return self._rows[key]
+
+    def prefill(self) -> list[PrefillSeq]:
+        if self._prefill is None:
+            self._prefill = prefill_seqs(self.cu_seqlens_q, self.seq_lens)
+        return self._prefill
+
+    def rope(
+        self, key: tuple[int, float], make: Callable[[], tuple[Tensor, Tensor]]
+    ) -> tuple[Tensor, Tensor]:
+        """Rotary (cos, sin) for this step's positions, made once per (rope_dim, theta)."""
+        if key not in self._rope:
+            self._rope[key] = make()
+        return self._rope[key]
