@@ -1,8 +1,8 @@
 """HTTP client the ingress uses to talk to encoder workers (local ports or remote hosts).
 
 A 4xx from a worker is the item's fault (bad media) and is raised as ``APIError`` carrying the
-worker's status and message; connection errors and 5xx raise ``EncoderUnavailable`` so that the
-router tries the next worker of the ring.
+worker's status and message; connection errors, 429 and 5xx raise the router's
+``WorkerUnavailable`` so that it tries the next worker of the ring.
 """
 
 from __future__ import annotations
@@ -13,11 +13,8 @@ import aiohttp
 from safetensors.torch import load as load_safetensors
 
 from encoder.embedding_ref import EmbeddingRef
+from encoder.router import WorkerUnavailable
 from epd.errors import APIError
-
-
-class EncoderUnavailable(RuntimeError):
-    """The worker could not be reached or failed internally; try another one."""
 
 
 class EncodeReply:
@@ -51,9 +48,9 @@ class EncoderClient:
                         type=str(err.get("type", "bad_media")),
                         param=item,
                     )
-                raise EncoderUnavailable(f"{worker_url} answered {resp.status}")
+                raise WorkerUnavailable(worker_url, f"answered {resp.status}", status=resp.status)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise EncoderUnavailable(f"{worker_url}: {type(exc).__name__}: {exc}") from exc
+            raise WorkerUnavailable(worker_url, f"{type(exc).__name__}: {exc}") from exc
 
     async def health(self, worker_url: str, timeout_s: float = 2.0) -> dict[str, Any] | None:
         try:
@@ -69,10 +66,10 @@ class EncoderClient:
         try:
             async with self.session.get(ref_url, timeout=self.timeout) as resp:
                 if resp.status != 200:
-                    raise EncoderUnavailable(f"{ref_url} answered {resp.status}")
+                    raise WorkerUnavailable(ref_url, f"answered {resp.status}", status=resp.status)
                 payload = await resp.read()
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise EncoderUnavailable(f"{ref_url}: {exc}") from exc
+            raise WorkerUnavailable(ref_url, str(exc)) from exc
         return load_safetensors(payload)["embedding"]
 
 

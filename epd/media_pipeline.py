@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from encoder.embed_cache import EmbedCache
 from encoder.embedding_ref import EmbeddingRef
 from encoder.media_key import media_key_async
-from encoder.router import EncoderRouter
-from epd.encoder_client import EncoderClient, EncoderUnavailable
+from encoder.router import AllAttemptsFailed, EncoderRouter, NoWorkerAvailable
+from epd.encoder_client import EncoderClient
 from epd.errors import APIError, bad_request, overloaded
 from epd.media_request import MediaSource
 from epd.metrics import IngressMetrics
@@ -117,7 +117,7 @@ class MediaPipeline:
 
         try:
             ref = await self.router.call(key, call)
-        except EncoderUnavailable as exc:
+        except (AllAttemptsFailed, NoWorkerAvailable) as exc:
             raise overloaded(f"no encoder worker could take {src.name}: {exc}", retry_after_s=2.0) from exc
         if ref.key != key:
             raise APIError(
