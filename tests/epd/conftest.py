@@ -13,6 +13,7 @@ exited and that the node cache's shared memory (/dev/shm/epd-serve-<port>) is go
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import io
 import itertools
@@ -33,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from tests.media_io.media_server import MediaServer
@@ -163,6 +165,40 @@ def http_json(
     if "json" in ctype:
         return status, json.loads(raw)
     return status, raw
+
+
+# -- requests --------------------------------------------------------------------------------------
+
+ImageFile = tuple[str, bytes, str]
+
+
+def multipart(files: list[ImageFile]) -> tuple[bytes, dict[str, str]]:
+    """A multipart/form-data body with one file field per (filename, bytes, content type)."""
+    boundary = "epd-test-boundary-7d1c"
+    parts = []
+    for i, (name, data, ctype) in enumerate(files):
+        head = (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file{i}"; filename="{name}"\r\n'
+            f"Content-Type: {ctype}\r\n\r\n"
+        ).encode()
+        parts.append(head + data + b"\r\n")
+    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    return body, {"content-type": f"multipart/form-data; boundary={boundary}"}
+
+
+def upload(server: ServeProcess, files: list[ImageFile], query: str = "") -> tuple[int, Any]:
+    body, headers = multipart(files)
+    return http_json("POST", f"{server.url}/v1/encode{query}", body, headers)
+
+
+def embedding_of(entry: dict[str, Any]) -> torch.Tensor:
+    emb = entry["embedding"]
+    raw = np.frombuffer(base64.b64decode(emb["data"]), dtype=np.dtype(emb["dtype"]))
+    return torch.from_numpy(raw.copy()).reshape(emb["shape"])
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
 # -- media -----------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ import base64
 import re
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
@@ -16,38 +15,16 @@ from encoder.checkpoint import load_encoder
 from media_io.config import PreprocessConfig
 from media_io.image import decode_image
 from media_io.preprocess import get_backend
-from tests.epd.conftest import Media, ServeProcess, http_json, unique_jpeg, unique_png
-
-ImageFile = tuple[str, bytes, str]
-
-
-def multipart(files: list[ImageFile]) -> tuple[bytes, dict[str, str]]:
-    """A multipart/form-data body with one file field per (filename, bytes, content type)."""
-    boundary = "epd-test-boundary-7d1c"
-    parts = []
-    for i, (name, data, ctype) in enumerate(files):
-        head = (
-            f'--{boundary}\r\nContent-Disposition: form-data; name="file{i}"; filename="{name}"\r\n'
-            f"Content-Type: {ctype}\r\n\r\n"
-        ).encode()
-        parts.append(head + data + b"\r\n")
-    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
-    return body, {"content-type": f"multipart/form-data; boundary={boundary}"}
-
-
-def upload(server: ServeProcess, files: list[ImageFile], query: str = "") -> tuple[int, Any]:
-    body, headers = multipart(files)
-    return http_json("POST", f"{server.url}/v1/encode{query}", body, headers)
-
-
-def embedding_of(entry: dict[str, Any]) -> torch.Tensor:
-    emb = entry["embedding"]
-    raw = np.frombuffer(base64.b64decode(emb["data"]), dtype=np.dtype(emb["dtype"]))
-    return torch.from_numpy(raw.copy()).reshape(emb["shape"])
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+from tests.epd.conftest import (
+    Media,
+    ServeProcess,
+    embedding_of,
+    http_json,
+    rel_err,
+    unique_jpeg,
+    unique_png,
+    upload,
+)
 
 
 def check_item(entry: dict[str, Any], modality: str) -> None:

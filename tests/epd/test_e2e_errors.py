@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.epd.conftest import SHARED_MAX_BODY_BYTES, Media, ServeProcess, http_json
-from tests.epd.test_e2e_encode import upload
+from tests.epd.conftest import SHARED_MAX_BODY_BYTES, Media, ServeProcess, http_json, upload
 
 
 def check_error(status: int, body: Any, expected: int, param: str | None = "<any>") -> dict[str, Any]:

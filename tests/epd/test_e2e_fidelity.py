@@ -23,8 +23,17 @@ import torch
 from PIL import Image
 
 from tests.encoder.hf_fixtures import hf_vision_model, save_hf_full_model
-from tests.epd.conftest import ServeProcess, http_json, image_bytes, photo, start_serve, stop_serve
-from tests.epd.test_e2e_encode import embedding_of, rel_err, upload
+from tests.epd.conftest import (
+    ServeProcess,
+    embedding_of,
+    http_json,
+    image_bytes,
+    photo,
+    rel_err,
+    start_serve,
+    stop_serve,
+    upload,
+)
 from tests.llm_core.conftest import build_tiny_mimo
 
 VISION_SEED = 5
@@ -121,3 +130,26 @@ def test_greedy_completion_ids_match_transformers_generate(
                 pad_token_id=0,
             )
         assert choice["token_ids"] == out[0, len(prompt) :].tolist()
+
+
+def test_chat_with_an_image_on_the_real_checkpoints(fidelity_server: ServeProcess) -> None:
+    """E -> P -> D on the transformers-written checkpoints (encoder out 64 = LLM hidden 64), with the
+    byte-level default tokenizer the ingress falls back to."""
+    from base64 import b64encode
+
+    uri = "data:image/png;base64," + b64encode(image_bytes(photo(64, 64, 9), "PNG")).decode()
+    part = {"type": "image_url", "image_url": {"url": uri}}
+    status, body = http_json(
+        "POST",
+        f"{fidelity_server.url}/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 4
+    assert body["usage"]["image_tokens"] == 4  # 64x64 -> 56x56 -> 4x4 patches -> 2x2 merged
