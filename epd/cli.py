@@ -16,19 +16,24 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The full parser, or with ``only`` set, one whose other subcommands are listed but not
+    imported (``epd cache stats`` need not import the model code of ``epd serve``)."""
     parser = argparse.ArgumentParser(prog="epd", description="epd multimodal inference service")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        if only is None or name == only:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(only=command if command in SUBCOMMANDS else "").parse_args(argv)
     return int(args._run(args))
 
 
