@@ -202,6 +202,9 @@ class SharedIndex:
         self.set("entries", 0)
 
     def close(self) -> None:
+        """Unmap the index; closing twice is a no-op."""
+        if self._mm.closed:
+            return
         # numpy views hold buffer exports on the mmap; drop them before closing it.
         del self.rec, self._counters
         self._mm.close()

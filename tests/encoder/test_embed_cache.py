@@ -231,3 +231,9 @@ def test_threads_of_one_process_share_the_lock_safely(root: Path) -> None:
         t.join()
     assert not errors, errors
     assert cache.verify().ok and cache.stats().used_bytes == dir_bytes(root)
+
+
+def test_close_twice_is_a_no_op(tmp_path) -> None:
+    cache = EmbedCache(namespace="close-twice", root=tmp_path / "c")
+    cache.close()
+    cache.close()
