@@ -135,14 +135,24 @@ def stop_serve(server: ServeProcess) -> int:
             raise AssertionError(
                 f"epd serve ignored SIGTERM for {STOP_TIMEOUT_S} s:\n{server.tail()}"
             ) from None
-    # The children (encoder worker, engine) were in the same session; none may outlive the parent.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(server.proc.pid, 0)
-        time.sleep(2.0)  # the supervisor reaps them before exiting; give stragglers a moment
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.proc.pid, signal.SIGKILL)
+    # The children (encoder worker, engine, their decode pools) share the server's process group;
+    # the supervisor stops them before exiting, so the group must empty out within moments.
+    deadline = time.monotonic() + 5.0
+    while _group_alive(server.proc.pid):
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.proc.pid, signal.SIGKILL)
             raise AssertionError(f"children of epd serve outlived it:\n{server.tail()}")
+        time.sleep(0.1)
     return int(server.proc.returncode)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def http_json(
