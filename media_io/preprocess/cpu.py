@@ -19,8 +19,7 @@ from PIL import Image
 
 from media_io.config import MediaLimits, PreprocessConfig
 from media_io.errors import BadMedia
-from media_io.image import to_rgb
-from media_io.preprocess.decode import decode_for_target
+from media_io.image import decode_image_sized, to_rgb
 from media_io.preprocess.patchify import Patches, patchify_uint8
 from media_io.preprocess.resize import smart_resize, video_frame_target
 
@@ -29,7 +28,7 @@ class CpuBackend:
     """Preprocessing on the CPU; see ``PreprocessBackend`` for the contract.
 
     ``jpeg_draft`` lets libjpeg decode large JPEGs at 1/2, 1/4 or 1/8 scale when the target is at
-    most half the size (see ``decode.py``); ``False`` decodes at full size like the reference.
+    most half the size (see ``media_io.image``); ``False`` decodes at full size like the reference.
     """
 
     name = "cpu"
@@ -56,8 +55,10 @@ class CpuBackend:
         self, data: bytes, limits: MediaLimits = MediaLimits(), item: str | None = None
     ) -> Patches:
         target_fn = functools.partial(self.target, item=item)
-        img, target = decode_for_target(data, target_fn, limits, item, draft=self.jpeg_draft)
-        return self._resized_patches(img, target)
+        # The target is the decode's size hint (JPEG DCT scaling) and is computed from the full
+        # upright size, so the grid is the reference's whatever scale libjpeg decoded at.
+        decoded = decode_image_sized(data, limits, item, min_size=target_fn if self.jpeg_draft else None)
+        return self._resized_patches(decoded.image, target_fn(*decoded.full_size))
 
     def video(self, frames: np.ndarray, item: str | None = None) -> Patches:
         if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or frames.shape[0] == 0:

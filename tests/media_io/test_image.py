@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from media_io.config import MediaLimits
-from media_io.errors import MediaError, MediaTooLarge, UnsupportedMedia
-from media_io.image import decode_image
+from media_io.errors import BadMedia, MediaError, MediaTooLarge, UnsupportedMedia
+from media_io.image import decode_image, decode_image_sized
 from media_io.sniff import sniff
 from tests.media_io.bad_media import EXPECTED, bad_image_corpus, png_bomb, small_image
 
@@ -67,6 +67,50 @@ def test_exif_orientation(orientation: int) -> None:
     exif[0x0112] = orientation
     out = np.asarray(decode_image(encode(Image.fromarray(src), "PNG", exif=exif)))
     assert np.array_equal(out, ORIENTATIONS[orientation](src))
+
+
+@pytest.mark.parametrize("orientation", sorted(ORIENTATIONS))
+def test_jpeg_size_hint_drafts_in_the_upright_frame(orientation: int) -> None:
+    # 320x192 stored; the hint asks for a quarter of the upright size, so libjpeg decodes at 1/4.
+    src = np.kron(pattern(40, 24), np.ones((8, 8, 1), np.uint8))  # [192, 320, 3], 8x8 blocks
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encode(Image.fromarray(src), "JPEG", quality=95, subsampling=0, exif=exif)
+    full = np.asarray(decode_image(data)).astype(np.int16)
+    seen: list[tuple[int, int]] = []
+
+    def quarter(height: int, width: int) -> tuple[int, int]:
+        seen.append((height, width))
+        return height // 4, width // 4
+
+    got = decode_image_sized(data, min_size=quarter)
+    up_h, up_w = full.shape[:2]
+    assert seen == [(up_h, up_w)] and got.full_size == (up_h, up_w)  # hint sees the upright size
+    assert (got.image.height, got.image.width) == (up_h // 4, up_w // 4)
+    # Same picture, same orientation: each drafted pixel is its 4x4 block of the full decode.
+    pooled = full.reshape(up_h // 4, 4, up_w // 4, 4, 3).mean(axis=(1, 3))
+    assert np.abs(np.asarray(got.image) - pooled).mean() < 4.0
+
+
+def test_size_hint_decodes_at_full_size_when_half_would_undershoot() -> None:
+    data = encode(Image.fromarray(pattern(200, 100)), "JPEG", quality=90)
+    got = decode_image_sized(data, min_size=lambda h, w: (h // 2 + 1, w // 2))
+    assert got.image.size == (200, 100) and got.full_size == (100, 200)
+
+
+def test_size_hint_is_ignored_for_other_formats_and_its_errors_propagate() -> None:
+    exif = Image.Exif()
+    exif[0x0112] = 6  # PNG: EXIF read after the pixels, so full_size is the rotated output size
+    got = decode_image_sized(
+        encode(Image.fromarray(pattern()), "PNG", exif=exif), min_size=lambda h, w: (1, 1)
+    )
+    assert got.image.size == (24, 40) and got.full_size == (40, 24)
+
+    def refuse(height: int, width: int) -> tuple[int, int]:
+        raise BadMedia(f"{width}x{height} refused by the hint")
+
+    with pytest.raises(BadMedia, match="40x24 refused"):
+        decode_image(encode(Image.fromarray(pattern()), "JPEG"), item="x", min_size=refuse)
 
 
 @pytest.mark.filterwarnings("ignore:Corrupt EXIF data")

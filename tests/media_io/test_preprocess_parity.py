@@ -21,10 +21,9 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from media_io.config import MediaLimits, PreprocessConfig
 from media_io.errors import BadMedia, MediaTooLarge
-from media_io.image import decode_image
+from media_io.image import decode_image, decode_image_sized
 from media_io.preprocess import Patches, PreprocessBackend, get_backend
 from media_io.preprocess.cpu import CpuBackend
-from media_io.preprocess.decode import decode_for_target
 from media_io.preprocess.synthetic import encode, synthetic_photo
 
 MEAN_TOL, MAX_TOL = 0.01, 0.15
@@ -104,10 +103,13 @@ def test_jpeg_bytes_parity_decode_included(width: int, height: int, backend: str
 
 def test_jpeg_draft_decodes_at_reduced_scale_only_when_target_fits() -> None:
     backend = CpuBackend()
-    big, _ = decode_for_target(jpeg(4032, 3024), backend.target)
-    assert big.size == (2016, 1512)  # 1/2 DCT scale; the target 1148x840 still fits
-    small, target = decode_for_target(jpeg(1920, 1080), backend.target)
-    assert small.size == (1920, 1080) and target == (728, 1316)  # 1/2 would undershoot 1316x728
+    big = decode_image_sized(jpeg(4032, 3024), min_size=backend.target)
+    assert big.image.size == (2016, 1512)  # 1/2 DCT scale; the target 1148x840 still fits
+    assert big.full_size == (3024, 4032) and backend.target(*big.full_size) == (840, 1148)
+    small = decode_image_sized(jpeg(1920, 1080), min_size=backend.target)
+    assert small.image.size == (1920, 1080)  # 1/2 would undershoot the target 1316x728
+    assert backend.target(*small.full_size) == (728, 1316)
+    assert decode_image(jpeg(4032, 3024)).size == (4032, 3024)  # no hint: always full size
 
 
 def test_exact_path_without_draft_on_harsh_content() -> None:
