@@ -59,6 +59,18 @@ def plan_decode(page_table: Tensor, seq_lens: Tensor, page_size: int, window: in
     return DecodePlan(slots, bias[:, None, None, :])
 
 
+def _sink_rescale(out: Tensor, scores: Tensor, sinks: Tensor) -> Tensor:
+    """Fold a value-less sink logit into attention computed without it.
+
+    softmax([s, sink])_j = softmax(s)_j * Z / (Z + e^sink) with Z = sum_j e^(s_j), and
+    Z / (Z + e^sink) = sigmoid(logsumexp(s) - sink). So out [..., Dv] (from softmax(s)) is scaled
+    per row instead of concatenating a column onto the much larger scores [..., M] (a full copy).
+    ``sinks`` broadcasts against scores[..., :1].
+    """
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # [..., 1]
+    return out * torch.sigmoid(lse - sinks.float())
+
+
 def _kv_rows(slots: Tensor, num_kv: int) -> Tensor:
     """slots [B, M] -> int64 [B * Hkv * M] rows of a pool viewed as [N * page * Hkv, D]."""
     heads = torch.arange(num_kv, device=slots.device)
@@ -89,12 +101,9 @@ def decode_attention(
     # fp32 scores and softmax whatever the cache dtype (.float() is free for fp32 tensors)
     scores = torch.matmul(qf.float(), k.float().transpose(-1, -2))  # [B, Hkv, G, M]
     scores = torch.addcmul(plan.bias, scores, torch.tensor(scale, dtype=torch.float32))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float())  # [B, Hkv, G, Dv]
     if sinks is not None:
-        sink_col = sinks.float().view(1, num_kv, group, 1).expand(num_seqs, num_kv, group, 1)
-        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :width]
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.float())  # [B, Hkv, G, Dv]
+        out = _sink_rescale(out, scores, sinks.view(1, num_kv, group, 1))
     return out.reshape(num_seqs, num_heads, -1).to(q.dtype)
 
 
@@ -195,12 +204,9 @@ def _blocked(
         qb = q[a:z].view(z - a, num_kv, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, nb, D]
         scores = torch.matmul(qb.float(), kt[:, None, :, ka:kz])  # [Hkv, G, nb, mb]
         scores = torch.addcmul(bias, scores, torch.tensor(scale, dtype=torch.float32))
+        o = torch.matmul(torch.softmax(scores, dim=-1), vh[:, None, ka:kz])  # [Hkv, G, nb, Dv]
         if sinks is not None:
-            sink_col = sinks.float().view(num_kv, group, 1, 1).expand(num_kv, group, z - a, 1)
-            probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
-        else:
-            probs = torch.softmax(scores, dim=-1)
-        o = torch.matmul(probs, vh[:, None, ka:kz])  # [Hkv, G, nb, Dv]
+            o = _sink_rescale(o, scores, sinks.view(num_kv, group, 1, 1))
         out[a:z] = o.permute(2, 0, 1, 3).reshape(z - a, num_heads, -1).to(q.dtype)
     return out
 

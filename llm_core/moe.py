@@ -96,7 +96,7 @@ class GroupedExperts(nn.Module):
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
         token_of = order // top_k  # [T*K] source token of each sorted assignment
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        x_sorted = x[token_of]  # [T*K, H]
+        x_sorted = x.index_select(0, token_of)  # [T*K, H]
         y_sorted = torch.empty_like(x_sorted)
         start = 0
         for e, count in enumerate(counts):
@@ -106,7 +106,7 @@ class GroupedExperts(nn.Module):
             gate, up = F.linear(seg, self.gate_up_proj[e]).chunk(2, dim=-1)  # [c, I] each
             y_sorted[start : start + count] = F.linear(F.silu(gate) * up, self.down_proj[e])
             start += count
-        weighted = y_sorted.float() * routing.weights.reshape(-1)[order, None]
+        weighted = y_sorted.float() * routing.weights.reshape(-1).index_select(0, order)[:, None]
         out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
         out.index_add_(0, token_of, weighted)
         return out.to(x.dtype)
