@@ -66,7 +66,7 @@ def _get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
     return v
 
 
-def _parse_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
+def _parse_prompt(body: dict[str, Any], tokenizer: Tokenizer, vocab_size: int) -> list[int]:
     if "prompt" not in body:
         raise bad_request("'prompt' is required", "prompt")
     prompt = body["prompt"]
@@ -77,9 +77,11 @@ def _parse_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
-        bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+        # Ids are checked against the model's vocabulary: a checkpoint without tokenizer.json
+        # uses the byte-level tokenizer, which knows fewer ids than the model embeds.
+        bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise bad_request(f"token ids must be in [0, {tokenizer.vocab_size}), got {bad[:5]}", "prompt")
+            raise bad_request(f"token ids must be in [0, {vocab_size}), got {bad[:5]}", "prompt")
     else:
         raise bad_request(
             "'prompt' must be a string or a list of token ids (one prompt per request)", "prompt"
@@ -129,7 +131,9 @@ def _parse_refs(body: dict[str, Any]) -> tuple[EmbeddingRef, ...]:
     return tuple(refs)
 
 
-def parse_completion_request(body: Any, tokenizer: Tokenizer, max_model_len: int) -> CompletionRequest:
+def parse_completion_request(
+    body: Any, tokenizer: Tokenizer, max_model_len: int, vocab_size: int
+) -> CompletionRequest:
     """Validate a completions body; raises ``APIError`` (400) naming the bad field."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None)
@@ -142,7 +146,7 @@ def parse_completion_request(body: Any, tokenizer: Tokenizer, max_model_len: int
         raise bad_request("logprobs are not supported", "logprobs")
     if body.get("best_of") not in (None, 1):
         raise bad_request("best_of is not supported", "best_of")
-    prompt_ids = _parse_prompt(body, tokenizer)
+    prompt_ids = _parse_prompt(body, tokenizer, vocab_size)
     max_tokens = _get_int(body, "max_tokens", 16)
     room = max_model_len - len(prompt_ids)
     if room < 1:

@@ -105,7 +105,9 @@ def create_app(
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise bad_request(f"the body is not valid JSON: {e}", None) from e
-        return parse_completion_request(body, engine.tokenizer, engine.max_model_len)
+        return parse_completion_request(
+            body, engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size
+        )
 
     async def submit(req: CompletionRequest) -> RequestStream:
         mm = []

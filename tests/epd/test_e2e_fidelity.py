@@ -101,9 +101,9 @@ def test_greedy_completion_ids_match_transformers_generate(
     fidelity_server: ServeProcess, hf_mimo: Any
 ) -> None:
     gen = torch.Generator().manual_seed(11)
-    # Byte ids: the engine accepts prompt ids of its tokenizer's vocabulary, and a checkpoint without
-    # tokenizer.json gets the byte-level default (263 ids) even though the model has 512.
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 23)]
+    # Ids across the model's whole vocabulary: the checkpoint has no tokenizer.json, so the
+    # server's tokenizer (byte-level default) knows fewer ids than the model embeds.
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 23)]
     for prompt in prompts:
         status, body = http_json(
             "POST",
