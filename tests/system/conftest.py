@@ -1,0 +1,206 @@
+"""Fixtures for the reliability tests: real ``epd serve`` subprocesses, loopback only, bounded.
+
+Two servers are shared by the whole ``tests/system`` set (each takes tens of seconds to start):
+
+- ``svc``: one encoder worker, the LLM engine, loopback fetches allowed, a short download timeout
+  and a small admission limit, so that overload and slow-peer scenarios finish in seconds;
+- ``fault_svc``: three encoder workers and the engine, for kill -9 scenarios.
+
+    test ──HTTP──▶ epd serve ──▶ encoder-0..N-1, llm     (children of the serve process)
+      └── HealthPoller thread: GET /health every few ms, records each latency
+
+The process helpers read /proc directly (psutil is not a dependency).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.epd.conftest import ServeProcess, start_serve, stop_serve
+from tests.media_io.media_server import MediaServer
+
+# The download timeout of ``svc``: a trickling origin must hit it quickly.
+SVC_FETCH_TOTAL_TIMEOUT_S = 2.0
+# Items admitted into the encode pipeline of ``svc`` at once; beyond it the answer is 503.
+SVC_MAX_INFLIGHT_ITEMS = 8
+SVC_MAX_BODY_BYTES = 2 * 1024 * 1024
+# Shared-memory names epd creates: the node cache directory and video-decode segments.
+SHM_PREFIXES = ("psm_", "video-decode")
+
+
+# -- /proc helpers -----------------------------------------------------------------------------------
+
+
+def vm_rss_kib(pid: int) -> int:
+    """Resident set size of ``pid`` in KiB (``VmRSS`` of /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name is in parentheses and may contain spaces: fields start after the last ')'.
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def child_pids(parent: int, role: str) -> list[int]:
+    """Live children of ``parent`` started as ``epd.cli <role>`` (role: "encoder" or "llm")."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _ppid(int(entry)) == parent:
+            argv = _cmdline(int(entry))
+            if "epd.cli" in argv and role in argv[argv.index("epd.cli") + 1 : argv.index("epd.cli") + 2]:
+                out.append(int(entry))
+    return sorted(out)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def shm_entries(namespace: str) -> set[str]:
+    """Entries of /dev/shm that belong to epd: the namespace's cache and decode segments."""
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    return {n for n in names if namespace in n or n.startswith(SHM_PREFIXES)}
+
+
+def wait_until(pred: object, timeout_s: float, what: str, interval_s: float = 0.2) -> None:
+    assert callable(pred)
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def get_status(url: str, timeout: float = 5.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except OSError:
+        return 0
+
+
+# -- concurrent /health poller -----------------------------------------------------------------------
+
+
+@dataclass
+class HealthPoller:
+    """Polls ``GET /health`` in a thread; every answer's status and latency is recorded."""
+
+    url: str
+    interval_s: float = 0.05
+    timeout_s: float = 2.0
+    samples: list[tuple[int, float]] = field(default_factory=list)  # (status, seconds)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> HealthPoller:
+        self._thread = threading.Thread(target=self._run, name="health-poller", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join(self.timeout_s + 1)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            status = get_status(f"{self.url}/health", self.timeout_s)
+            self.samples.append((status, time.perf_counter() - t0))
+            self._stop.wait(self.interval_s)
+
+    @property
+    def worst_s(self) -> float:
+        return max(s for _, s in self.samples)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100])."""
+    assert values
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+# -- fixtures ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def origin() -> Iterator[MediaServer]:
+    """The loopback media server (blobs, trickle, misbehaving origins)."""
+    with MediaServer() as server:
+        yield server
+
+
+def _stop_checked(server: ServeProcess, shm_before: set[str]) -> None:
+    code = stop_serve(server)
+    assert code == 0, f"epd serve exited with {code}:\n{server.tail()}"
+    assert not server.shm_dir.exists(), f"{server.shm_dir} was left behind"
+    namespace = f"serve-{server.port}"
+    left = {n for n in shm_entries(namespace) - shm_before if namespace in n}
+    assert not left, f"shared memory left behind: {sorted(left)}"
+
+
+@pytest.fixture(scope="session")
+def svc() -> Iterator[ServeProcess]:
+    """One worker + engine, short download timeout, small admission limit."""
+    before = shm_entries("serve-")
+    server = start_serve(
+        [
+            "--fetch-allow-cidrs",
+            "127.0.0.0/8",
+            "--fetch-total-timeout-s",
+            str(SVC_FETCH_TOTAL_TIMEOUT_S),
+            "--max-inflight-items",
+            str(SVC_MAX_INFLIGHT_ITEMS),
+            "--max-body-bytes",
+            str(SVC_MAX_BODY_BYTES),
+            "--health-interval-s",
+            "0.5",
+        ]
+    )
+    try:
+        yield server
+    finally:
+        _stop_checked(server, before)
+
+
+@pytest.fixture(scope="session")
+def fault_svc() -> Iterator[ServeProcess]:
+    """Three encoder workers + engine, for kill -9 scenarios."""
+    before = shm_entries("serve-")
+    server = start_serve(["--encoder-workers", "3", "--health-interval-s", "0.3"])
+    try:
+        yield server
+    finally:
+        _stop_checked(server, before)
