@@ -14,6 +14,7 @@ The process helpers read /proc directly (psutil is not a dependency).
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -22,6 +23,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -204,3 +206,49 @@ def fault_svc() -> Iterator[ServeProcess]:
         yield server
     finally:
         _stop_checked(server, before)
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    body: Any  # parsed JSON when the answer is JSON, else the raw bytes
+    headers: dict[str, str]
+
+
+def request(
+    method: str, url: str, body: Any = None, headers: dict[str, str] | None = None, timeout: float = 60.0
+) -> Reply:
+    """One HTTP request with the standard library, keeping the response headers (lower-cased)."""
+    hdrs = dict(headers or {})
+    data: bytes | None
+    if body is None or isinstance(body, bytes):
+        data = body
+    else:
+        data = json.dumps(body).encode()
+        hdrs.setdefault("content-type", "application/json")
+    req = urllib.request.Request(url, data=data, method=method, headers=hdrs)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw, got = resp.status, resp.read(), resp.headers
+    except urllib.error.HTTPError as exc:
+        status, raw, got = exc.code, exc.read(), exc.headers
+    lowered = {k.lower(): v for k, v in got.items()}
+    parsed: Any = json.loads(raw) if "json" in lowered.get("content-type", "") else raw
+    return Reply(int(status), parsed, lowered)
+
+
+def check_error(reply: Reply, status: int | tuple[int, ...], param: str | None = "<any>") -> dict[str, Any]:
+    """The documented error shape: ``{"error": {"type", "message", "param"}}`` with ``status``;
+    503 and 429 carry Retry-After."""
+    allowed = (status,) if isinstance(status, int) else status
+    assert reply.status in allowed, (reply.status, reply.body)
+    assert isinstance(reply.body, dict) and set(reply.body) == {"error"}, reply.body
+    err = reply.body["error"]
+    assert {"type", "message", "param"} <= set(err), err
+    assert isinstance(err["type"], str) and err["type"], err
+    assert isinstance(err["message"], str) and err["message"], err
+    if param != "<any>":
+        assert err["param"] == param, err
+    if reply.status in (429, 503):
+        assert int(reply.headers.get("retry-after", "0")) >= 1, reply.headers
+    return dict(err)
