@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from bench.ceiling import forward_ceiling
+from bench.ceiling import Ceiling, forward_ceiling
 from bench.common import format_machine, machine_info, print_table, write_json
 from bench.loadgen import BodyFn, LoadResult, closed_loop, new_session, open_loop
 from bench.media_corpus import (
@@ -145,8 +145,9 @@ def run_service(
     endpoint = base_url + ENCODE_PATH
     runs: list[report.Run] = []
 
-    def go(phase: str, body: BodyFn, mode: str, level: float, n: int) -> LoadResult:
+    def go(phase: str, body: BodyFn, mode: str, level: float, n: int, kind: str = "cold") -> report.Run:
         label = f"{service} {phase} {mode}"
+        load_before = os.getloadavg()[0]
         result = asyncio.run(
             _phase(
                 endpoint,
@@ -160,30 +161,24 @@ def run_service(
             )
         )
         _check_ok(result, label)
-        return result
+        return report.Run(service, kind, result, (load_before, os.getloadavg()[0]))
 
     if args.warmup:
-        go(
-            "warm-up",
-            media.cold(f"{service}-warm", args.warmup, salt=99),
-            "closed",
-            args.concurrency,
-            args.warmup,
-        )
+        warm = media.cold(f"{service}-warm", args.warmup, salt=99)
+        go("warm-up", warm, "closed", args.concurrency, args.warmup)
     cold = media.cold(f"{service}-cold", args.requests, salt=1)
-    cold_result = go("cold", cold, "closed", args.concurrency, args.requests)
-    runs.append(report.Run(service, "cold", cold_result))
+    runs.append(go("cold", cold, "closed", args.concurrency, args.requests))
+    cold_result = runs[-1].result
     if hot:
         # The cold phase's URLs again: same bytes, so every request should be a node-cache hit.
-        runs.append(report.Run(service, "hot", go("hot", cold, "closed", args.concurrency, args.requests)))
+        runs.append(go("hot", cold, "closed", args.concurrency, args.requests, kind="hot"))
     if open_rate is not None:
         body = media.cold(f"{service}-open", args.requests, salt=2)
-        rate = open_rate(cold_result)
-        runs.append(report.Run(service, "cold", go("open", body, "open", rate, args.requests)))
+        runs.append(go("open", body, "open", open_rate(cold_result), args.requests))
     if videos and media.videos and args.video_requests:
         body = media.cold(f"{service}-video", args.video_requests, videos=True)
         conc = min(args.concurrency, args.video_requests)
-        runs.append(report.Run(service, "video", go("video", body, "closed", conc, args.video_requests)))
+        runs.append(go("video", body, "closed", conc, args.video_requests, kind="video"))
     return runs
 
 
@@ -278,14 +273,20 @@ def run_benchmark(args: argparse.Namespace) -> int:
         f"corpus: {len(images)} images, {len(videos)} clips in {corpus_dir} ({time.perf_counter() - t_corpus:.1f} s)"
     )
 
-    ceiling = None
-    if not args.no_ceiling:
-        ceiling = forward_ceiling(
+    def measure_ceiling(when: str) -> Ceiling | None:
+        if args.no_ceiling:
+            return None
+        c = forward_ceiling(
             [it.data for it in images], patch_budget=args.patch_budget, min_seconds=args.ceiling_seconds
         )
         print(
-            f"forward-only ceiling: {ceiling.images_per_s:.2f} images/s ({ceiling.patches_per_s:,.0f} patches/s)"
+            f"forward-only ceiling ({when}): {c.images_per_s:.2f} images/s ({c.patches_per_s:,.0f} patches/s)"
         )
+        return c
+
+    # Measured before and after the services: on a shared machine the load drifts, and the
+    # ceiling is the best forward-only rate seen (the fraction is then a lower bound).
+    ceilings = [measure_ceiling("before")]
 
     media_server_cls = load_test_helper("media_server").MediaServer
     runs: list[report.Run] = []
@@ -321,8 +322,12 @@ def run_benchmark(args: argparse.Namespace) -> int:
                 ours_proc.stop()
                 shutil.rmtree(f"/dev/shm/epd-{namespace}", ignore_errors=True)
 
+    ceilings.append(measure_ceiling("after"))
+    measured = [c for c in ceilings if c is not None]
+    ceiling = max(measured, key=lambda c: c.images_per_s) if measured else None
     records = [report.record(r) for r in runs]
     summary = _summary(records, ceiling)
+    summary["ceiling_runs_images_per_s"] = [c.images_per_s for c in measured]
     caption = format_machine(machine) + f" | media latency {args.latency_ms:g} ms"
     print_table(
         "encoder QPS (images 448x448..1920x1080; video: 1-minute clips)",

@@ -25,6 +25,7 @@ COLUMNS = [
     "P90 ms",
     "P99 ms",
     "hit rate",
+    "load 1m",
 ]
 
 
@@ -34,6 +35,9 @@ class Run(NamedTuple):
     service: str  # "baseline" | "ours"
     phase: str  # "cold" | "hot" | "video" ...
     result: LoadResult
+    # 1-minute load average before and after the run: the machine may be shared, so read
+    # absolute numbers against it (ratios of runs with very different load are suspect).
+    loadavg: tuple[float, float] = (float("nan"), float("nan"))
 
     @property
     def label(self) -> str:
@@ -70,6 +74,7 @@ def record(run: Run) -> dict[str, Any]:
             "p99": pct.p99 * 1e3 if pct else None,
         },
         "cache_hit_rate": sum(hits) / len(hits) if hits else None,
+        "loadavg_1m_before_after": list(run.loadavg),
         "server_stage_median_ms": stages,
         "qps_timeline": qps_timeline(r),
     }
@@ -91,6 +96,7 @@ def table_row(rec: dict[str, Any]) -> list[object]:
         lat["p90"] if lat["p90"] is not None else nan,
         lat["p99"] if lat["p99"] is not None else nan,
         "-" if hit is None else f"{hit:.0%}",
+        "{:.1f}->{:.1f}".format(*rec["loadavg_1m_before_after"]),
     ]
 
 
