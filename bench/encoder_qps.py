@@ -3,7 +3,9 @@
     python -m bench.encoder_qps [--quick] [--json PATH] [--png PATH] [--url URL] ...
     epd bench encoder ...                   (the same flags)
 
-What one run does, one service at a time so neither steals the other's CPU:
+What one run does (only one service is under load at any moment, so neither steals the other's
+CPU; the headline cold closed loop alternates between them in ``--rounds`` rounds so that drifting
+background load on a shared machine hits both alike):
 
     corpus      JPEGs 448x448 .. 1920x1080 (+ 1-minute H.264 clips), generated once and cached
     media       a loopback media server serves them with added latency (default 30 ms, like an
@@ -47,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("load")
     g.add_argument("--concurrency", type=int, default=8, help="closed-loop concurrency")
     g.add_argument("--requests", type=int, default=120, help="requests per image phase")
+    g.add_argument(
+        "--rounds", type=int, default=4, help="cold closed loop in this many rounds alternating services"
+    )
     g.add_argument("--warmup", type=int, default=8, help="untimed requests before each service's phases")
     g.add_argument("--rate", type=float, default=None, help="open-loop rate/s (default 0.8x baseline QPS)")
     g.add_argument("--no-open", action="store_true", help="skip the open-loop Poisson phase")
@@ -66,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _quick(args: argparse.Namespace) -> None:
     """A smoke run's sizes: seconds, not meaningful numbers."""
     args.requests = min(args.requests, 6)
+    args.rounds = min(args.rounds, 2)
     args.warmup = min(args.warmup, 1)
     args.concurrency = min(args.concurrency, 2)
     args.video_clips = min(args.video_clips, 1)

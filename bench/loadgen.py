@@ -188,6 +188,25 @@ def qps_timeline(result: LoadResult, bucket_s: float = 1.0) -> list[tuple[float,
     return [(i * bucket_s, c / bucket_s) for i, c in enumerate(counts)]
 
 
+def merge_results(parts: Sequence[LoadResult]) -> LoadResult:
+    """Runs of the same mode and level done one after another, as one run: each part's times are
+    shifted to start where the previous part's wall time ended, so QPS = all answers / summed walls."""
+    assert parts, "nothing to merge"
+    assert len({(p.mode, p.level) for p in parts}) == 1, "merge runs of one mode and level only"
+    outcomes: list[Outcome] = []
+    offset = 0.0
+    for part in parts:
+        if not part.outcomes:
+            continue
+        start = min(o.start_s for o in part.outcomes)
+        base = len(outcomes)
+        for o in part.outcomes:
+            shift = offset - start
+            outcomes.append(o._replace(seq=base + o.seq, start_s=o.start_s + shift, end_s=o.end_s + shift))
+        offset += part.wall_s
+    return LoadResult(parts[0].mode, parts[0].level, outcomes, offset)
+
+
 def new_session(timeout_s: float = 300.0) -> aiohttp.ClientSession:
     """A client session without a connection cap (the load level is set by the generator, not the pool)."""
     return aiohttp.ClientSession(

@@ -20,7 +20,7 @@ from typing import Any
 from bench import report
 from bench.ceiling import Ceiling, forward_ceiling
 from bench.common import format_machine, machine_info, print_table, write_json
-from bench.loadgen import BodyFn, LoadResult, closed_loop, new_session, open_loop
+from bench.loadgen import BodyFn, LoadResult, closed_loop, merge_results, new_session, open_loop
 from bench.media_corpus import (
     DEFAULT_IMAGE_SIZES,
     QUICK_IMAGE_SIZES,
@@ -128,58 +128,108 @@ def _check_ok(result: LoadResult, label: str) -> None:
         )
 
 
-def run_service(
-    service: str,
-    base_url: str,
-    media: Media,
-    args: argparse.Namespace,
-    progress: Progress,
-    open_rate: Callable[[LoadResult], float] | None,
-    hot: bool,
-    videos: bool,
-) -> list[report.Run]:
-    """Every phase against one running service; warm-up first (untimed, its own fresh bytes).
+class Driver:
+    """Runs load phases against one service and keeps their results (warm-up results are dropped)."""
 
-    ``open_rate`` maps the cold closed-loop result to the open-loop rate (None: no open loop).
-    """
-    endpoint = base_url + ENCODE_PATH
-    runs: list[report.Run] = []
+    def __init__(
+        self, service: str, base_url: str, media: Media, args: argparse.Namespace, progress: Progress
+    ):
+        self.service = service
+        self.endpoint = base_url + ENCODE_PATH
+        self.media = media
+        self.args = args
+        self.progress = progress
 
-    def go(phase: str, body: BodyFn, mode: str, level: float, n: int, kind: str = "cold") -> report.Run:
-        label = f"{service} {phase} {mode}"
+    def go(self, phase: str, body: BodyFn, mode: str, level: float, n: int, kind: str = "cold") -> report.Run:
+        label = f"{self.service} {phase} {mode}"
         load_before = os.getloadavg()[0]
         result = asyncio.run(
             _phase(
-                endpoint,
+                self.endpoint,
                 body,
                 mode=mode,
                 level=level,
                 requests=n,
-                seed=args.seed,
-                progress=progress,
+                seed=self.args.seed,
+                progress=self.progress,
                 label=label,
             )
         )
         _check_ok(result, label)
-        return report.Run(service, kind, result, (load_before, os.getloadavg()[0]))
+        return report.Run(self.service, kind, result, (load_before, os.getloadavg()[0]))
 
-    if args.warmup:
-        warm = media.cold(f"{service}-warm", args.warmup, salt=99)
-        go("warm-up", warm, "closed", args.concurrency, args.warmup)
-    cold = media.cold(f"{service}-cold", args.requests, salt=1)
-    runs.append(go("cold", cold, "closed", args.concurrency, args.requests))
-    cold_result = runs[-1].result
+    def warm_up(self) -> None:
+        """Untimed requests with their own fresh bytes: model pages, pools, connections."""
+        a = self.args
+        if a.warmup:
+            warm = self.media.cold(f"{self.service}-warm", a.warmup, salt=99)
+            self.go("warm-up", warm, "closed", a.concurrency, a.warmup)
+
+    def cold_chunk(self, r: int, n: int) -> tuple[report.Run, BodyFn]:
+        """Round ``r`` of the cold closed loop: the same base images, in the same order, for every service."""
+        body = self.media.cold(f"{self.service}-cold{r}", n, salt=1 + 1000 * r)
+        return self.go(f"cold {r + 1}", body, "closed", self.args.concurrency, n), body
+
+
+def interleaved_cold(
+    drivers: Sequence[Driver], requests: int, rounds: int
+) -> list[tuple[report.Run, BodyFn]]:
+    """The headline cold closed loop, split into ``rounds`` rounds that alternate between services.
+
+    On a shared machine the background load drifts over minutes; alternating A B A B ... spreads
+    that drift over both services instead of handing one of them a quiet (or busy) stretch.
+    Returns per driver its merged run and a body function over all the rounds' requests (for the
+    hot phase, which replays them).
+    """
+    rounds = max(1, min(rounds, requests))
+    sizes = [requests // rounds + (1 if r < requests % rounds else 0) for r in range(rounds)]
+    parts: list[list[tuple[report.Run, BodyFn]]] = [[] for _ in drivers]
+    for r, n in enumerate(sizes):
+        for d, drv in enumerate(drivers):
+            parts[d].append(drv.cold_chunk(r, n))
+    out: list[tuple[report.Run, BodyFn]] = []
+    for drv, chunks in zip(drivers, parts, strict=True):
+        merged = merge_results([run.result for run, _ in chunks])
+        loads = (chunks[0][0].loadavg[0], chunks[-1][0].loadavg[1])
+        bodies = [b for _, b in chunks]
+
+        def body(i: int, bodies: list[BodyFn] = bodies) -> dict[str, Any]:
+            r = 0
+            while i >= sizes[r]:
+                i -= sizes[r]
+                r += 1
+            return bodies[r](i)
+
+        out.append((report.Run(drv.service, "cold", merged, loads), body))
+    return out
+
+
+def rest_phases(
+    drv: Driver,
+    cold: report.Run,
+    cold_body: BodyFn,
+    open_rate: Callable[[LoadResult], float] | None,
+    hot: bool,
+    videos: bool,
+) -> list[report.Run]:
+    """Hot replay of the cold requests (node-cache hits), the open loop, and the video row."""
+    a, runs = drv.args, []
+    n_cold = len(cold.result.outcomes)
     if hot:
-        # The cold phase's URLs again: same bytes, so every request should be a node-cache hit.
-        runs.append(go("hot", cold, "closed", args.concurrency, args.requests, kind="hot"))
+        runs.append(drv.go("hot", cold_body, "closed", a.concurrency, n_cold, kind="hot"))
     if open_rate is not None:
-        body = media.cold(f"{service}-open", args.requests, salt=2)
-        runs.append(go("open", body, "open", open_rate(cold_result), args.requests))
-    if videos and media.videos and args.video_requests:
-        body = media.cold(f"{service}-video", args.video_requests, videos=True)
-        conc = min(args.concurrency, args.video_requests)
-        runs.append(go("video", body, "closed", conc, args.video_requests, kind="video"))
+        body = drv.media.cold(f"{drv.service}-open", a.requests, salt=2)
+        runs.append(drv.go("open", body, "open", open_rate(cold.result), a.requests))
+    if videos and drv.media.videos and a.video_requests:
+        body = drv.media.cold(f"{drv.service}-video", a.video_requests, videos=True)
+        conc = min(a.concurrency, a.video_requests)
+        runs.append(drv.go("video", body, "closed", conc, a.video_requests, kind="video"))
     return runs
+
+
+def _started(procs: list[ServiceProcess], proc: ServiceProcess) -> ServiceProcess:
+    procs.append(proc)  # appended first: a failed start is still stopped by the caller
+    return proc.start()
 
 
 def _baseline_process(log_dir: Path) -> ServiceProcess:
@@ -303,24 +353,24 @@ def run_benchmark(args: argparse.Namespace) -> int:
             return rate[0]
 
         open_fn = None if args.no_open else open_rate
-        if not args.no_baseline:
-            base_proc = None if args.baseline_url else _baseline_process(log_dir).start()
-            try:
-                base_url = args.baseline_url or (base_proc.base_url if base_proc else "")
-                runs += run_service(
-                    "baseline", base_url, media, args, progress, open_fn, hot=False, videos=False
-                )
-            finally:
-                if base_proc is not None:
-                    base_proc.stop()
-        ours_proc = None if args.url else _ours_process(log_dir, namespace, args.serve_arg).start()
+        procs: list[ServiceProcess] = []
         try:
-            ours_url = args.url or (ours_proc.base_url if ours_proc else "")
-            runs += run_service("ours", ours_url, media, args, progress, open_fn, hot=True, videos=True)
+            drivers: list[Driver] = []
+            if not args.no_baseline:
+                base_url = args.baseline_url or _started(procs, _baseline_process(log_dir)).base_url
+                drivers.append(Driver("baseline", base_url, media, args, progress))
+            ours_url = args.url or _started(procs, _ours_process(log_dir, namespace, args.serve_arg)).base_url
+            drivers.append(Driver("ours", ours_url, media, args, progress))
+            for drv in drivers:
+                drv.warm_up()
+            colds = interleaved_cold(drivers, args.requests, args.rounds)
+            for drv, (cold, body) in zip(drivers, colds, strict=True):
+                ours = drv.service == "ours"
+                runs += [cold, *rest_phases(drv, cold, body, open_fn, hot=ours, videos=ours)]
         finally:
-            if ours_proc is not None:
-                ours_proc.stop()
-                shutil.rmtree(f"/dev/shm/epd-{namespace}", ignore_errors=True)
+            for proc in reversed(procs):
+                proc.stop()
+            shutil.rmtree(f"/dev/shm/epd-{namespace}", ignore_errors=True)
 
     ceilings.append(measure_ceiling("after"))
     measured = [c for c in ceilings if c is not None]

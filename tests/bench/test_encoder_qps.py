@@ -21,7 +21,15 @@ from PIL import Image
 
 from bench import report
 from bench.ceiling import pack
-from bench.loadgen import LoadResult, Outcome, closed_loop, new_session, open_loop, poisson_schedule
+from bench.loadgen import (
+    LoadResult,
+    Outcome,
+    closed_loop,
+    merge_results,
+    new_session,
+    open_loop,
+    poisson_schedule,
+)
 from bench.media_corpus import image_corpus, load_test_helper, unique_variant
 from bench.qps_run import _summary
 from media_io.sniff import sniff
@@ -244,3 +252,15 @@ def test_stage_table_reports_medians_per_run() -> None:
     names, rows = report.stage_table([rec])
     assert names == ["decode", "forward"]
     assert rows == [["ours cold closed", 2.0, 2.0]]
+
+
+def test_merged_rounds_add_walls_and_keep_every_outcome_in_order() -> None:
+    a = LoadResult("closed", 2.0, [Outcome(i, 5.0 + i, 6.0 + i, 200, False, None, {}) for i in range(3)], 3.0)
+    b = LoadResult("closed", 2.0, [Outcome(i, 1.0 + i, 1.5 + i, 200, False, None, {}) for i in range(2)], 1.5)
+    m = merge_results([a, b])
+    assert m.wall_s == 4.5 and m.qps == pytest.approx(5 / 4.5)
+    assert [o.seq for o in m.outcomes] == list(range(5))
+    assert sorted(m.latencies_s()) == sorted(a.latencies_s() + b.latencies_s())
+    assert m.outcomes[0].start_s == 0.0 and m.outcomes[3].start_s == 3.0  # b starts where a's wall ended
+    with pytest.raises(AssertionError):
+        merge_results([a, LoadResult("open", 2.0, a.outcomes, 3.0)])
