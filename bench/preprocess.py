@@ -4,7 +4,7 @@ Every method gets the same JPEG bytes and must return Qwen2-VL patches:
 
 - transformers     Pillow decode + ``Qwen2VLImageProcessor`` (torchvision variant)
 - transformers-pil Pillow decode + ``Qwen2VLImageProcessorPil``
-- cpu              ``get_backend("cpu").image_bytes`` (Pillow-SIMD, JPEG draft, torch patchify)
+- cpu              ``get_backend("cpu").image_bytes`` (Pillow-SIMD, JPEG draft, numpy patchify)
 - cpu-nodraft      the same with full-size JPEG decode (isolates the draft's share)
 - dali             ``get_backend("dali").image_bytes`` (GPU when present, else DALI's CPU operators)
 

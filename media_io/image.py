@@ -113,35 +113,32 @@ def decode_image_sized(
     fmt = kind.format
 
     img = _open_header(data, fmt, limits, item)
-    width, height = img.size
-    full_size = (height, width)
-    if fmt == "jpeg":
+    width, height = img.size  # as stored, before any rotation
+    if fmt == "jpeg" and min_size is not None:
         # JPEG's EXIF sits in APP1, before the pixels: the orientation is known before decoding.
-        orientation = _orientation(img)
-        if orientation in _TRANSPOSING_ORIENTATIONS:
-            full_size = (width, height)
-        if min_size is not None:
-            _draft(img, min_size(*full_size), full_size, orientation in _TRANSPOSING_ORIENTATIONS)
+        transposed = _orientation(img) in _TRANSPOSING_ORIENTATIONS
+        _draft(img, min_size(*((width, height) if transposed else (height, width))), transposed)
     try:
         img.load()  # the full decode (first frame of an animation)
+        decoded_size = img.size  # smaller than (width, height) after a draft
         rgb = to_rgb(_upright(img))
     except Image.DecompressionBombError as exc:
         raise MediaTooLarge(f"{fmt} image refused by the decompression-bomb check: {exc}", item) from exc
     except _DECODE_ERRORS as exc:
         raise BadMedia(f"corrupt or truncated {fmt} image: {_reason(exc)}", item) from exc
-    if fmt != "jpeg":  # never drafted; PNG/WebP EXIF is only known after load
-        full_size = (rgb.height, rgb.width)
-    assert rgb.height <= full_size[0] and rgb.width <= full_size[1], (rgb.size, full_size)
-    return DecodedImage(rgb, full_size)
+    # Whether the rotation really happened (corrupt EXIF may stop it), read off the result.
+    turned = rgb.size != decoded_size
+    return DecodedImage(rgb, (width, height) if turned else (height, width))
 
 
-def _draft(img: Image.Image, target: tuple[int, int], full_size: tuple[int, int], transposed: bool) -> None:
-    """Ask libjpeg for the smallest 1/s scale (s in 8, 4, 2) that keeps ``target`` (h, w)."""
-    (target_h, target_w), (up_h, up_w) = target, full_size
-    if 2 * target_h > up_h or 2 * target_w > up_w:
-        return  # even 1/2 would undershoot: decode at full size
+def _draft(img: Image.Image, target: tuple[int, int], transposed: bool) -> None:
+    """Ask libjpeg for the smallest 1/s scale (s in 8, 4, 2) that keeps the upright ``target``."""
+    target_h, target_w = target
     # Pillow takes the request as (width, height) of the stored, pre-rotation image.
     request = (target_h, target_w) if transposed else (target_w, target_h)
+    width, height = img.size
+    if 2 * request[0] > width or 2 * request[1] > height:
+        return  # even 1/2 would undershoot: decode at full size
     img.draft(img.mode, request)
 
 
