@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import save as save_safetensors
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -43,10 +44,10 @@ async def _sources(ingress: Ingress, request: Request) -> list[MediaSource]:
     if ctype == "multipart/form-data":
         try:
             form = await request.form(max_files=max_items, max_fields=max_items)
-        except MultiPartException as exc:
-            raise APIError(
-                400, f"malformed or over-limit multipart body: {exc.message}", param="body"
-            ) from exc
+        except (MultiPartException, HTTPException) as exc:
+            # Inside an app starlette re-raises parser errors as HTTPException(400, message).
+            detail = exc.message if isinstance(exc, MultiPartException) else exc.detail
+            raise APIError(400, f"malformed or over-limit multipart body: {detail}", param="body") from exc
         try:
             uploads = [(k, v) for k, v in form.multi_items() if isinstance(v, UploadFile)]
             check_item_count(len(uploads), max_items, "files")
