@@ -15,6 +15,9 @@ fp32; the CPU path and the reference), :func:`paged_decode_torch` (the same, bat
 for single-token steps) and the Triton kernels in ``triton_attention`` (prefill: varlen
 queries; decode: one query per sequence), chosen by :func:`paged_attention` when the tensors are on
 CUDA. Both return [T, H, Dv] in q's dtype.
+
+The model's CPU path goes through ``attention_plan`` instead (same semantics, index work shared
+across layers); the torch functions here stay as its references and as the per-call API.
 """
 
 from __future__ import annotations
