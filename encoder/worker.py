@@ -16,9 +16,8 @@ from pathlib import Path
 
 import torch
 
+from epd.runtime import DTYPES, check_dtype, resolve_device
 from media_io.config import MediaLimits, PreprocessConfig
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -55,8 +54,7 @@ class WorkerConfig:
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"WorkerConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        check_dtype("WorkerConfig.dtype", self.dtype)
         if self.preprocess_backend not in ("cpu", "dali"):
             raise ValueError(
                 f"WorkerConfig.preprocess_backend must be 'cpu' or 'dali', got {self.preprocess_backend!r}"
@@ -69,12 +67,10 @@ class WorkerConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     def resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return resolve_device(self.device)
 
     @property
     def url(self) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from epd.runtime import DTYPES, check_dtype, resolve_device
 
 
 @dataclass(frozen=True)
@@ -58,17 +58,14 @@ class LLMServerConfig:
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"LLMServerConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        check_dtype("LLMServerConfig.dtype", self.dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     def resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return resolve_device(self.device)
 
     @property
     def model_dir(self) -> Path | None:
