@@ -183,7 +183,7 @@ def origin() -> Iterator[MediaServer]:
         yield server
 
 
-def _stop_checked(server: ServeProcess, shm_before: set[str]) -> None:
+def stop_checked(server: ServeProcess, shm_before: set[str]) -> None:
     code = stop_serve(server)
     assert code == 0, f"epd serve exited with {code}:\n{server.tail()}"
     assert not server.shm_dir.exists(), f"{server.shm_dir} was left behind"
@@ -217,7 +217,7 @@ def svc() -> Iterator[ServeProcess]:
     try:
         yield server
     finally:
-        _stop_checked(server, before)
+        stop_checked(server, before)
 
 
 @pytest.fixture(scope="session")
@@ -228,7 +228,7 @@ def fault_svc() -> Iterator[ServeProcess]:
     try:
         yield server
     finally:
-        _stop_checked(server, before)
+        stop_checked(server, before)
 
 
 @dataclass(frozen=True)
