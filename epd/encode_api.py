@@ -96,6 +96,7 @@ async def encode(ingress: Ingress, request: Request) -> Response:
     fmt = request.query_params.get("format", "json")
     if fmt not in ("json", "safetensors"):
         raise bad_request(f"format must be 'json' or 'safetensors', got {fmt!r}", "format")
+    ingress.pipeline.check_capacity()  # a full pipeline costs a refused request no body parsing
     sources = await _sources(ingress, request)
     items = await ingress.pipeline.resolve_all(sources)
     body: dict[str, Any] = {"object": "list", "data": [_item_json(it) for it in items]}

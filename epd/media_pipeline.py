@@ -65,6 +65,11 @@ class MediaPipeline:
         self.max_inflight = max_inflight
         self._inflight = 0
 
+    def check_capacity(self) -> None:
+        """Refuse early (503) when no item could be admitted, before a request body is parsed."""
+        if self._inflight >= self.max_inflight:
+            raise overloaded(f"the encoder pipeline is full ({self._inflight} items in flight)")
+
     async def resolve_all(self, sources: Sequence[MediaSource]) -> list[EncodedItem]:
         """Resolve every item concurrently; the first failure fails the request (others are cancelled)."""
         if self._inflight + len(sources) > self.max_inflight:
