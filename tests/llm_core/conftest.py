@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 import torch
 
+from llm_core.checkpoint import LoadedLLM, load_llm
+
 # Tiny matmuls gain nothing from intra-op threads, and on a loaded machine the thread hand-off costs
 # ~100x the work itself; one thread keeps these tests fast and their timing stable.
 torch.set_num_threads(1)
@@ -91,3 +93,9 @@ def tiny_mimo_hf(tiny_mimo_dir: Path) -> Any:
         tiny_mimo_dir, dtype=torch.float32, attn_implementation="eager"
     )
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_mimo_dir: Path) -> LoadedLLM:
+    """The tiny checkpoint loaded through our own loader (once per test module)."""
+    return load_llm(tiny_mimo_dir)

@@ -4,33 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from encoder.embedding_ref import EmbeddingRef
-from llm_core.checkpoint import load_llm
 from llm_core.engine import EngineOverloaded, EngineRequestError, LLMEngine, StepOutput
 from llm_core.model_runner import MultimodalInput
 from llm_core.sampling import SamplingParams
 from llm_core.server_config import EngineConfig
 from llm_core.tokenizer import VISION_END, VISION_START, load_tokenizer
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_mimo_dir: Path) -> Any:
-    return load_llm(tiny_mimo_dir)
 
 
 def make_engine(loaded: Any, start: bool = True, **kw: Any) -> LLMEngine:

@@ -10,14 +10,11 @@ smaller than the window, and with all 8 requests in flight at once.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from llm_core.checkpoint import load_llm
 from llm_core.engine import LLMEngine, StepOutput
 from llm_core.sampling import SamplingParams
 from llm_core.server_config import EngineConfig
@@ -26,15 +23,6 @@ from llm_core.tokenizer import load_tokenizer
 NEW_TOKENS = 64
 PROMPT_LENS = (70, 9, 33, 50, 17, 41, 25, 60)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Tiny ops on a shared 2-core machine: one intra-op thread is several times faster.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +46,6 @@ def hf_reference(tiny_mimo_hf: Any, prompts: list[list[int]]) -> list[list[int]]
         pad_token_id=0,
     )
     return [row[width:].tolist() for row in out]
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_mimo_dir: Path) -> Any:
-    return load_llm(tiny_mimo_dir)
 
 
 def make_engine(loaded: Any, **kw: Any) -> LLMEngine:

@@ -57,11 +57,6 @@ class PagedSeq:
         self.len = new_len
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_mimo_dir: Path) -> LoadedLLM:
-    return load_llm(tiny_mimo_dir)
-
-
 def prompt(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed))
 

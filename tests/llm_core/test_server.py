@@ -9,7 +9,6 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +17,6 @@ from safetensors.torch import save as save_safetensors
 from starlette.testclient import TestClient
 
 from encoder.embed_cache import EmbedCache
-from llm_core.checkpoint import load_llm
 from llm_core.embedding_source import EmbeddingSource
 from llm_core.engine import LLMEngine
 from llm_core.model_runner import MultimodalInput
@@ -26,19 +24,6 @@ from llm_core.sampling import SamplingParams
 from llm_core.server import create_app
 from llm_core.server_config import EngineConfig, LLMServerConfig
 from llm_core.tokenizer import load_tokenizer
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_mimo_dir: Path) -> Any:
-    return load_llm(tiny_mimo_dir)
 
 
 def make_engine(loaded: Any, **kw: Any) -> LLMEngine:
