@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from llm_core.tokenizer import (
@@ -100,12 +100,16 @@ def test_chat_template_errors_name_the_item(msgs: list, param: str) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(PLAIN_TEXT)
+@example("\ufffd")  # the text itself may hold replacement characters
 def test_incremental_detokenize_never_splits_characters(text: str) -> None:
     det = TOK.detokenizer()
     deltas = [det.add(i) for i in TOK.encode(text)]
     deltas.append(det.flush())
     assert "".join(deltas) == text
-    assert all("\ufffd" not in d for d in deltas)
+    # A split character would show up as a replacement character the text does not contain.
+    assert all(d.count("\ufffd") <= text.count("\ufffd") for d in deltas)
+    if "\ufffd" not in text:
+        assert all("\ufffd" not in d for d in deltas)
 
 
 def test_incremental_detokenize_invalid_bytes_and_specials() -> None:
