@@ -36,7 +36,14 @@ import torch
 
 from media_io.config import PreprocessConfig
 
-Impl = Literal["auto", "numpy", "torch"]
+try:  # the C kernel (built by `pip install`); without it the numpy path gives the same bits
+    from media_io.preprocess import _patchify as _c_kernel
+except ImportError:  # pragma: no cover - depends on the build
+    _c_kernel = None
+
+Impl = Literal["auto", "c", "numpy", "torch"]
+
+C_KERNEL_AVAILABLE = _c_kernel is not None
 
 
 class Patches(NamedTuple):
@@ -66,11 +73,12 @@ def patchify_uint8(
         frames: ``[T, H, W, 3]`` uint8 RGB (channels last, as decoders produce it): a tensor on
             any device, or a numpy array (read-only is fine: it is never written).
             ``H`` and ``W`` must be multiples of ``patch_size * merge_size``. ``T == 1`` for an image.
-        impl: ``"numpy"`` (CPU tensors only) or ``"torch"``; ``"auto"`` picks numpy on CPU.
-            Both give the same values. numpy is preferred on CPU because its ops are
-            single-threaded: preprocessing runs in several executor threads next to a model
-            that owns torch's intra-op pool, and many small OpenMP regions fighting for cores
-            cost far more than they save (measured ~2-5x slower under load).
+        impl: ``"c"`` (the one-pass C kernel), ``"numpy"`` (both CPU only) or ``"torch"``;
+            ``"auto"`` picks C on CPU when it was built, else numpy. All give the same values.
+            The CPU paths are single-threaded on purpose: preprocessing runs in several
+            executor threads next to a model that owns torch's intra-op pool, and many small
+            OpenMP regions fighting for cores cost far more than they save (measured ~2-5x
+            slower under load). The C kernel releases the GIL and writes the output once.
 
     Returns:
         ``Patches`` with ``pixel_values`` ``[t*h*w, 3*tp*p*p]`` float32 on ``frames.device`` and
@@ -88,8 +96,13 @@ def patchify_uint8(
     else:
         frames_np = frames.numpy() if frames.device.type == "cpu" else None
     if impl == "auto":
-        impl = "numpy" if frames_np is not None else "torch"
-    if impl == "numpy":
+        impl = "torch" if frames_np is None else "c" if _c_kernel is not None else "numpy"
+    if impl == "c":
+        assert frames_np is not None and _c_kernel is not None, (
+            "impl='c' needs CPU pixels and the built kernel"
+        )
+        pixel_values = _rows_c(frames_np, cfg, grid)
+    elif impl == "numpy":
         assert frames_np is not None, "impl='numpy' needs CPU pixels"
         pixel_values = torch.from_numpy(_rows_numpy(frames_np, cfg))
     else:
@@ -159,6 +172,23 @@ def _normalize_blocks(
             np.multiply(block, scale, out=norm, dtype=np.float32)
             norm += bias
             out[start : start + step] = np.expand_dims(norm, temporal_axis)  # one write per copy
+
+
+def _lut(cfg: PreprocessConfig) -> np.ndarray:
+    """``[C, 256]`` float32: every uint8 value normalized with the numpy path's exact arithmetic."""
+    scale, bias = _affine(cfg)
+    values = np.arange(256, dtype=np.float32)[None, :]
+    return np.ascontiguousarray(values * scale[:, None] + bias[:, None], dtype=np.float32)
+
+
+def _rows_c(frames: np.ndarray, cfg: PreprocessConfig, grid: tuple[int, int, int]) -> torch.Tensor:
+    assert _c_kernel is not None
+    n, height, width, c = frames.shape
+    p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    out = torch.empty(grid[0] * grid[1] * grid[2], c * tp * p * p, dtype=torch.float32)  # [N, 1176]
+    src = np.ascontiguousarray(frames)  # PIL's and PyAV's arrays already are: no copy
+    _c_kernel.patchify(src, _lut(cfg), out.numpy(), n, height, width, c, p, m, tp)
+    return out
 
 
 def _rows_torch(frames: torch.Tensor, cfg: PreprocessConfig) -> torch.Tensor:

@@ -10,6 +10,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from media_io.config import PreprocessConfig
 from media_io.preprocess import patchify_uint8
+from media_io.preprocess.patchify import C_KERNEL_AVAILABLE
 
 CFG = PreprocessConfig()
 
@@ -19,7 +20,8 @@ def _frames(t: int, h: int, w: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (t, h, w, 3), dtype=torch.uint8, generator=g)  # [T, H, W, 3]
 
 
-IMPLS = ["numpy", "torch"]
+needs_c = pytest.mark.skipif(not C_KERNEL_AVAILABLE, reason="the C kernel was not built")
+IMPLS = [pytest.param("c", marks=needs_c), "numpy", "torch"]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -85,3 +87,33 @@ def test_numpy_input_equals_tensor_input() -> None:
     a, b = patchify_uint8(frames, CFG), patchify_uint8(readonly, CFG)
     assert a.grid_thw == b.grid_thw == (2, 2, 4)
     assert torch.equal(a.pixel_values, b.pixel_values)
+
+
+@needs_c
+@pytest.mark.parametrize(("t", "h", "w"), [(1, 28, 28), (1, 56, 252), (2, 84, 28), (3, 28, 84), (5, 56, 56)])
+def test_c_kernel_is_bit_identical_to_numpy(t: int, h: int, w: int) -> None:
+    frames = _frames(t, h, w, seed=t * h + w).numpy()
+    c, ref = patchify_uint8(frames, CFG, "c"), patchify_uint8(frames, CFG, "numpy")
+    assert c.grid_thw == ref.grid_thw
+    assert c.pixel_values.is_contiguous() and torch.equal(c.pixel_values, ref.pixel_values)
+
+
+@needs_c
+def test_c_kernel_takes_strided_input() -> None:
+    wide = _frames(1, 56, 112, seed=3).numpy()
+    view = wide[:, :, 28:84]  # not C-contiguous: copied before the kernel reads it
+    assert torch.equal(
+        patchify_uint8(view, CFG, "c").pixel_values, patchify_uint8(view, CFG, "numpy").pixel_values
+    )
+
+
+@needs_c
+def test_c_kernel_rejects_a_buffer_of_the_wrong_size() -> None:
+    from media_io.preprocess import _patchify  # type: ignore[attr-defined]
+
+    frames = np.zeros((1, 28, 28, 3), np.uint8)
+    lut = np.zeros((3, 256), np.float32)
+    with pytest.raises(ValueError, match="out buffer size"):
+        _patchify.patchify(frames, lut, np.zeros(10, np.float32), 1, 28, 28, 3, 14, 2, 2)
+    with pytest.raises(ValueError, match="frames buffer size"):
+        _patchify.patchify(frames, lut, np.zeros((4, 1176), np.float32), 1, 56, 28, 3, 14, 2, 2)

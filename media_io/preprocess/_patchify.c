@@ -1,0 +1,140 @@
+/*
+ * One-pass normalize + patchify of uint8 RGB frames into Qwen2-VL patch rows.
+ *
+ * The numpy path in patchify.py does the same work as a uint8 reorder, a float convert, a
+ * multiply-add and a copy per temporal slot: five passes over arrays larger than the L2 cache.
+ * This kernel reads every source pixel once and writes every output float once, straight into
+ * the caller's buffer, with the GIL released (callers run images in parallel threads).
+ *
+ * Normalization is a table lookup: lut[c * 256 + v] is (v / 255 - mean[c]) / std[c] as float32,
+ * computed by the caller with numpy, so this kernel and the numpy path give identical bits.
+ *
+ * Layout (see patchify.py for the picture):
+ *   frames  [T, H, W, C] uint8, C-contiguous
+ *   out     [gt * gh * gw, C * tp * p * p] float32, C-contiguous
+ *   rows:   t -> h/m -> w/m -> m (merge row) -> m (merge col)
+ *   cols:   c -> temporal slot -> y -> x
+ * Temporal slot s of row group t reads frame min(t * tp + s, T - 1): an image (T = 1) repeats its
+ * only frame, a video with T % tp != 0 repeats its last one (what transformers does).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
+
+#define MAX_BLOCK 1024 /* floats of one (channel, slot) block: p * p <= 1024, checked by the caller */
+
+/* Copy one finished block of n floats to dst. With SSE2 and 16-byte alignment the stores bypass
+ * the cache: the output is several MB, is written once here and read much later (by the
+ * encoder), so loading its lines first (what an ordinary store does) would double the memory
+ * traffic of the kernel. */
+static inline void store_block(float *restrict dst, const float *restrict block, Py_ssize_t n) {
+#ifdef __SSE2__
+    if (((uintptr_t)dst & 15) == 0 && (n & 3) == 0) {
+        for (Py_ssize_t i = 0; i < n; i += 4) _mm_stream_ps(dst + i, _mm_load_ps(block + i));
+        return;
+    }
+#endif
+    memcpy(dst, block, (size_t)n * sizeof(float));
+}
+
+/* Normalize one p x p patch of C interleaved channels into C planar blocks. Always inlined, so
+ * the call with the literal (3, 14) of Qwen2-VL gets fully unrolled inner loops. */
+static inline __attribute__((always_inline)) void fill_blocks(const uint8_t *restrict src,
+                                                              const float *restrict lut,
+                                                              float (*restrict blocks)[MAX_BLOCK],
+                                                              Py_ssize_t line_stride, Py_ssize_t C,
+                                                              Py_ssize_t p) {
+    for (Py_ssize_t y = 0; y < p; y++, src += line_stride)
+        for (Py_ssize_t x = 0; x < p; x++)
+            for (Py_ssize_t c = 0; c < C; c++) blocks[c][y * p + x] = lut[c * 256 + src[x * C + c]];
+}
+
+static void patchify_rows(const uint8_t *restrict frames, const float *restrict lut,
+                          float *restrict out, Py_ssize_t T, Py_ssize_t H, Py_ssize_t W,
+                          Py_ssize_t C, Py_ssize_t p, Py_ssize_t m, Py_ssize_t tp) {
+    const Py_ssize_t gh = H / p, gw = W / p, gt = (T + tp - 1) / tp;
+    const Py_ssize_t pp = p * p, row_len = C * tp * pp;
+    const Py_ssize_t frame_stride = H * W * C, line_stride = W * C;
+    /* One normalized p x p block per channel, rebuilt when the slot's frame changes. */
+    _Alignas(16) float blocks[4][MAX_BLOCK];
+    float *row = out;
+    for (Py_ssize_t t = 0; t < gt; t++) {
+        for (Py_ssize_t bh = 0; bh < gh / m; bh++) {
+            for (Py_ssize_t bw = 0; bw < gw / m; bw++) {
+                for (Py_ssize_t mi = 0; mi < m; mi++) {
+                    for (Py_ssize_t mj = 0; mj < m; mj++, row += row_len) {
+                        const Py_ssize_t y0 = (bh * m + mi) * p, x0 = (bw * m + mj) * p;
+                        Py_ssize_t prev = -1;
+                        for (Py_ssize_t s = 0; s < tp; s++) {
+                            const Py_ssize_t f = t * tp + s < T ? t * tp + s : T - 1;
+                            if (f != prev) { /* an image repeats its frame: build once */
+                                const uint8_t *src = frames + f * frame_stride + y0 * line_stride + x0 * C;
+                                if (C == 3 && p == 14)
+                                    fill_blocks(src, lut, blocks, line_stride, 3, 14);
+                                else
+                                    fill_blocks(src, lut, blocks, line_stride, C, p);
+                                prev = f;
+                            }
+                            for (Py_ssize_t c = 0; c < C; c++)
+                                store_block(row + (c * tp + s) * pp, blocks[c], pp);
+                        }
+                    }
+                }
+            }
+        }
+    }
+#ifdef __SSE2__
+    _mm_sfence(); /* streaming stores are weakly ordered: publish them before returning */
+#endif
+}
+
+/* patchify(frames, lut, out, T, H, W, C, patch, merge, temporal) -> None
+ * Buffers are checked for size and contiguity here; the shape arithmetic is the caller's. */
+static PyObject *py_patchify(PyObject *self, PyObject *args) {
+    Py_buffer frames, lut, out;
+    Py_ssize_t T, H, W, C, p, m, tp;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*w*nnnnnnn", &frames, &lut, &out, &T, &H, &W, &C, &p, &m, &tp))
+        return NULL;
+    PyObject *result = NULL;
+    if (T < 1 || H < 1 || W < 1 || C < 1 || C > 4 || p < 1 || p * p > MAX_BLOCK || m < 1 || tp < 1 ||
+        H % (p * m) || W % (p * m)) {
+        PyErr_SetString(PyExc_ValueError, "patchify: invalid shape");
+    } else if (frames.len != T * H * W * C) {
+        PyErr_SetString(PyExc_ValueError, "patchify: frames buffer size does not match T*H*W*C");
+    } else if (lut.len != (Py_ssize_t)(C * 256 * sizeof(float))) {
+        PyErr_SetString(PyExc_ValueError, "patchify: lut must be C*256 float32");
+    } else if (out.len != (Py_ssize_t)(((T + tp - 1) / tp) * (H / p) * (W / p) * C * tp * p * p *
+                                       (Py_ssize_t)sizeof(float))) {
+        PyErr_SetString(PyExc_ValueError, "patchify: out buffer size does not match the patch rows");
+    } else if (!PyBuffer_IsContiguous(&frames, 'C') || !PyBuffer_IsContiguous(&out, 'C') ||
+               !PyBuffer_IsContiguous(&lut, 'C')) {
+        PyErr_SetString(PyExc_ValueError, "patchify: buffers must be C-contiguous");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        patchify_rows((const uint8_t *)frames.buf, (const float *)lut.buf, (float *)out.buf, T, H, W,
+                      C, p, m, tp);
+        Py_END_ALLOW_THREADS
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&frames);
+    PyBuffer_Release(&lut);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"patchify", py_patchify, METH_VARARGS,
+     "patchify(frames, lut, out, T, H, W, C, patch, merge, temporal): uint8 [T,H,W,C] -> float32 "
+     "patch rows, normalized through lut [C, 256]; releases the GIL."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_patchify", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__patchify(void) { return PyModule_Create(&module); }
