@@ -29,6 +29,7 @@ multiples of ``patch_size * merge_size``.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -36,8 +37,9 @@ import torch
 
 from media_io.config import PreprocessConfig
 
+_c_kernel: ModuleType | None
 try:  # the C kernel (built by `pip install`); without it the numpy path gives the same bits
-    from media_io.preprocess import _patchify as _c_kernel
+    import media_io.preprocess._patchify as _c_kernel
 except ImportError:  # pragma: no cover - depends on the build
     _c_kernel = None
 

@@ -109,7 +109,7 @@ def test_c_kernel_takes_strided_input() -> None:
 
 @needs_c
 def test_c_kernel_rejects_a_buffer_of_the_wrong_size() -> None:
-    from media_io.preprocess import _patchify  # type: ignore[attr-defined]
+    from media_io.preprocess import _patchify
 
     frames = np.zeros((1, 28, 28, 3), np.uint8)
     lut = np.zeros((3, 256), np.float32)

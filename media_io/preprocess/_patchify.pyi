@@ -1,0 +1,15 @@
+from typing_extensions import Buffer
+
+def patchify(
+    frames: Buffer,
+    lut: Buffer,
+    out: Buffer,
+    t: int,
+    h: int,
+    w: int,
+    c: int,
+    patch: int,
+    merge: int,
+    temporal: int,
+    /,
+) -> None: ...
