@@ -63,7 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--video-seconds", type=float, default=60.0)
     g = parser.add_argument_group("outputs")
     g.add_argument("--png", type=Path, default=None, help="plot path (default: next to --json, else none)")
-    g.add_argument("--patch-budget", type=int, default=16384, help="batch packing for the ceiling")
+    g.add_argument(
+        "--patch-budget",
+        type=int,
+        default=None,
+        help="batch packing for the ceiling (default: the encoder worker's CPU budget)",
+    )
     g.add_argument("--ceiling-seconds", type=float, default=3.0)
     g.add_argument("--no-ceiling", action="store_true")
 

@@ -2,7 +2,7 @@
 
 Requests enqueue their patches; one dispatcher task packs queued items into a batch of at most
 ``patch_budget`` patches (the first item always goes, even when it alone is larger) and runs the
-forward in a dedicated thread (torch releases the GIL), so the event loop keeps accepting,
+forward in a forward thread (torch releases the GIL), so the event loop keeps accepting,
 decoding and preprocessing the next items while the current forward runs.
 
     time ─────────────────────────────────────────────────────────────▶
@@ -11,6 +11,16 @@ decoding and preprocessing the next items while the current forward runs.
                          ▲ dispatch when the budget is full or the oldest item
                            has waited max_wait_ms (items queued during a forward
                            are dispatched as soon as it ends)
+
+``forward_streams`` > 1 runs that many forwards at once, each in its own thread. On a CPU this is
+how a worker uses its cores: one single-threaded forward per core scales almost linearly, where
+one forward with an intra-op thread per core synchronises its threads at every op (and stalls
+whenever anything else wants a core). A free stream takes at most its fair share of the queue
+(queued patches / free streams, at least one item), so one stream never drains the queue while
+the others go idle:
+
+    queue: a b c d e f    both streams free ─▶ stream 0 takes a b c, stream 1 takes d e f
+                          (were stream 1 busy, stream 0 would take up to the budget)
 
 Items are packed in arrival order; attention never crosses items, so each item's rows equal what
 it gets alone (up to float reassociation). If a batched forward raises, every item of the batch
@@ -85,7 +95,9 @@ class EncodeBatcher:
 
     ``patch_budget``: most patches in one forward (a larger single item runs alone).
     ``max_wait_ms``: longest an item waits for companions before its batch is dispatched.
-    ``max_queue_patches``: bound on queued patches (default 8 budgets).
+    ``max_queue_patches``: bound on queued patches (default 8 budgets, at least 65536 so that a
+    small CPU budget still queues a dozen large images).
+    ``forward_streams``: forwards that may run at once, each in its own thread.
     """
 
     def __init__(
@@ -95,21 +107,28 @@ class EncodeBatcher:
         max_wait_ms: float = 5.0,
         max_queue_patches: int | None = None,
         output_device: str | torch.device = "cpu",
+        forward_streams: int = 1,
     ) -> None:
         if patch_budget <= 0:
             raise ValueError(f"patch_budget must be positive, got {patch_budget}")
         if max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms}")
+        if forward_streams < 1:
+            raise ValueError(f"forward_streams must be >= 1, got {forward_streams}")
         self.model = model
         self.patch_budget = patch_budget
         self.max_wait_s = max_wait_ms / 1000.0
-        self.max_queue_patches = max_queue_patches if max_queue_patches is not None else 8 * patch_budget
+        self.max_queue_patches = (
+            max_queue_patches if max_queue_patches is not None else max(8 * patch_budget, 1 << 16)
+        )
         self.output_device = torch.device(output_device)
+        self.forward_streams = forward_streams
         self._pending: collections.deque[_Item] = collections.deque()
         self._queued_patches = 0
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._inflight: list[_Item] = []  # the batch whose forward is running
+        self._running: dict[asyncio.Task[None], list[_Item]] = {}  # forward task -> its batch
+        self._free_streams = asyncio.Semaphore(forward_streams)
         self._executor: ThreadPoolExecutor | None = None
         self._batches = self._items = self._patches = self._failed = self._retried = 0
         self._last_items = self._last_patches = 0
@@ -119,19 +138,26 @@ class EncodeBatcher:
     async def start(self) -> None:
         if self._task is not None:
             return
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epd-encoder-forward")
+        self._executor = ThreadPoolExecutor(
+            max_workers=self.forward_streams, thread_name_prefix="epd-encoder-forward"
+        )
+        self._free_streams = asyncio.Semaphore(self.forward_streams)
         self._task = asyncio.create_task(self._dispatch_loop(), name="epd-encode-batcher")
 
     async def stop(self) -> None:
-        """Stop dispatching; queued and in-flight items fail with RuntimeError (a running forward is
-        allowed to finish in its thread before this returns)."""
+        """Stop dispatching; queued and in-flight items fail with RuntimeError (running forwards are
+        allowed to finish in their threads before this returns)."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
+        # Collected first: a cancelled forward task removes its own entry from _running.
+        stranded = [item for batch in self._running.values() for item in batch]
+        tasks = [t for t in (task, *self._running) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await task
-        stranded = [*self._inflight, *self._pending]
-        self._inflight = []
+                await t
+        stranded += self._pending
+        self._running.clear()
         self._pending.clear()
         for item in stranded:
             if not item.future.done():
@@ -195,6 +221,12 @@ class EncodeBatcher:
         return t * h * w
 
     def _take_batch(self) -> list[_Item]:
+        """Pop the next batch: arrival order, at most the budget or this stream's fair share of the
+        queue among the free streams (whichever is smaller), and always at least one item."""
+        free = self.forward_streams - len(self._running)  # this stream included
+        assert free >= 1, "a batch is taken only by a stream that holds a free slot"
+        share = -(-self._queued_patches // free)  # ceil
+        limit = min(self.patch_budget, share)
         batch: list[_Item] = []
         total = 0
         while self._pending:
@@ -203,7 +235,7 @@ class EncodeBatcher:
                 self._pending.popleft()
                 self._queued_patches -= item.num_patches
                 continue
-            if batch and total + item.num_patches > self.patch_budget:
+            if batch and total + item.num_patches > limit:
                 break
             self._pending.popleft()
             self._queued_patches -= item.num_patches
@@ -228,16 +260,29 @@ class EncodeBatcher:
                 return
 
     async def _dispatch_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            await self._wait_for_batch()
-            batch = self._take_batch()
+            await self._free_streams.acquire()  # released when the forward started below ends
+            try:
+                await self._wait_for_batch()
+                batch = self._take_batch()
+            except BaseException:
+                self._free_streams.release()
+                raise
             if not batch:
+                self._free_streams.release()
                 continue
-            self._inflight = batch
+            task = asyncio.create_task(self._run_stream(batch), name="epd-encode-forward")
+            self._running[task] = batch
+
+    async def _run_stream(self, batch: list[_Item]) -> None:
+        """One forward in a free stream; its slot and its entry in ``_running`` end with it."""
+        loop = asyncio.get_running_loop()
+        try:
             outcome = await loop.run_in_executor(self._executor, self._run_batch, [b.patches for b in batch])
-            self._inflight = []
             self._record(batch, outcome)
+        finally:
+            self._running.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+            self._free_streams.release()
 
     def _record(self, batch: list[_Item], outcome: _BatchOutcome) -> None:
         forward_ms = outcome.forward_s * 1000.0

@@ -5,6 +5,14 @@ number of workers split the cores between them (torch intra-op threads are per p
 processes spinning on the same cores thrash). ``plan_workers`` turns one base ``WorkerConfig``
 into the per-process configs a launcher starts; ``serve_worker`` runs one of them under uvicorn
 (the HTTP routes live in ``encoder/worker_app.py``).
+
+How a CPU worker spends its cores: by default one single-threaded forward per core
+(``forward_streams`` = cores, ``torch_threads`` = 1) rather than one forward with a thread per
+core. The vision tower's ops are small (a 1080p image is ~4.9k rows of a few hundred columns), so
+intra-op threads spend much of each op at a barrier, and on a shared host any other runnable
+thread (the ingress, a decode, a neighbour) stalls every barrier; independent streams never wait
+for each other. A GPU worker keeps one stream and the patch budget large: there batching is what
+fills the device.
 """
 
 from __future__ import annotations
@@ -26,9 +34,12 @@ class WorkerConfig:
 
     ``public_url``: the address other nodes use to reach this worker; when set, every
     EmbeddingRef carries ``{public_url}/embeddings/{key}`` so a remote LLM engine can fetch the
-    bytes. ``torch_threads`` None means every usable core (set it when several workers share a
-    host; ``plan_workers`` does). ``max_inflight`` bounds items admitted past the cache check
-    (decoding, preprocessing or queued for the forward); beyond it /encode answers 503.
+    bytes. ``torch_threads`` (intra-op threads per forward) and ``forward_streams`` (forwards at
+    once) None mean "decide from the host" (``plan_workers``: a CPU worker gets one stream per core
+    of its share, one thread each; a GPU worker one stream). ``patch_budget`` None means 16384 on
+    a GPU and 4096 on a CPU (where batching buys no throughput and a big batch only delays its
+    first items). ``max_inflight`` bounds items admitted past the cache check (decoding,
+    preprocessing or queued for the forward); beyond it /encode answers 503.
     """
 
     host: str = "127.0.0.1"
@@ -39,7 +50,8 @@ class WorkerConfig:
     dtype: str = "float32"
     device: str = "auto"  # "auto": cuda when available, else cpu
     torch_threads: int | None = None
-    patch_budget: int = 16384
+    forward_streams: int | None = None
+    patch_budget: int | None = None
     max_wait_ms: float = 5.0
     max_queue_patches: int | None = None  # None: 8 patch budgets
     max_inflight: int = 64
@@ -59,11 +71,13 @@ class WorkerConfig:
             raise ValueError(
                 f"WorkerConfig.preprocess_backend must be 'cpu' or 'dali', got {self.preprocess_backend!r}"
             )
-        for name in ("patch_budget", "max_inflight", "decode_threads"):
+        for name in ("max_inflight", "decode_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"WorkerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.torch_threads is not None and self.torch_threads < 1:
-            raise ValueError(f"WorkerConfig.torch_threads must be >= 1, got {self.torch_threads}")
+        for name in ("torch_threads", "forward_streams", "patch_budget"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"WorkerConfig.{name} must be >= 1, got {value}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -71,6 +85,12 @@ class WorkerConfig:
 
     def resolve_device(self) -> torch.device:
         return resolve_device(self.device)
+
+    def batch_budget(self) -> int:
+        """``patch_budget``, or the device's default when unset."""
+        if self.patch_budget is not None:
+            return self.patch_budget
+        return 16384 if self.resolve_device().type == "cuda" else 4096
 
     @property
     def url(self) -> str:
@@ -84,7 +104,9 @@ def usable_cores() -> int:
 
 def plan_workers(base: WorkerConfig, cpu_workers: int = 1) -> list[WorkerConfig]:
     """Per-process configs: one per CUDA device when ``base.device`` is auto/cuda and GPUs exist,
-    else ``cpu_workers`` CPU workers with the cores divided among them (at least one thread each).
+    else ``cpu_workers`` CPU workers with the cores divided among them (at least one each). A CPU
+    worker's share goes to ``forward_streams`` single-threaded forwards unless ``torch_threads``
+    or ``forward_streams`` say otherwise (streams * threads = the share).
 
     Worker i listens on ``base.port + i``, or ``{base.uds}.{i}`` when ``base.uds`` is set.
     """
@@ -92,11 +114,18 @@ def plan_workers(base: WorkerConfig, cpu_workers: int = 1) -> list[WorkerConfig]
     if device.type == "cuda" and base.device in ("auto", "cuda"):
         devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
         threads = base.torch_threads or max(1, usable_cores() // max(1, len(devices)))
+        streams = base.forward_streams or 1
     else:
         if cpu_workers < 1:
             raise ValueError(f"cpu_workers must be >= 1, got {cpu_workers}")
         devices = [str(device)] * cpu_workers
-        threads = base.torch_threads or max(1, usable_cores() // cpu_workers)
+        share = max(1, usable_cores() // cpu_workers)
+        if base.torch_threads is None:
+            streams = base.forward_streams or share
+            threads = max(1, share // streams)
+        else:
+            threads = base.torch_threads
+            streams = base.forward_streams or max(1, share // threads)
     configs = []
     for i, dev in enumerate(devices):
         configs.append(
@@ -104,6 +133,7 @@ def plan_workers(base: WorkerConfig, cpu_workers: int = 1) -> list[WorkerConfig]
                 base,
                 device=dev,
                 torch_threads=threads,
+                forward_streams=streams,
                 port=base.port + i,
                 uds=f"{base.uds}.{i}" if base.uds and len(devices) > 1 else base.uds,
             )

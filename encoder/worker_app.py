@@ -45,7 +45,6 @@ from encoder.embedding_ref import EmbeddingRef
 from encoder.media_key import media_key
 from encoder.worker import WorkerConfig
 from media_io.errors import BadMedia, MediaError, MediaTooLarge
-from media_io.image import decode_image
 from media_io.preprocess import Patches, PreprocessBackend, get_backend
 from media_io.sniff import sniff
 from media_io.video import decode_video
@@ -105,9 +104,10 @@ class EncoderWorker:
         self.backend: PreprocessBackend = get_backend(config.preprocess_backend, config.preprocess)  # type: ignore[arg-type]
         self.batcher = EncodeBatcher(
             loaded.model,
-            patch_budget=config.patch_budget,
+            patch_budget=config.batch_budget(),
             max_wait_ms=config.max_wait_ms,
             max_queue_patches=config.max_queue_patches,
+            forward_streams=config.forward_streams or 1,
         )
         self.pool = ThreadPoolExecutor(
             max_workers=config.decode_threads, thread_name_prefix="epd-encoder-decode"
@@ -206,11 +206,10 @@ class EncoderWorker:
             frames = decode_video(data, cfg.preprocess, limits, item=item, workers=cfg.video_decode_workers)
             t1 = time.perf_counter()
             patches = self.backend.video(frames.frames, item)
-        elif self.backend.name == "cpu":
-            img = decode_image(data, limits, item)
-            t1 = time.perf_counter()
-            patches = self.backend.image(img, item)
-        else:  # DALI decodes with its own decoder: decode and preprocess are one step
+        else:
+            # Bytes straight to patches: the backend decodes at the scale the target needs (JPEG
+            # DCT scaling on the CPU, nvJPEG with DALI), so decode and preprocess are one step,
+            # reported as "decode".
             patches = self.backend.image_bytes(data, limits, item)
             t1 = time.perf_counter()
         t2 = time.perf_counter()
@@ -251,6 +250,7 @@ class EncoderWorker:
             "device": str(self.loaded.model.device),
             "dtype": str(self.loaded.model.dtype).removeprefix("torch."),
             "torch_threads": torch.get_num_threads(),
+            "forward_streams": self.batcher.forward_streams,
             "out_hidden_size": cfg.out_hidden_size,
             "patch_budget": self.batcher.patch_budget,
             "cache_namespace": self.cache.namespace,

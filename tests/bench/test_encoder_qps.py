@@ -20,7 +20,7 @@ from aiohttp import web
 from PIL import Image
 
 from bench import report
-from bench.ceiling import pack
+from bench.ceiling import Ceiling, measure, pack
 from bench.loadgen import (
     LoadResult,
     Outcome,
@@ -31,7 +31,7 @@ from bench.loadgen import (
     poisson_schedule,
 )
 from bench.media_corpus import image_corpus, load_test_helper, unique_variant
-from bench.qps_run import _summary
+from bench.qps_run import _summary, interleaved_ceiling
 from media_io.sniff import sniff
 
 # -- media ------------------------------------------------------------------------------------------
@@ -217,9 +217,47 @@ def test_summary_ratios_come_from_the_matching_runs() -> None:
     assert s["qps_ratio"] == pytest.approx(ours.qps / base.qps)
     assert s["p90_ratio"] == pytest.approx(0.5)
     assert s["ceiling_fraction"] == pytest.approx(0.5)
+    assert s["ceiling_over_baseline_qps"] == pytest.approx(2 * ours.qps / base.qps)
     assert s["hot_hit_rate"] == 1.0
     assert s["targets_met"]["p90_ratio<=1"] and not s["targets_met"]["ceiling_fraction>=0.8"]
     assert s["errors"] == 0 and s["video_qps"] is None
+
+
+def test_ceiling_streams_share_the_corpus_and_restore_threads() -> None:
+    import torch
+
+    from encoder.checkpoint import random_encoder
+    from encoder.config import VisionConfig
+    from media_io.preprocess import Patches
+
+    cfg = VisionConfig(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=16,
+        window_size=56, fullatt_block_indexes=(1,),
+    )  # fmt: skip
+    model = random_encoder(cfg, seed=1)
+    gen = torch.Generator().manual_seed(0)
+    items = [
+        Patches(torch.randn(h * w, 1176, generator=gen), (1, h, w)) for h, w in ((8, 8), (4, 12), (6, 6))
+    ]
+    threads = torch.get_num_threads()
+    c = measure(model, items, patch_budget=100, min_seconds=0.2, streams=2, threads=1)
+    assert torch.get_num_threads() == threads
+    assert (c.streams, c.threads, c.patch_budget) == (2, 1, 100)
+    assert c.images > 0 and c.seconds >= 0.2
+    assert c.images_per_s == pytest.approx(c.images / c.seconds)
+    # Whole batches only: every image counted came with its batch (sizes 64 | 48 | 36 at budget 100).
+    assert c.patches_per_s / c.images_per_s == pytest.approx((64 + 48 + 36) / 3, rel=0.2)
+    with pytest.raises(ValueError, match="streams"):
+        measure(model, items, patch_budget=100, min_seconds=0.1, streams=0)
+
+
+def test_interleaved_ceiling_is_the_mean_of_each_points_best() -> None:
+    def c(rate: float, streams: int) -> Ceiling:
+        return Ceiling(rate, rate * 1000, 10, 1.0, 4096, streams, 2 // streams)
+
+    got = interleaved_ceiling([[c(8.0, 2), c(6.0, 1)], [c(5.0, 1), c(7.0, 2)]])
+    assert got is not None and got.points == 2 and got.images_per_s == pytest.approx(7.5)
+    assert interleaved_ceiling([]) is None
 
 
 # -- smoke ------------------------------------------------------------------------------------------

@@ -177,3 +177,53 @@ def test_event_loop_stays_responsive_during_forward(model: VisionTransformer) ->
 
     max_gap, elapsed = asyncio.run(run())
     assert max_gap < max(0.5 * elapsed, 0.05), (max_gap, elapsed)
+
+
+def test_streams_take_fair_shares_of_the_queue(model: VisionTransformer) -> None:
+    items = [patches((1, 8, 8), i) for i in range(4)]  # 64 patches each, all queued at once
+
+    async def run() -> tuple[list, object]:
+        async with EncodeBatcher(model, patch_budget=4096, max_wait_ms=100, forward_streams=2) as b:
+            res = await asyncio.gather(*(b.encode_timed(p) for p in items))
+            return res, b.stats()
+
+    results, stats = asyncio.run(run())
+    # The budget would take all four; a free stream takes only half of the queue, so the other
+    # stream gets the rest instead of idling.
+    assert [r.batch_items for r in results] == [2, 2, 2, 2]
+    assert stats.batches == 2 and stats.items == 4 and stats.queue_items == 0
+    for r, p in zip(results, items, strict=True):
+        assert rel_err(r.embedding, alone(model, p)) <= 1e-5
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_second_stream_does_not_wait_for_the_first_forward(model: VisionTransformer, streams: int) -> None:
+    big = [patches((4, 32, 32), i) for i in range(2)]  # 4096 patches each: one budget apiece
+
+    async def run() -> list:
+        async with EncodeBatcher(model, patch_budget=4096, max_wait_ms=0, forward_streams=streams) as b:
+            return await asyncio.gather(*(b.encode_timed(p) for p in big))
+
+    first, second = asyncio.run(run())
+    assert first.batch_items == second.batch_items == 1
+    if streams == 1:  # queued behind the first item's forward
+        assert second.queue_ms >= 0.8 * first.forward_ms
+    else:  # dispatched to the free stream at once
+        assert second.queue_ms < 0.5 * first.forward_ms
+    for r, p in zip((first, second), big, strict=True):
+        assert rel_err(r.embedding, alone(model, p)) <= 1e-5
+
+
+def test_stop_fails_items_of_every_running_stream(model: VisionTransformer) -> None:
+    async def run() -> list:
+        b = EncodeBatcher(model, patch_budget=4096, max_wait_ms=0, forward_streams=2)
+        await b.start()
+        futs = [asyncio.ensure_future(b.encode(patches((4, 32, 32), i))) for i in range(3)]
+        await asyncio.sleep(0.02)  # two forwards running, one item queued
+        await b.stop()
+        return await asyncio.gather(*futs, return_exceptions=True)
+
+    outs = asyncio.run(run())
+    assert len(outs) == 3
+    for out in outs:  # finished before the stop, or failed cleanly; never left hanging
+        assert isinstance(out, torch.Tensor) or (isinstance(out, RuntimeError) and "stopped" in str(out))

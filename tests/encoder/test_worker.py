@@ -218,7 +218,24 @@ def test_plan_workers_divides_cpu_cores() -> None:
     plans = plan_workers(base, cpu_workers=2)
     assert [p.port for p in plans] == [9000, 9001]
     assert all(p.torch_threads and p.torch_threads >= 1 for p in plans)
+    assert all(p.forward_streams and p.forward_streams >= 1 for p in plans)
     socks = plan_workers(WorkerConfig(uds="/tmp/w.sock", device="cpu"), cpu_workers=2)
     assert [p.uds for p in socks] == ["/tmp/w.sock.0", "/tmp/w.sock.1"]
     with pytest.raises(ValueError, match="dtype"):
         WorkerConfig(dtype="int8")
+
+
+def test_plan_workers_cpu_spends_cores_on_single_threaded_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("encoder.worker.usable_cores", lambda: 8)
+    (one,) = plan_workers(WorkerConfig(device="cpu"))
+    assert (one.forward_streams, one.torch_threads) == (8, 1)
+    halves = plan_workers(WorkerConfig(device="cpu"), cpu_workers=2)
+    assert [(p.forward_streams, p.torch_threads) for p in halves] == [(4, 1), (4, 1)]
+    (wide,) = plan_workers(WorkerConfig(device="cpu", torch_threads=4))
+    assert (wide.forward_streams, wide.torch_threads) == (2, 4)
+    (fixed,) = plan_workers(WorkerConfig(device="cpu", forward_streams=2))
+    assert (fixed.forward_streams, fixed.torch_threads) == (2, 4)
+    assert WorkerConfig(device="cpu").batch_budget() == 4096
+    assert WorkerConfig(device="cpu", patch_budget=100).batch_budget() == 100
+    with pytest.raises(ValueError, match="forward_streams"):
+        WorkerConfig(forward_streams=0)
