@@ -288,34 +288,3 @@ class EncoderRouter:
         for url, ok in results.items():
             self.report_health(url, ok)
         return results
-
-    async def health_loop(
-        self,
-        check: Callable[[str], Awaitable[bool]] | None = None,
-        interval_s: float = 2.0,
-        timeout_s: float = 2.0,
-    ) -> None:
-        """Check every worker each ``interval_s`` until cancelled. The default check is
-        ``GET {url}/health`` answering 200 with ``{"status": "ok"}``."""
-        session = None
-        if check is None:
-            import aiohttp
-
-            session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
-
-            async def http_check(url: str) -> bool:
-                assert session is not None
-                async with session.get(url.rstrip("/") + "/health") as resp:
-                    if resp.status != 200:
-                        return False
-                    body = await resp.json(content_type=None)
-                    return isinstance(body, dict) and body.get("status") == "ok"
-
-            check = http_check
-        try:
-            while True:
-                await self.check_all(check, timeout_s)
-                await asyncio.sleep(interval_s)
-        finally:
-            if session is not None:
-                await session.close()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
 
 import aiohttp
 
@@ -31,7 +30,6 @@ class Ingress:
             raise ValueError("the ingress needs at least one encoder url")
         self.config = config
         self.metrics = IngressMetrics()
-        self.encoders_up: dict[str, bool] = {url: False for url in config.encoder_urls}
         self.engine_up = False
         self.fingerprint = ""
         self._session: aiohttp.ClientSession | None = None
@@ -41,8 +39,11 @@ class Ingress:
         self._health_task: asyncio.Task[None] | None = None
         self.cache = EmbedCache(namespace=config.cache_namespace, capacity_bytes=config.cache_capacity_bytes)
         weights = config.encoder_weights or (1,) * len(config.encoder_urls)
+        # One failed or passed poll flips a worker (calls that cannot connect take it out at once).
         self.router = EncoderRouter(
-            [WorkerSpec(u, w) for u, w in zip(config.encoder_urls, weights, strict=True)]
+            [WorkerSpec(u, w) for u, w in zip(config.encoder_urls, weights, strict=True)],
+            fall_after=1,
+            rise_after=1,
         )
         self.tokenizer: Tokenizer = load_tokenizer(config.llm_model_dir)
         self.chats_inflight = 0
@@ -109,11 +110,9 @@ class Ingress:
 
     # -- health ----------------------------------------------------------------------------------
     async def poll_health(self) -> None:
-        urls = list(self.config.encoder_urls)
-        healths = await asyncio.gather(*(self.encoder_client.health(u) for u in urls))
-        for url, health in zip(urls, healths, strict=True):
-            self._set_encoder_state(url, health)
-        self.metrics.encoders_up.set(sum(self.encoders_up.values()))
+        """One health round: every encoder (its state goes through the router) and the engine."""
+        await self.router.check_all(self._encoder_ok)
+        self.metrics.encoders_up.set(len(self.router.live_workers))
         if self._engine is not None:
             health = await self._engine.health()
             self.engine_up = health is not None
@@ -122,15 +121,13 @@ class Ingress:
                     self.metrics.kv_usage.labels(pool=pool).set(float(health.get(f"kv_{pool}_usage", 0.0)))
                 self.metrics.llm_waiting.set(float(health.get("num_waiting", 0)))
 
-    def _set_encoder_state(self, url: str, health: dict[str, Any] | None) -> None:
-        up = health is not None and health.get("fingerprint") == self.fingerprint
-        if up != self.encoders_up[url]:
-            log.info("encoder %s is %s", url, "up" if up else "down")
-            (self.router.mark_up if up else self.router.mark_down)(url)
-        self.encoders_up[url] = up
+    async def _encoder_ok(self, url: str) -> bool:
+        """Whether ``url`` answers /health with this deployment's fingerprint; records its load."""
+        health = await self.encoder_client.health(url)
         if health:
             self.metrics.encoder_queue_depth.labels(worker=url).set(float(health.get("queue_depth", 0)))
             self.metrics.encoder_batch_size.labels(worker=url).set(float(health.get("last_batch_items", 0)))
+        return health is not None and health.get("fingerprint") == self.fingerprint
 
     async def _health_loop(self) -> None:
         while True:

@@ -51,9 +51,9 @@ def build_app(config: IngressConfig) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def ready(ing: Ingress, _: Request) -> Response:
-        up = sum(ing.encoders_up.values())
+        up = len(ing.router.live_workers)
         engine_ok = ing.engine_up or not ing.config.llm_url
-        body = {"encoders_up": up, "encoders": len(ing.encoders_up), "engine_up": ing.engine_up}
+        body = {"encoders_up": up, "encoders": len(ing.router.workers), "engine_up": ing.engine_up}
         return JSONResponse(
             {"ready": bool(up and engine_ok), **body}, status_code=200 if up and engine_ok else 503
         )

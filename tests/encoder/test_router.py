@@ -6,7 +6,6 @@ import sys
 from collections import Counter
 
 import pytest
-from aiohttp import web
 
 from encoder.router import (
     AllAttemptsFailed,
@@ -210,49 +209,3 @@ def test_health_checks_remove_and_readd_a_worker() -> None:
     asyncio.run(main())
     assert router.live_workers == URLS[:4]
     assert mapping(router, KEYS[:2000]) == before  # keys come back to the healthy worker
-
-
-def test_health_loop_over_http_against_a_real_server() -> None:
-    healthy = {"ok": True}
-
-    async def health(request: web.Request) -> web.Response:
-        if healthy["ok"]:
-            return web.json_response({"status": "ok", "fingerprint": "x"})
-        return web.json_response({"status": "draining"}, status=503)
-
-    async def main() -> None:
-        app = web.Application()
-        app.router.add_get("/health", health)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        live_url, dead_url = f"http://127.0.0.1:{port}", "http://127.0.0.1:9"
-        router = EncoderRouter([WorkerSpec(live_url), WorkerSpec(dead_url)], fall_after=1)
-        loop_task = asyncio.ensure_future(router.health_loop(interval_s=0.05, timeout_s=1.0))
-        try:
-            for _ in range(100):
-                await asyncio.sleep(0.05)
-                if router.live_workers == [live_url]:
-                    break
-            assert router.live_workers == [live_url]
-            healthy["ok"] = False  # everything down: panic mode still routes somewhere
-            for _ in range(100):
-                await asyncio.sleep(0.05)
-                if not router.live_workers:
-                    break
-            assert router.live_workers == [] and router.pick(KEYS[0]) in (live_url, dead_url)
-            healthy["ok"] = True
-            for _ in range(100):
-                await asyncio.sleep(0.05)
-                if router.live_workers == [live_url]:
-                    break
-            assert router.live_workers == [live_url]
-        finally:
-            loop_task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await loop_task
-            await runner.cleanup()
-
-    asyncio.run(main())
