@@ -50,26 +50,51 @@ def pro_layout(swa_kv_heads: int = 8) -> KVLayout:
     )
 
 
-def held_sequences(
-    layout: KVLayout, budget: int, context: int, chunk: int, swa_aware: bool
-) -> tuple[int, float]:
-    """Admit sequences of ``context`` tokens until one does not fit; (count, seconds spent)."""
+def metadata_kv(
+    layout: KVLayout,
+    budget: int,
+    swa_aware: bool,
+    *,
+    balance_context_len: int,
+    swa_headroom_tokens: int,
+    enable_prefix_cache: bool = True,
+) -> KVManager:
+    """A tensor-free ``KVManager`` over ``budget`` bytes, for allocator-level benchmarks.
+
+    SWA-aware: the pools split so both run out together at ``balance_context_len`` tokens (plus
+    ``swa_headroom_tokens`` of SWA pages for chunks in flight). Not aware: split by bytes per
+    token, i.e. every layer keeps every token, as an SWA-unaware engine allocates.
+    """
     if swa_aware:
-        # Both pools run out together at this context, with one prefill chunk in flight on top
-        # (sequences are prefilled one at a time here).
         cfg = KVCacheConfig(
-            budget, PAGE, balance_context_len=context + 1, swa_headroom_tokens=chunk + WINDOW + PAGE
+            budget, PAGE, balance_context_len=balance_context_len, swa_headroom_tokens=swa_headroom_tokens
         )
     else:
         frac = layout.swa_bytes_per_token / (layout.full_bytes_per_token + layout.swa_bytes_per_token)
         cfg = KVCacheConfig(budget, PAGE, swa_fraction=frac)
     plan = plan_pools(layout, cfg)
-    kv = KVManager(
+    return KVManager(
         PagePool(plan.num_full_pages, PAGE, "full"),
         PagePool(plan.num_swa_pages, PAGE, "swa"),
         WINDOW,
-        enable_prefix_cache=False,
+        enable_prefix_cache=enable_prefix_cache,
         swa_aware=swa_aware,
+    )
+
+
+def held_sequences(
+    layout: KVLayout, budget: int, context: int, chunk: int, swa_aware: bool
+) -> tuple[int, float]:
+    """Admit sequences of ``context`` tokens until one does not fit; (count, seconds spent)."""
+    # Both pools run out together at this context, with one prefill chunk in flight on top
+    # (sequences are prefilled one at a time here).
+    kv = metadata_kv(
+        layout,
+        budget,
+        swa_aware,
+        balance_context_len=context + 1,
+        swa_headroom_tokens=chunk + WINDOW + PAGE,
+        enable_prefix_cache=False,
     )
     held: list[Sequence] = []
     t0 = time.perf_counter()
@@ -164,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         caption=format_machine(machine),
     )
     main_plan = next(iter(plans))
-    summary = {
+    summary: dict[str, object] = {
         "capacity_ratio_8k": ratios[main_plan][8192],
         "capacity_ratio_32k": ratios[main_plan][32768],
         "capacity_ratio_32k_equal_heads": ratios["swa-equal-heads"][32768],

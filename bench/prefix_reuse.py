@@ -31,9 +31,8 @@ import time
 from dataclasses import dataclass, field
 
 from bench.common import add_common_args, format_machine, machine_info, print_table, write_json
-from bench.kv_capacity import PAGE, WINDOW, pro_layout
-from llm_core.kv_manager import KVManager
-from llm_core.kv_pool import KVCacheConfig, KVLayout, PagePool, plan_pools
+from bench.kv_capacity import metadata_kv, pro_layout
+from llm_core.kv_pool import KVLayout
 from llm_core.scheduler import Scheduler, SchedulerConfig
 from llm_core.sequence import Sequence
 
@@ -70,21 +69,12 @@ def _tokens(rng: random.Random, span: tuple[int, int]) -> list[int]:
 
 def run_trace(layout: KVLayout, budget: int, trace: TraceConfig, swa_aware: bool) -> dict[str, float]:
     """Run the whole trace through the scheduler; returns the per-run metrics."""
-    if swa_aware:
-        # Balance the pools for the trace's mean context (what a deployment would measure): the
-        # middle turn's history.
-        typical = trace.system_tokens + sum(trace.first_message) // 2
-        typical += (trace.turns - 1) // 2 * (sum(trace.message) // 2 + sum(trace.output) // 2)
-        cfg = KVCacheConfig(budget, PAGE, balance_context_len=typical, swa_headroom_tokens=MAX_BATCHED_TOKENS)
-    else:
-        frac = layout.swa_bytes_per_token / (layout.full_bytes_per_token + layout.swa_bytes_per_token)
-        cfg = KVCacheConfig(budget, PAGE, swa_fraction=frac)
-    plan = plan_pools(layout, cfg)
-    kv = KVManager(
-        PagePool(plan.num_full_pages, PAGE, "full"),
-        PagePool(plan.num_swa_pages, PAGE, "swa"),
-        WINDOW,
-        swa_aware=swa_aware,
+    # The SWA-aware pools are balanced for the trace's mean context (what a deployment would
+    # measure): the middle turn's history.
+    typical = trace.system_tokens + sum(trace.first_message) // 2
+    typical += (trace.turns - 1) // 2 * (sum(trace.message) // 2 + sum(trace.output) // 2)
+    kv = metadata_kv(
+        layout, budget, swa_aware, balance_context_len=typical, swa_headroom_tokens=MAX_BATCHED_TOKENS
     )
     step = 0
     sched = Scheduler(
@@ -149,8 +139,8 @@ def run_trace(layout: KVLayout, budget: int, trace: TraceConfig, swa_aware: bool
         "computed_tokens": computed,
         "preemptions": sched.num_preemptions,
         "steps": step,
-        "full_pages": plan.num_full_pages,
-        "swa_pages": plan.num_swa_pages,
+        "full_pages": kv.full_pool.num_pages,
+        "swa_pages": kv.swa_pool.num_pages,
         "sim_s": time.perf_counter() - t0,
     }
 
