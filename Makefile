@@ -1,5 +1,6 @@
 # Two commands matter: `make serve` and `make test`. Both create .venv when missing and install
-# everything they need; re-running set-up when nothing changed costs only a stamp check.
+# everything they need; re-running set-up when nothing changed costs only a stamp check (the C
+# kernel is rebuilt by the install when its source changes).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.epd-installed
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.epd-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/setup_env.sh
+$(STAMP): pyproject.toml scripts/setup_env.sh media_io/preprocess/_patchify.c
 	VENV=$(VENV) bash scripts/setup_env.sh
 	@touch $(STAMP)
 
