@@ -41,3 +41,5 @@ if "$PIP" show -q pillow >/dev/null 2>&1 || ! "$PIP" show -q pillow-simd >/dev/n
     fi
 fi
 "$VENV/bin/python" -c "import PIL; print('setup: PIL', PIL.__version__)"
+"$VENV/bin/python" -c "import media_io.preprocess._patchify" 2>/dev/null \
+    || echo "setup: WARNING the C patchify kernel did not build (no C compiler?); preprocessing uses the slower numpy path" >&2
