@@ -41,6 +41,7 @@ class Ceiling(NamedTuple):
     patch_budget: int
     streams: int = 1  # forwards running at once
     threads: int = 1  # torch intra-op threads of each forward
+    cpu_s: float = float("nan")  # process CPU time of the timed part
 
     @property
     def label(self) -> str:
@@ -107,6 +108,7 @@ def measure(
         ticket = itertools.count()
         done = [0, 0]  # images, patches
         t0 = time.perf_counter()
+        cpu0 = time.process_time()
 
         def loop() -> None:
             with torch.inference_mode():
@@ -124,11 +126,12 @@ def measure(
         for w in workers:
             w.join()
         elapsed = time.perf_counter() - t0
+        cpu_s = time.process_time() - cpu0
         used_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
     return Ceiling(
-        done[0] / elapsed, done[1] / elapsed, done[0], elapsed, patch_budget, streams, used_threads
+        done[0] / elapsed, done[1] / elapsed, done[0], elapsed, patch_budget, streams, used_threads, cpu_s
     )
 
 

@@ -133,17 +133,27 @@ class Driver:
     """Runs load phases against one service and keeps their results (warm-up results are dropped)."""
 
     def __init__(
-        self, service: str, base_url: str, media: Media, args: argparse.Namespace, progress: Progress
+        self,
+        service: str,
+        base_url: str,
+        media: Media,
+        args: argparse.Namespace,
+        progress: Progress,
+        cpu_seconds: Callable[[], float | None] = lambda: None,
     ):
         self.service = service
         self.endpoint = base_url + ENCODE_PATH
         self.media = media
         self.args = args
         self.progress = progress
+        # The service's process-tree CPU time (None for a service given by URL): CPU per request
+        # is what background load on a shared machine distorts least.
+        self.cpu_seconds = cpu_seconds
 
     def go(self, phase: str, body: BodyFn, mode: str, level: float, n: int, kind: str = "cold") -> report.Run:
         label = f"{self.service} {phase} {mode}"
         load_before = os.getloadavg()[0]
+        cpu_before = self.cpu_seconds()
         result = asyncio.run(
             _phase(
                 self.endpoint,
@@ -157,7 +167,9 @@ class Driver:
             )
         )
         _check_ok(result, label)
-        return report.Run(self.service, kind, result, (load_before, os.getloadavg()[0]))
+        cpu_after = self.cpu_seconds()
+        cpu = cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
+        return report.Run(self.service, kind, result, (load_before, os.getloadavg()[0]), cpu)
 
     def warm_up(self) -> None:
         """Untimed requests with their own fresh bytes: model pages, pools, connections."""
@@ -207,7 +219,9 @@ def interleaved_cold(
                 r += 1
             return bodies[r](i)
 
-        out.append((report.Run(drv.service, "cold", merged, loads), body))
+        cpus = [run.service_cpu_s for run, _ in chunks]
+        cpu = None if any(c is None for c in cpus) else sum(c for c in cpus if c is not None)
+        out.append((report.Run(drv.service, "cold", merged, loads, cpu), body))
     return out
 
 
@@ -305,8 +319,16 @@ def _summary(records: list[dict[str, Any]], ceiling: Any) -> dict[str, Any]:
         "ceiling_over_baseline_qps": report.ratio(
             ceiling.images_per_s if ceiling else None, base["qps"] if base else None
         ),
+        "baseline_cpu_ms_per_request": base["service_cpu_ms_per_request"] if base else None,
+        "ours_cpu_ms_per_request": ours["service_cpu_ms_per_request"] if ours else None,
+        "ceiling_cpu_ms_per_image": getattr(ceiling, "cpu_ms_per_image", None),
         "errors": sum(r["errors"] for r in records),
     }
+    # The CPU-time analogue of ceiling_fraction: the share of our service's CPU per image that the
+    # forward alone needs. Background load on a shared machine moves it far less than wall rates.
+    summary["cpu_fraction"] = report.ratio(
+        summary["ceiling_cpu_ms_per_image"], summary["ours_cpu_ms_per_request"]
+    )
     summary["targets_met"] = {
         "qps_ratio>=2.5": summary["qps_ratio"] is not None and summary["qps_ratio"] >= 2.5,
         "p90_ratio<=1": summary["p90_ratio"] is not None and summary["p90_ratio"] <= 1.0,
@@ -319,12 +341,16 @@ def _summary(records: list[dict[str, Any]], ceiling: Any) -> dict[str, Any]:
 class InterleavedCeiling(NamedTuple):
     images_per_s: float  # mean over the measurement points of the better configuration there
     points: int
+    cpu_ms_per_image: float  # the least CPU per image any measured forward-only run spent
 
 
 def interleaved_ceiling(points: Sequence[Sequence[Ceiling]]) -> InterleavedCeiling | None:
     """Mean over measurement points of each point's best forward-only rate (None: none measured)."""
     best = [max(c.images_per_s for c in runs) for runs in points if runs]
-    return InterleavedCeiling(sum(best) / len(best), len(best)) if best else None
+    if not best:
+        return None
+    cpu = min(c.cpu_s / c.images * 1e3 for runs in points for c in runs if c.images)
+    return InterleavedCeiling(sum(best) / len(best), len(best), cpu)
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
@@ -396,10 +422,16 @@ def run_benchmark(args: argparse.Namespace) -> int:
         try:
             drivers: list[Driver] = []
             if not args.no_baseline:
-                base_url = args.baseline_url or _started(procs, _baseline_process(log_dir)).base_url
-                drivers.append(Driver("baseline", base_url, media, args, progress))
-            ours_url = args.url or _started(procs, _ours_process(log_dir, namespace, args.serve_arg)).base_url
-            drivers.append(Driver("ours", ours_url, media, args, progress))
+                if args.baseline_url:
+                    drivers.append(Driver("baseline", args.baseline_url, media, args, progress))
+                else:
+                    base = _started(procs, _baseline_process(log_dir))
+                    drivers.append(Driver("baseline", base.base_url, media, args, progress, base.cpu_seconds))
+            if args.url:
+                drivers.append(Driver("ours", args.url, media, args, progress))
+            else:
+                mine = _started(procs, _ours_process(log_dir, namespace, args.serve_arg))
+                drivers.append(Driver("ours", mine.base_url, media, args, progress, mine.cpu_seconds))
             for drv in drivers:
                 drv.warm_up()
             colds = interleaved_cold(

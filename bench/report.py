@@ -25,6 +25,7 @@ COLUMNS = [
     "P90 ms",
     "P99 ms",
     "hit rate",
+    "CPU ms/req",
     "load 1m",
 ]
 
@@ -38,6 +39,8 @@ class Run(NamedTuple):
     # 1-minute load average before and after the run: the machine may be shared, so read
     # absolute numbers against it (ratios of runs with very different load are suspect).
     loadavg: tuple[float, float] = (float("nan"), float("nan"))
+    # CPU seconds the service's processes spent during the run (None when not measurable).
+    service_cpu_s: float | None = None
 
     @property
     def label(self) -> str:
@@ -75,6 +78,10 @@ def record(run: Run) -> dict[str, Any]:
         },
         "cache_hit_rate": sum(hits) / len(hits) if hits else None,
         "loadavg_1m_before_after": list(run.loadavg),
+        "service_cpu_s": run.service_cpu_s,
+        "service_cpu_ms_per_request": (
+            run.service_cpu_s / len(r.ok) * 1e3 if run.service_cpu_s is not None and r.ok else None
+        ),
         "server_stage_median_ms": stages,
         "qps_timeline": qps_timeline(r),
     }
@@ -96,6 +103,7 @@ def table_row(rec: dict[str, Any]) -> list[object]:
         lat["p90"] if lat["p90"] is not None else nan,
         lat["p99"] if lat["p99"] is not None else nan,
         "-" if hit is None else f"{hit:.0%}",
+        rec["service_cpu_ms_per_request"] if rec["service_cpu_ms_per_request"] is not None else nan,
         "{:.1f}->{:.1f}".format(*rec["loadavg_1m_before_after"]),
     ]
 

@@ -93,6 +93,11 @@ class ServiceProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(5.0)
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time (user + system) used so far by the service and every live descendant (its
+        workers), from /proc; None when not running or not on Linux."""
+        return tree_cpu_seconds(self._proc.pid) if self._proc is not None else None
+
     def log_tail(self, lines: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -106,6 +111,41 @@ class ServiceProcess:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def _stat_fields(pid: str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces): [state, ppid, ...]."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2 :].split()
+
+
+def tree_cpu_seconds(root: int) -> float | None:
+    """utime + stime of ``root`` and its live descendants, in seconds (None without /proc)."""
+    if not os.path.isdir("/proc"):
+        return None
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        fields = _stat_fields(name)
+        if fields is None or len(fields) < 13:
+            continue
+        pid = int(name)
+        children.setdefault(int(fields[1]), []).append(pid)
+        ticks[pid] = int(fields[11]) + int(fields[12])  # utime, stime (stat fields 14, 15)
+    if root not in ticks:
+        return None
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        total += ticks.get(pid, 0)
+        stack.extend(children.get(pid, []))
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _group_alive(pgid: int) -> bool:

@@ -205,19 +205,23 @@ def test_summary_ratios_come_from_the_matching_runs() -> None:
     ours = _result([0.5] * 30)
     hot = _result([0.01] * 30, hit=True)
     runs = [
-        report.Run("baseline", "cold", base),
-        report.Run("ours", "cold", ours),
+        report.Run("baseline", "cold", base, service_cpu_s=4.0),
+        report.Run("ours", "cold", ours, service_cpu_s=6.0),
         report.Run("ours", "hot", hot),
     ]
     records = [report.record(r) for r in runs]
     assert records[0]["latency_ms"]["p90"] == pytest.approx(1000.0)
     assert records[2]["cache_hit_rate"] == 1.0
-    ceiling = type("C", (), {"images_per_s": ours.qps * 2})()
+    ceiling = type("C", (), {"images_per_s": ours.qps * 2, "cpu_ms_per_image": 150.0})()
     s = _summary(records, ceiling)
     assert s["qps_ratio"] == pytest.approx(ours.qps / base.qps)
     assert s["p90_ratio"] == pytest.approx(0.5)
     assert s["ceiling_fraction"] == pytest.approx(0.5)
     assert s["ceiling_over_baseline_qps"] == pytest.approx(2 * ours.qps / base.qps)
+    assert s["baseline_cpu_ms_per_request"] == pytest.approx(400.0)  # 4 s over 10 requests
+    assert s["ours_cpu_ms_per_request"] == pytest.approx(200.0)
+    assert s["cpu_fraction"] == pytest.approx(0.75)
+    assert records[2]["service_cpu_ms_per_request"] is None
     assert s["hot_hit_rate"] == 1.0
     assert s["targets_met"]["p90_ratio<=1"] and not s["targets_met"]["ceiling_fraction>=0.8"]
     assert s["errors"] == 0 and s["video_qps"] is None
@@ -243,7 +247,7 @@ def test_ceiling_streams_share_the_corpus_and_restore_threads() -> None:
     c = measure(model, items, patch_budget=100, min_seconds=0.2, streams=2, threads=1)
     assert torch.get_num_threads() == threads
     assert (c.streams, c.threads, c.patch_budget) == (2, 1, 100)
-    assert c.images > 0 and c.seconds >= 0.2
+    assert c.images > 0 and c.seconds >= 0.2 and c.cpu_s > 0
     assert c.images_per_s == pytest.approx(c.images / c.seconds)
     # Whole batches only: every image counted came with its batch (sizes 64 | 48 | 36 at budget 100).
     assert c.patches_per_s / c.images_per_s == pytest.approx((64 + 48 + 36) / 3, rel=0.2)
@@ -252,11 +256,12 @@ def test_ceiling_streams_share_the_corpus_and_restore_threads() -> None:
 
 
 def test_interleaved_ceiling_is_the_mean_of_each_points_best() -> None:
-    def c(rate: float, streams: int) -> Ceiling:
-        return Ceiling(rate, rate * 1000, 10, 1.0, 4096, streams, 2 // streams)
+    def c(rate: float, streams: int, cpu_s: float) -> Ceiling:
+        return Ceiling(rate, rate * 1000, 10, 1.0, 4096, streams, 2 // streams, cpu_s)
 
-    got = interleaved_ceiling([[c(8.0, 2), c(6.0, 1)], [c(5.0, 1), c(7.0, 2)]])
+    got = interleaved_ceiling([[c(8.0, 2, 2.0), c(6.0, 1, 2.5)], [c(5.0, 1, 1.8), c(7.0, 2, 2.2)]])
     assert got is not None and got.points == 2 and got.images_per_s == pytest.approx(7.5)
+    assert got.cpu_ms_per_image == pytest.approx(180.0)  # the cheapest run: 1.8 s over 10 images
     assert interleaved_ceiling([]) is None
 
 
@@ -302,3 +307,30 @@ def test_merged_rounds_add_walls_and_keep_every_outcome_in_order() -> None:
     assert m.outcomes[0].start_s == 0.0 and m.outcomes[3].start_s == 3.0  # b starts where a's wall ended
     with pytest.raises(AssertionError):
         merge_results([a, LoadResult("open", 2.0, a.outcomes, 3.0)])
+
+
+def test_tree_cpu_seconds_counts_children() -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from bench.service_proc import tree_cpu_seconds
+
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)"
+    spin = [sys.executable, "-c", busy]
+    # A parent that starts a spinning child and then waits: the child's CPU counts for the parent.
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess; subprocess.run({spin!r})"], start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 20
+        got = 0.0
+        while time.monotonic() < deadline and got < 0.3:
+            time.sleep(0.1)
+            got = tree_cpu_seconds(parent.pid) or 0.0
+        assert got >= 0.3
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)  # parent and child: their own process group
+        parent.wait()
+    assert tree_cpu_seconds(parent.pid) is None
