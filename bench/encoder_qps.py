@@ -10,7 +10,9 @@ background load on a shared machine hits both alike):
     corpus      JPEGs 448x448 .. 1920x1080 (+ 1-minute H.264 clips), generated once and cached
     media       a loopback media server serves them with added latency (default 30 ms, like an
                 object store); cold requests get fresh bytes per request (bench.media_corpus)
-    ceiling     forward-only images/s of the same encoder on the same images (bench.ceiling)
+    ceiling     forward-only images/s of the same encoder on the same images (bench.ceiling),
+                both ways of using the cores (1 forward x all threads, one 1-thread forward per
+                core), measured before every cold round and after the last phase
     baseline    bench.baseline_server as a subprocess: warm-up, cold closed loop, open loop
     ours        `epd serve` as a subprocess (or --url): warm-up, cold closed loop, hot closed
                 loop (the cold URLs again: node-cache hits), open loop, video
@@ -21,7 +23,13 @@ same client. The open-loop rate defaults to 80% of the baseline's closed-loop QP
 should sustain, so latencies compare at equal offered load.
 
 Summary: ``qps_ratio`` (ours / baseline, cold closed loop), ``p90_ratio`` (ours / baseline P90,
-same runs; < 1 is better), ``ceiling_fraction`` (our cold QPS / forward-only images/s).
+same runs; < 1 is better), ``ceiling_fraction`` (our cold QPS / the mean over measurement points of
+each point's better forward-only rate; ``ceiling_fraction_vs_best_point`` uses the single best
+point instead, a lower bound). ``ceiling_over_baseline_qps`` is the most any pipeline around this
+forward could reach as ``qps_ratio`` on this machine. On a shared machine wall rates drift with
+the neighbours' load, CPU time much less: ``*_cpu_ms_per_request`` is each service's process-tree
+CPU per request, ``ceiling_cpu_ms_per_image`` the forward alone, ``cpu_fraction`` their ratio for
+ours, and ``client_cpu_ms_per_request`` what the load generator and media server cost.
 """
 
 from __future__ import annotations

@@ -154,6 +154,7 @@ class Driver:
         label = f"{self.service} {phase} {mode}"
         load_before = os.getloadavg()[0]
         cpu_before = self.cpu_seconds()
+        client_before = time.process_time()  # this process: load generator + media server
         result = asyncio.run(
             _phase(
                 self.endpoint,
@@ -167,9 +168,10 @@ class Driver:
             )
         )
         _check_ok(result, label)
+        client = time.process_time() - client_before
         cpu_after = self.cpu_seconds()
         cpu = cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
-        return report.Run(self.service, kind, result, (load_before, os.getloadavg()[0]), cpu)
+        return report.Run(self.service, kind, result, (load_before, os.getloadavg()[0]), cpu, client)
 
     def warm_up(self) -> None:
         """Untimed requests with their own fresh bytes: model pages, pools, connections."""
@@ -221,7 +223,8 @@ def interleaved_cold(
 
         cpus = [run.service_cpu_s for run, _ in chunks]
         cpu = None if any(c is None for c in cpus) else sum(c for c in cpus if c is not None)
-        out.append((report.Run(drv.service, "cold", merged, loads, cpu), body))
+        client = sum(run.client_cpu_s or 0.0 for run, _ in chunks)
+        out.append((report.Run(drv.service, "cold", merged, loads, cpu, client), body))
     return out
 
 
@@ -322,6 +325,8 @@ def _summary(records: list[dict[str, Any]], ceiling: Any) -> dict[str, Any]:
         "baseline_cpu_ms_per_request": base["service_cpu_ms_per_request"] if base else None,
         "ours_cpu_ms_per_request": ours["service_cpu_ms_per_request"] if ours else None,
         "ceiling_cpu_ms_per_image": getattr(ceiling, "cpu_ms_per_image", None),
+        # The load generator and media server share the machine: they should cost little.
+        "client_cpu_ms_per_request": ours["client_cpu_ms_per_request"] if ours else None,
         "errors": sum(r["errors"] for r in records),
     }
     # The CPU-time analogue of ceiling_fraction: the share of our service's CPU per image that the

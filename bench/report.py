@@ -41,6 +41,8 @@ class Run(NamedTuple):
     loadavg: tuple[float, float] = (float("nan"), float("nan"))
     # CPU seconds the service's processes spent during the run (None when not measurable).
     service_cpu_s: float | None = None
+    # CPU seconds the benchmark process itself (load generator, media server) spent during the run.
+    client_cpu_s: float | None = None
 
     @property
     def label(self) -> str:
@@ -81,6 +83,9 @@ def record(run: Run) -> dict[str, Any]:
         "service_cpu_s": run.service_cpu_s,
         "service_cpu_ms_per_request": (
             run.service_cpu_s / len(r.ok) * 1e3 if run.service_cpu_s is not None and r.ok else None
+        ),
+        "client_cpu_ms_per_request": (
+            run.client_cpu_s / len(r.outcomes) * 1e3 if run.client_cpu_s is not None and r.outcomes else None
         ),
         "server_stage_median_ms": stages,
         "qps_timeline": qps_timeline(r),
