@@ -59,22 +59,20 @@ def plan_decode(page_table: Tensor, seq_lens: Tensor, page_size: int, window: in
     return DecodePlan(slots, bias[:, None, None, :])
 
 
-def _sink_rescale(out: Tensor, scores: Tensor, sinks: Tensor) -> Tensor:
-    """Fold a value-less sink logit into attention computed without it.
+def softmax_with_sinks(scores: Tensor, sinks: Tensor | None) -> Tensor:
+    """softmax([scores..., sink])[..., :-1] without materialising the extra column; fp32 scores
+    [..., M] are overwritten (the caller's temporary). ``sinks`` broadcasts against scores[..., :1].
 
-    softmax([s, sink])_j = softmax(s)_j * Z / (Z + e^sink) with Z = sum_j e^(s_j), and
-    Z / (Z + e^sink) = sigmoid(logsumexp(s) - sink). So out [..., Dv] (from softmax(s)) is scaled
-    per row instead of concatenating a column onto the much larger scores [..., M] (a full copy).
-    ``sinks`` broadcasts against scores[..., :1].
+        m = max(max_j s_j, sink)      p_j = e^(s_j - m) / (sum_i e^(s_i - m) + e^(sink - m))
+
+    The sink is finite, so m is too, even for a row whose keys are all masked (-inf).
     """
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # [..., 1]
-    return out * torch.sigmoid(lse - sinks.float())
-
-
-def _kv_rows(slots: Tensor, num_kv: int) -> Tensor:
-    """slots [B, M] -> int64 [B * Hkv * M] rows of a pool viewed as [N * page * Hkv, D]."""
-    heads = torch.arange(num_kv, device=slots.device)
-    return (slots[:, None, :] * num_kv + heads[None, :, None]).reshape(-1)  # [B, Hkv, M] flattened
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float()
+    m = torch.maximum(scores.amax(-1, keepdim=True), sink)  # [..., 1]
+    e = scores.sub_(m).exp_()
+    return e.div_(e.sum(-1, keepdim=True).add_((sink - m).exp_()))
 
 
 def decode_attention(
@@ -94,22 +92,24 @@ def decode_attention(
     group = num_heads // num_kv
     width = plan.slots.shape[1]
     if rows is None:
-        rows = _kv_rows(plan.slots, num_kv)
+        rows = kv_rows(plan, num_kv)
     k = k_cache.view(-1, head_dim).index_select(0, rows).view(num_seqs, num_kv, width, head_dim)
     v = v_cache.view(-1, v_cache.shape[-1]).index_select(0, rows).view(num_seqs, num_kv, width, -1)
     qf = q.view(num_seqs, num_kv, group, head_dim)
     # fp32 scores and softmax whatever the cache dtype (.float() is free for fp32 tensors)
     scores = torch.matmul(qf.float(), k.float().transpose(-1, -2))  # [B, Hkv, G, M]
     scores = torch.addcmul(plan.bias, scores, torch.tensor(scale, dtype=torch.float32))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v.float())  # [B, Hkv, G, Dv]
-    if sinks is not None:
-        out = _sink_rescale(out, scores, sinks.view(1, num_kv, group, 1))
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(1, num_kv, group, 1))
+    out = torch.matmul(probs, v.float())  # [B, Hkv, G, Dv]
     return out.reshape(num_seqs, num_heads, -1).to(q.dtype)
 
 
 def kv_rows(plan: DecodePlan, num_kv: int) -> Tensor:
-    """The pool-row index of ``plan`` for layers with ``num_kv`` KV heads (share it across layers)."""
-    return _kv_rows(plan.slots, num_kv)
+    """int64 [B * Hkv * M] rows of a pool viewed as [N * page * Hkv, D] for layers with ``num_kv`` KV
+    heads (share it across layers): row = slot * Hkv + head, laid out [B, Hkv, M] so the gather
+    lands in the layout the matmuls read."""
+    heads = torch.arange(num_kv, device=plan.slots.device)
+    return (plan.slots[:, None, :] * num_kv + heads[None, :, None]).reshape(-1)
 
 
 class PrefillSeq(NamedTuple):
@@ -204,9 +204,8 @@ def _blocked(
         qb = q[a:z].view(z - a, num_kv, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, nb, D]
         scores = torch.matmul(qb.float(), kt[:, None, :, ka:kz])  # [Hkv, G, nb, mb]
         scores = torch.addcmul(bias, scores, torch.tensor(scale, dtype=torch.float32))
-        o = torch.matmul(torch.softmax(scores, dim=-1), vh[:, None, ka:kz])  # [Hkv, G, nb, Dv]
-        if sinks is not None:
-            o = _sink_rescale(o, scores, sinks.view(num_kv, group, 1, 1))
+        probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(num_kv, group, 1, 1))
+        o = torch.matmul(probs, vh[:, None, ka:kz])  # [Hkv, G, nb, Dv]
         out[a:z] = o.permute(2, 0, 1, 3).reshape(z - a, num_heads, -1).to(q.dtype)
     return out
 
@@ -235,7 +234,7 @@ class StepPlan:
     def rows(self, is_swa: bool, num_kv: int) -> Tensor:
         key = (is_swa, num_kv)
         if key not in self._rows:
-            self._rows[key] = _kv_rows(self._decode[is_swa].slots, num_kv)
+            self._rows[key] = kv_rows(self._decode[is_swa], num_kv)
         return self._rows[key]
 
     def prefill(self) -> list[PrefillSeq]:

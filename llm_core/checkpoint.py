@@ -204,6 +204,7 @@ def load_llm(
     load_state_dict_strict(model, state)
     model = model.to(device).eval()
     model.tie_weights()
+    model.fuse_weights()
     model.requires_grad_(False)  # serving only; also lets inference-mode tensors mix with weights
     return LoadedLLM(model, config, model_dir)
 

@@ -31,7 +31,7 @@ from llm_core.attention_batch import AttentionBatch, PagedKV
 from llm_core.attention_plan import StepPlan, decode_attention, prefill_attention
 from llm_core.config import MiMoConfig
 from llm_core.moe import DenseMLP, SparseMoE
-from llm_core.rope import PartialRotary, apply_partial_rotary
+from llm_core.rope import PartialRotary, apply_partial_rotary_
 
 
 class RMSNorm(nn.Module):
@@ -67,12 +67,27 @@ class MiMoAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=False)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.has_sinks(layer_idx) else None
         self.rotary = PartialRotary(config.rope_dim(layer_idx), config.rope_theta_of(layer_idx))
+        # q, k and v weights stacked into one [(H + 2 Hkv') * ., hidden] matrix by ``fuse_weights``
+        # (one matmul instead of three); None until then. Not saved: the checkpoint keeps the three.
+        self.qkv_weight: Tensor | None
+        self.qkv_bias: Tensor | None
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("qkv_bias", None, persistent=False)
+
+    @torch.no_grad()
+    def fuse_weights(self) -> None:
+        """Stack q/k/v projections for the fused path; call again after the weights change."""
+        self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        biases = [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
+        self.qkv_bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
 
     def _qkv(
         self, x: Tensor, positions: Tensor, plan: StepPlan | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """x [T, hidden] -> q [T, H, D], k [T, Hkv, D] (rotated), v [T, Hkv, Dv] (value-scaled)."""
         n = x.shape[0]
+        if self.qkv_weight is not None:
+            return self._qkv_fused(x, positions, plan)
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.v_head_dim) * self.v_scale
@@ -81,8 +96,30 @@ class MiMoAttention(nn.Module):
         else:  # one cos/sin table per (rope_dim, theta) per step, shared by the layers of a type
             rot = self.rotary
             cos, sin = plan.rope((rot.rope_dim, rot.theta), lambda: rot.cos_sin(positions, q.dtype))
-            q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
+            q, k = apply_partial_rotary_(q, cos, sin), apply_partial_rotary_(k, cos, sin)  # fresh tensors
         return q, k, v
+
+    def _qkv_fused(
+        self, x: Tensor, positions: Tensor, plan: StepPlan | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``_qkv`` with one matmul, and one rotary pass over q and k together (they are adjacent)::
+
+        qkv row   [ q: H * D | k: Hkv * D | v: Hkv * Dv ]
+                  [ rotated as H + Hkv heads ]
+        """
+        assert self.qkv_weight is not None
+        n, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + Hkv) * D + Hkv * Dv]
+        split = (heads + kv_heads) * dim
+        qk = qkv[:, :split].view(n, heads + kv_heads, dim)
+        v = qkv[:, split:].view(n, kv_heads, self.v_head_dim) * self.v_scale
+        rot = self.rotary
+        if plan is None:
+            cos, sin = rot.cos_sin(positions, x.dtype)
+        else:
+            cos, sin = plan.rope((rot.rope_dim, rot.theta), lambda: rot.cos_sin(positions, x.dtype))
+        qk = apply_partial_rotary_(qk, cos, sin)  # [T, H + Hkv, D], in the qkv temporary
+        return qk[:, :heads], qk[:, heads:], v
 
     def forward(
         self, x: Tensor, positions: Tensor, batch: AttentionBatch, kv: PagedKV, plan: StepPlan | None = None
@@ -190,6 +227,13 @@ class MiMoForCausalLM(nn.Module):
         anything that re-materialises parameters (``to_empty``, dtype/device moves)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_weights(self) -> None:
+        """Build the stacked projection weights the fused paths use (see ``MiMoAttention``,
+        ``DenseMLP``). Call after loading weights, and again after any later change to them."""
+        for module in self.modules():
+            if isinstance(module, (MiMoAttention, DenseMLP)):
+                module.fuse_weights()
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """input_ids [T] -> [T, hidden]; the runner overwrites placeholder rows with media embeddings."""

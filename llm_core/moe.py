@@ -40,8 +40,19 @@ class DenseMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        # gate and up stacked [2I, hidden] by ``fuse_weights`` (one matmul); not saved.
+        self.gate_up_weight: Tensor | None
+        self.register_buffer("gate_up_weight", None, persistent=False)
+
+    @torch.no_grad()
+    def fuse_weights(self) -> None:
+        """Stack gate/up for the fused path; call again after the weights change."""
+        self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

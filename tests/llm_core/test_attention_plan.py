@@ -19,6 +19,7 @@ from llm_core.attention_plan import (
     plan_decode,
     prefill_attention,
     prefill_seqs,
+    softmax_with_sinks,
 )
 from tests.llm_core.test_attention import PAGE, Case, dense_reference, make_case
 
@@ -47,6 +48,23 @@ def test_decode_plan_matches_dense(window: int | None, with_sinks: bool) -> None
     torch.testing.assert_close(out, dense_reference(case, scale, window, sinks), rtol=1e-5, atol=1e-6)
     shared = decode_attention(case.q, case.k_cache, case.v_cache, plan, scale, sinks, kv_rows(plan, 2))
     assert torch.equal(shared, out)
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_softmax_with_sinks_equals_softmax_over_an_extra_column(with_sinks: bool) -> None:
+    g = torch.Generator().manual_seed(7)
+    scores = torch.randn(3, 4, 5, 9, generator=g) * 4
+    scores[0, 0, 0, :] = float("-inf")  # a fully masked row: only the sink takes mass
+    scores[1, :, :, 2:5] = float("-inf")
+    sinks = torch.randn(4, 1, 1, generator=g) if with_sinks else None
+    got = softmax_with_sinks(scores.clone(), sinks)
+    if sinks is None:
+        torch.testing.assert_close(got[1:], torch.softmax(scores[1:], dim=-1))
+        return
+    col = sinks.expand(3, 4, 5, 1)
+    ref = torch.softmax(torch.cat([scores, col], dim=-1), dim=-1)[..., :-1]
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+    assert bool((got[0, 0, 0] == 0).all())
 
 
 @settings(max_examples=25, deadline=None)
