@@ -104,6 +104,27 @@ def test_forward_dense_matches_transformers(loaded: LoadedLLM, tiny_mimo_hf: Any
     assert rel_err(out, ref) <= REL_TOL
 
 
+def test_fused_projections_equal_separate_ones(tiny_mimo_dir: Path) -> None:
+    """load_llm stacks q/k/v (and the dense MLP's gate/up); the stacked path gives the same logits
+    as the three separate projections (an unfused copy of the same weights), paged and dense."""
+    fused = load_llm(tiny_mimo_dir).model
+    plain = load_llm(tiny_mimo_dir).model
+    for module in plain.modules():
+        for name in ("qkv_weight", "qkv_bias", "gate_up_weight"):
+            if getattr(module, name, None) is not None:
+                setattr(module, name, None)
+    assert fused.model.layers[0].self_attn.qkv_weight is not None
+    ids = prompt(30, seed=4)
+    torch.testing.assert_close(
+        fused.forward_dense(ids[None]), plain.forward_dense(ids[None]), rtol=1e-5, atol=1e-5
+    )
+    outs = []
+    for model in (fused, plain):
+        kv = make_kv(model.config, 8)
+        outs.append(step(model, kv, [PagedSeq(*free_lists(8, seed=0))], [ids]))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
 def test_forward_dense_with_input_embeds_matches_transformers(loaded: LoadedLLM, tiny_mimo_hf: Any) -> None:
     ids = prompt(24, seed=3)[None]
     embeds = tiny_mimo_hf.get_input_embeddings()(ids).detach().clone()
