@@ -33,6 +33,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+# A mixed step sends its single-token sequences through the batched decode path when there are at
+# least this many (below it, the per-sequence prefill path costs about the same).
+MIN_DECODE_GROUP = 2
+
 
 class DecodePlan(NamedTuple):
     """Gather plan for one layer type in a decode step (every sequence has one new token)."""
@@ -118,11 +122,12 @@ class PrefillSeq(NamedTuple):
     lo: int  # its rows in the packed batch: [lo, hi)
     hi: int
     seq_len: int  # tokens after this step; the queries sit at seq_len - (hi - lo) .. seq_len - 1
+    b: int  # its index in the batch (its page-table row)
 
 
 def prefill_seqs(cu_seqlens_q: Tensor, seq_lens: Tensor) -> list[PrefillSeq]:
     cu = cu_seqlens_q.tolist()
-    return [PrefillSeq(cu[b], cu[b + 1], n) for b, n in enumerate(seq_lens.tolist())]
+    return [PrefillSeq(cu[b], cu[b + 1], n, b) for b, n in enumerate(seq_lens.tolist())]
 
 
 def prefill_attention(
@@ -138,7 +143,8 @@ def prefill_attention(
     sinks: Tensor | None,
     q_block: int = 256,
 ) -> Tensor:
-    """Varlen prefill: q [T, H, D] packed as ``seqs`` -> [T, H, Dv] in q's dtype.
+    """Varlen prefill: q [T, H, D] packed as ``seqs`` -> [T, H, Dv] in q's dtype (only the rows of
+    ``seqs`` are written; a step's single-token sequences may be left to ``decode_attention``).
 
     k_new [T, Hkv, D] / v_new [T, Hkv, Dv] are this step's keys and values (already written to
     the pools). A sequence with no cached prefix reads them directly; one with a cached prefix
@@ -148,8 +154,8 @@ def prefill_attention(
                    |<---- gathered from the pools (slots) ---->|<-- this chunk -->|
     """
     page_size = k_cache.shape[1]
-    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
-    for b, s in enumerate(seqs):
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])  # rows of sequences not in seqs: unset
+    for s in seqs:
         n = s.hi - s.lo
         q_first = s.seq_len - n
         kv_start = 0 if window is None else max(0, q_first - window + 1)
@@ -157,7 +163,7 @@ def prefill_attention(
             k, v = k_new[s.lo : s.hi], v_new[s.lo : s.hi]
         else:
             pos = torch.arange(kv_start, s.seq_len, device=q.device)
-            slots = _slots(page_table, b, pos, page_size)
+            slots = _slots(page_table, s.b, pos, page_size)
             k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, slots)  # [m, Hkv, D]
             v = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, slots)  # [m, Hkv, Dv]
         out[s.lo : s.hi] = _blocked(q[s.lo : s.hi], k, v, q_first, kv_start, scale, window, sinks, q_block)
@@ -212,7 +218,15 @@ def _blocked(
 
 class StepPlan:
     """Everything the torch attention path derives from an AttentionBatch, computed lazily on first
-    use in a step and reused by every later layer of the same type (and rotary tables per theta)."""
+    use in a step and reused by every later layer of the same type (and rotary tables per theta).
+
+    Sequences with a single new token (decoding ones, even inside a step that also prefills others)
+    go through the batched decode path; the rest through the per-sequence prefill path::
+
+        packed rows   [ s0: 1 | s1: 40 | s2: 1 | s3: 1 | s4: 17 ]
+        decode        s0, s2, s3   rows cu[0], cu[2], cu[3]   one batched decode_attention
+        prefill       s1, s4                                  prefill_attention, one call per sequence
+    """
 
     def __init__(
         self, page_tables: dict[bool, Tensor], cu_seqlens_q: Tensor, seq_lens: Tensor, max_seqlen_q: int
@@ -224,11 +238,29 @@ class StepPlan:
         self._decode: dict[bool, DecodePlan] = {}
         self._rows: dict[tuple[bool, int], Tensor] = {}
         self._prefill: list[PrefillSeq] | None = None
+        self._decode_rows: Tensor | None = None  # packed rows of the single-token sequences (mixed step)
+        self._decode_seqs: Tensor | None = None  # their batch indices
         self._rope: dict[tuple[int, float], tuple[Tensor, Tensor]] = {}
 
+    def _split(self) -> None:
+        """Sort a mixed step's sequences into decode (one new token) and prefill ones."""
+        seqs = prefill_seqs(self.cu_seqlens_q, self.seq_lens)
+        single = [s for s in seqs if s.hi - s.lo == 1]
+        if len(single) >= MIN_DECODE_GROUP:
+            dev = self.seq_lens.device
+            self._decode_rows = torch.tensor([s.lo for s in single], dtype=torch.int64, device=dev)
+            self._decode_seqs = torch.tensor([s.b for s in single], dtype=torch.int64, device=dev)
+            seqs = [s for s in seqs if s.hi - s.lo > 1]
+        self._prefill = seqs
+
     def decode(self, is_swa: bool, page_size: int, window: int | None) -> DecodePlan:
+        """The decode plan of every sequence (a decode step) or of the single-token ones (mixed)."""
         if is_swa not in self._decode:
-            self._decode[is_swa] = plan_decode(self.page_tables[is_swa], self.seq_lens, page_size, window)
+            table, seq_lens = self.page_tables[is_swa], self.seq_lens
+            if not self.is_decode:
+                assert self._decode_seqs is not None, "a mixed step without single-token sequences"
+                table, seq_lens = table.index_select(0, self._decode_seqs), seq_lens[self._decode_seqs]
+            self._decode[is_swa] = plan_decode(table, seq_lens, page_size, window)
         return self._decode[is_swa]
 
     def rows(self, is_swa: bool, num_kv: int) -> Tensor:
@@ -238,9 +270,17 @@ class StepPlan:
         return self._rows[key]
 
     def prefill(self) -> list[PrefillSeq]:
+        """The sequences for ``prefill_attention`` (all of them unless single-token ones split off)."""
         if self._prefill is None:
-            self._prefill = prefill_seqs(self.cu_seqlens_q, self.seq_lens)
+            self._split()
+        assert self._prefill is not None
         return self._prefill
+
+    def decode_rows(self) -> Tensor | None:
+        """Packed rows of a mixed step's single-token sequences, or None when they are not split off."""
+        if self._prefill is None:
+            self._split()
+        return self._decode_rows
 
     def rope(
         self, key: tuple[int, float], make: Callable[[], tuple[Tensor, Tensor]]

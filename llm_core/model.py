@@ -152,6 +152,14 @@ class MiMoAttention(nn.Module):
                     self.window,
                     self.sinks,
                 )
+                dec = plan.decode_rows()
+                if dec is not None:  # the step's decoding sequences, batched
+                    dp = plan.decode(self.is_swa, layer_kv.k.shape[1], self.window)
+                    rows = plan.rows(self.is_swa, self.num_kv_heads)
+                    q_dec = q.index_select(0, dec)  # [S, H, D]
+                    out[dec] = decode_attention(
+                        q_dec, layer_kv.k, layer_kv.v, dp, self.scale, self.sinks, rows
+                    )
             return self.o_proj(out.reshape(x.shape[0], -1))
         out = paged_attention(
             q,

@@ -123,4 +123,11 @@ def test_step_plan_builds_each_layer_type_once() -> None:
     assert len(calls) == 2
     prefill = StepPlan({False: case.table}, torch.tensor([0, 3, 4]), torch.tensor([20, 50]), 3)
     assert not prefill.is_decode
-    assert [s.hi - s.lo for s in prefill.prefill()] == [3, 1]
+    assert [s.hi - s.lo for s in prefill.prefill()] == [3, 1]  # one single-token sequence: not split
+    assert prefill.decode_rows() is None
+    cu, lens = torch.tensor([0, 1, 4, 5, 6]), torch.tensor([20, 9, 50, 33])
+    mixed = StepPlan({False: torch.zeros(4, 4, dtype=torch.int32)}, cu, lens, 3)
+    assert [(s.lo, s.hi, s.b) for s in mixed.prefill()] == [(1, 4, 1)]
+    rows = mixed.decode_rows()
+    assert rows is not None and rows.tolist() == [0, 4, 5]
+    assert mixed.decode(False, PAGE, None).slots.shape == (3, 50)  # planned over sequences 0, 2, 3
