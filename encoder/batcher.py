@@ -72,7 +72,7 @@ class BatcherStats(NamedTuple):
     queue_patches: int
     last_batch_items: int
     last_batch_patches: int
-    forward_s: float  # total time spent in forwards
+    forward_s: float  # total time spent in forwards, summed over streams
 
 
 @dataclass
@@ -95,8 +95,8 @@ class EncodeBatcher:
 
     ``patch_budget``: most patches in one forward (a larger single item runs alone).
     ``max_wait_ms``: longest an item waits for companions before its batch is dispatched.
-    ``max_queue_patches``: bound on queued patches (default 8 budgets, at least 65536 so that a
-    small CPU budget still queues a dozen large images).
+    ``max_queue_patches``: bound on queued patches (default 8 budgets, at least 262144 so that a
+    small CPU budget still queues a few one-minute videos, ~72k patches each at 640x360).
     ``forward_streams``: forwards that may run at once, each in its own thread.
     """
 
@@ -119,7 +119,7 @@ class EncodeBatcher:
         self.patch_budget = patch_budget
         self.max_wait_s = max_wait_ms / 1000.0
         self.max_queue_patches = (
-            max_queue_patches if max_queue_patches is not None else max(8 * patch_budget, 1 << 16)
+            max_queue_patches if max_queue_patches is not None else max(8 * patch_budget, 1 << 18)
         )
         self.output_device = torch.device(output_device)
         self.forward_streams = forward_streams
@@ -180,17 +180,54 @@ class EncodeBatcher:
         return (await self.encode_timed(patches)).embedding
 
     async def encode_timed(self, patches: Patches) -> EncodeResult:
-        """``encode`` with the item's queue and forward timings."""
+        """``encode`` with the item's queue and forward timings.
+
+        A multi-frame item (video) larger than the budget is split into runs of whole frames of at
+        most a budget each, queued back to back, so its forwards can go to several streams and no
+        forward exceeds the budget. Attention never crosses a frame, so the concatenated parts
+        equal the item encoded whole (up to float reassociation). A split item's ``queue_ms`` is
+        its first part's, ``forward_ms`` the sum of its parts' forwards.
+        """
         if self._task is None:
             raise RuntimeError("EncodeBatcher.start() was not awaited")
         n = self._validate(patches)
         if self._pending and self._queued_patches + n > self.max_queue_patches:
             raise QueueFull(self._queued_patches, self.max_queue_patches)
-        item = _Item(patches, n, asyncio.get_running_loop().create_future())
-        self._pending.append(item)
+        loop = asyncio.get_running_loop()
+        items = [_Item(part, part.num_patches, loop.create_future()) for part in self._split(patches)]
+        self._pending.extend(items)
         self._queued_patches += n
         self._wakeup.set()
-        return await item.future
+        if len(items) == 1:
+            return await items[0].future
+        # Cancelling this call cancels every part still queued (gather cancels its children).
+        parts = await asyncio.gather(*(it.future for it in items), return_exceptions=True)
+        for part in parts:
+            if isinstance(part, BaseException):
+                raise part
+        done = [p for p in parts if isinstance(p, EncodeResult)]
+        return EncodeResult(
+            torch.cat([p.embedding for p in done]),  # frames in order: [sum t_i*h*w // unit, out]
+            done[0].queue_ms,
+            sum(p.forward_ms for p in done),
+            max(p.batch_items for p in done),
+        )
+
+    def _split(self, patches: Patches) -> list[Patches]:
+        """Runs of whole frames of at most ``patch_budget`` patches (one frame when a frame alone is
+        larger); the item itself when it fits or has one frame.
+
+            rows:  [ frame 0 | frame 1 | frame 2 | frame 3 | frame 4 ]   t=5, budget = 2 frames
+            parts: [ f0 f1 ][ f2 f3 ][ f4 ]
+        """
+        t, h, w = patches.grid_thw
+        if t == 1 or t * h * w <= self.patch_budget:
+            return [patches]
+        per = max(1, self.patch_budget // (h * w))  # frames per part
+        return [
+            Patches(patches.pixel_values[f * h * w : min(t, f + per) * h * w], (min(t, f + per) - f, h, w))
+            for f in range(0, t, per)
+        ]
 
     def stats(self) -> BatcherStats:
         return BatcherStats(

@@ -227,3 +227,22 @@ def test_stop_fails_items_of_every_running_stream(model: VisionTransformer) -> N
     assert len(outs) == 3
     for out in outs:  # finished before the stop, or failed cleanly; never left hanging
         assert isinstance(out, torch.Tensor) or (isinstance(out, RuntimeError) and "stopped" in str(out))
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_video_larger_than_the_budget_splits_by_frames(model: VisionTransformer, streams: int) -> None:
+    video = patches((5, 8, 8), 7)  # 5 temporal frames of 64 patches
+    image = patches((1, 4, 4), 8)
+
+    async def run() -> tuple[list, object]:
+        async with EncodeBatcher(model, patch_budget=128, max_wait_ms=50, forward_streams=streams) as b:
+            res = await asyncio.gather(b.encode_timed(video), b.encode_timed(image))
+            return res, b.stats()
+
+    (r_video, r_image), stats = asyncio.run(run())
+    # Parts of 2 + 2 + 1 frames, never more than the budget in one forward; the image rides along.
+    assert stats.items == 4 and stats.patches == 5 * 64 + 16
+    assert r_video.embedding.shape == (5 * 64 // 4, 16)
+    assert rel_err(r_video.embedding, alone(model, video)) <= 1e-5
+    assert rel_err(r_image.embedding, alone(model, image)) <= 1e-5
+    assert r_video.forward_ms > 0
