@@ -33,6 +33,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from llm_core.decode_mirror import DecodeMirror
+
 # A mixed step sends its single-token sequences through the batched decode path when there are at
 # least this many (below it, the per-sequence prefill path costs about the same).
 MIN_DECODE_GROUP = 2
@@ -91,18 +93,28 @@ def decode_attention(
     """q [B, H, D] over the planned keys of paged k_cache [N, page, Hkv, D] / v_cache [N, page, Hkv, Dv]
     -> [B, H, Dv] in q's dtype. ``rows`` (from :func:`kv_rows`) may be passed in to share it across
     layers with the same KV-head count."""
-    num_seqs, num_heads, head_dim = q.shape
+    num_seqs, _, head_dim = q.shape
     num_kv = k_cache.shape[2]
-    group = num_heads // num_kv
     width = plan.slots.shape[1]
     if rows is None:
         rows = kv_rows(plan, num_kv)
     k = k_cache.view(-1, head_dim).index_select(0, rows).view(num_seqs, num_kv, width, head_dim)
     v = v_cache.view(-1, v_cache.shape[-1]).index_select(0, rows).view(num_seqs, num_kv, width, -1)
-    qf = q.view(num_seqs, num_kv, group, head_dim)
+    return dense_decode_attention(q, k, v, plan.bias, scale, sinks)
+
+
+def dense_decode_attention(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, sinks: Tensor | None
+) -> Tensor:
+    """q [B, H, D] over dense k [B, Hkv, M, D] / v [B, Hkv, M, Dv] with an additive bias [B, 1, 1, M]
+    (0 or -inf; every masked column must hold finite values) -> [B, H, Dv] in q's dtype."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv = k.shape[1]
+    group = num_heads // num_kv
+    qf = q.reshape(num_seqs, num_kv, group, head_dim)
     # fp32 scores and softmax whatever the cache dtype (.float() is free for fp32 tensors)
     scores = torch.matmul(qf.float(), k.float().transpose(-1, -2))  # [B, Hkv, G, M]
-    scores = torch.addcmul(plan.bias, scores, torch.tensor(scale, dtype=torch.float32))
+    scores = torch.addcmul(bias, scores, torch.tensor(scale, dtype=torch.float32))
     probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(1, num_kv, group, 1))
     out = torch.matmul(probs, v.float())  # [B, Hkv, G, Dv]
     return out.reshape(num_seqs, num_heads, -1).to(q.dtype)
@@ -241,6 +253,7 @@ class StepPlan:
         self._decode_rows: Tensor | None = None  # packed rows of the single-token sequences (mixed step)
         self._decode_seqs: Tensor | None = None  # their batch indices
         self._rope: dict[tuple[int, float], tuple[Tensor, Tensor]] = {}
+        self.mirror: DecodeMirror | None = None  # set by the model for decode steps (see decode_mirror)
 
     def _split(self) -> None:
         """Sort a mixed step's sequences into decode (one new token) and prefill ones."""

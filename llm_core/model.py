@@ -22,14 +22,17 @@ The model knows nothing about scheduling, sampling or where KV pages come from.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llm_core.attention import masked_attention, paged_attention, write_kv
 from llm_core.attention_batch import AttentionBatch, PagedKV
-from llm_core.attention_plan import StepPlan, decode_attention, prefill_attention
+from llm_core.attention_plan import StepPlan, decode_attention, dense_decode_attention, prefill_attention
 from llm_core.config import MiMoConfig
+from llm_core.decode_mirror import DecodeMirror, DecodeStep
 from llm_core.moe import DenseMLP, SparseMoE
 from llm_core.rope import PartialRotary, apply_partial_rotary_
 
@@ -135,7 +138,12 @@ class MiMoAttention(nn.Module):
         table = batch.swa_page_table if self.is_swa else batch.full_page_table
         write_kv(layer_kv.k, layer_kv.v, slots, k, v)
         if plan is not None:
-            if plan.is_decode:
+            if plan.is_decode and plan.mirror is not None:
+                km, vm, bias = plan.mirror.attend_inputs(
+                    self.layer_idx, layer_kv.k, layer_kv.v, table, self.window, k, v
+                )  # [B, Hkv, C, D], [B, Hkv, C, Dv], [B, 1, 1, C]
+                out = dense_decode_attention(q, km, vm, bias, self.scale, self.sinks)
+            elif plan.is_decode:
                 dp = plan.decode(self.is_swa, layer_kv.k.shape[1], self.window)
                 rows = plan.rows(self.is_swa, self.num_kv_heads)
                 out = decode_attention(q, layer_kv.k, layer_kv.v, dp, self.scale, self.sinks, rows)
@@ -229,6 +237,8 @@ class MiMoForCausalLM(nn.Module):
         self.model = MiMoModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        # CPU decode mirrors, one per KV cache this model runs on (see decode_mirror.py).
+        self._mirrors: weakref.WeakKeyDictionary[object, DecodeMirror] = weakref.WeakKeyDictionary()
 
     def tie_weights(self) -> None:
         """Share lm_head with the token embedding when the config ties them. Call again after
@@ -268,9 +278,23 @@ class MiMoForCausalLM(nn.Module):
         if not x.is_cuda:  # torch path: index work once per step, shared by the layers of a type
             tables = {False: batch.full_page_table, True: batch.swa_page_table}
             plan = StepPlan(tables, batch.cu_seqlens_q, batch.seq_lens, batch.max_seqlen_q)
+            plan.mirror = self._mirror_for(kv, batch, plan.is_decode)
         for layer in self.model.layers:
             x = layer(x, positions, batch, kv, plan)
         return self.model.norm(x)
+
+    def _mirror_for(self, kv: PagedKV, batch: AttentionBatch, is_decode: bool) -> DecodeMirror | None:
+        """The decode mirror of ``kv`` advanced to this step (None off decode steps, which also make
+        the next decode step rebuild it)."""
+        mirror = self._mirrors.get(kv)
+        if mirror is None:
+            mirror = self._mirrors.setdefault(kv, DecodeMirror())
+        step = None
+        if is_decode:
+            page_size = kv.layer(0).k.shape[1]
+            step = DecodeStep(batch.seq_lens.to(torch.int64), batch.full_page_table.clone(), page_size)
+        mirror.begin(kv, step)
+        return mirror if is_decode else None
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:
