@@ -14,7 +14,8 @@ Attention per layer type (see config.py):
 Values are scaled by ``attention_value_scale`` before they are cached, so the cache holds exactly
 what attention reads. Off CUDA, ``forward`` builds one ``attention_plan.StepPlan`` per step:
 gather indices, masks and rotary tables are derived once and shared by every layer of a type
-(on CUDA the Triton kernels read the page tables themselves). ``forward_dense`` is the plain
+(on CUDA the Triton kernels read the page tables themselves); decode steps read a dense mirror of
+the decode KV that advances one column per step (``decode_mirror``). ``forward_dense`` is the plain
 unpaged reference (one sequence, no cache).
 Parameter names match transformers' in-memory module tree, so a converted state dict loads as is.
 The model knows nothing about scheduling, sampling or where KV pages come from.
