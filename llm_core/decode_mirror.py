@@ -58,7 +58,12 @@ class DecodeMirror:
         self._prev: DecodeStep | None = None  # the last decode step the mirrors are up to date with
         self._layers: dict[int, LayerMirror] = {}
         self._valid: set[int] = set()  # layers already advanced to the current step
-        self._bias: dict[int, Tensor] = {}  # capacity -> fp32 [B, 1, 1, C] mask of this step
+        # Per step, shared by all layers: query positions [B], batch rows [B], columns needed, and
+        # per capacity C the column of each new token [B] and the mask [B, 1, 1, C].
+        self._q_pos = torch.zeros(0, dtype=torch.int64)
+        self._batch_rows = torch.zeros(0, dtype=torch.int64)
+        self._need = 0
+        self._cols: dict[int, tuple[Tensor, Tensor]] = {}
 
     def begin(self, owner: object, step: DecodeStep | None) -> None:
         """Start a forward on ``owner``'s KV; ``step`` is None for anything but a decode step."""
@@ -73,7 +78,11 @@ class DecodeMirror:
         self._owner = owner
         self._prev = step
         self._valid.clear()
-        self._bias.clear()
+        self._cols.clear()
+        if step is not None:
+            self._q_pos = step.seq_lens - 1
+            self._batch_rows = torch.arange(self._q_pos.shape[0], device=self._q_pos.device)
+            self._need = int(self._q_pos.max()) + 1
 
     def attend_inputs(
         self,
@@ -87,31 +96,27 @@ class DecodeMirror:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Bring layer ``layer``'s mirror to this step (new k_new [B, Hkv, D] / v_new [B, Hkv, Dv]
         already written to the pools) -> (k [B, Hkv, C, D], v [B, Hkv, C, Dv], bias [B, 1, 1, C])."""
-        step = self._prev
-        assert step is not None, "attend_inputs outside a decode step"
+        assert self._prev is not None, "attend_inputs outside a decode step"
         assert layer not in self._valid, f"layer {layer} advanced twice in one step"
-        q_pos = step.seq_lens - 1  # [B]
+        q_pos = self._q_pos
         m = self._layers.get(layer)
-        need = int(q_pos.max()) + 1
-        if m is not None and window is None and m.k.shape[2] < need:
+        if m is not None and window is None and m.k.shape[2] < self._need:
             m = None  # a full layer outgrew its capacity: rebuild wider
         if m is None:
-            cap = window if window is not None else -(-need // GROW) * GROW
+            cap = window if window is not None else -(-self._need // GROW) * GROW
             m = _rebuild(k_cache, v_cache, page_table, q_pos, cap, page_table.shape[1])
             self._layers[layer] = m
-        else:
-            cap = m.k.shape[2]
-            b = torch.arange(q_pos.shape[0], device=q_pos.device)
-            col = q_pos % cap  # [B]
-            m.k[b, :, col] = k_new.to(m.k.dtype)
-            m.v[b, :, col] = v_new.to(m.v.dtype)
-        self._valid.add(layer)
-        if cap not in self._bias:
+        cap = m.k.shape[2]
+        if cap not in self._cols:
             cols = torch.arange(cap, device=q_pos.device)
             bias = torch.zeros(q_pos.shape[0], cap, dtype=torch.float32, device=q_pos.device)
             bias.masked_fill_(cols[None, :] > q_pos[:, None], float("-inf"))
-            self._bias[cap] = bias[:, None, None, :]
-        return m.k, m.v, self._bias[cap]
+            self._cols[cap] = (q_pos % cap, bias[:, None, None, :])
+        col, bias4 = self._cols[cap]
+        m.k[self._batch_rows, :, col] = k_new.to(m.k.dtype)  # rebuilt mirrors already hold it: same values
+        m.v[self._batch_rows, :, col] = v_new.to(m.v.dtype)
+        self._valid.add(layer)
+        return m.k, m.v, bias4
 
 
 def _continues(prev: DecodeStep, step: DecodeStep) -> bool:
