@@ -11,7 +11,8 @@ Routing (DeepSeek-V3 "noaux_tc" style, no shared experts):
 
 Experts are computed grouped: the T*K (token, expert) assignments are sorted by expert, each
 expert runs one matmul over its contiguous segment, and results are scattered back with the
-routing weights (a loop over experts, never over tokens). Parameter names follow transformers'
+routing weights (a loop over experts, never over tokens). Small batches (decode) pad every
+expert's segment to the largest one and run all experts in two ``bmm`` calls instead. Parameter names follow transformers'
 in-memory layout (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]);
 checkpoint.py converts per-expert checkpoints into it.
 """
@@ -25,6 +26,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llm_core.config import MiMoConfig
+
+# Batches of at most PADDED_MAX_TOKENS tokens (decode steps) run the experts as two padded batched
+# matmuls, as long as the padded rows (E * largest expert count) stay within PADDED_WASTE times the
+# real (token, expert) assignments; otherwise (prefill) one matmul pair per expert, which is cheaper
+# once segments are long (measured on bench.llm: padded is ~7% faster in decode, ~7% slower in prefill).
+PADDED_MAX_TOKENS = 64
+PADDED_WASTE = 3
 
 
 class Routing(NamedTuple):
@@ -106,8 +114,21 @@ class GroupedExperts(nn.Module):
         flat = routing.experts.reshape(-1)  # [T*K]
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
         token_of = order // top_k  # [T*K] source token of each sorted assignment
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts_t = torch.bincount(flat, minlength=self.num_experts)  # [E]
+        counts = counts_t.tolist()
         x_sorted = x.index_select(0, token_of)  # [T*K, H]
+        capacity = max(counts)
+        if num_tokens <= PADDED_MAX_TOKENS and self.num_experts * capacity <= PADDED_WASTE * flat.shape[0]:
+            y_sorted = self._padded(x_sorted, counts_t, capacity)
+        else:
+            y_sorted = self._looped(x_sorted, counts)
+        weighted = y_sorted.float() * routing.weights.reshape(-1).index_select(0, order)[:, None]
+        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+        out.index_add_(0, token_of, weighted)
+        return out.to(x.dtype)
+
+    def _looped(self, x_sorted: Tensor, counts: list[int]) -> Tensor:
+        """One matmul pair per expert over its contiguous segment of the sorted rows."""
         y_sorted = torch.empty_like(x_sorted)
         start = 0
         for e, count in enumerate(counts):
@@ -117,10 +138,27 @@ class GroupedExperts(nn.Module):
             gate, up = F.linear(seg, self.gate_up_proj[e]).chunk(2, dim=-1)  # [c, I] each
             y_sorted[start : start + count] = F.linear(F.silu(gate) * up, self.down_proj[e])
             start += count
-        weighted = y_sorted.float() * routing.weights.reshape(-1).index_select(0, order)[:, None]
-        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-        out.index_add_(0, token_of, weighted)
-        return out.to(x.dtype)
+        return y_sorted
+
+    def _padded(self, x_sorted: Tensor, counts: Tensor, capacity: int) -> Tensor:
+        """All experts in two batched matmuls, each expert's segment padded to ``capacity`` rows::
+
+            sorted rows   | e0 e0 e0 | e1 | e2 e2 | ...
+            padded rows   | e0 e0 e0 . | e1 . . . | e2 e2 . . |    row e * C + rank in its segment
+
+        Padding rows are zero, computed, and never read back.
+        """
+        n = x_sorted.shape[0]
+        arange_e = torch.arange(self.num_experts, device=counts.device)
+        expert_of = torch.repeat_interleave(arange_e, counts)  # [T*K]
+        starts = torch.cumsum(counts, 0) - counts  # [E]
+        dest = expert_of * capacity + torch.arange(n, device=counts.device) - starts[expert_of]
+        x_pad = x_sorted.new_zeros(self.num_experts * capacity, x_sorted.shape[1])
+        x_pad.index_copy_(0, dest, x_sorted)
+        x_pad = x_pad.view(self.num_experts, capacity, -1)  # [E, C, H]
+        gate, up = torch.bmm(x_pad, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [E, C, I]
+        y_pad = torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))  # [E, C, H]
+        return y_pad.view(self.num_experts * capacity, -1).index_select(0, dest)  # [T*K, H]
 
 
 class SparseMoE(nn.Module):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from llm_core import moe as moe_module
 from llm_core.config import MiMoConfig
 from llm_core.moe import GroupedExperts, Routing, SparseMoE, TopKRouter
 
@@ -79,7 +81,13 @@ def test_router_matches_transformers() -> None:
     assert all(len(set(row)) <= cfg.topk_group for row in groups.tolist())
 
 
-def test_grouped_experts_match_per_token_loop() -> None:
+@pytest.mark.parametrize("padded_max_tokens", [0, 1000], ids=["looped", "padded"])
+def test_grouped_experts_match_per_token_loop(
+    padded_max_tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both expert paths: one matmul pair per expert, and all experts padded into two bmm calls."""
+    monkeypatch.setattr(moe_module, "PADDED_MAX_TOKENS", padded_max_tokens)
+    monkeypatch.setattr(moe_module, "PADDED_WASTE", 1000)
     cfg = moe_config()
     moe = SparseMoE(cfg)
     g = torch.Generator().manual_seed(1)
