@@ -95,8 +95,8 @@ class EncodeBatcher:
 
     ``patch_budget``: most patches in one forward (a larger single item runs alone).
     ``max_wait_ms``: longest an item waits for companions before its batch is dispatched.
-    ``max_queue_patches``: bound on queued patches (default 8 budgets, at least 262144 so that a
-    small CPU budget still queues a few one-minute videos, ~72k patches each at 640x360).
+    ``max_queue_patches``: bound on queued patches (default 8 budgets, at least 524288 so that a
+    small CPU budget still queues half a dozen one-minute videos, ~72k patches each at 640x360).
     ``forward_streams``: forwards that may run at once, each in its own thread.
     """
 
@@ -119,7 +119,7 @@ class EncodeBatcher:
         self.patch_budget = patch_budget
         self.max_wait_s = max_wait_ms / 1000.0
         self.max_queue_patches = (
-            max_queue_patches if max_queue_patches is not None else max(8 * patch_budget, 1 << 18)
+            max_queue_patches if max_queue_patches is not None else max(8 * patch_budget, 1 << 19)
         )
         self.output_device = torch.device(output_device)
         self.forward_streams = forward_streams
