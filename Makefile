@@ -9,7 +9,7 @@ STAMP := $(VENV)/.epd-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/setup_env.sh media_io/preprocess/_patchify.c
+$(STAMP): pyproject.toml setup.py scripts/setup_env.sh media_io/preprocess/_patchify.c
 	VENV=$(VENV) bash scripts/setup_env.sh
 	@touch $(STAMP)
 
