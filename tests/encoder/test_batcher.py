@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 import torch
 
-from encoder.batcher import EncodeBatcher, QueueFull
+from encoder.batcher import BatcherStats, EncodeBatcher, EncodeResult, QueueFull
 from encoder.checkpoint import random_encoder
 from encoder.config import VisionConfig
 from encoder.model import VisionTransformer
@@ -58,7 +59,7 @@ def test_batched_equals_alone_images_and_video(model: VisionTransformer) -> None
 def test_budget_splits_batches_in_order(model: VisionTransformer) -> None:
     items = [patches((1, 8, 8), i) for i in range(5)]  # 64 patches each
 
-    async def run() -> tuple[list, object]:
+    async def run() -> tuple[list[EncodeResult], BatcherStats]:
         async with EncodeBatcher(model, patch_budget=128, max_wait_ms=100) as b:
             res = await asyncio.gather(*(b.encode_timed(p) for p in items))
             return res, b.stats()
@@ -76,7 +77,7 @@ def test_oversized_item_runs_alone(model: VisionTransformer) -> None:
 
     async def run() -> list:
         async with EncodeBatcher(model, patch_budget=64, max_wait_ms=50) as b:
-            return await asyncio.gather(b.encode_timed(big), b.encode_timed(small))
+            return list(await asyncio.gather(b.encode_timed(big), b.encode_timed(small)))
 
     r_big, r_small = asyncio.run(run())
     assert r_big.batch_items == 1 and r_small.batch_items == 1
@@ -107,7 +108,7 @@ def test_failing_item_fails_only_itself(model: VisionTransformer) -> None:
     # A tensor with no data: passes the shape checks, fails inside the forward (real failure, no mock).
     bad = Patches(torch.empty(16, 1176, device="meta"), (1, 4, 4))
 
-    async def run() -> tuple[list, object]:
+    async def run() -> tuple[list[Any], BatcherStats]:
         async with EncodeBatcher(model, patch_budget=4096, max_wait_ms=200) as b:
             res = await asyncio.gather(
                 b.encode_timed(good[0]), b.encode_timed(bad), b.encode_timed(good[1]), return_exceptions=True
@@ -182,7 +183,7 @@ def test_event_loop_stays_responsive_during_forward(model: VisionTransformer) ->
 def test_streams_take_fair_shares_of_the_queue(model: VisionTransformer) -> None:
     items = [patches((1, 8, 8), i) for i in range(4)]  # 64 patches each, all queued at once
 
-    async def run() -> tuple[list, object]:
+    async def run() -> tuple[list[EncodeResult], BatcherStats]:
         async with EncodeBatcher(model, patch_budget=4096, max_wait_ms=100, forward_streams=2) as b:
             res = await asyncio.gather(*(b.encode_timed(p) for p in items))
             return res, b.stats()
@@ -234,10 +235,10 @@ def test_video_larger_than_the_budget_splits_by_frames(model: VisionTransformer,
     video = patches((5, 8, 8), 7)  # 5 temporal frames of 64 patches
     image = patches((1, 4, 4), 8)
 
-    async def run() -> tuple[list, object]:
+    async def run() -> tuple[list[EncodeResult], BatcherStats]:
         async with EncodeBatcher(model, patch_budget=128, max_wait_ms=50, forward_streams=streams) as b:
             res = await asyncio.gather(b.encode_timed(video), b.encode_timed(image))
-            return res, b.stats()
+            return list(res), b.stats()
 
     (r_video, r_image), stats = asyncio.run(run())
     # Parts of 2 + 2 + 1 frames, never more than the budget in one forward; the image rides along.
