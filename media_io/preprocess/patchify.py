@@ -29,6 +29,7 @@ multiples of ``patch_size * merge_size``.
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Literal, NamedTuple
 
@@ -176,11 +177,16 @@ def _normalize_blocks(
             out[start : start + step] = np.expand_dims(norm, temporal_axis)  # one write per copy
 
 
+@functools.cache
 def _lut(cfg: PreprocessConfig) -> np.ndarray:
-    """``[C, 256]`` float32: every uint8 value normalized with the numpy path's exact arithmetic."""
+    """``[C, 256]`` float32: every uint8 value normalized with the numpy path's exact arithmetic.
+
+    One read-only table per config (configs are frozen, so hashable)."""
     scale, bias = _affine(cfg)
     values = np.arange(256, dtype=np.float32)[None, :]
-    return np.ascontiguousarray(values * scale[:, None] + bias[:, None], dtype=np.float32)
+    lut = np.ascontiguousarray(values * scale[:, None] + bias[:, None], dtype=np.float32)
+    lut.setflags(write=False)
+    return lut
 
 
 def _rows_c(frames: np.ndarray, cfg: PreprocessConfig, grid: tuple[int, int, int]) -> torch.Tensor:
