@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from encoder.config import VisionConfig
 from encoder.model import VisionTransformer
 from encoder.rope import rope_inv_freq
-from epd.settings import epd_home
+from epd.settings import default_checkpoint_dir, epd_home
 
 FULL_MODEL_TYPE = "qwen2_5_vl"
 VISION_MODEL_TYPE = "qwen2_5_vl_vision"
@@ -50,6 +50,8 @@ DEFAULT_CONFIG = VisionConfig(
     fullatt_block_indexes=(1, 3),
 )
 DEFAULT_SEED = 20250101
+# Bump when random_encoder's generation changes: the default's directory name hashes this too.
+DEFAULT_RECIPE_VERSION = 1
 
 
 class CheckpointError(Exception):
@@ -242,12 +244,15 @@ def random_encoder(cfg: VisionConfig, seed: int) -> VisionTransformer:
 
 
 def ensure_default_checkpoint(root: Path | None = None) -> Path:
-    """Create the embedded default checkpoint under ``root/encoder`` once and return its path.
+    """Create the embedded default checkpoint under ``root/encoder-<recipe hash>`` once; return it.
 
-    Written into a temporary sibling directory and renamed into place, so concurrent workers see
+    The directory name hashes the config, seed and recipe version, so changing the default never
+    loads a checkpoint an older release generated. Written into a temporary sibling directory and renamed into place, so concurrent workers see
     either no checkpoint or a complete one; the loser of a race discards its copy.
     """
-    target = (root or default_model_dir()) / "encoder"
+    target = default_checkpoint_dir(
+        root or default_model_dir(), "encoder", (DEFAULT_CONFIG, DEFAULT_SEED, DEFAULT_RECIPE_VERSION)
+    )
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

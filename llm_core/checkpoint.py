@@ -14,7 +14,7 @@ Loading is strict: any missing or unexpected tensor, or a shape mismatch, raises
 naming the tensor. The router (``mlp.gate.*``) stays fp32 whatever ``dtype`` is asked for.
 
 The embedded default (``load_llm(None)``) is generated once from a fixed seed with the agreed small
-config and stored under ``default_model_dir()/llm``; it is written to a temporary directory and
+config and stored under ``default_model_dir()/llm-<hash of the recipe>``; it is written to a temporary directory and
 renamed into place so concurrent first starts never see a half-written checkpoint.
 """
 
@@ -33,12 +33,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from epd.settings import epd_home
+from epd.settings import default_checkpoint_dir, epd_home
 from llm_core.config import ConfigError, MiMoConfig
 from llm_core.model import MiMoForCausalLM
 from llm_core.moe import TopKRouter
 
 DEFAULT_SEED = 20260101
+# Bump when the default's generation (init_random_weights, the tokenizer) changes: the directory
+# name hashes this together with the config and seed.
+DEFAULT_RECIPE_VERSION = 1
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -251,8 +254,13 @@ def write_checkpoint(model: MiMoForCausalLM, out_dir: Path) -> None:
 
 
 def ensure_default_checkpoint(root: Path | None = None) -> Path:
-    """Create the embedded default checkpoint under ``root/llm`` once; return its directory."""
-    target = (root or default_model_dir()) / "llm"
+    """Create the embedded default checkpoint under ``root/llm-<recipe hash>`` once; return it.
+
+    The directory name hashes the config, seed and recipe version, so changing the default never
+    loads a checkpoint an older release generated."""
+    target = default_checkpoint_dir(
+        root or default_model_dir(), "llm", (default_llm_config(), DEFAULT_SEED, DEFAULT_RECIPE_VERSION)
+    )
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -169,19 +169,17 @@ def test_default_checkpoint_created_once(tmp_path: Path, monkeypatch: pytest.Mon
         t.start()
     for t in threads:
         t.join()
-    assert set(results) == {tmp_path / "home" / "encoder"}
-    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["encoder"]  # no temp dirs left
-    mtime = (tmp_path / "home" / "encoder" / "model.safetensors").stat().st_mtime_ns
+    (home,) = set(results)
+    assert home.parent == tmp_path / "home" and home.name.startswith("encoder-")
+    assert [p.name for p in (tmp_path / "home").iterdir()] == [home.name]  # no temp dirs left
+    mtime = (home / "model.safetensors").stat().st_mtime_ns
     a = load_encoder(None)
     b = load_encoder(None)
-    assert (tmp_path / "home" / "encoder" / "model.safetensors").stat().st_mtime_ns == mtime
+    assert (home / "model.safetensors").stat().st_mtime_ns == mtime
     assert a.config == DEFAULT_CONFIG and a.config.out_hidden_size == 256
     assert a.fingerprint == b.fingerprint
     # The default is a real transformers checkpoint.
-    assert (
-        json.loads((tmp_path / "home" / "encoder" / "config.json").read_text())["model_type"]
-        == "qwen2_5_vl_vision"
-    )
+    assert json.loads((home / "config.json").read_text())["model_type"] == "qwen2_5_vl_vision"
 
 
 def test_default_weights_deterministic() -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from encoder.checkpoint import load_encoder
+from encoder.checkpoint import ensure_default_checkpoint, load_encoder
 from tests.encoder.hf_fixtures import TINY_VISION, hf_vision_model, save_hf_full_model
 
 # Images larger than one window (4x4 patches) with ragged edge windows, and a 3-frame video.
@@ -133,7 +133,7 @@ def test_default_checkpoint_loads_in_transformers(tmp_path: Path, monkeypatch: p
 
     monkeypatch.setenv("EPD_HOME", str(tmp_path))
     ours = load_encoder(None)
-    ref = Qwen2_5_VisionTransformerPretrainedModel.from_pretrained(tmp_path / "encoder").eval()
+    ref = Qwen2_5_VisionTransformerPretrainedModel.from_pretrained(ensure_default_checkpoint()).eval()
     pixels, grid_thw = make_inputs([(1, 16, 12)])
     with torch.inference_mode():
         assert rel_err(ours.model(pixels, grid_thw), ref(pixels, grid_thw).pooler_output) <= 1e-4

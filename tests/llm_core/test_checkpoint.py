@@ -130,7 +130,7 @@ def test_bf16_load_keeps_router_fp32(tiny_mimo_dir: Path) -> None:
 def test_default_checkpoint_is_created_once_and_deterministic(tmp_path: Path) -> None:
     a = ensure_default_checkpoint(tmp_path / "a")
     b = ensure_default_checkpoint(tmp_path / "b")
-    assert a == tmp_path / "a" / "llm"
+    assert a.parent == tmp_path / "a" and a.name.startswith("llm-")
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     mtime = (a / "model.safetensors").stat().st_mtime_ns
     assert ensure_default_checkpoint(tmp_path / "a") == a
@@ -147,7 +147,19 @@ def test_default_checkpoint_is_created_once_and_deterministic(tmp_path: Path) ->
 def test_default_checkpoint_uses_epd_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EPD_HOME", str(tmp_path))
     loaded = load_llm(None)
-    assert loaded.model_dir == tmp_path / "llm"
+    assert loaded.model_dir == ensure_default_checkpoint() and loaded.model_dir.parent == tmp_path
+
+
+def test_a_changed_default_never_loads_an_older_checkpoint(tmp_path: Path) -> None:
+    from epd.settings import default_checkpoint_dir
+
+    cfg = default_llm_config()
+    here = default_checkpoint_dir(tmp_path, "llm", (cfg, 1, 1))
+    assert here == default_checkpoint_dir(tmp_path, "llm", (cfg, 1, 1))  # stable
+    other = dataclasses.replace(cfg, hidden_size=cfg.hidden_size * 2)
+    assert len({here, default_checkpoint_dir(tmp_path, "llm", (other, 1, 1))}) == 2
+    assert len({here, default_checkpoint_dir(tmp_path, "llm", (cfg, 2, 1))}) == 2
+    assert len({here, default_checkpoint_dir(tmp_path, "llm", (cfg, 1, 2))}) == 2
 
 
 def test_default_checkpoint_readable_by_transformers(tmp_path: Path) -> None:
