@@ -21,13 +21,11 @@ This module knows nothing of HTTP or of the services under test.
 from __future__ import annotations
 
 import hashlib
-import importlib
-import sys
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import NamedTuple
 
+from bench.video_factory import make_clip
 from media_io.preprocess.synthetic import encode, synthetic_photo
 
 # (width, height): a spread from the smallest common upload to 1080p, landscape and portrait.
@@ -112,21 +110,6 @@ def unique_variant(data: bytes, nonce: str) -> bytes:
     raise ValueError("unique_variant needs JPEG or MP4 bytes (no SOI marker or ftyp box found)")
 
 
-def load_test_helper(module: str) -> ModuleType:
-    """Import ``tests.media_io.<module>`` (loopback media server, clip factory).
-
-    These helpers live with the tests; the installed ``epd`` entry point does not put the
-    repository root on ``sys.path``, so add it (the parent of this package) when needed.
-    """
-    try:
-        return importlib.import_module(f"tests.media_io.{module}")
-    except ModuleNotFoundError:
-        root = str(Path(__file__).resolve().parent.parent)
-        if root not in sys.path:
-            sys.path.append(root)
-        return importlib.import_module(f"tests.media_io.{module}")
-
-
 def video_corpus(
     root: Path,
     count: int = 2,
@@ -139,15 +122,12 @@ def video_corpus(
 
     Clips differ by their encoder quality (crf), so every clip has distinct bytes.
     """
-    factory = load_test_helper("video_factory")
     out: list[CorpusItem] = []
     for i in range(count):
         name = f"clip-{width}x{height}-{fps:g}fps-{seconds:g}s-{i}.mp4"
 
         def make(i: int = i) -> bytes:
-            data: bytes = factory.make_clip(
-                width, height, fps, seconds, keyint=max(1, round(2 * fps)), crf=23 + i
-            )
+            data: bytes = make_clip(width, height, fps, seconds, keyint=max(1, round(2 * fps)), crf=23 + i)
             return data
 
         out.append(CorpusItem(name, _cached(root / "videos" / name, make), "video/mp4", width, height))

@@ -27,10 +27,10 @@ from bench.media_corpus import (
     CorpusItem,
     default_corpus_dir,
     image_corpus,
-    load_test_helper,
     unique_variant,
     video_corpus,
 )
+from bench.media_server import MediaServer
 from bench.service_proc import ServiceProcess, free_port
 from encoder.worker import WorkerConfig, usable_cores
 
@@ -408,11 +408,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
         if runs:
             points.append(runs)
 
-    media_server_cls = load_test_helper("media_server").MediaServer
     runs: list[report.Run] = []
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     progress = Progress(enabled=sys.stderr.isatty() or sys.stdout.isatty())
-    with media_server_cls(latency_s=args.latency_ms / 1e3) as server, progress.bar:
+    with MediaServer(latency_s=args.latency_ms / 1e3) as server, progress.bar:
         media = Media(server, images, videos, args.seed)
         # One offered rate for both services: --rate, else 80% of the first service's cold QPS.
         rate: list[float] = [args.rate] if args.rate else []

@@ -30,8 +30,9 @@ from bench.loadgen import (
     open_loop,
     poisson_schedule,
 )
-from bench.media_corpus import image_corpus, load_test_helper, unique_variant
+from bench.media_corpus import image_corpus, unique_variant
 from bench.qps_run import _summary, interleaved_ceiling
+from bench.video_factory import make_clip
 from media_io.sniff import sniff
 
 # -- media ------------------------------------------------------------------------------------------
@@ -58,7 +59,7 @@ def _frames(data: bytes) -> list[np.ndarray]:
 
 
 def test_mp4_variants_are_new_bytes_with_identical_frames() -> None:
-    clip = load_test_helper("video_factory").make_clip(64, 48, fps=8.0, seconds=1.0)
+    clip = make_clip(64, 48, fps=8.0, seconds=1.0)
     variant = unique_variant(clip, "nonce-7")
     assert variant != clip and variant.startswith(clip)
     assert sniff(variant).modality == "video"

@@ -18,6 +18,7 @@ import uvicorn
 from PIL import Image
 from safetensors.torch import load as load_safetensors
 
+from bench.video_factory import make_clip
 from encoder.checkpoint import load_encoder, random_encoder, save_vision_checkpoint
 from encoder.config import VisionConfig
 from encoder.embed_cache import EmbedCache
@@ -28,7 +29,6 @@ from media_io.config import MediaLimits
 from media_io.image import decode_image
 from media_io.preprocess import get_backend
 from media_io.video import decode_video
-from tests.media_io.video_factory import make_clip
 
 CFG = VisionConfig(
     depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=16,

@@ -37,8 +37,8 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.media_io.media_server import MediaServer
-from tests.media_io.video_factory import make_clip
+from bench.media_server import MediaServer
+from bench.video_factory import make_clip
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0

@@ -18,7 +18,7 @@ from fractions import Fraction
 import av
 import numpy as np
 
-from tests.media_io.video_factory import frame_rgb, make_clip
+from bench.video_factory import frame_rgb, make_clip
 
 
 def audio_only_mp4(seconds: float = 0.5, rate: int = 16000) -> bytes:

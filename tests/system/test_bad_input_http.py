@@ -17,11 +17,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench.media_server import MediaServer
 from media_io.errors import BadMedia, MediaError, MediaTooLarge, UnsupportedMedia
 from tests.epd.conftest import ServeProcess, multipart, unique_png
 from tests.media_io import bad_video
 from tests.media_io.bad_media import EXPECTED, bad_image_corpus
-from tests.media_io.media_server import MediaServer
 from tests.system.conftest import SVC_MAX_BODY_BYTES, Reply, check_error, request
 
 _STATUS: dict[type[MediaError], int] = {BadMedia: 400, UnsupportedMedia: 415, MediaTooLarge: 413}

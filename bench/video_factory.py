@@ -172,6 +172,7 @@ def _write_frames(
     preset: str,
 ) -> None:
     stream = out.add_stream(codec, rate=rate) if rate is not None else out.add_stream(codec)
+    assert isinstance(stream, av.VideoStream), f"{codec} is not a video codec"
     stream.width = width
     stream.height = height
     stream.pix_fmt = "yuv420p"
