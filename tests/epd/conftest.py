@@ -155,12 +155,19 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def http_json(
-    method: str, url: str, body: Any = None, headers: dict[str, str] | None = None, timeout: float = 120.0
-) -> tuple[int, Any]:
-    """One request with the standard library; returns (status, parsed JSON or raw bytes)."""
-    data: bytes | None
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    body: Any  # parsed JSON when the answer is JSON, else the raw bytes
+    headers: dict[str, str]
+
+
+def request(
+    method: str, url: str, body: Any = None, headers: dict[str, str] | None = None, timeout: float = 60.0
+) -> Reply:
+    """One HTTP request with the standard library, keeping the response headers (lower-cased)."""
     hdrs = dict(headers or {})
+    data: bytes | None
     if body is None or isinstance(body, bytes):
         data = body
     else:
@@ -169,12 +176,20 @@ def http_json(
     req = urllib.request.Request(url, data=data, method=method, headers=hdrs)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, raw, ctype = resp.status, resp.read(), resp.headers.get("content-type", "")
+            status, raw, got = resp.status, resp.read(), resp.headers
     except urllib.error.HTTPError as exc:
-        status, raw, ctype = exc.code, exc.read(), exc.headers.get("content-type", "")
-    if "json" in ctype:
-        return status, json.loads(raw)
-    return status, raw
+        status, raw, got = exc.code, exc.read(), exc.headers
+    lowered = {k.lower(): v for k, v in got.items()}
+    parsed: Any = json.loads(raw) if "json" in lowered.get("content-type", "") else raw
+    return Reply(int(status), parsed, lowered)
+
+
+def http_json(
+    method: str, url: str, body: Any = None, headers: dict[str, str] | None = None, timeout: float = 120.0
+) -> tuple[int, Any]:
+    """``request`` without the headers: (status, parsed JSON or raw bytes)."""
+    reply = request(method, url, body, headers, timeout)
+    return reply.status, reply.body
 
 
 # -- requests --------------------------------------------------------------------------------------

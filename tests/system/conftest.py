@@ -14,7 +14,6 @@ The process helpers read /proc directly (psutil is not a dependency).
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -28,7 +27,7 @@ from typing import Any
 import pytest
 
 from bench.media_server import MediaServer
-from tests.epd.conftest import ServeProcess, start_serve, stop_serve
+from tests.epd.conftest import Reply, ServeProcess, start_serve, stop_serve
 
 # The download timeout of ``svc``: a trickling origin must hit it quickly.
 SVC_FETCH_TOTAL_TIMEOUT_S = 2.0
@@ -229,35 +228,6 @@ def fault_svc() -> Iterator[ServeProcess]:
         yield server
     finally:
         stop_checked(server, before)
-
-
-@dataclass(frozen=True)
-class Reply:
-    status: int
-    body: Any  # parsed JSON when the answer is JSON, else the raw bytes
-    headers: dict[str, str]
-
-
-def request(
-    method: str, url: str, body: Any = None, headers: dict[str, str] | None = None, timeout: float = 60.0
-) -> Reply:
-    """One HTTP request with the standard library, keeping the response headers (lower-cased)."""
-    hdrs = dict(headers or {})
-    data: bytes | None
-    if body is None or isinstance(body, bytes):
-        data = body
-    else:
-        data = json.dumps(body).encode()
-        hdrs.setdefault("content-type", "application/json")
-    req = urllib.request.Request(url, data=data, method=method, headers=hdrs)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, raw, got = resp.status, resp.read(), resp.headers
-    except urllib.error.HTTPError as exc:
-        status, raw, got = exc.code, exc.read(), exc.headers
-    lowered = {k.lower(): v for k, v in got.items()}
-    parsed: Any = json.loads(raw) if "json" in lowered.get("content-type", "") else raw
-    return Reply(int(status), parsed, lowered)
 
 
 def check_error(reply: Reply, status: int | tuple[int, ...], param: str | None = "<any>") -> dict[str, Any]:

@@ -19,10 +19,10 @@ import pytest
 
 from bench.media_server import MediaServer
 from media_io.errors import BadMedia, MediaError, MediaTooLarge, UnsupportedMedia
-from tests.epd.conftest import ServeProcess, multipart, unique_png
+from tests.epd.conftest import Reply, ServeProcess, multipart, request, unique_png
 from tests.media_io import bad_video
 from tests.media_io.bad_media import EXPECTED, bad_image_corpus
-from tests.system.conftest import SVC_MAX_BODY_BYTES, Reply, check_error, request
+from tests.system.conftest import SVC_MAX_BODY_BYTES, check_error
 
 _STATUS: dict[type[MediaError], int] = {BadMedia: 400, UnsupportedMedia: 415, MediaTooLarge: 413}
 

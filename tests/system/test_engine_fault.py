@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from tests.epd.conftest import ServeProcess, http_json
-from tests.system.conftest import Reply, check_error, child_pids, pid_alive, request, wait_until
+from tests.epd.conftest import Reply, ServeProcess, http_json, request
+from tests.system.conftest import check_error, child_pids, pid_alive, wait_until
 
 CLIENT_TIMEOUT_S = 30.0
 RESTART_TIMEOUT_S = 150.0
