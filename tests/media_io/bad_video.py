@@ -13,12 +13,11 @@
 from __future__ import annotations
 
 import io
-from fractions import Fraction
 
 import av
 import numpy as np
 
-from bench.video_factory import frame_rgb, make_clip
+from bench.video_factory import make_clip, make_vfr_clip
 
 
 def audio_only_mp4(seconds: float = 0.5, rate: int = 16000) -> bytes:
@@ -51,25 +50,8 @@ def truncated_mp4(keep: float = 0.5, faststart: bool = False) -> bytes:
 
 def huge_duration_mp4(hours: float = 2.0) -> bytes:
     """Three 64x64 frames at 0 s, ``hours / 2`` and ``hours``: a tiny file declaring a long video."""
-    buf = io.BytesIO()
-    time_base = Fraction(1, 1000)
-    with av.open(buf, mode="w", format="mp4") as out:
-        stream = out.add_stream("libx264")
-        stream.width = stream.height = 64
-        stream.pix_fmt = "yuv420p"
-        stream.time_base = time_base
-        stream.codec_context.time_base = time_base
-        stream.options = {"preset": "ultrafast"}
-        last_ms = int(hours * 3600 * 1000)
-        for i, pts in enumerate((0, last_ms // 2, last_ms)):
-            frame = av.VideoFrame.from_ndarray(frame_rgb(i, 64, 64), format="rgb24")
-            frame.pts = pts
-            frame.time_base = time_base
-            for packet in stream.encode(frame):
-                out.mux(packet)
-        for packet in stream.encode(None):
-            out.mux(packet)
-    return buf.getvalue()
+    last_ms = int(hours * 3600 * 1000)
+    return make_vfr_clip([0, last_ms // 2, last_ms], 64, 64)
 
 
 def corrupt_header(seed: int = 0) -> bytes:
