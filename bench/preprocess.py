@@ -32,6 +32,7 @@ time.
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import os
 import time
@@ -55,11 +56,17 @@ OURS = ("cpu",)
 Batch = Callable[[Sequence[bytes]], list[torch.Tensor]]
 
 
-def _methods() -> dict[str, Callable[[bytes], torch.Tensor]]:
+@functools.cache
+def _hf_processors() -> tuple[Any, Any]:
+    """transformers' two Qwen2-VL image processors (torchvision, PIL), built once for both phases."""
     from transformers import Qwen2VLImageProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    fast, slow = Qwen2VLImageProcessor(), Qwen2VLImageProcessorPil()
+    return Qwen2VLImageProcessor(), Qwen2VLImageProcessorPil()
+
+
+def _methods() -> dict[str, Callable[[bytes], torch.Tensor]]:
+    fast, slow = _hf_processors()
     cpu, nodraft, dali = get_backend("cpu"), CpuBackend(jpeg_draft=False), get_backend("dali")
 
     def hf(proc: Any) -> Callable[[bytes], torch.Tensor]:
@@ -86,11 +93,8 @@ def _methods() -> dict[str, Callable[[bytes], torch.Tensor]]:
 
 def _batch_methods(pool: ThreadPoolExecutor) -> dict[str, Batch]:
     """Throughput-phase methods: a batch of JPEGs in, one ``pixel_values`` per image out."""
-    from transformers import Qwen2VLImageProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     single = _methods()
-    fast, slow = Qwen2VLImageProcessor(), Qwen2VLImageProcessorPil()
+    fast, slow = _hf_processors()
 
     def batched(proc: Any) -> Batch:
         def run(datas: Sequence[bytes]) -> list[torch.Tensor]:
