@@ -58,12 +58,12 @@ class DecodeMirror:
         self._prev: DecodeStep | None = None  # the last decode step the mirrors are up to date with
         self._layers: dict[int, LayerMirror] = {}
         self._valid: set[int] = set()  # layers already advanced to the current step
-        # Per step, shared by all layers: query positions [B], batch rows [B], columns needed, and
-        # per capacity C the column of each new token [B] and the mask [B, 1, 1, C].
+        # Per step, shared by all layers: query positions [B], columns needed, per capacity C the
+        # mask [B, 1, 1, C], and per (C, Hkv) the mirror rows the new tokens go to [B * Hkv].
         self._q_pos = torch.zeros(0, dtype=torch.int64)
-        self._batch_rows = torch.zeros(0, dtype=torch.int64)
         self._need = 0
-        self._cols: dict[int, tuple[Tensor, Tensor]] = {}
+        self._bias: dict[int, Tensor] = {}
+        self._dest: dict[tuple[int, int], Tensor] = {}
 
     def begin(self, owner: object, step: DecodeStep | None) -> None:
         """Start a forward on ``owner``'s KV; ``step`` is None for anything but a decode step."""
@@ -78,10 +78,10 @@ class DecodeMirror:
         self._owner = owner
         self._prev = step
         self._valid.clear()
-        self._cols.clear()
+        self._bias.clear()
+        self._dest.clear()
         if step is not None:
             self._q_pos = step.seq_lens - 1
-            self._batch_rows = torch.arange(self._q_pos.shape[0], device=self._q_pos.device)
             self._need = int(self._q_pos.max()) + 1
 
     def attend_inputs(
@@ -106,17 +106,25 @@ class DecodeMirror:
             cap = window if window is not None else -(-self._need // GROW) * GROW
             m = _rebuild(k_cache, v_cache, page_table, q_pos, cap, page_table.shape[1])
             self._layers[layer] = m
-        cap = m.k.shape[2]
-        if cap not in self._cols:
+        num_seqs, num_kv, cap = m.k.shape[0], m.k.shape[1], m.k.shape[2]
+        if cap not in self._bias:
             cols = torch.arange(cap, device=q_pos.device)
-            bias = torch.zeros(q_pos.shape[0], cap, dtype=torch.float32, device=q_pos.device)
+            bias = torch.zeros(num_seqs, cap, dtype=torch.float32, device=q_pos.device)
             bias.masked_fill_(cols[None, :] > q_pos[:, None], float("-inf"))
-            self._cols[cap] = (q_pos % cap, bias[:, None, None, :])
-        col, bias4 = self._cols[cap]
-        m.k[self._batch_rows, :, col] = k_new.to(m.k.dtype)  # rebuilt mirrors already hold it: same values
-        m.v[self._batch_rows, :, col] = v_new.to(m.v.dtype)
+            self._bias[cap] = bias[:, None, None, :]
+        dest = self._dest.get((cap, num_kv))
+        if dest is None:
+            # row of (b, h, column q_b mod C) in the mirror viewed as [B * Hkv * C, .]
+            heads = torch.arange(num_kv, device=q_pos.device)
+            dest = ((torch.arange(num_seqs, device=q_pos.device)[:, None] * num_kv + heads) * cap).add_(
+                (q_pos % cap)[:, None]
+            )
+            dest = self._dest[(cap, num_kv)] = dest.reshape(-1)  # [B * Hkv]
+        # rebuilt mirrors already hold the new column: rewriting it stores the same values
+        m.k.view(-1, m.k.shape[3]).index_copy_(0, dest, k_new.reshape(-1, k_new.shape[2]).to(m.k.dtype))
+        m.v.view(-1, m.v.shape[3]).index_copy_(0, dest, v_new.reshape(-1, v_new.shape[2]).to(m.v.dtype))
         self._valid.add(layer)
-        return m.k, m.v, bias4
+        return m.k, m.v, self._bias[cap]
 
 
 def _continues(prev: DecodeStep, step: DecodeStep) -> bool:

@@ -112,16 +112,14 @@ class GroupedExperts(nn.Module):
         """x [T, H] -> sum_k weights[t, k] * expert_{experts[t, k]}(x[t]), [T, H] in x's dtype."""
         num_tokens, top_k = routing.experts.shape
         flat = routing.experts.reshape(-1)  # [T*K]
+        counts_t = torch.bincount(flat, minlength=self.num_experts)  # [E]
+        if num_tokens <= PADDED_MAX_TOKENS:
+            capacity = int(counts_t.max())
+            if self.num_experts * capacity <= PADDED_WASTE * flat.shape[0]:
+                return self._padded(x, routing, capacity)
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
         token_of = order // top_k  # [T*K] source token of each sorted assignment
-        counts_t = torch.bincount(flat, minlength=self.num_experts)  # [E]
-        counts = counts_t.tolist()
-        x_sorted = x.index_select(0, token_of)  # [T*K, H]
-        capacity = max(counts)
-        if num_tokens <= PADDED_MAX_TOKENS and self.num_experts * capacity <= PADDED_WASTE * flat.shape[0]:
-            y_sorted = self._padded(x_sorted, counts_t, capacity)
-        else:
-            y_sorted = self._looped(x_sorted, counts)
+        y_sorted = self._looped(x.index_select(0, token_of), counts_t.tolist())  # [T*K, H]
         weighted = y_sorted.float() * routing.weights.reshape(-1).index_select(0, order)[:, None]
         out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
         out.index_add_(0, token_of, weighted)
@@ -140,25 +138,29 @@ class GroupedExperts(nn.Module):
             start += count
         return y_sorted
 
-    def _padded(self, x_sorted: Tensor, counts: Tensor, capacity: int) -> Tensor:
-        """All experts in two batched matmuls, each expert's segment padded to ``capacity`` rows::
+    def _padded(self, x: Tensor, routing: Routing, capacity: int) -> Tensor:
+        """All experts in two batched matmuls, each expert's rows padded to ``capacity``::
 
-            sorted rows   | e0 e0 e0 | e1 | e2 e2 | ...
-            padded rows   | e0 e0 e0 . | e1 . . . | e2 e2 . . |    row e * C + rank in its segment
+            assignments (t, k)   (0,0)->e2  (0,1)->e0  (1,0)->e2  (1,1)->e1 ...
+            padded rows          | e0 . . | e1 . . | e2 e2 . | ...    row e * C + rank of the
+                                                                     assignment among e's, in (t, k) order
 
-        Padding rows are zero, computed, and never read back.
+        Padding rows are zero, computed, and never read back. The K outputs of a token are summed
+        in fp32 after weighting (for K = 2 bit-identical to accumulating them one by one).
         """
-        n = x_sorted.shape[0]
-        arange_e = torch.arange(self.num_experts, device=counts.device)
-        expert_of = torch.repeat_interleave(arange_e, counts)  # [T*K]
-        starts = torch.cumsum(counts, 0) - counts  # [E]
-        dest = expert_of * capacity + torch.arange(n, device=counts.device) - starts[expert_of]
-        x_pad = x_sorted.new_zeros(self.num_experts * capacity, x_sorted.shape[1])
-        x_pad.index_copy_(0, dest, x_sorted)
+        num_tokens, top_k = routing.experts.shape
+        flat = routing.experts.reshape(-1)  # [T*K]
+        onehot = F.one_hot(flat, self.num_experts)  # [T*K, E]
+        rank = (onehot.cumsum(0) * onehot).sum(1) - 1  # [T*K] earlier assignments to the same expert
+        dest = flat * capacity + rank  # [T*K]
+        x_pad = x.new_zeros(self.num_experts * capacity, x.shape[1])
+        x_pad.index_copy_(0, dest, x.repeat_interleave(top_k, dim=0))
         x_pad = x_pad.view(self.num_experts, capacity, -1)  # [E, C, H]
         gate, up = torch.bmm(x_pad, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [E, C, I]
         y_pad = torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))  # [E, C, H]
-        return y_pad.view(self.num_experts * capacity, -1).index_select(0, dest)  # [T*K, H]
+        y = y_pad.view(self.num_experts * capacity, -1).index_select(0, dest)  # [T*K, H]
+        weighted = y.view(num_tokens, top_k, -1).float() * routing.weights[:, :, None]
+        return weighted.sum(1).to(x.dtype)
 
 
 class SparseMoE(nn.Module):
