@@ -184,16 +184,16 @@ def build_page_tables(seqs: list[Sequence], num_new_tokens: list[int], page_size
 
     Call after the KV manager allocated the step's pages and before ``num_computed_tokens`` moves.
     """
-    width = max((len(s.full_pages) for s in seqs), default=0)
-    full = torch.zeros(len(seqs), max(width, 1), dtype=torch.int32)
-    swa = torch.full((len(seqs), max(width, 1)), NOT_RESIDENT, dtype=torch.int32)
+    width = max(1, max((len(s.full_pages) for s in seqs), default=0))
+    assert all(len(s.swa_pages) <= width for s in seqs), "an SWA table longer than the full one"
+    # One tensor per table from padded Python rows (a copy per sequence costs more than the rows).
+    full_rows = [s.full_pages + [0] * (width - len(s.full_pages)) for s in seqs]
+    swa_rows = [s.swa_pages + [NOT_RESIDENT] * (width - len(s.swa_pages)) for s in seqs]
+    full = torch.tensor(full_rows, dtype=torch.int32).view(len(seqs), width)
+    swa = torch.tensor(swa_rows, dtype=torch.int32).view(len(seqs), width)
     full_slots: list[int] = []
     swa_slots: list[int] = []
-    for b, (s, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
-        if s.full_pages:
-            full[b, : len(s.full_pages)] = torch.tensor(s.full_pages, dtype=torch.int32)
-        if s.swa_pages:
-            swa[b, : len(s.swa_pages)] = torch.tensor(s.swa_pages, dtype=torch.int32)
+    for s, n in zip(seqs, num_new_tokens, strict=True):
         for pos in range(s.num_computed_tokens, s.num_computed_tokens + n):
             full_slots.append(s.full_slot(pos, page_size))
             swa_slots.append(s.swa_slot(pos, page_size))
