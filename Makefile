@@ -1,6 +1,6 @@
 # Two commands matter: `make serve` and `make test`. Both create .venv when missing and install
 # everything they need; re-running set-up when nothing changed costs only a stamp check (the C
-# kernel is rebuilt by the install when its source changes).
+# extensions are rebuilt by the install when their sources change).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.epd-installed
@@ -9,7 +9,7 @@ STAMP := $(VENV)/.epd-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py scripts/setup_env.sh media_io/preprocess/_patchify.c
+$(STAMP): pyproject.toml setup.py scripts/setup_env.sh media_io/preprocess/_patchify.c media_io/_jpeg.c
 	VENV=$(VENV) bash scripts/setup_env.sh
 	@touch $(STAMP)
 

@@ -4,8 +4,9 @@ Every method gets the same JPEG bytes and must return Qwen2-VL patches:
 
 - transformers     Pillow decode + ``Qwen2VLImageProcessor`` (torchvision variant)
 - transformers-pil Pillow decode + ``Qwen2VLImageProcessorPil``
-- cpu              ``get_backend("cpu").image_bytes`` (Pillow-SIMD, JPEG draft, numpy patchify)
-- cpu-nodraft      the same with full-size JPEG decode (isolates the draft's share)
+- cpu              ``get_backend("cpu").image_bytes`` (libjpeg decode with DCT scaling into a reused
+                   buffer, Pillow-SIMD resize, C normalize + patchify)
+- cpu-nodraft      the same with full-size JPEG decode (isolates the DCT scaling's share)
 - dali             ``get_backend("dali").image_bytes`` (GPU when present, else DALI's CPU operators)
 
 Two phases, each with rounds interleaved (one run of every method per round) so load from other
@@ -26,6 +27,10 @@ in ``summary.latency_speedup_vs_transformers_by_size``. ``summary.max_abs_diff_c
 (all threads, spinning included): on a machine shared with other work it is steadier than wall
 time.
 
+The process runs with the allocator setting every epd process starts with
+(``epd.allocator.keep_freed_memory``: freed large buffers are reused, not unmapped); it applies
+to every method alike, and the table caption says whether it was in effect.
+
     python -m bench.preprocess [--repeats 20] [--rounds 5] [--batch 8] [--json out.json] [--quick]
 """
 
@@ -44,6 +49,7 @@ import torch
 from PIL import Image
 
 from bench.common import add_common_args, format_machine, machine_info, percentiles, print_table, write_json
+from epd.allocator import keep_freed_memory
 from media_io.preprocess import get_backend
 from media_io.preprocess.cpu import CpuBackend
 from media_io.preprocess.synthetic import encode, synthetic_photo
@@ -238,7 +244,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sizes = QUICK_SIZES if args.quick else SIZES
     repeats = 2 if args.quick else args.repeats
     rounds, batch = (1, 2) if args.quick else (args.rounds, args.batch)
-    machine = machine_info()
+    # The encoder worker runs with this allocator setting (every epd process does); it applies to
+    # every method in this process alike.
+    freed_memory_kept = keep_freed_memory()
+    machine = {**machine_info(), "malloc_keeps_freed_memory": freed_memory_kept}
     rows, summary = run(sizes, repeats, args.seed)
     tp_rows, tp_ratios = run_throughput(sizes, batch, rounds, args.seed, args.threads)
     summary = {
@@ -266,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ]
             for r in rows
         ],
-        caption=format_machine(machine),
+        caption=f"{format_machine(machine)} | malloc keeps freed memory: {freed_memory_kept}",
     )
     print_table(
         f"Throughput: batches of {batch} distinct JPEGs, images/s (P50 of {rounds} rounds)",

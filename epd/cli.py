@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from epd.allocator import keep_freed_memory
+
 # subcommand -> (module, help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("epd.serve_cmd", "start ingress, encoder workers and the LLM engine on this machine"),
@@ -31,6 +33,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_freed_memory()  # every role process starts here (the supervisor spawns `epd <role>`)
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(only=command if command in SUBCOMMANDS else "").parse_args(argv)

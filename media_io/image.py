@@ -102,21 +102,11 @@ def decode_image_sized(
     min_size: SizeHint | None = None,
 ) -> DecodedImage:
     """``decode_image`` plus the full upright ``(height, width)``, for callers that pass ``min_size``."""
-    if len(data) > limits.max_bytes:
-        raise MediaTooLarge(f"image is {len(data)} bytes, over the {limits.max_bytes}-byte limit", item)
-    try:
-        kind = sniff(data)
-    except (BadMedia, UnsupportedMedia) as exc:
-        raise type(exc)(exc.message, item) from exc
-    if kind.modality != "image":
-        raise UnsupportedMedia(f"expected an image, got {kind.format} video", item)
-    fmt = kind.format
-
-    img = _open_header(data, fmt, limits, item)
+    img, fmt = open_header(data, limits, item)
     width, height = img.size  # as stored, before any rotation
     if fmt == "jpeg" and min_size is not None:
         # JPEG's EXIF sits in APP1, before the pixels: the orientation is known before decoding.
-        transposed = _orientation(img) in _TRANSPOSING_ORIENTATIONS
+        transposed = orientation(img) in _TRANSPOSING_ORIENTATIONS
         _draft(img, min_size(*((width, height) if transposed else (height, width))), transposed)
     try:
         img.load()  # the full decode (first frame of an animation)
@@ -142,7 +132,24 @@ def _draft(img: Image.Image, target: tuple[int, int], transposed: bool) -> None:
     img.draft(img.mode, request)
 
 
-def _orientation(img: Image.Image) -> int:
+def open_header(data: bytes, limits: MediaLimits, item: str | None) -> tuple[Image.Image, str]:
+    """Sniff the format and parse only the header, with the byte and pixel caps enforced.
+
+    Returns the lazily opened image (nothing decoded yet) and its format name. Raises like
+    ``decode_image`` for everything that can be told before the pixels.
+    """
+    if len(data) > limits.max_bytes:
+        raise MediaTooLarge(f"image is {len(data)} bytes, over the {limits.max_bytes}-byte limit", item)
+    try:
+        kind = sniff(data)
+    except (BadMedia, UnsupportedMedia) as exc:
+        raise type(exc)(exc.message, item) from exc
+    if kind.modality != "image":
+        raise UnsupportedMedia(f"expected an image, got {kind.format} video", item)
+    return _open_header(data, kind.format, limits, item), kind.format
+
+
+def orientation(img: Image.Image) -> int:
     """The EXIF orientation (1 when absent or unreadable: corrupt EXIF loses only the rotation)."""
     try:
         value = img.getexif().get(_EXIF_ORIENTATION_TAG, 1)
@@ -181,7 +188,7 @@ def _upright(img: Image.Image) -> Image.Image:
     Upright images are returned as they are, without ``exif_transpose``'s full copy. Corrupt
     EXIF only loses the rotation, not the image.
     """
-    if _orientation(img) not in range(2, 9):
+    if orientation(img) not in range(2, 9):
         return img
     with contextlib.suppress(*_DECODE_ERRORS):
         return ImageOps.exif_transpose(img)

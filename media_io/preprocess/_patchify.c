@@ -10,7 +10,7 @@
  * computed by the caller with numpy, so this kernel and the numpy path give identical bits.
  *
  * Layout (see patchify.py for the picture):
- *   frames  [T, H, W, C] uint8, C-contiguous
+ *   frames  [T, H, W, S] uint8, C-contiguous, S >= C bytes per pixel (RGBX: S = 4, C = 3)
  *   out     [gt * gh * gw, C * tp * p * p] float32, C-contiguous
  *   rows:   t -> h/m -> w/m -> m (merge row) -> m (merge col)
  *   cols:   c -> temporal slot -> y -> x
@@ -47,18 +47,18 @@ static inline __attribute__((always_inline)) void fill_blocks(const uint8_t *res
                                                               const float *restrict lut,
                                                               float (*restrict blocks)[MAX_BLOCK],
                                                               Py_ssize_t line_stride, Py_ssize_t C,
-                                                              Py_ssize_t p) {
+                                                              Py_ssize_t S, Py_ssize_t p) {
     for (Py_ssize_t y = 0; y < p; y++, src += line_stride)
         for (Py_ssize_t x = 0; x < p; x++)
-            for (Py_ssize_t c = 0; c < C; c++) blocks[c][y * p + x] = lut[c * 256 + src[x * C + c]];
+            for (Py_ssize_t c = 0; c < C; c++) blocks[c][y * p + x] = lut[c * 256 + src[x * S + c]];
 }
 
 static void patchify_rows(const uint8_t *restrict frames, const float *restrict lut,
                           float *restrict out, Py_ssize_t T, Py_ssize_t H, Py_ssize_t W,
-                          Py_ssize_t C, Py_ssize_t p, Py_ssize_t m, Py_ssize_t tp) {
+                          Py_ssize_t C, Py_ssize_t S, Py_ssize_t p, Py_ssize_t m, Py_ssize_t tp) {
     const Py_ssize_t gh = H / p, gw = W / p, gt = (T + tp - 1) / tp;
     const Py_ssize_t pp = p * p, row_len = C * tp * pp;
-    const Py_ssize_t frame_stride = H * W * C, line_stride = W * C;
+    const Py_ssize_t frame_stride = H * W * S, line_stride = W * S;
     /* One normalized p x p block per channel, rebuilt when the slot's frame changes. */
     _Alignas(16) float blocks[4][MAX_BLOCK];
     float *row = out;
@@ -72,11 +72,13 @@ static void patchify_rows(const uint8_t *restrict frames, const float *restrict 
                         for (Py_ssize_t s = 0; s < tp; s++) {
                             const Py_ssize_t f = t * tp + s < T ? t * tp + s : T - 1;
                             if (f != prev) { /* an image repeats its frame: build once */
-                                const uint8_t *src = frames + f * frame_stride + y0 * line_stride + x0 * C;
-                                if (C == 3 && p == 14)
-                                    fill_blocks(src, lut, blocks, line_stride, 3, 14);
+                                const uint8_t *src = frames + f * frame_stride + y0 * line_stride + x0 * S;
+                                if (C == 3 && S == 3 && p == 14)
+                                    fill_blocks(src, lut, blocks, line_stride, 3, 3, 14);
+                                else if (C == 3 && S == 4 && p == 14)
+                                    fill_blocks(src, lut, blocks, line_stride, 3, 4, 14);
                                 else
-                                    fill_blocks(src, lut, blocks, line_stride, C, p);
+                                    fill_blocks(src, lut, blocks, line_stride, C, S, p);
                                 prev = f;
                             }
                             for (Py_ssize_t c = 0; c < C; c++)
@@ -92,20 +94,21 @@ static void patchify_rows(const uint8_t *restrict frames, const float *restrict 
 #endif
 }
 
-/* patchify(frames, lut, out, T, H, W, C, patch, merge, temporal) -> None
+/* patchify(frames, lut, out, T, H, W, C, S, patch, merge, temporal) -> None
+ * S: bytes per pixel in frames (>= C; 4 for RGBX, whose 4th byte is skipped).
  * Buffers are checked for size and contiguity here; the shape arithmetic is the caller's. */
 static PyObject *py_patchify(PyObject *self, PyObject *args) {
     Py_buffer frames, lut, out;
-    Py_ssize_t T, H, W, C, p, m, tp;
+    Py_ssize_t T, H, W, C, S, p, m, tp;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*w*nnnnnnn", &frames, &lut, &out, &T, &H, &W, &C, &p, &m, &tp))
+    if (!PyArg_ParseTuple(args, "y*y*w*nnnnnnnn", &frames, &lut, &out, &T, &H, &W, &C, &S, &p, &m, &tp))
         return NULL;
     PyObject *result = NULL;
-    if (T < 1 || H < 1 || W < 1 || C < 1 || C > 4 || p < 1 || p * p > MAX_BLOCK || m < 1 || tp < 1 ||
+    if (T < 1 || H < 1 || W < 1 || C < 1 || C > 4 || S < C || p < 1 || p * p > MAX_BLOCK || m < 1 || tp < 1 ||
         H % (p * m) || W % (p * m)) {
         PyErr_SetString(PyExc_ValueError, "patchify: invalid shape");
-    } else if (frames.len != T * H * W * C) {
-        PyErr_SetString(PyExc_ValueError, "patchify: frames buffer size does not match T*H*W*C");
+    } else if (frames.len != T * H * W * S) {
+        PyErr_SetString(PyExc_ValueError, "patchify: frames buffer size does not match T*H*W*S");
     } else if (lut.len != (Py_ssize_t)(C * 256 * sizeof(float))) {
         PyErr_SetString(PyExc_ValueError, "patchify: lut must be C*256 float32");
     } else if (out.len != (Py_ssize_t)(((T + tp - 1) / tp) * (H / p) * (W / p) * C * tp * p * p *
@@ -117,7 +120,7 @@ static PyObject *py_patchify(PyObject *self, PyObject *args) {
     } else {
         Py_BEGIN_ALLOW_THREADS
         patchify_rows((const uint8_t *)frames.buf, (const float *)lut.buf, (float *)out.buf, T, H, W,
-                      C, p, m, tp);
+                      C, S, p, m, tp);
         Py_END_ALLOW_THREADS
         result = Py_None;
         Py_INCREF(result);
@@ -130,11 +133,12 @@ static PyObject *py_patchify(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"patchify", py_patchify, METH_VARARGS,
-     "patchify(frames, lut, out, T, H, W, C, patch, merge, temporal): uint8 [T,H,W,C] -> float32 "
-     "patch rows, normalized through lut [C, 256]; releases the GIL."},
+     "patchify(frames, lut, out, T, H, W, C, S, patch, merge, temporal): uint8 [T,H,W,S] (S >= C "
+     "bytes per pixel, the first C used) -> float32 patch rows, normalized through lut [C, 256]; "
+     "releases the GIL."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_patchify", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_patchify", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__patchify(void) { return PyModule_Create(&module); }

@@ -8,6 +8,7 @@ def patchify(
     h: int,
     w: int,
     c: int,
+    stride: int,
     patch: int,
     merge: int,
     temporal: int,

@@ -1,12 +1,15 @@
-"""The ``cpu`` backend: Pillow(-SIMD) decode and resize, single-threaded normalize and patchify.
+"""The ``cpu`` backend: libjpeg or Pillow(-SIMD) decode, Pillow-SIMD resize, C normalize + patchify.
 
-Per image:  bytes --decode (JPEG: DCT-domain draft when <= 1/2)--> RGB PIL
+Per image:  bytes --JPEG: media_io.jpeg (libjpeg into a reused per-thread buffer, 1/2..1/8 IDCT
+                   scaling when the target allows); other formats, CMYK, EXIF rotation, corrupt
+                   data: media_io.image (Pillow)--> RGB(X) PIL image
                  --Image.resize(BICUBIC; Pillow's filter is antialiased)--> target size
-                 --uint8 [1, H, W, 3]--> patchify_uint8 (uint8 reorder, then one fused normalize)
+                 --uint8 [1, H, W, 4] view of Pillow's memory--> patchify_uint8 (one C pass: normalize,
+                   patch order)
 
 No float64 anywhere and no Python loop over patches. Every step is single-threaded and releases
-the GIL (Pillow's decode/resize, numpy's copies and ufuncs), so throughput scales by running
-images in several executor threads, without fighting a model for torch's intra-op pool.
+the GIL (libjpeg and Pillow's decode/resize, the patchify kernel), so throughput scales by
+running images in several executor threads, without fighting a model for torch's intra-op pool.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from PIL import Image
 from media_io.config import MediaLimits, PreprocessConfig
 from media_io.errors import BadMedia
 from media_io.image import decode_image_sized, to_rgb
+from media_io.jpeg import decode_jpeg_reusing
 from media_io.preprocess.patchify import Patches, patchify_uint8
+from media_io.preprocess.pillow_pixels import pillow_pixels
 from media_io.preprocess.resize import smart_resize, video_frame_target
 
 
@@ -28,7 +33,7 @@ class CpuBackend:
     """Preprocessing on the CPU; see ``PreprocessBackend`` for the contract.
 
     ``jpeg_draft`` lets libjpeg decode large JPEGs at 1/2, 1/4 or 1/8 scale when the target is at
-    most half the size (see ``media_io.image``); ``False`` decodes at full size like the reference.
+    most half the size (see ``media_io.jpeg``); ``False`` decodes at full size like the reference.
     """
 
     name = "cpu"
@@ -57,6 +62,10 @@ class CpuBackend:
         target_fn = functools.partial(self.target, item=item)
         # The target is the decode's size hint (JPEG DCT scaling) and is computed from the full
         # upright size, so the grid is the reference's whatever scale libjpeg decoded at.
+        hint = target_fn if self.jpeg_draft else _full_size
+        fast = decode_jpeg_reusing(data, limits, item, min_size=hint)  # None: not for the fast path
+        if fast is not None:
+            return self._resized_patches(fast.image, target_fn(*fast.full_size))
         decoded = decode_image_sized(data, limits, item, min_size=target_fn if self.jpeg_draft else None)
         return self._resized_patches(decoded.image, target_fn(*decoded.full_size))
 
@@ -73,10 +82,16 @@ class CpuBackend:
         return patchify_uint8(frames, self.cfg)
 
     def _resized_patches(self, img: Image.Image, target: tuple[int, int]) -> Patches:
+        """``img`` (RGB, or RGBX from the fast JPEG path) resized to ``target``, then patchified."""
         th, tw = target
         img = _resize(img, th, tw)
-        pixels = np.asarray(img)[None]  # [1, H, W, 3] uint8, Pillow's buffer without a copy
-        return patchify_uint8(pixels, self.cfg)
+        with pillow_pixels(img) as pixels:  # [H, W, 4] view of Pillow's memory, else a copy
+            return patchify_uint8(pixels[None], self.cfg)
+
+
+def _full_size(height: int, width: int) -> tuple[int, int]:
+    """A decode size hint that keeps every pixel (no DCT scaling)."""
+    return height, width
 
 
 def _resize(img: Image.Image, height: int, width: int) -> Image.Image:

@@ -73,8 +73,9 @@ def patchify_uint8(
     """Normalize (rescale 1/255, CLIP mean/std) and patchify ``frames``.
 
     Args:
-        frames: ``[T, H, W, 3]`` uint8 RGB (channels last, as decoders produce it): a tensor on
-            any device, or a numpy array (read-only is fine: it is never written).
+        frames: ``[T, H, W, 3]`` uint8 RGB (channels last, as decoders produce it), or
+            ``[T, H, W, 4]`` RGBX whose 4th byte is ignored (Pillow's layout for RGB): a tensor
+            on any device, or a numpy array (read-only is fine: it is never written).
             ``H`` and ``W`` must be multiples of ``patch_size * merge_size``. ``T == 1`` for an image.
         impl: ``"c"`` (the one-pass C kernel), ``"numpy"`` (both CPU only) or ``"torch"``;
             ``"auto"`` picks C on CPU when it was built, else numpy. All give the same values.
@@ -87,7 +88,9 @@ def patchify_uint8(
         ``Patches`` with ``pixel_values`` ``[t*h*w, 3*tp*p*p]`` float32 on ``frames.device`` and
         ``grid_thw == (ceil(T / tp), H / p, W / p)``.
     """
-    assert frames.ndim == 4 and frames.shape[-1] == 3, f"expected [T, H, W, 3], got {tuple(frames.shape)}"
+    assert frames.ndim == 4 and frames.shape[-1] in (3, 4), (
+        f"expected [T, H, W, 3|4], got {tuple(frames.shape)}"
+    )
     assert frames.dtype in (torch.uint8, np.uint8), f"expected uint8 pixels, got {frames.dtype}"
     n_frames, height, width, _ = frames.shape
     p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
@@ -104,13 +107,13 @@ def patchify_uint8(
         assert frames_np is not None and _c_kernel is not None, (
             "impl='c' needs CPU pixels and the built kernel"
         )
-        pixel_values = _rows_c(frames_np, cfg, grid)
+        pixel_values = _rows_c(frames_np, cfg, grid)  # reads RGBX in place
     elif impl == "numpy":
         assert frames_np is not None, "impl='numpy' needs CPU pixels"
-        pixel_values = torch.from_numpy(_rows_numpy(frames_np, cfg))
+        pixel_values = torch.from_numpy(_rows_numpy(frames_np[..., :3], cfg))
     else:
         tensor = torch.from_numpy(frames) if isinstance(frames, np.ndarray) else frames
-        pixel_values = _rows_torch(tensor, cfg)
+        pixel_values = _rows_torch(tensor[..., :3], cfg)
     return Patches(pixel_values, grid)
 
 
@@ -191,11 +194,11 @@ def _lut(cfg: PreprocessConfig) -> np.ndarray:
 
 def _rows_c(frames: np.ndarray, cfg: PreprocessConfig, grid: tuple[int, int, int]) -> torch.Tensor:
     assert _c_kernel is not None
-    n, height, width, c = frames.shape
+    n, height, width, stride = frames.shape  # stride 4: RGBX
     p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
-    out = torch.empty(grid[0] * grid[1] * grid[2], c * tp * p * p, dtype=torch.float32)  # [N, 1176]
+    out = torch.empty(grid[0] * grid[1] * grid[2], 3 * tp * p * p, dtype=torch.float32)  # [N, 1176]
     src = np.ascontiguousarray(frames)  # PIL's and PyAV's arrays already are: no copy
-    _c_kernel.patchify(src, _lut(cfg), out.numpy(), n, height, width, c, p, m, tp)
+    _c_kernel.patchify(src, _lut(cfg), out.numpy(), n, height, width, 3, stride, p, m, tp)
     return out
 
 
@@ -207,14 +210,14 @@ def _rows_torch(frames: torch.Tensor, cfg: PreprocessConfig) -> torch.Tensor:
     scale = torch.from_numpy(scale_np).to(frames.device).view(c, 1, 1, 1)  # broadcast over (tp, p, p)
     bias = torch.from_numpy(bias_np).to(frames.device).view(c, 1, 1, 1)
     if n == 1:
-        src = frames[0].view(gh // m, m, p, gw // m, m, p, c).permute(_IMAGE_PERM).unsqueeze(5)
+        src = frames[0].reshape(gh // m, m, p, gw // m, m, p, c).permute(_IMAGE_PERM).unsqueeze(5)
         rows = src.contiguous().to(torch.float32).mul_(scale).add_(bias)  # [gh/m, gw/m, m, m, C, 1, p, p]
         rows = rows.expand(-1, -1, -1, -1, -1, tp, -1, -1)
     else:
         if pad := -n % tp:  # repeat the last frame
             frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
         gt = frames.shape[0] // tp
-        src = frames.view(gt, tp, gh // m, m, p, gw // m, m, p, c).permute(_VIDEO_PERM)
+        src = frames.reshape(gt, tp, gh // m, m, p, gw // m, m, p, c).permute(_VIDEO_PERM)
         rows = (
             src.contiguous().to(torch.float32).mul_(scale).add_(bias)
         )  # [gt, gh/m, gw/m, m, m, C, tp, p, p]

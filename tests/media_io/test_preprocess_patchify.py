@@ -107,6 +107,16 @@ def test_c_kernel_takes_strided_input() -> None:
     )
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("t", [1, 3])
+def test_rgbx_input_ignores_the_fourth_byte(impl: str, t: int) -> None:
+    rgb = _frames(t, 56, 84, seed=11).numpy()
+    rgbx = np.concatenate([rgb, np.full((*rgb.shape[:3], 1), 77, np.uint8)], axis=3)  # Pillow's RGB layout
+    a, b = patchify_uint8(rgbx, CFG, impl=impl), patchify_uint8(rgb, CFG, impl="numpy")
+    assert a.grid_thw == b.grid_thw
+    assert torch.equal(a.pixel_values, b.pixel_values)
+
+
 @needs_c
 def test_c_kernel_rejects_a_buffer_of_the_wrong_size() -> None:
     from media_io.preprocess import _patchify
@@ -114,6 +124,6 @@ def test_c_kernel_rejects_a_buffer_of_the_wrong_size() -> None:
     frames = np.zeros((1, 28, 28, 3), np.uint8)
     lut = np.zeros((3, 256), np.float32)
     with pytest.raises(ValueError, match="out buffer size"):
-        _patchify.patchify(frames, lut, np.zeros(10, np.float32), 1, 28, 28, 3, 14, 2, 2)
+        _patchify.patchify(frames, lut, np.zeros(10, np.float32), 1, 28, 28, 3, 3, 14, 2, 2)
     with pytest.raises(ValueError, match="frames buffer size"):
-        _patchify.patchify(frames, lut, np.zeros((4, 1176), np.float32), 1, 56, 28, 3, 14, 2, 2)
+        _patchify.patchify(frames, lut, np.zeros((4, 1176), np.float32), 1, 56, 28, 3, 3, 14, 2, 2)

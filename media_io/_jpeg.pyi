@@ -1,0 +1,3 @@
+from typing_extensions import Buffer
+
+def decode(data: Buffer, scale_num: int, out: Buffer, /) -> tuple[int, int]: ...
