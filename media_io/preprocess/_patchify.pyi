@@ -3,6 +3,7 @@ from typing_extensions import Buffer
 def patchify(
     frames: Buffer,
     lut: Buffer,
+    affine: Buffer,
     out: Buffer,
     t: int,
     h: int,

@@ -181,15 +181,19 @@ def _normalize_blocks(
 
 
 @functools.cache
-def _lut(cfg: PreprocessConfig) -> np.ndarray:
-    """``[C, 256]`` float32: every uint8 value normalized with the numpy path's exact arithmetic.
+def _tables(cfg: PreprocessConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The C kernel's read-only tables: ``lut [C, 256]`` and ``affine [2, C]`` float32.
 
-    One read-only table per config (configs are frozen, so hashable)."""
+    ``lut[c, v]`` is every uint8 value normalized with the numpy path's exact arithmetic (a
+    float32 multiply, then an add); ``affine`` is the scale and bias it was built from, for the
+    kernel's SIMD path, which does that same arithmetic. One pair per config (frozen, hashable)."""
     scale, bias = _affine(cfg)
     values = np.arange(256, dtype=np.float32)[None, :]
     lut = np.ascontiguousarray(values * scale[:, None] + bias[:, None], dtype=np.float32)
-    lut.setflags(write=False)
-    return lut
+    affine = np.ascontiguousarray(np.stack([scale, bias]), dtype=np.float32)
+    for table in (lut, affine):
+        table.setflags(write=False)
+    return lut, affine
 
 
 def _rows_c(frames: np.ndarray, cfg: PreprocessConfig, grid: tuple[int, int, int]) -> torch.Tensor:
@@ -198,7 +202,8 @@ def _rows_c(frames: np.ndarray, cfg: PreprocessConfig, grid: tuple[int, int, int
     p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
     out = torch.empty(grid[0] * grid[1] * grid[2], 3 * tp * p * p, dtype=torch.float32)  # [N, 1176]
     src = np.ascontiguousarray(frames)  # PIL's and PyAV's arrays already are: no copy
-    _c_kernel.patchify(src, _lut(cfg), out.numpy(), n, height, width, 3, stride, p, m, tp)
+    lut, affine = _tables(cfg)
+    _c_kernel.patchify(src, lut, affine, out.numpy(), n, height, width, 3, stride, p, m, tp)
     return out
 
 

@@ -122,8 +122,10 @@ def test_c_kernel_rejects_a_buffer_of_the_wrong_size() -> None:
     from media_io.preprocess import _patchify
 
     frames = np.zeros((1, 28, 28, 3), np.uint8)
-    lut = np.zeros((3, 256), np.float32)
+    lut, affine = np.zeros((3, 256), np.float32), np.zeros((2, 3), np.float32)
     with pytest.raises(ValueError, match="out buffer size"):
-        _patchify.patchify(frames, lut, np.zeros(10, np.float32), 1, 28, 28, 3, 3, 14, 2, 2)
+        _patchify.patchify(frames, lut, affine, np.zeros(10, np.float32), 1, 28, 28, 3, 3, 14, 2, 2)
     with pytest.raises(ValueError, match="frames buffer size"):
-        _patchify.patchify(frames, lut, np.zeros((4, 1176), np.float32), 1, 56, 28, 3, 3, 14, 2, 2)
+        _patchify.patchify(frames, lut, affine, np.zeros((4, 1176), np.float32), 1, 56, 28, 3, 3, 14, 2, 2)
+    with pytest.raises(ValueError, match="affine"):
+        _patchify.patchify(frames, lut, affine[:1], np.zeros((4, 1176), np.float32), 1, 28, 28, 3, 3, 14, 2, 2)
