@@ -128,4 +128,6 @@ def test_c_kernel_rejects_a_buffer_of_the_wrong_size() -> None:
     with pytest.raises(ValueError, match="frames buffer size"):
         _patchify.patchify(frames, lut, affine, np.zeros((4, 1176), np.float32), 1, 56, 28, 3, 3, 14, 2, 2)
     with pytest.raises(ValueError, match="affine"):
-        _patchify.patchify(frames, lut, affine[:1], np.zeros((4, 1176), np.float32), 1, 28, 28, 3, 3, 14, 2, 2)
+        _patchify.patchify(
+            frames, lut, affine[:1], np.zeros((4, 1176), np.float32), 1, 28, 28, 3, 3, 14, 2, 2
+        )
