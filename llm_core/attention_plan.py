@@ -113,17 +113,30 @@ def dense_decode_attention(
     q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, sinks: Tensor | None
 ) -> Tensor:
     """q [B, H, D] over dense k [B, Hkv, M, D] / v [B, Hkv, M, Dv] with an additive bias [B, 1, 1, M]
-    (0 or -inf; every masked column must hold finite values) -> [B, H, Dv] in q's dtype."""
+    (0 or -inf; every masked column must hold finite values) -> [B, H, Dv] in q's dtype.
+
+    Scores are computed keys-major, [M, D] x [D, G] per (sequence, KV head): with only G query
+    heads per KV head, MKL's batched GEMM runs this orientation ~1.2x (G = 2) to ~1.4x (G = 4)
+    faster than [G, D] x [D, M] on cold (just evicted) keys, which is what decode reads."""
     num_seqs, num_heads, head_dim = q.shape
-    num_kv = k.shape[1]
+    num_kv, width = k.shape[1], k.shape[2]
     group = num_heads // num_kv
-    qf = q.reshape(num_seqs, num_kv, group, head_dim)
     # fp32 scores and softmax whatever the cache dtype (.float() is free for fp32 tensors)
-    scores = torch.matmul(qf.float(), k.float().transpose(-1, -2))  # [B, Hkv, G, M]
-    scores = torch.addcmul(bias, scores, torch.tensor(scale, dtype=torch.float32))
+    qf = q.float().reshape(num_seqs * num_kv, group, head_dim)  # [B * Hkv, G, D]
+    kf = k.float().reshape(num_seqs * num_kv, width, head_dim)  # [B * Hkv, M, D]
+    scores_t = torch.bmm(kf, qf.transpose(1, 2)).view(num_seqs, num_kv, width, group)  # [B, Hkv, M, G]
+    # out=: a contiguous [B, Hkv, G, M] (addcmul would otherwise keep the transposed layout)
+    scores = torch.empty(num_seqs, num_kv, group, width, dtype=torch.float32, device=q.device)
+    torch.addcmul(bias, scores_t.transpose(-1, -2), _scalar(scale, q.device), out=scores)
     probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(1, num_kv, group, 1))
     out = torch.matmul(probs, v.float())  # [B, Hkv, G, Dv]
     return out.reshape(num_seqs, num_heads, -1).to(q.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _scalar(value: float, device: torch.device) -> Tensor:
+    """A cached fp32 0-dim tensor (addcmul's multiplier; read only)."""
+    return torch.tensor(value, dtype=torch.float32, device=device)
 
 
 def kv_rows(plan: DecodePlan, num_kv: int) -> Tensor:

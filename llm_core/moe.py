@@ -89,14 +89,15 @@ class TopKRouter(nn.Module):
             grouped = choice.view(-1, self.n_group, per_group)  # [T, G, E/G]
             group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
             keep = group_scores.topk(self.topk_group, dim=-1).indices  # [T, topk_group]
-            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-            expert_mask = group_mask[:, :, None].expand_as(grouped).reshape_as(choice)
-            choice = choice.masked_fill(~expert_mask, float("-inf"))
+            dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)  # [T, G]
+            choice = grouped.masked_fill(dropped[:, :, None], float("-inf")).view_as(choice)
         experts = choice.topk(self.top_k, dim=-1).indices  # [T, K]
         weights = scores.gather(1, experts)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return Routing(experts, weights * self.scaling)
+        if self.scaling != 1.0:  # x * 1.0 == x: skip the op
+            weights = weights * self.scaling
+        return Routing(experts, weights)
 
 
 class GroupedExperts(nn.Module):
