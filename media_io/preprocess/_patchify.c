@@ -48,9 +48,14 @@ static inline __attribute__((always_inline)) void fill_blocks(const uint8_t *res
                                                               float (*restrict blocks)[MAX_BLOCK],
                                                               Py_ssize_t line_stride, Py_ssize_t C,
                                                               Py_ssize_t S, Py_ssize_t p) {
-    for (Py_ssize_t y = 0; y < p; y++, src += line_stride)
+    for (Py_ssize_t y = 0; y < p; y++, src += line_stride) {
+        /* The next 2x2 merge group's pixels start 2p pixels to the right: fetch this row's part
+         * of it now (p rows at a stride are too many streams for the hardware prefetcher). */
+        __builtin_prefetch(src + 2 * p * S);
+        __builtin_prefetch(src + 2 * p * S + 64);
         for (Py_ssize_t x = 0; x < p; x++)
             for (Py_ssize_t c = 0; c < C; c++) blocks[c][y * p + x] = lut[c * 256 + src[x * S + c]];
+    }
 }
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -78,6 +83,8 @@ __attribute__((target("sse4.1"))) static void fill_blocks_rgbx14(const uint8_t *
     }
     static const int x0[4] = {0, 4, 8, 10};
     for (Py_ssize_t y = 0; y < 14; y++, src += line_stride) {
+        __builtin_prefetch(src + 4 * 28); /* the next merge group, as in fill_blocks */
+        __builtin_prefetch(src + 4 * 28 + 64);
         for (int g = 0; g < 4; g++) {
             const __m128i px = _mm_loadu_si128((const __m128i *)(src + 4 * x0[g]));
             for (int c = 0; c < 3; c++) {
