@@ -15,7 +15,8 @@ sequential ratio is reported too. Also: TTFT and inter-token latency percentiles
 how many engine outputs equal the batched transformers outputs token for token, and process CPU
 seconds per output token (``summary.cpu_speedup_vs_transformers``), which other load on a shared
 machine distorts far less than wall time. ``--rounds N`` alternates engine and batched runs and
-reports the median round.
+reports the median round; each round draws fresh prompts (seed + round, same length range, the
+same for both paths), so no round finds an earlier round's prompts in the engine's prefix cache.
 
     python -m bench.llm [--requests 32] [--max-tokens 64] [--threads 1] [--rounds 1] [--json out.json]
 """
@@ -154,10 +155,15 @@ def main(argv: list[str] | None = None) -> int:
         # Warm-up both paths (allocator, lazy inits) on a small slice.
         run_engine(engine, prompts[:2], 4)
         run_hf_batched(hf, prompts[:2], 4)
-        rounds = [
-            (run_engine(engine, prompts, args.max_tokens), run_hf_batched(hf, prompts, args.max_tokens))
-            for _ in range(max(1, args.rounds))
-        ]
+        rounds = []
+        for r in range(max(1, args.rounds)):
+            # Fresh prompts per round: repeated ones would be prefix-cache hits for the engine only.
+            ps = (
+                prompts
+                if r == 0
+                else make_prompts(args.requests, args.min_prompt, args.max_prompt, args.seed + r)
+            )
+            rounds.append((run_engine(engine, ps, args.max_tokens), run_hf_batched(hf, ps, args.max_tokens)))
     finally:
         engine.stop()
     hf_s = run_hf_sequential(hf, prompts[: args.sequential_sample], args.max_tokens)

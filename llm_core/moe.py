@@ -121,7 +121,8 @@ class GroupedExperts(nn.Module):
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
         token_of = order // top_k  # [T*K] source token of each sorted assignment
         y_sorted = self._looped(x.index_select(0, token_of), counts_t.tolist())  # [T*K, H]
-        weighted = y_sorted.float() * routing.weights.reshape(-1).index_select(0, order)[:, None]
+        # weighted in place when y_sorted is already fp32 (a temporary of ours): no second [T*K, H]
+        weighted = y_sorted.float().mul_(routing.weights.reshape(-1).index_select(0, order)[:, None])
         out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
         out.index_add_(0, token_of, weighted)
         return out.to(x.dtype)
