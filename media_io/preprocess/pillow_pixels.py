@@ -11,7 +11,8 @@ every resized image of ours does). The export holds a reference to the image unt
         patches = patchify_uint8(pixels[None])
 
 Falls back to ``np.asarray`` (a copy, [H, W, 3]) for modes other than RGB/RGBX, images in
-several blocks and Pillow builds without the export.
+several blocks, images mapped on outside memory (``Image.frombuffer``) and Pillow builds without
+the export.
 """
 
 from __future__ import annotations
@@ -103,6 +104,10 @@ def pillow_pixels(img: Image.Image) -> Iterator[np.ndarray]:
 
 def _export(img: Image.Image) -> tuple[object, object] | None:
     if img.mode not in ("RGB", "RGBX") or not hasattr(img, "__arrow_c_array__"):
+        return None
+    if img.readonly:
+        # A view of someone else's memory (Image.frombuffer): Pillow's export of such an image
+        # crashes the process, and its owner can hand out that memory directly anyway.
         return None
     try:
         return img.__arrow_c_array__()  # type: ignore[no-any-return]

@@ -160,3 +160,16 @@ def test_cpu_backend_raises_the_typed_error_for_every_bad_input() -> None:
             continue
         with pytest.raises(expected):
             backend.image_bytes(data, item=name)
+
+
+@pytest.mark.parametrize("size", [(644, 476), (56, 56)])
+def test_cpu_backend_on_a_jpeg_already_at_its_target_size(size: tuple[int, int]) -> None:
+    """No resize: the patches come straight from the thread's decode buffer."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    data = encode(synthetic_photo(*size, seed=5))
+    got = get_backend("cpu").image_bytes(data).pixel_values
+    ref = Qwen2VLImageProcessorPil()(images=Image.open(io.BytesIO(data)), return_tensors="pt")
+    expected = np.asarray(ref["pixel_values"])
+    assert got.shape == expected.shape
+    assert float(np.abs(got.numpy() - expected).max()) < 1e-5

@@ -33,6 +33,10 @@ def test_what_cannot_be_viewed_is_copied() -> None:
     grey = _image(64, 48, "L")
     with pillow_pixels(grey) as pixels:
         assert np.array_equal(pixels, np.asarray(grey))
+    memory = np.arange(48 * 64 * 4, dtype=np.uint8)
+    mapped = Image.frombuffer("RGBX", (64, 48), memory, "raw", "RGBX", 0, 1)  # outside memory
+    with pillow_pixels(mapped) as pixels:
+        assert np.array_equal(pixels, memory.reshape(48, 64, 4))
     big = Image.new("RGB", (4096, 2048), (1, 2, 3))  # 32 MiB: more than one 16 MiB memory block
     with pillow_pixels(big) as pixels:
         assert pixels.shape == (2048, 4096, 3) and (pixels[-1, -1] == (1, 2, 3)).all()
