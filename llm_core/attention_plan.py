@@ -42,7 +42,8 @@ MIN_DECODE_GROUP = 2
 
 # Prefill queries run in blocks of this many rows: a block reads keys only up to its last query,
 # so smaller blocks skip more of the causal upper triangle (and the exp of its -inf scores, slow on
-# CPU), at a fixed cost of ~15 ops per block. 64 was fastest on bench.llm's prompts (32-256 tokens).
+# CPU), at a fixed cost of ~15 ops per block. On bench.llm's prompts (32-256 tokens), one SWA plus
+# one full layer over the 32 prompts took 108 / 114 / 146 ms (best of 6) with blocks of 64 / 128 / 256.
 PREFILL_Q_BLOCK = 64
 
 
@@ -117,7 +118,8 @@ def dense_decode_attention(
 
     Scores are computed keys-major, [M, D] x [D, G] per (sequence, KV head): with only G query
     heads per KV head, MKL's batched GEMM runs this orientation ~1.2x (G = 2) to ~1.4x (G = 4)
-    faster than [G, D] x [D, M] on cold (just evicted) keys, which is what decode reads."""
+    faster than [G, D] x [D, M] on cold (just evicted) keys, which is what decode reads (a microbenchmark;
+    in bench.llm's decode steps, where other work dominates, it is ~1% of the step)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv, width = k.shape[1], k.shape[2]
     group = num_heads // num_kv
@@ -249,7 +251,7 @@ def _blocked(
     return out
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=128)  # entries are at most q_block x (q_block + window) floats
 def _block_bias(rows: int, cols: int, offset: int, window: int | None, device: torch.device) -> Tensor:
     """fp32 [rows, cols] additive mask of a query block: query i sits ``offset`` positions after key
     column 0, so it sees column j iff ``j - i <= offset`` (causal) and ``j - i > offset - window``.
