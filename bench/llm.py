@@ -18,6 +18,10 @@ machine distorts far less than wall time. ``--rounds N`` alternates engine and b
 reports the median round; each round draws fresh prompts (seed + round, same length range, the
 same for both paths), so no round finds an earlier round's prompts in the engine's prefix cache.
 
+The process runs with the allocator setting every epd process starts with
+(``epd.allocator.keep_freed_memory``: freed large buffers are reused, not unmapped); it applies to
+the engine and transformers alike, and the table caption says whether it was in effect.
+
     python -m bench.llm [--requests 32] [--max-tokens 64] [--threads 1] [--rounds 1] [--json out.json]
 """
 
@@ -32,6 +36,7 @@ from typing import Any
 import torch
 
 from bench.common import add_common_args, format_machine, machine_info, percentiles, print_table, write_json
+from epd.allocator import keep_freed_memory
 from llm_core.checkpoint import load_llm
 from llm_core.engine import LLMEngine
 from llm_core.sampling import SamplingParams
@@ -136,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         args.requests, args.max_tokens, args.max_prompt, args.sequential_sample = 4, 8, 64, 1
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    # `epd llm` runs with this allocator setting (every epd process does); it applies to both paths.
+    freed_memory_kept = keep_freed_memory()
 
     from transformers import MiMoV2FlashForCausalLM
 
@@ -179,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     same = sum(a == b for a, b in zip(eng["outputs"], hf_b["outputs"], strict=True))
     speedup = rate(eng) / rate(hf_b)
     speedup_seq = rate(eng) / rate(hf_s)
-    info = machine_info()
+    info = {**machine_info(), "malloc_keeps_freed_memory": freed_memory_kept}
     rows = [
         ["engine", args.requests, eng["tokens"], eng["wall_s"], eng["cpu_s"], rate(eng), 1.0],
         [
@@ -206,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.max_tokens} new tokens each (greedy)",
         ["path", "requests", "output tokens", "wall s", "CPU s", "tokens/s", "vs engine"],
         rows,
-        caption=format_machine(info),
+        caption=f"{format_machine(info)} | malloc keeps freed memory: {freed_memory_kept}",
     )
     lat = [
         ["engine TTFT ms", eng["ttft"].p50 * 1e3, eng["ttft"].p90 * 1e3, eng["ttft"].p99 * 1e3],
