@@ -34,7 +34,7 @@ from llm_core.attention_batch import AttentionBatch, PagedKV
 from llm_core.attention_plan import StepPlan, decode_attention, dense_decode_attention, prefill_attention
 from llm_core.config import MiMoConfig
 from llm_core.decode_mirror import DecodeMirror, DecodeStep
-from llm_core.moe import DenseMLP, SparseMoE
+from llm_core.moe import DenseMLP, GroupedExperts, SparseMoE
 from llm_core.rope import PartialRotary, apply_partial_rotary_
 
 
@@ -252,9 +252,10 @@ class MiMoForCausalLM(nn.Module):
 
     def fuse_weights(self) -> None:
         """Build the stacked projection weights the fused paths use (see ``MiMoAttention``,
-        ``DenseMLP``). Call after loading weights, and again after any later change to them."""
+        ``DenseMLP``) and lay expert weights out for their matmuls (``GroupedExperts``). Call after
+        loading weights, and again after any later change to them."""
         for module in self.modules():
-            if isinstance(module, (MiMoAttention, DenseMLP)):
+            if isinstance(module, (MiMoAttention, DenseMLP, GroupedExperts)):
                 module.fuse_weights()
 
     def embed(self, input_ids: Tensor) -> Tensor:

@@ -112,3 +112,30 @@ def test_router_without_groups_or_normalisation() -> None:
     scores = torch.sigmoid(x @ router.weight.T)
     top = scores.topk(cfg.num_experts_per_tok, dim=-1)
     torch.testing.assert_close(routing.weights.sort(-1).values, top.values.sort(-1).values)
+
+
+@pytest.mark.parametrize("padded_max_tokens", [0, 1000], ids=["looped", "padded"])
+def test_expert_relayout_keeps_values_and_outputs(
+    padded_max_tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fuse_weights changes only the strides of the expert weights: same shapes and values, the
+    [E, in, out] view becomes contiguous, and both expert paths give bit-identical outputs."""
+    monkeypatch.setattr(moe_module, "PADDED_MAX_TOKENS", padded_max_tokens)
+    monkeypatch.setattr(moe_module, "PADDED_WASTE", 1000)
+    cfg = moe_config()
+    moe = SparseMoE(cfg)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    x = torch.randn(21, cfg.hidden_size, generator=g)
+    before = moe(x)
+    weights = [moe.experts.gate_up_proj.detach().clone(), moe.experts.down_proj.detach().clone()]
+    moe.experts.fuse_weights()
+    for p, w in zip((moe.experts.gate_up_proj, moe.experts.down_proj), weights, strict=True):
+        assert p.shape == w.shape and torch.equal(p, w)
+        assert p.transpose(1, 2).is_contiguous()
+    assert torch.equal(moe(x), before)
+    moe.experts.fuse_weights()  # idempotent
+    assert moe.experts.gate_up_proj.transpose(1, 2).is_contiguous()
+    assert torch.equal(moe(x), before)
