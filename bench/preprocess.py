@@ -10,7 +10,8 @@ Every method gets the same JPEG bytes and must return Qwen2-VL patches:
 - dali             ``get_backend("dali").image_bytes`` (GPU when present, else DALI's CPU operators)
 
 Two phases, each with rounds interleaved (one run of every method per round) so load from other
-processes hits every method alike:
+processes hits every method alike; every timed call starts after a 50 ms pause, so no method
+shares the cores with the previous one's spinning OpenMP threads:
 
 - latency: one image per call, ``--repeats`` calls per method; P50/P90/P99 per image.
 - throughput: a batch of ``--batch`` distinct images per round, each method run the way it runs
@@ -31,7 +32,7 @@ The process runs with the allocator setting every epd process starts with
 (``epd.allocator.keep_freed_memory``: freed large buffers are reused, not unmapped); it applies
 to every method alike, and the table caption says whether it was in effect.
 
-    python -m bench.preprocess [--repeats 20] [--rounds 5] [--batch 8] [--json out.json] [--quick]
+    python -m bench.preprocess [--repeats 20] [--rounds 7] [--batch 8] [--json out.json] [--quick]
 """
 
 from __future__ import annotations
@@ -60,6 +61,17 @@ BASELINES = ("transformers", "transformers-pil")
 OURS = ("cpu",)
 
 Batch = Callable[[Sequence[bytes]], list[torch.Tensor]]
+_SETTLE_S = 0.05
+
+
+def _settle() -> None:
+    """Let the previous method's thread pools go idle before the next one is timed.
+
+    torch's OpenMP workers spin for a while after each parallel region; timed right after a
+    transformers call, the next method would share the cores with them (and process CPU time
+    would count their spinning as its own).
+    """
+    time.sleep(_SETTLE_S)
 
 
 @functools.cache
@@ -142,6 +154,7 @@ def run_throughput(
             cpus: dict[str, list[float]] = {name: [] for name in methods}
             for _ in range(rounds):
                 for name, fn in methods.items():
+                    _settle()
                     c0, t0 = time.process_time(), time.perf_counter()
                     fn(datas)
                     walls[name].append(time.perf_counter() - t0)
@@ -184,6 +197,7 @@ def run(sizes: list[tuple[int, int]], repeats: int, seed: int) -> tuple[list[dic
         cpu_samples: dict[str, list[float]] = {name: [] for name in methods}
         for _ in range(repeats):
             for name, fn in methods.items():
+                _settle()
                 c0, t0 = time.process_time(), time.perf_counter()
                 fn(data)
                 samples[name].append(time.perf_counter() - t0)
@@ -232,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--repeats", type=int, default=20, help="timed single-image calls per method and size"
     )
-    parser.add_argument("--rounds", type=int, default=5, help="timed batches per method and size")
+    parser.add_argument("--rounds", type=int, default=7, help="timed batches per method and size")
     parser.add_argument("--batch", type=int, default=8, help="distinct images per throughput batch")
     parser.add_argument(
         "--threads",
