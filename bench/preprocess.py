@@ -18,7 +18,9 @@ shares the cores with the previous one's spinning OpenMP threads:
   fastest on this machine: transformers both as a loop of calls and as one batched call (its
   torch ops use every core), our cpu backend as a loop and spread over a pool of one thread per
   core (how the encoder worker runs it: every step releases the GIL). Images/s is the batch
-  size over the round's wall time, P50 over ``--rounds`` rounds.
+  size over the round's wall time, P50 over ``--rounds`` rounds. The batch is long (32) so
+  that waking idle cores after the pause (milliseconds on a VM) does not decide the result for
+  the threaded methods: with 8 images our pool of two threads was no faster than one thread.
 
 The baseline of every size and phase is the fastest transformers row (either processor, either
 way of calling it). ``summary.speedup_vs_transformers`` is the smallest over the sizes of our
@@ -32,7 +34,7 @@ The process runs with the allocator setting every epd process starts with
 (``epd.allocator.keep_freed_memory``: freed large buffers are reused, not unmapped); it applies
 to every method alike, and the table caption says whether it was in effect.
 
-    python -m bench.preprocess [--repeats 20] [--rounds 7] [--batch 8] [--json out.json] [--quick]
+    python -m bench.preprocess [--repeats 20] [--rounds 5] [--batch 32] [--json out.json] [--quick]
 """
 
 from __future__ import annotations
@@ -246,8 +248,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--repeats", type=int, default=20, help="timed single-image calls per method and size"
     )
-    parser.add_argument("--rounds", type=int, default=7, help="timed batches per method and size")
-    parser.add_argument("--batch", type=int, default=8, help="distinct images per throughput batch")
+    parser.add_argument("--rounds", type=int, default=5, help="timed batches per method and size")
+    parser.add_argument("--batch", type=int, default=32, help="distinct images per throughput batch")
     parser.add_argument(
         "--threads",
         type=int,
