@@ -10,6 +10,7 @@ loads the same embedded default encoder (``encoder.checkpoint.load_encoder(None)
 and speaks the same request shape (``POST /v1/encode`` with JSON ``{"items": [{"url": ...}]}``), so
 the load generator drives both identically. Images only.
 
+It runs with the allocator setting of epd's processes (``epd.allocator.keep_freed_memory``).
 Run it alone (the benchmark starts it as a subprocess with one uvicorn worker)::
 
     python -m bench.baseline_server --port 8100
@@ -34,6 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from encoder.checkpoint import load_encoder
+from epd.allocator import keep_freed_memory
 from media_io.config import PreprocessConfig
 
 
@@ -132,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
     args = parser.parse_args(argv)
+    # The allocator setting every epd process starts with: a process-wide knob any service could
+    # use, so the baseline gets it too rather than paying page faults ours does not.
+    keep_freed_memory()
     uvicorn.run(build_app(), host=args.host, port=args.port, workers=1, log_level="warning")
     return 0
 
