@@ -25,6 +25,7 @@ import numpy as np
 from PIL import Image
 
 
+# The two structs of the Arrow C data interface, field for field (a stable ABI).
 class _ArrowSchema(ctypes.Structure):
     pass
 

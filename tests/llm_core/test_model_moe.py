@@ -81,19 +81,28 @@ def test_router_matches_transformers() -> None:
     assert all(len(set(row)) <= cfg.topk_group for row in groups.tolist())
 
 
+def _random_moe(
+    padded_max_tokens: int, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> tuple[MiMoConfig, SparseMoE, torch.Generator]:
+    """A SparseMoE with random weights, its padded path on for batches up to ``padded_max_tokens``
+    tokens (0: always the per-expert loop); also returns the generator, for the inputs."""
+    monkeypatch.setattr(moe_module, "PADDED_MAX_TOKENS", padded_max_tokens)
+    monkeypatch.setattr(moe_module, "PADDED_WASTE", 1000)
+    cfg = moe_config()
+    moe = SparseMoE(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return cfg, moe, g
+
+
 @pytest.mark.parametrize("padded_max_tokens", [0, 1000], ids=["looped", "padded"])
 def test_grouped_experts_match_per_token_loop(
     padded_max_tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Both expert paths: one matmul pair per expert, and all experts padded into two bmm calls."""
-    monkeypatch.setattr(moe_module, "PADDED_MAX_TOKENS", padded_max_tokens)
-    monkeypatch.setattr(moe_module, "PADDED_WASTE", 1000)
-    cfg = moe_config()
-    moe = SparseMoE(cfg)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    cfg, moe, g = _random_moe(padded_max_tokens, monkeypatch, seed=1)
     x = torch.randn(37, cfg.hidden_size, generator=g)
     routing = moe.gate(x)
     out = moe(x)
@@ -120,14 +129,7 @@ def test_expert_relayout_keeps_values_and_outputs(
 ) -> None:
     """fuse_weights changes only the strides of the expert weights: same shapes and values, the
     [E, in, out] view becomes contiguous, and both expert paths give bit-identical outputs."""
-    monkeypatch.setattr(moe_module, "PADDED_MAX_TOKENS", padded_max_tokens)
-    monkeypatch.setattr(moe_module, "PADDED_WASTE", 1000)
-    cfg = moe_config()
-    moe = SparseMoE(cfg)
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    cfg, moe, g = _random_moe(padded_max_tokens, monkeypatch, seed=4)
     x = torch.randn(21, cfg.hidden_size, generator=g)
     before = moe(x)
     weights = [moe.experts.gate_up_proj.detach().clone(), moe.experts.down_proj.detach().clone()]
