@@ -31,7 +31,7 @@ from bench.loadgen import (
     poisson_schedule,
 )
 from bench.media_corpus import image_corpus, unique_variant
-from bench.qps_run import _summary, interleaved_ceiling
+from bench.qps_summary import interleaved_ceiling, summarize
 from bench.video_factory import make_clip
 from media_io.sniff import sniff
 
@@ -214,7 +214,7 @@ def test_summary_ratios_come_from_the_matching_runs() -> None:
     assert records[0]["latency_ms"]["p90"] == pytest.approx(1000.0)
     assert records[2]["cache_hit_rate"] == 1.0
     ceiling = type("C", (), {"images_per_s": ours.qps * 2, "cpu_ms_per_image": 150.0})()
-    s = _summary(records, ceiling)
+    s = summarize(records, ceiling)
     assert s["qps_ratio"] == pytest.approx(ours.qps / base.qps)
     assert s["p90_ratio"] == pytest.approx(0.5)
     assert s["ceiling_fraction"] == pytest.approx(0.5)
