@@ -94,9 +94,9 @@ __attribute__((target("sse4.1"))) static void fill_blocks_rgbx14(const uint8_t *
         }
     }
 }
-#endif
 
 static int use_sse41; /* set once at import */
+#endif
 
 static void patchify_rows(const uint8_t *restrict frames, const float *restrict lut,
                           const float *restrict affine,
