@@ -76,6 +76,23 @@ def _settle() -> None:
     time.sleep(_SETTLE_S)
 
 
+def _timed_rounds(
+    methods: dict[str, Callable[[Any], Any]], arg: Any, rounds: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall and process CPU seconds of ``fn(arg)`` per method, ``rounds`` times, interleaved (one
+    call of every method per round), each call after ``_settle``."""
+    walls: dict[str, list[float]] = {name: [] for name in methods}
+    cpus: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            _settle()
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn(arg)
+            walls[name].append(time.perf_counter() - t0)
+            cpus[name].append(time.process_time() - c0)
+    return walls, cpus
+
+
 @functools.cache
 def _hf_processors() -> tuple[Any, Any]:
     """transformers' two Qwen2-VL image processors (torchvision, PIL), built once for both phases."""
@@ -152,15 +169,7 @@ def run_throughput(
             datas = [encode(synthetic_photo(width, height, seed=seed + i)) for i in range(batch)]
             for fn in methods.values():  # warm-up
                 fn(datas[:2])
-            walls: dict[str, list[float]] = {name: [] for name in methods}
-            cpus: dict[str, list[float]] = {name: [] for name in methods}
-            for _ in range(rounds):
-                for name, fn in methods.items():
-                    _settle()
-                    c0, t0 = time.process_time(), time.perf_counter()
-                    fn(datas)
-                    walls[name].append(time.perf_counter() - t0)
-                    cpus[name].append(time.process_time() - c0)
+            walls, cpus = _timed_rounds(methods, datas, rounds)
             ips = {name: batch / percentiles(w).p50 for name, w in walls.items()}
             baseline = max((n for n in ips if n.startswith(BASELINES)), key=lambda n: ips[n])
             best_ours = max((n for n in ips if n.startswith(OURS)), key=lambda n: ips[n])
@@ -195,15 +204,7 @@ def run(sizes: list[tuple[int, int]], repeats: int, seed: int) -> tuple[list[dic
         diffs = {}
         for name, fn in methods.items():  # warm-up (DALI builds its pipeline here) + parity check
             diffs[name] = float((fn(data).cpu() - ref).abs().max())
-        samples: dict[str, list[float]] = {name: [] for name in methods}
-        cpu_samples: dict[str, list[float]] = {name: [] for name in methods}
-        for _ in range(repeats):
-            for name, fn in methods.items():
-                _settle()
-                c0, t0 = time.process_time(), time.perf_counter()
-                fn(data)
-                samples[name].append(time.perf_counter() - t0)
-                cpu_samples[name].append(time.process_time() - c0)
+        samples, cpu_samples = _timed_rounds(methods, data, repeats)
         p50 = {name: percentiles(s).p50 for name, s in samples.items()}
         baseline = min(BASELINES, key=lambda n: p50[n])
         label = f"{width}x{height}"
