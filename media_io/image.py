@@ -132,11 +132,10 @@ def _draft(img: Image.Image, target: tuple[int, int], transposed: bool) -> None:
     img.draft(img.mode, request)
 
 
-def open_header(data: bytes, limits: MediaLimits, item: str | None) -> tuple[Image.Image, str]:
-    """Sniff the format and parse only the header, with the byte and pixel caps enforced.
+def image_format(data: bytes, limits: MediaLimits, item: str | None) -> str:
+    """The format name of image bytes, from their magic bytes, with the byte cap enforced.
 
-    Returns the lazily opened image (nothing decoded yet) and its format name. Raises like
-    ``decode_image`` for everything that can be told before the pixels.
+    Raises like ``decode_image`` for what the first bytes tell (too large, not an image, video).
     """
     if len(data) > limits.max_bytes:
         raise MediaTooLarge(f"image is {len(data)} bytes, over the {limits.max_bytes}-byte limit", item)
@@ -146,7 +145,17 @@ def open_header(data: bytes, limits: MediaLimits, item: str | None) -> tuple[Ima
         raise type(exc)(exc.message, item) from exc
     if kind.modality != "image":
         raise UnsupportedMedia(f"expected an image, got {kind.format} video", item)
-    return _open_header(data, kind.format, limits, item), kind.format
+    return kind.format
+
+
+def open_header(data: bytes, limits: MediaLimits, item: str | None) -> tuple[Image.Image, str]:
+    """``image_format``, then parse only the header, with the pixel cap enforced.
+
+    Returns the lazily opened image (nothing decoded yet) and its format name. Raises like
+    ``decode_image`` for everything that can be told before the pixels.
+    """
+    fmt = image_format(data, limits, item)
+    return _open_header(data, fmt, limits, item), fmt
 
 
 def orientation(img: Image.Image) -> int:

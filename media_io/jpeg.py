@@ -33,7 +33,7 @@ import numpy as np
 from PIL import Image
 
 from media_io.config import MediaLimits
-from media_io.image import SizeHint, open_header, orientation
+from media_io.image import SizeHint, image_format, open_header, orientation
 
 _kernel: ModuleType | None
 try:  # built by `pip install` when libjpeg's headers are present
@@ -67,12 +67,12 @@ def decode_jpeg_reusing(
     (resize it, copy it) before decoding again.
 
     Raises what ``media_io.image.open_header`` raises (not an image, over the byte or pixel cap,
-    corrupt header) and whatever ``min_size`` raises.
+    corrupt JPEG header) and whatever ``min_size`` raises.
     """
-    if _kernel is None:
-        return None
-    img, fmt = open_header(data, limits, item)
-    if fmt != "jpeg" or img.mode not in ("RGB", "L") or orientation(img) != 1:
+    if _kernel is None or image_format(data, limits, item) != "jpeg":
+        return None  # other formats: the caller's Pillow path parses their header (once)
+    img, _ = open_header(data, limits, item)
+    if img.mode not in ("RGB", "L") or orientation(img) != 1:
         return None  # CMYK/YCCK, or a rotation to apply: Pillow's path handles those
     width, height = img.size
     scale = _scale_num(height, width, min_size(height, width))

@@ -66,7 +66,7 @@ class CpuBackend:
         fast = decode_jpeg_reusing(data, limits, item, min_size=hint)  # None: not for the fast path
         if fast is not None:
             return self._resized_patches(fast.image, target_fn(*fast.full_size))
-        decoded = decode_image_sized(data, limits, item, min_size=target_fn if self.jpeg_draft else None)
+        decoded = decode_image_sized(data, limits, item, min_size=hint)
         return self._resized_patches(decoded.image, target_fn(*decoded.full_size))
 
     def video(self, frames: np.ndarray, item: str | None = None) -> Patches:
