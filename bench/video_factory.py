@@ -22,6 +22,7 @@ import itertools
 import os
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 
 import av
@@ -84,20 +85,8 @@ def make_clip(
     """
     n = round(fps * seconds)
     rate = Fraction(fps).limit_denominator(1001)
-    return _encode(
-        [(i, i) for i in range(n)],
-        width,
-        height,
-        time_base=1 / rate,
-        rate=rate,
-        keyint=keyint,
-        bframes=bframes,
-        container=container,
-        codec=codec,
-        crf=crf,
-        preset=preset,
-        faststart=faststart,
-    )
+    stream = _Stream(width, height, 1 / rate, rate, keyint, bframes, codec, crf, preset)
+    return _encode([(i, i) for i in range(n)], stream, container=container, faststart=faststart)
 
 
 def make_vfr_clip(
@@ -110,81 +99,59 @@ def make_vfr_clip(
 ) -> bytes:
     """A variable-frame-rate MP4: frame ``i`` (barcode ``i``) is shown at ``timestamps_ms[i]``."""
     assert all(b > a for a, b in itertools.pairwise(timestamps_ms)), "timestamps must increase"
-    return _encode(
-        list(enumerate(timestamps_ms)),
-        width,
-        height,
-        time_base=Fraction(1, 1000),
-        rate=None,
-        keyint=keyint,
-        bframes=bframes,
-        container="mp4",
-        codec="libx264",
-        crf=18,
-        preset="ultrafast",
-        faststart=False,
-    )
+    stream = _Stream(width, height, Fraction(1, 1000), None, keyint, bframes)
+    return _encode(list(enumerate(timestamps_ms)), stream, container="mp4", faststart=False)
 
 
-def _encode(
-    frames: Sequence[tuple[int, int]],
-    width: int,
-    height: int,
-    *,
-    time_base: Fraction,
-    rate: Fraction | None,
-    keyint: int | None,
-    bframes: int,
-    container: str,
-    codec: str,
-    crf: int,
-    preset: str,
-    faststart: bool,
-) -> bytes:
-    """Encode ``(barcode index, pts in time_base)`` pairs."""
+@dataclass(frozen=True)
+class _Stream:
+    """How the video stream is encoded."""
+
+    width: int
+    height: int
+    time_base: Fraction  # frame pts are in these units
+    rate: Fraction | None  # the nominal frame rate; None for a variable-frame-rate clip
+    keyint: int | None = None
+    bframes: int = 0
+    codec: str = "libx264"
+    crf: int = 18
+    preset: str = "ultrafast"
+
+
+def _encode(frames: Sequence[tuple[int, int]], spec: _Stream, *, container: str, faststart: bool) -> bytes:
+    """Encode ``(barcode index, pts in spec.time_base)`` pairs."""
     if faststart:
         # moving the index to the front rewrites the file: the muxer needs a real path
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, f"clip.{container}")
             with av.open(path, mode="w", format=container, options={"movflags": "+faststart"}) as out:
-                _write_frames(
-                    out, frames, width, height, time_base, rate, keyint, bframes, codec, crf, preset
-                )
+                _write_frames(out, frames, spec)
             with open(path, "rb") as f:
                 return f.read()
     buf = io.BytesIO()
     with av.open(buf, mode="w", format=container) as out:
-        _write_frames(out, frames, width, height, time_base, rate, keyint, bframes, codec, crf, preset)
+        _write_frames(out, frames, spec)
     return buf.getvalue()
 
 
 def _write_frames(
-    out: av.container.OutputContainer,
-    frames: Sequence[tuple[int, int]],
-    width: int,
-    height: int,
-    time_base: Fraction,
-    rate: Fraction | None,
-    keyint: int | None,
-    bframes: int,
-    codec: str,
-    crf: int,
-    preset: str,
+    out: av.container.OutputContainer, frames: Sequence[tuple[int, int]], spec: _Stream
 ) -> None:
-    stream = out.add_stream(codec, rate=rate) if rate is not None else out.add_stream(codec)
+    codec, time_base = spec.codec, spec.time_base
+    stream = out.add_stream(codec, rate=spec.rate) if spec.rate is not None else out.add_stream(codec)
     assert isinstance(stream, av.VideoStream), f"{codec} is not a video codec"
-    stream.width = width
-    stream.height = height
+    stream.width = spec.width
+    stream.height = spec.height
     stream.pix_fmt = "yuv420p"
     stream.time_base = time_base
     stream.codec_context.time_base = time_base
     if codec == "libx264":
-        params = [f"bframes={bframes}"]
-        if keyint is not None:
-            params += [f"keyint={keyint}", f"min-keyint={keyint}", "scenecut=0"]
-        stream.options = {"preset": preset, "crf": str(crf), "x264-params": ":".join(params)}
+        params = [f"bframes={spec.bframes}"]
+        if spec.keyint is not None:
+            params += [f"keyint={spec.keyint}", f"min-keyint={spec.keyint}", "scenecut=0"]
+        stream.options = {"preset": spec.preset, "crf": str(spec.crf), "x264-params": ":".join(params)}
     for index, pts in frames:
-        frame = av.VideoFrame.from_ndarray(frame_rgb(index, width, height), format="rgb24")
+        frame = av.VideoFrame.from_ndarray(frame_rgb(index, spec.width, spec.height), format="rgb24")
         frame.pts = pts
         frame.time_base = time_base
         for packet in stream.encode(frame):
