@@ -1,10 +1,14 @@
 """The C extensions; everything else about the package is in pyproject.toml.
 
-Both are optional: when one cannot be built (no C compiler, no libjpeg headers) the install still
+All are optional: when one cannot be built (no C compiler, no libjpeg headers) the install still
 succeeds and media_io uses its pure-Python paths, which give the same results:
 
 - ``media_io.preprocess._patchify``: normalize + patchify in one pass (else: the numpy path, same bits);
-- ``media_io._jpeg``: JPEG decode through libjpeg into reused buffers (else: Pillow's decoder).
+- ``media_io._jpeg``: JPEG decode through libjpeg into reused buffers (else: Pillow's decoder);
+- ``llm_core._paged_attention``: CPU paged attention over the KV pools (else: the torch path,
+  same results to float32 rounding);
+- ``llm_core._moe``: CPU MoE experts in one call (else: the torch path, same results to float32
+  rounding).
 """
 
 from setuptools import Extension, setup
@@ -14,6 +18,20 @@ setup(
         Extension(
             "media_io.preprocess._patchify",
             sources=["media_io/preprocess/_patchify.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
+        Extension(
+            "llm_core._paged_attention",
+            sources=["llm_core/_paged_attention.c"],
+            depends=["llm_core/_simd.h"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
+        Extension(
+            "llm_core._moe",
+            sources=["llm_core/_moe.c"],
+            depends=["llm_core/_simd.h"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

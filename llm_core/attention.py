@@ -10,20 +10,25 @@ Semantics (identical in every backend):
 ``W`` (``window``) counts the query itself; None means full causal attention. Query head h reads KV
 head ``h // (H // Hkv)``.
 
-Backends: :func:`paged_attention_torch` (gathers each sequence's pages and runs a masked softmax in
-fp32; the CPU path and the reference), :func:`paged_decode_torch` (the same, batched over sequences
-for single-token steps) and the Triton kernels in ``triton_attention`` (prefill: varlen
-queries; decode: one query per sequence), chosen by :func:`paged_attention` when the tensors are on
-CUDA. Both return [T, H, Dv] in q's dtype.
+Backends, chosen by :func:`paged_attention`:
 
-The model's CPU path goes through ``attention_plan`` instead (same semantics, index work shared
-across layers); the torch functions here stay as its references and as the per-call API.
+    "triton"  the Triton kernels in ``triton_attention`` (prefill: varlen queries; decode: one
+              query per sequence); CUDA tensors
+    "cpu"     the C kernel of ``cpu_attention`` (prefill and decode in one call, straight from the
+              pools); fp32 CPU tensors, when the extension is built
+    "torch"   :func:`paged_attention_torch` (gathers each sequence's pages and runs a masked softmax
+              in fp32) and :func:`paged_decode_torch` (the same, batched over single-token
+              sequences): the reference, and the fallback for anything else
+
+All return [T, H, Dv] in q's dtype and agree to float32 rounding.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from llm_core import cpu_attention
 
 
 def write_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
@@ -186,11 +191,19 @@ def paged_attention(
 ) -> Tensor:
     """Attention of packed queries q [T, H, D] over paged KV -> [T, H, Dv].
 
-    ``backend``: "torch", "triton", or None (Triton on CUDA, torch otherwise). With Triton, a batch of
-    single-token queries (``max_seqlen_q == 1``) uses the decode kernel, anything else the prefill one.
+    ``backend``: "triton", "cpu", "torch", or None (Triton on CUDA; on CPU the C kernel when it is
+    built and the tensors are fp32, else torch). With Triton, a batch of single-token queries
+    (``max_seqlen_q == 1``) uses the decode kernel, anything else the prefill one.
     """
     if backend is None:
-        backend = "triton" if q.is_cuda else "torch"
+        if q.is_cuda:
+            backend = "triton"
+        else:
+            backend = "cpu" if cpu_attention.supports(q, k_cache, v_cache) else "torch"
+    if backend == "cpu":
+        return cpu_attention.paged_attention_cpu(
+            q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens, scale, window, sinks
+        )
     if backend == "torch":
         if max_seqlen_q == 1 and q.shape[0] == seq_lens.shape[0]:
             return paged_decode_torch(q, k_cache, v_cache, page_table, seq_lens, scale, window, sinks)

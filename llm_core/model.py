@@ -12,18 +12,16 @@ Attention per layer type (see config.py):
                   KV in the SWA pool (batch.swa_slots / swa_page_table)
 
 Values are scaled by ``attention_value_scale`` before they are cached, so the cache holds exactly
-what attention reads. Off CUDA, ``forward`` builds one ``attention_plan.StepPlan`` per step:
-gather indices, masks and rotary tables are derived once and shared by every layer of a type
-(on CUDA the Triton kernels read the page tables themselves); decode steps read a dense mirror of
-the decode KV that advances one column per step (``decode_mirror``). ``forward_dense`` is the plain
-unpaged reference (one sequence, no cache).
+what attention reads. Attention reads the pools through the page tables in one call per layer,
+prefill and decode alike (``attention.paged_attention``: the Triton kernels on CUDA, the C kernel
+of ``cpu_attention`` on CPU, the torch reference where neither applies); rotary tables are
+computed once per step for each (rope_dim, theta). ``forward_dense`` is the plain unpaged
+reference (one sequence, no cache).
 Parameter names match transformers' in-memory module tree, so a converted state dict loads as is.
 The model knows nothing about scheduling, sampling or where KV pages come from.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +29,13 @@ from torch import Tensor, nn
 
 from llm_core.attention import masked_attention, paged_attention, write_kv
 from llm_core.attention_batch import AttentionBatch, PagedKV
-from llm_core.attention_plan import StepPlan, decode_attention, dense_decode_attention, prefill_attention
 from llm_core.config import MiMoConfig
-from llm_core.decode_mirror import DecodeMirror, DecodeStep
 from llm_core.moe import DenseMLP, GroupedExperts, SparseMoE
 from llm_core.rope import PartialRotary, apply_partial_rotary_
+
+# Rotary (cos, sin) tables of one step's positions, per (rope_dim, theta): made by the first layer
+# that needs them and reused by the other layers of its type.
+RopeTables = dict[tuple[int, float], tuple[Tensor, Tensor]]
 
 
 class RMSNorm(nn.Module):
@@ -88,26 +88,32 @@ class MiMoAttention(nn.Module):
         biases = [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
         self.qkv_bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
 
+    def _cos_sin(
+        self, positions: Tensor, dtype: torch.dtype, rope: RopeTables | None
+    ) -> tuple[Tensor, Tensor]:
+        rot = self.rotary
+        if rope is None:
+            return rot.cos_sin(positions, dtype)
+        key = (rot.rope_dim, rot.theta)
+        if key not in rope:
+            rope[key] = rot.cos_sin(positions, dtype)
+        return rope[key]
+
     def _qkv(
-        self, x: Tensor, positions: Tensor, plan: StepPlan | None = None
+        self, x: Tensor, positions: Tensor, rope: RopeTables | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """x [T, hidden] -> q [T, H, D], k [T, Hkv, D] (rotated), v [T, Hkv, Dv] (value-scaled)."""
         n = x.shape[0]
         if self.qkv_weight is not None:
-            return self._qkv_fused(x, positions, plan)
+            return self._qkv_fused(x, positions, rope)
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.v_head_dim) * self.v_scale
-        if plan is None:
-            q, k = self.rotary(q, k, positions)
-        else:  # one cos/sin table per (rope_dim, theta) per step, shared by the layers of a type
-            rot = self.rotary
-            cos, sin = plan.rope((rot.rope_dim, rot.theta), lambda: rot.cos_sin(positions, q.dtype))
-            q, k = apply_partial_rotary_(q, cos, sin), apply_partial_rotary_(k, cos, sin)  # fresh tensors
-        return q, k, v
+        cos, sin = self._cos_sin(positions, q.dtype, rope)
+        return apply_partial_rotary_(q, cos, sin), apply_partial_rotary_(k, cos, sin), v  # fresh tensors
 
     def _qkv_fused(
-        self, x: Tensor, positions: Tensor, plan: StepPlan | None
+        self, x: Tensor, positions: Tensor, rope: RopeTables | None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """``_qkv`` with one matmul, and one rotary pass over q and k together (they are adjacent)::
 
@@ -120,59 +126,28 @@ class MiMoAttention(nn.Module):
         split = (heads + kv_heads) * dim
         qk = qkv[:, :split].view(n, heads + kv_heads, dim)
         v = qkv[:, split:].view(n, kv_heads, self.v_head_dim) * self.v_scale
-        rot = self.rotary
-        if plan is None:
-            cos, sin = rot.cos_sin(positions, x.dtype)
-        else:
-            cos, sin = plan.rope((rot.rope_dim, rot.theta), lambda: rot.cos_sin(positions, x.dtype))
+        cos, sin = self._cos_sin(positions, x.dtype, rope)
         qk = apply_partial_rotary_(qk, cos, sin)  # [T, H + Hkv, D], in the qkv temporary
         return qk[:, :heads], qk[:, heads:], v
 
     def forward(
-        self, x: Tensor, positions: Tensor, batch: AttentionBatch, kv: PagedKV, plan: StepPlan | None = None
+        self,
+        x: Tensor,
+        positions: Tensor,
+        batch: AttentionBatch,
+        kv: PagedKV,
+        rope: RopeTables | None = None,
+        backend: str | None = None,
     ) -> Tensor:
         """Paged: write this step's KV into the layer's pool, then attend. x [T, hidden] -> [T, hidden].
 
-        With a ``plan`` (the torch/CPU path) attention reuses the step's shared gather indices;
-        without one it goes through :func:`paged_attention` (Triton on CUDA)."""
-        q, k, v = self._qkv(x, positions, plan)
+        ``backend``: see ``attention.paged_attention`` (None: chosen by device)."""
+        q, k, v = self._qkv(x, positions, rope)
         layer_kv = kv.layer(self.layer_idx)
         assert layer_kv.is_swa == self.is_swa, f"layer {self.layer_idx}: KV pool type mismatch"
         slots = batch.swa_slots if self.is_swa else batch.full_slots
         table = batch.swa_page_table if self.is_swa else batch.full_page_table
         write_kv(layer_kv.k, layer_kv.v, slots, k, v)
-        if plan is not None:
-            if plan.is_decode and plan.mirror is not None:
-                km, vm, bias = plan.mirror.attend_inputs(
-                    self.layer_idx, layer_kv.k, layer_kv.v, table, self.window, k, v
-                )  # [B, Hkv, C, D], [B, Hkv, C, Dv], [B, 1, 1, C]
-                out = dense_decode_attention(q, km, vm, bias, self.scale, self.sinks)
-            elif plan.is_decode:
-                dp = plan.decode(self.is_swa, layer_kv.k.shape[1], self.window)
-                rows = plan.rows(self.is_swa, self.num_kv_heads)
-                out = decode_attention(q, layer_kv.k, layer_kv.v, dp, self.scale, self.sinks, rows)
-            else:
-                out = prefill_attention(
-                    q,
-                    k,
-                    v,
-                    layer_kv.k,
-                    layer_kv.v,
-                    table,
-                    plan.prefill(),
-                    self.scale,
-                    self.window,
-                    self.sinks,
-                )
-                dec = plan.decode_rows()
-                if dec is not None:  # the step's decoding sequences, batched
-                    dp = plan.decode(self.is_swa, layer_kv.k.shape[1], self.window)
-                    rows = plan.rows(self.is_swa, self.num_kv_heads)
-                    q_dec = q.index_select(0, dec)  # [S, H, D]
-                    out[dec] = decode_attention(
-                        q_dec, layer_kv.k, layer_kv.v, dp, self.scale, self.sinks, rows
-                    )
-            return self.o_proj(out.reshape(x.shape[0], -1))
         out = paged_attention(
             q,
             layer_kv.k,
@@ -184,6 +159,7 @@ class MiMoAttention(nn.Module):
             self.scale,
             self.window,
             self.sinks,
+            backend,
         )  # [T, H, Dv]
         return self.o_proj(out.reshape(x.shape[0], -1))
 
@@ -212,14 +188,15 @@ class MiMoDecoderLayer(nn.Module):
         positions: Tensor,
         batch: AttentionBatch | None,
         kv: PagedKV | None,
-        plan: StepPlan | None = None,
+        rope: RopeTables | None = None,
+        backend: str | None = None,
     ) -> Tensor:
         h = self.input_layernorm(x)
         if batch is None:
             h = self.self_attn.forward_dense(h, positions)
         else:
             assert kv is not None
-            h = self.self_attn(h, positions, batch, kv, plan)
+            h = self.self_attn(h, positions, batch, kv, rope, backend)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -241,8 +218,9 @@ class MiMoForCausalLM(nn.Module):
         self.model = MiMoModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-        # CPU decode mirrors, one per KV cache this model runs on (see decode_mirror.py).
-        self._mirrors: weakref.WeakKeyDictionary[object, DecodeMirror] = weakref.WeakKeyDictionary()
+        # Attention backend of the paged forward ("triton", "cpu", "torch"; see
+        # attention.paged_attention); None: chosen by device and dtype.
+        self.attention_backend: str | None = None
 
     def tie_weights(self) -> None:
         """Share lm_head with the token embedding when the config ties them. Call again after
@@ -279,27 +257,10 @@ class MiMoForCausalLM(nn.Module):
         """
         x = self.embed(input_ids) if input_embeds is None else input_embeds
         assert x.shape[0] == positions.shape[0] == batch.num_tokens, "tokens, positions, slots disagree"
-        plan = None
-        if not x.is_cuda:  # torch path: index work once per step, shared by the layers of a type
-            tables = {False: batch.full_page_table, True: batch.swa_page_table}
-            plan = StepPlan(tables, batch.cu_seqlens_q, batch.seq_lens, batch.max_seqlen_q)
-            plan.mirror = self._mirror_for(kv, batch, plan.is_decode)
+        rope: RopeTables = {}
         for layer in self.model.layers:
-            x = layer(x, positions, batch, kv, plan)
+            x = layer(x, positions, batch, kv, rope, self.attention_backend)
         return self.model.norm(x)
-
-    def _mirror_for(self, kv: PagedKV, batch: AttentionBatch, is_decode: bool) -> DecodeMirror | None:
-        """The decode mirror of ``kv`` advanced to this step (None off decode steps, which also make
-        the next decode step rebuild it)."""
-        mirror = self._mirrors.get(kv)
-        if mirror is None:
-            mirror = self._mirrors.setdefault(kv, DecodeMirror())
-        step = None
-        if is_decode:
-            page_size = kv.layer(0).k.shape[1]
-            step = DecodeStep(batch.seq_lens.to(torch.int64), batch.full_page_table.clone(), page_size)
-        mirror.begin(kv, step)
-        return mirror if is_decode else None
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from llm_core import cpu_moe
 from llm_core.config import MiMoConfig
 
 # Batches of at most PADDED_MAX_TOKENS tokens (decode steps) run the experts as two padded batched
@@ -119,7 +120,14 @@ class GroupedExperts(nn.Module):
             p.data = p.data.transpose(1, 2).contiguous().transpose(1, 2)
 
     def forward(self, x: Tensor, routing: Routing) -> Tensor:
-        """x [T, H] -> sum_k weights[t, k] * expert_{experts[t, k]}(x[t]), [T, H] in x's dtype."""
+        """x [T, H] -> sum_k weights[t, k] * expert_{experts[t, k]}(x[t]), [T, H] in x's dtype.
+
+        On CPU in fp32, with the weights laid out by ``fuse_weights``, one call of the C kernel
+        (``cpu_moe``); otherwise the torch paths below."""
+        if cpu_moe.supports(x, self.gate_up_proj, self.down_proj):
+            return cpu_moe.moe_experts_cpu(
+                x, routing.experts, routing.weights, self.gate_up_proj, self.down_proj
+            )
         num_tokens, top_k = routing.experts.shape
         flat = routing.experts.reshape(-1)  # [T*K]
         counts_t = torch.bincount(flat, minlength=self.num_experts)  # [E]

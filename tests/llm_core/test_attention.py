@@ -268,7 +268,7 @@ def test_batched_torch_decode_matches_per_sequence(window: int | None, with_sink
     batched = paged_decode_torch(case.q, *args, case.seq_lens, scale, window, sinks)
     assert not batched.isnan().any()
     torch.testing.assert_close(batched, loop, rtol=1e-5, atol=1e-6)
-    dispatched = paged_attention(case.q, *args, case.cu, case.seq_lens, 1, scale, window, sinks)
+    dispatched = paged_attention(case.q, *args, case.cu, case.seq_lens, 1, scale, window, sinks, "torch")
     assert torch.equal(dispatched, batched)
 
 

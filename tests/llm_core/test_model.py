@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from llm_core import attention_plan
+from llm_core import cpu_attention
 from llm_core.attention_batch import build_attention_batch
 from llm_core.checkpoint import LoadedLLM, load_llm
 from llm_core.config import MiMoConfig
@@ -185,14 +185,16 @@ def test_decode_steps_match_dense_with_swa_pages_freed(loaded: LoadedLLM) -> Non
     assert seq.swa[0] is None and seq.swa[1] is None
 
 
-@pytest.mark.parametrize("min_decode_group", [1, 1000], ids=["decode-split-off", "all-prefill-path"])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_mixed_batch_equals_each_sequence_alone(
-    loaded: LoadedLLM, min_decode_group: int, monkeypatch: pytest.MonkeyPatch
+    loaded: LoadedLLM, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One step with a decode, a first prefill chunk and a later prefill chunk equals dense per
-    sequence, whether the decoding sequence takes the batched decode path or the prefill one."""
-    monkeypatch.setattr(attention_plan, "MIN_DECODE_GROUP", min_decode_group)
+    sequence, through the C kernel and through the torch reference."""
+    if backend == "cpu" and not cpu_attention.AVAILABLE:
+        pytest.skip("llm_core._paged_attention is not built")
     model = loaded.model
+    monkeypatch.setattr(model, "attention_backend", backend)
     kv = make_kv(loaded.config, 24)
     full_free, swa_free = free_lists(24, 5)
     seqs = [PagedSeq(full_free, swa_free) for _ in range(3)]

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llm_core import cpu_moe
 from llm_core import moe as moe_module
 from llm_core.config import MiMoConfig
 from llm_core.moe import GroupedExperts, Routing, SparseMoE, TopKRouter
@@ -84,8 +85,10 @@ def test_router_matches_transformers() -> None:
 def _random_moe(
     padded_max_tokens: int, monkeypatch: pytest.MonkeyPatch, seed: int
 ) -> tuple[MiMoConfig, SparseMoE, torch.Generator]:
-    """A SparseMoE with random weights, its padded path on for batches up to ``padded_max_tokens``
-    tokens (0: always the per-expert loop); also returns the generator, for the inputs."""
+    """A SparseMoE with random weights on its torch paths (the C kernel, tested in test_cpu_moe, is
+    switched off), the padded one for batches up to ``padded_max_tokens`` tokens (0: always the
+    per-expert loop); also returns the generator, for the inputs."""
+    monkeypatch.setattr(cpu_moe, "_kernel", None)
     monkeypatch.setattr(moe_module, "PADDED_MAX_TOKENS", padded_max_tokens)
     monkeypatch.setattr(moe_module, "PADDED_WASTE", 1000)
     cfg = moe_config()

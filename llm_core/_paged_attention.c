@@ -1,0 +1,481 @@
+/*
+ * Paged attention for the CPU: causal, optional sliding window, optional per-head sinks, GQA, and a
+ * value head dim that may differ from the q/k one. Reads keys and values straight from the paged
+ * pools through the page table, so no gather, no mask and no score tensor is ever materialised.
+ *
+ * Semantics: those of llm_core/attention.py (masked_attention), for packed varlen queries:
+ *
+ *   sequence b: queries cu[b] .. cu[b+1]-1 sit at positions len_b - n_b .. len_b - 1
+ *   query at position p sees keys j with max(0, p - W + 1) <= j <= p      (W = window, 0: none)
+ *   out = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sink - m))      s_j = scale * (q . k_j)
+ *
+ * One query at a time, keys in blocks of KEY_BLOCK with an online (rescaled) softmax, so memory
+ * is O(heads * KEY_BLOCK) whatever the context length. Per block and head: scores of 8 keys at a
+ * time (8 independent FMA chains, then one 8-way horizontal sum), exponentials 8 at a time, and
+ * the weighted value sum kept in registers across the block.
+ *
+ * Layouts (all C-contiguous):
+ *   q      float32 [T, H, D]            k pool  float32 [slots, Hkv, D]   (slots = pages * page)
+ *   out    float32 [T, H, Dv]           v pool  float32 [slots, Hkv, Dv]
+ *   table  int32 [B, P]  logical page -> physical page (pages a query reads must be >= 0)
+ *   cu     int32 [B + 1]   lens  int32 [B]   sinks  float32 [H] or an empty buffer
+ * Query head h reads KV head h / (H / Hkv). Everything is checked against the buffer sizes; a
+ * page outside the pool raises ValueError (nothing out of bounds is ever read).
+ *
+ * x86-64 with AVX2 + FMA uses the vector primitives (chosen at import); other CPUs the scalar ones.
+ * Results agree to float32 rounding (the sums run in a different order than torch's).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "_simd.h"
+
+#define KEY_BLOCK 128 /* keys per online-softmax block: one block covers a 128-token window */
+
+/* A block's view of the problem: nb keys at slots[0 .. nb) and one query q [H, D]. Scores land
+ * in s [H][KEY_BLOCK]; the weighted values accumulate into acc [H, Dv]. Keys are the outer loop
+ * and heads the inner one, so each key's pool row (all KV heads, contiguous) is read once, in
+ * slot order: pages stream through the cache instead of being walked once per head. */
+typedef struct {
+    const float *q, *k, *v;
+    const int64_t *slots;
+    Py_ssize_t nb, H, group, D, Dv, kstride, vstride; /* group: query heads per KV head */
+    float scale;
+    Py_ssize_t j_base, nk; /* this block starts at key j_base of the query's nk keys */
+    struct Prefetch *pf;   /* or NULL */
+} Block;
+
+/* The pool rows the next query will read, requested while this one computes. Decode queries
+ * belong to different sequences whose pages are scattered over the pools, so every query starts
+ * on cold rows; fetching them a query ahead, spread over this query's keys (row i of the next
+ * query once this one is i / n of the way through), keeps the memory busy during the compute
+ * without flooding it. Only used across sequences: the next query of the same sequence reads
+ * the rows just read. */
+typedef struct Prefetch {
+    const int64_t *slots;
+    Py_ssize_t n, k_done, v_done;
+} Prefetch;
+
+static inline void prefetch_rows(const float *base, const int64_t *slots, Py_ssize_t from, Py_ssize_t to,
+                                 Py_ssize_t stride) {
+    for (Py_ssize_t i = from; i < to; i++) {
+        const char *row = (const char *)(base + slots[i] * stride);
+        for (Py_ssize_t b = 0; b < stride * (Py_ssize_t)sizeof(float); b += 64) __builtin_prefetch(row + b);
+    }
+}
+
+/* Called after key j of the block (keys: is_v = 0, values: is_v = 1). */
+static inline void prefetch_next(const Block *bk, Py_ssize_t j, int is_v) {
+    Prefetch *pf = bk->pf;
+    if (pf == NULL) return;
+    Py_ssize_t upto = (bk->j_base + (j < bk->nb ? j : bk->nb)) * pf->n / bk->nk;
+    if (is_v) {
+        prefetch_rows(bk->v, pf->slots, pf->v_done, upto, bk->vstride);
+        pf->v_done = upto > pf->v_done ? upto : pf->v_done;
+    } else {
+        prefetch_rows(bk->k, pf->slots, pf->k_done, upto, bk->kstride);
+        pf->k_done = upto > pf->k_done ? upto : pf->k_done;
+    }
+}
+
+/* ---- primitives: scalar versions ---------------------------------------------------------- */
+
+static void block_scores_scalar(const Block *bk, float *s) {
+    for (Py_ssize_t j = 0; j < bk->nb; j++) {
+        const float *row = bk->k + bk->slots[j] * bk->kstride;
+        for (Py_ssize_t h = 0; h < bk->H; h++) {
+            const float *qh = bk->q + h * bk->D, *kh = row + (h / bk->group) * bk->D;
+            float acc = 0.0f;
+            for (Py_ssize_t d = 0; d < bk->D; d++) acc += qh[d] * kh[d];
+            s[h * KEY_BLOCK + j] = bk->scale * acc;
+        }
+    }
+}
+
+/* s[j] = e^(s[j] - m) for j < n; returns the sum. */
+static float exp_shift_scalar(float *s, Py_ssize_t n, float m) {
+    float sum = 0.0f;
+    for (Py_ssize_t j = 0; j < n; j++) sum += (s[j] = expf(s[j] - m));
+    return sum;
+}
+
+/* acc[h] += sum_j p[h][j] * v_j[h / group] */
+static void block_accumulate_scalar(const Block *bk, const float *p, float *acc) {
+    for (Py_ssize_t j = 0; j < bk->nb; j++) {
+        const float *row = bk->v + bk->slots[j] * bk->vstride;
+        for (Py_ssize_t h = 0; h < bk->H; h++) {
+            const float *vh = row + (h / bk->group) * bk->Dv, pj = p[h * KEY_BLOCK + j];
+            float *ah = acc + h * bk->Dv;
+            for (Py_ssize_t d = 0; d < bk->Dv; d++) ah[d] += pj * vh[d];
+        }
+    }
+}
+
+/* ---- primitives: AVX2 + FMA versions ------------------------------------------------------ */
+
+#ifdef HAVE_AVX2_PATH
+static AVX2 void block_scores_avx2(const Block *bk, float *s) {
+    const Py_ssize_t D = bk->D;
+    if (D & 7) {
+        block_scores_scalar(bk, s);
+        return;
+    }
+    const __m256 vscale = _mm256_set1_ps(bk->scale);
+    Py_ssize_t j = 0;
+    for (; j + 8 <= bk->nb; j += 8) { /* 8 keys, every head: 8 independent FMA chains per head */
+        const float *r[8];
+        for (int i = 0; i < 8; i++) r[i] = bk->k + bk->slots[j + i] * bk->kstride;
+        prefetch_next(bk, j + 8, 0);
+        for (Py_ssize_t h = 0; h < bk->H; h++) {
+            const float *qh = bk->q + h * D;
+            const Py_ssize_t off = (h / bk->group) * D;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            for (Py_ssize_t d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qh + d);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[0] + off + d), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[1] + off + d), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[2] + off + d), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[3] + off + d), a3);
+                a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[4] + off + d), a4);
+                a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[5] + off + d), a5);
+                a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[6] + off + d), a6);
+                a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[7] + off + d), a7);
+            }
+            _mm256_storeu_ps(s + h * KEY_BLOCK + j, _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), vscale));
+        }
+    }
+    for (; j < bk->nb; j++) {
+        const float *row = bk->k + bk->slots[j] * bk->kstride;
+        for (Py_ssize_t h = 0; h < bk->H; h++) {
+            const float *qh = bk->q + h * D, *kh = row + (h / bk->group) * D;
+            __m256 a = _mm256_setzero_ps();
+            for (Py_ssize_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(kh + d), a);
+            s[h * KEY_BLOCK + j] = bk->scale * hsum(a);
+        }
+    }
+}
+
+static AVX2 float exp_shift_avx2(float *s, Py_ssize_t n, float m) {
+    Py_ssize_t j = 0;
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 vsum = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+        _mm256_storeu_ps(s + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum(vsum);
+    if (j < n) { /* the tail through the same polynomial; padding lanes are discarded */
+        float tail[8];
+        for (int i = 0; i < 8; i++) tail[i] = j + i < n ? s[j + i] - m : -100.0f;
+        _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
+        for (Py_ssize_t i = 0; j + i < n; i++) {
+            s[j + i] = tail[i];
+            sum += tail[i];
+        }
+    }
+    return sum;
+}
+
+static AVX2 void block_accumulate_avx2(const Block *bk, const float *p, float *acc) {
+    const Py_ssize_t Dv = bk->Dv;
+    if (Dv & 7) {
+        block_accumulate_scalar(bk, p, acc);
+        return;
+    }
+    for (Py_ssize_t j0 = 0; j0 < bk->nb; j0 += 8) { /* 8 keys at a time, every head */
+        const Py_ssize_t n = bk->nb - j0 < 8 ? bk->nb - j0 : 8;
+        const float *r[8];
+        for (Py_ssize_t i = 0; i < n; i++) r[i] = bk->v + bk->slots[j0 + i] * bk->vstride;
+        prefetch_next(bk, j0 + 8, 1);
+        for (Py_ssize_t h = 0; h < bk->H; h++) {
+            const float *ph = p + h * KEY_BLOCK + j0;
+            const Py_ssize_t off = (h / bk->group) * Dv;
+            float *ah = acc + h * Dv;
+            for (Py_ssize_t d = 0; d < Dv; d += 8) {
+                __m256 a = _mm256_loadu_ps(ah + d);
+                for (Py_ssize_t i = 0; i < n; i++)
+                    a = _mm256_fmadd_ps(_mm256_broadcast_ss(ph + i), _mm256_loadu_ps(r[i] + off + d), a);
+                _mm256_storeu_ps(ah + d, a);
+            }
+        }
+    }
+}
+#endif
+
+typedef void (*block_scores_fn)(const Block *, float *);
+typedef float (*exp_shift_fn)(float *, Py_ssize_t, float);
+typedef void (*block_accumulate_fn)(const Block *, const float *, float *);
+
+static block_scores_fn block_scores = block_scores_scalar;
+static exp_shift_fn exp_shift = exp_shift_scalar;
+static block_accumulate_fn block_accumulate = block_accumulate_scalar;
+
+/* ---- the kernel --------------------------------------------------------------------------- */
+
+typedef struct {
+    const float *q, *k, *v, *sinks; /* sinks: NULL for none */
+    const int32_t *table, *cu, *lens;
+    float *out;
+    Py_ssize_t B, H, Hkv, D, Dv, page, P, num_pages, window;
+    float scale;
+} Problem;
+
+/* Attention of one query (packed row t) whose keys are slots[0 .. nk); pf: the next query's rows
+ * to fetch meanwhile, or NULL. */
+static void attend_query(const Problem *pb, Py_ssize_t t, const int64_t *slots, Py_ssize_t nk, Prefetch *pf,
+                         float *s, float *m, float *l, float *acc) {
+    const Py_ssize_t H = pb->H, Dv = pb->Dv;
+    Block bk = {pb->q + t * H * pb->D, pb->k, pb->v, slots, 0, H, H / pb->Hkv, pb->D, Dv,
+                pb->Hkv * pb->D, pb->Hkv * Dv, pb->scale, 0, nk, pf};
+    for (Py_ssize_t h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.0f;
+    memset(acc, 0, (size_t)(H * Dv) * sizeof(float));
+    for (Py_ssize_t j0 = 0; j0 < nk; j0 += KEY_BLOCK) {
+        bk.slots = slots + j0;
+        bk.j_base = j0;
+        bk.nb = nk - j0 < KEY_BLOCK ? nk - j0 : KEY_BLOCK;
+        block_scores(&bk, s);
+        for (Py_ssize_t h = 0; h < H; h++) {
+            float *sh = s + h * KEY_BLOCK, *ah = acc + h * Dv;
+            float bm = sh[0];
+            for (Py_ssize_t j = 1; j < bk.nb; j++) bm = sh[j] > bm ? sh[j] : bm;
+            if (bm > m[h]) { /* a new running max: rescale what was summed so far */
+                if (l[h] > 0.0f) {
+                    const float alpha = expf(m[h] - bm);
+                    l[h] *= alpha;
+                    for (Py_ssize_t d = 0; d < Dv; d++) ah[d] *= alpha;
+                }
+                m[h] = bm;
+            }
+            l[h] += exp_shift(sh, bk.nb, m[h]);
+        }
+        block_accumulate(&bk, s, acc);
+    }
+    float *o = pb->out + t * H * Dv;
+    for (Py_ssize_t h = 0; h < H; h++) {
+        float c = 1.0f, denom = l[h];
+        if (pb->sinks != NULL) { /* the sink joins the softmax denominator only */
+            const float mf = m[h] > pb->sinks[h] ? m[h] : pb->sinks[h];
+            c = expf(m[h] - mf);
+            denom = l[h] * c + expf(pb->sinks[h] - mf);
+        }
+        const float f = c / denom;
+        for (Py_ssize_t d = 0; d < Dv; d++) o[h * Dv + d] = acc[h * Dv + d] * f;
+    }
+}
+
+/* Slots of every key some query of sequence b reads (positions lo .. len - 1) into slots;
+ * returns lo, or -1 when a page is not in the pool. */
+static Py_ssize_t sequence_slots(const Problem *pb, Py_ssize_t b, int64_t *slots) {
+    const Py_ssize_t len = pb->lens[b], first = len - (pb->cu[b + 1] - pb->cu[b]);
+    const Py_ssize_t lo = pb->window > 0 && first - pb->window + 1 > 0 ? first - pb->window + 1 : 0;
+    for (Py_ssize_t pos = lo; pos < len; pos++) {
+        const Py_ssize_t logical = pos / pb->page;
+        const int32_t phys = logical < pb->P ? pb->table[b * pb->P + logical] : -1;
+        if (phys < 0 || phys >= pb->num_pages) return -1;
+        slots[pos - lo] = (int64_t)phys * pb->page + pos % pb->page;
+    }
+    return lo;
+}
+
+/* First key of the query at position pos (keys before lo are not in its sequence's slots). */
+static inline Py_ssize_t first_key(const Problem *pb, Py_ssize_t pos, Py_ssize_t lo) {
+    return pb->window > 0 && pos - pb->window + 1 > lo ? pos - pb->window + 1 : lo;
+}
+
+static Py_ssize_t next_nonempty(const Problem *pb, Py_ssize_t b) {
+    while (b < pb->B && pb->cu[b + 1] == pb->cu[b]) b++;
+    return b;
+}
+
+/* Runs the whole batch; returns NULL or a static error message. Called without the GIL. */
+static const char *run(const Problem *pb) {
+    static const char *not_resident =
+        "paged_attention: a page some query reads is not in the pool (page table entry out of range or -1)";
+    const char *err = NULL;
+    Py_ssize_t max_keys = 1;
+    for (Py_ssize_t b = 0; b < pb->B; b++) max_keys = pb->lens[b] > max_keys ? pb->lens[b] : max_keys;
+    int64_t *const slot_buf = malloc(2 * (size_t)max_keys * sizeof(int64_t));
+    int64_t *cur = slot_buf, *nxt = slot_buf + max_keys; /* this sequence's slots, the next one's */
+    float *work = malloc((size_t)(pb->H * (KEY_BLOCK + 2 + pb->Dv)) * sizeof(float));
+    if (slot_buf == NULL || work == NULL) {
+        err = "paged_attention: out of memory";
+        goto done;
+    }
+    float *s = work, *m = s + pb->H * KEY_BLOCK, *l = m + pb->H, *acc = l + pb->H;
+    Py_ssize_t b = next_nonempty(pb, 0), lo = b < pb->B ? sequence_slots(pb, b, cur) : 0;
+    while (b < pb->B) {
+        if (lo < 0) {
+            err = not_resident;
+            goto done;
+        }
+        const Py_ssize_t n = pb->cu[b + 1] - pb->cu[b], first = pb->lens[b] - n;
+        const Py_ssize_t nb = next_nonempty(pb, b + 1);
+        Py_ssize_t lo_next = 0;
+        Prefetch pf = {0}, *last_pf = NULL;
+        if (nb < pb->B) { /* the next sequence's slots now, so its first query's rows can be fetched */
+            lo_next = sequence_slots(pb, nb, nxt);
+            if (lo_next >= 0) {
+                const Py_ssize_t pos = pb->lens[nb] - (pb->cu[nb + 1] - pb->cu[nb]);
+                const Py_ssize_t start = first_key(pb, pos, lo_next);
+                pf.slots = nxt + (start - lo_next);
+                pf.n = pos - start + 1;
+                last_pf = &pf;
+            }
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const Py_ssize_t pos = first + i, start = first_key(pb, pos, lo);
+            attend_query(pb, pb->cu[b] + i, cur + (start - lo), pos - start + 1, i == n - 1 ? last_pf : NULL, s,
+                         m, l, acc);
+        }
+        int64_t *swap = cur;
+        cur = nxt, nxt = swap;
+        b = nb, lo = lo_next;
+    }
+done:
+    free(slot_buf);
+    free(work);
+    return err;
+}
+
+static int check_buffer(const Py_buffer *buf, Py_ssize_t expect_len, const char *name) {
+    if (!PyBuffer_IsContiguous(buf, 'C')) {
+        PyErr_Format(PyExc_ValueError, "paged_attention: %s must be C-contiguous", name);
+        return -1;
+    }
+    if (buf->len != expect_len) {
+        PyErr_Format(PyExc_ValueError, "paged_attention: %s has %zd bytes, expected %zd", name, buf->len,
+                     expect_len);
+        return -1;
+    }
+    return 0;
+}
+
+/* paged_attention(q, k, v, table, cu, lens, sinks, out, H, Hkv, D, Dv, page, window, scale) -> None */
+static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
+    Py_buffer q, k, v, table, cu, lens, sinks, out;
+    Py_ssize_t H, Hkv, D, Dv, page, window;
+    float scale;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*w*nnnnnnf", &q, &k, &v, &table, &cu, &lens, &sinks, &out, &H,
+                          &Hkv, &D, &Dv, &page, &window, &scale))
+        return NULL;
+    PyObject *result = NULL;
+    Problem pb = {0};
+    const Py_ssize_t f = (Py_ssize_t)sizeof(float), i32 = (Py_ssize_t)sizeof(int32_t);
+    if (H < 1 || Hkv < 1 || H % Hkv || D < 1 || Dv < 1 || page < 1) {
+        PyErr_SetString(PyExc_ValueError, "paged_attention: invalid head counts, head dims or page size");
+        goto done;
+    }
+    pb.B = lens.len / i32;
+    if (lens.len % i32 || check_buffer(&cu, (pb.B + 1) * i32, "cu_seqlens_q") ||
+        check_buffer(&lens, pb.B * i32, "seq_lens"))
+        goto done;
+    pb.cu = cu.buf;
+    pb.lens = lens.buf;
+    if (pb.cu[0] != 0) {
+        PyErr_SetString(PyExc_ValueError, "paged_attention: cu_seqlens_q must start at 0");
+        goto done;
+    }
+    for (Py_ssize_t b = 0; b < pb.B; b++) {
+        const Py_ssize_t n = pb.cu[b + 1] - pb.cu[b];
+        if (n < 0 || n > pb.lens[b]) {
+            PyErr_Format(PyExc_ValueError, "paged_attention: sequence %zd has %zd new tokens of %d", b, n,
+                         (int)pb.lens[b]);
+            goto done;
+        }
+    }
+    const Py_ssize_t T = pb.B ? pb.cu[pb.B] : 0;
+    const Py_ssize_t row_k = Hkv * D * f, row_v = Hkv * Dv * f;
+    if (k.len % (row_k * page) || v.len / row_v != k.len / row_k || v.len % row_v) {
+        PyErr_SetString(PyExc_ValueError, "paged_attention: k and v pools must hold the same whole pages");
+        goto done;
+    }
+    pb.num_pages = k.len / (row_k * page);
+    pb.P = pb.B ? table.len / (pb.B * i32) : 0;
+    if (check_buffer(&q, T * H * D * f, "q") || check_buffer(&out, T * H * Dv * f, "out") ||
+        check_buffer(&k, k.len, "k") || check_buffer(&v, v.len, "v") ||
+        check_buffer(&table, pb.B * pb.P * i32, "page_table") ||
+        (sinks.len != 0 && check_buffer(&sinks, H * f, "sinks")))
+        goto done;
+    pb.q = q.buf, pb.k = k.buf, pb.v = v.buf, pb.table = table.buf, pb.out = out.buf;
+    pb.sinks = sinks.len ? sinks.buf : NULL;
+    pb.H = H, pb.Hkv = Hkv, pb.D = D, pb.Dv = Dv, pb.page = page, pb.window = window, pb.scale = scale;
+    const char *err;
+    Py_BEGIN_ALLOW_THREADS
+    err = run(&pb);
+    Py_END_ALLOW_THREADS
+    if (err != NULL) {
+        PyErr_SetString(PyExc_ValueError, err);
+        goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&q);
+    PyBuffer_Release(&k);
+    PyBuffer_Release(&v);
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&cu);
+    PyBuffer_Release(&lens);
+    PyBuffer_Release(&sinks);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *py_simd(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyUnicode_FromString(block_scores == block_scores_scalar ? "scalar" : "avx2");
+}
+
+/* set_simd(name): "avx2" (where the CPU has it) or "scalar"; for tests of both paths. */
+static PyObject *py_set_simd(PyObject *self, PyObject *args) {
+    const char *name;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    if (strcmp(name, "scalar") == 0) {
+        block_scores = block_scores_scalar;
+        exp_shift = exp_shift_scalar;
+        block_accumulate = block_accumulate_scalar;
+        Py_RETURN_NONE;
+    }
+#ifdef HAVE_AVX2_PATH
+    if (strcmp(name, "avx2") == 0 && cpu_has_avx2()) {
+        block_scores = block_scores_avx2;
+        exp_shift = exp_shift_avx2;
+        block_accumulate = block_accumulate_avx2;
+        Py_RETURN_NONE;
+    }
+#endif
+    PyErr_Format(PyExc_ValueError, "set_simd: '%s' is not available on this CPU (try 'scalar')", name);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"paged_attention", py_paged_attention, METH_VARARGS,
+     "paged_attention(q, k, v, page_table, cu_seqlens_q, seq_lens, sinks, out, H, Hkv, D, Dv, page_size, "
+     "window, scale): float32 varlen causal attention over paged KV pools into out [T, H, Dv] (window 0: "
+     "none; sinks: float32 [H] or empty); releases the GIL."},
+    {"simd", py_simd, METH_NOARGS, "simd() -> 'avx2' or 'scalar': the primitives in use."},
+    {"set_simd", py_set_simd, METH_VARARGS, "set_simd(name): use the 'avx2' or the 'scalar' primitives."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_paged_attention", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__paged_attention(void) {
+#ifdef HAVE_AVX2_PATH
+    if (cpu_has_avx2()) {
+        block_scores = block_scores_avx2;
+        exp_shift = exp_shift_avx2;
+        block_accumulate = block_accumulate_avx2;
+    }
+#endif
+    return PyModule_Create(&module);
+}

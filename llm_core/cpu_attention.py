@@ -1,0 +1,101 @@
+"""CPU paged attention through the C kernel (``_paged_attention.c``): varlen prefill and decode in one
+call, reading keys and values straight from the pools through the page table.
+
+Same semantics and signature as ``attention.paged_attention_torch`` (which stays the reference):
+
+    q [T, H, D] packed by cu_seqlens_q, pools k [N, page, Hkv, D] / v [N, page, Hkv, Dv]
+    -> out [T, H, Dv]        query at position p sees keys max(0, p - W + 1) .. p, plus the sink
+
+Why a kernel: on CPU the torch path spends a decode step on gathers, masks and small batched
+matmuls over score tensors, and a prefill step on per-block ops; the kernel touches each key and
+value once per query (per block of keys, in cache) and never builds a score tensor. fp32 only;
+``AVAILABLE`` is False when the extension was not built (no C compiler), and callers fall back to
+the torch path.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+import torch
+from torch import Tensor
+
+_kernel: ModuleType | None
+try:  # built by `pip install` (setup.py); optional
+    import llm_core._paged_attention as _kernel
+except ImportError:  # pragma: no cover - depends on the build
+    _kernel = None
+
+AVAILABLE = _kernel is not None
+
+
+def simd() -> str | None:
+    """'avx2' or 'scalar' (the primitives the kernel chose for this CPU), None when not built."""
+    return None if _kernel is None else str(_kernel.simd())
+
+
+def set_simd(name: str) -> None:
+    """Use the 'avx2' or the 'scalar' primitives from now on (ValueError where unavailable); the
+    kernel picks the best at import, so this exists for tests of both paths."""
+    if _kernel is None:
+        raise RuntimeError("llm_core._paged_attention is not built")
+    _kernel.set_simd(name)
+
+
+def supports(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
+    """True when the kernel can run these tensors (built, CPU, fp32)."""
+    return (
+        _kernel is not None
+        and not q.is_cuda
+        and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and q.device == k_cache.device == v_cache.device
+    )
+
+
+def _buf(t: Tensor) -> np.ndarray:
+    """A C-contiguous tensor as a buffer the kernel reads (no copy for contiguous tensors)."""
+    return t.detach().contiguous().numpy()
+
+
+def paged_attention_cpu(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Tensor,
+    cu_seqlens_q: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    window: int | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """Attention of packed queries q [T, H, D] over paged fp32 pools -> [T, H, Dv] (see module doc).
+
+    Raises ValueError (from the kernel) when a page a query reads is not in the pool, and
+    RuntimeError when the kernel is not built or the tensors are not CPU fp32."""
+    if _kernel is None:
+        raise RuntimeError("llm_core._paged_attention is not built; use attention.paged_attention_torch")
+    if not supports(q, k_cache, v_cache):
+        raise RuntimeError(f"the CPU kernel takes fp32 CPU tensors, got {q.dtype} on {q.device}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    page_size, num_kv, v_dim = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
+    assert k_cache.shape[3] == head_dim, (k_cache.shape, q.shape)
+    out = q.new_empty(q.shape[0], num_heads, v_dim)
+    _kernel.paged_attention(
+        _buf(q),
+        _buf(k_cache),
+        _buf(v_cache),
+        _buf(page_table.to(torch.int32)),
+        _buf(cu_seqlens_q.to(torch.int32)),
+        _buf(seq_lens.to(torch.int32)),
+        b"" if sinks is None else _buf(sinks.to(torch.float32)),
+        out.numpy(),
+        num_heads,
+        num_kv,
+        head_dim,
+        v_dim,
+        page_size,
+        0 if window is None else int(window),
+        float(scale),
+    )
+    return out

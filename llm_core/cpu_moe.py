@@ -1,0 +1,95 @@
+"""CPU MoE experts through the C kernel (``_moe.c``): every routed expert of a layer in one call.
+
+    x [T, H], Routing(experts [T, K], weights [T, K]), gate_up [E, 2I, H], down [E, H, I]
+    -> out [T, H] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t])
+
+The kernel reads the weights as [E, in, out] row-major, which is how
+``GroupedExperts.fuse_weights`` lays them out in memory (``supports`` checks it). Why a kernel:
+with a few tokens per expert (decode), the torch path is small batched GEMMs over padded rows plus
+a dozen gather, activation and scatter ops per layer; the kernel streams each expert's weights
+once per four tokens and fuses the rest. fp32 only; ``AVAILABLE`` is False when the extension was
+not built, and ``GroupedExperts`` keeps its torch path.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+import torch
+from torch import Tensor
+
+_kernel: ModuleType | None
+try:  # built by `pip install` (setup.py); optional
+    import llm_core._moe as _kernel
+except ImportError:  # pragma: no cover - depends on the build
+    _kernel = None
+
+AVAILABLE = _kernel is not None
+
+
+def simd() -> str | None:
+    """'avx2' or 'scalar' (the kernel chosen for this CPU), None when not built."""
+    return None if _kernel is None else str(_kernel.simd())
+
+
+def set_simd(name: str) -> None:
+    """Use the 'avx2' or the 'scalar' kernel from now on (ValueError where unavailable); for tests."""
+    if _kernel is None:
+        raise RuntimeError("llm_core._moe is not built")
+    _kernel.set_simd(name)
+
+
+def _in_out(w: Tensor) -> Tensor | None:
+    """w [E, out, in] -> its memory as a contiguous [E, in, out] tensor, or None when it is not laid
+    out that way (the kernel never copies weights)."""
+    t = w.transpose(1, 2)
+    return t if t.is_contiguous() else None
+
+
+def supports(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
+    """True when the kernel can run these tensors: built, CPU fp32, weights laid out [E, in, out]."""
+    return (
+        _kernel is not None
+        and x.device.type == "cpu"
+        and x.dtype == gate_up.dtype == down.dtype == torch.float32
+        and gate_up.device.type == down.device.type == "cpu"
+        and _in_out(gate_up) is not None
+        and _in_out(down) is not None
+    )
+
+
+def _buf(t: Tensor) -> np.ndarray:
+    return t.detach().contiguous().numpy()
+
+
+def moe_experts_cpu(x: Tensor, experts: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """x [T, H] routed to ``experts`` [T, K] with ``weights`` [T, K] -> [T, H] fp32 (module doc).
+
+    gate_up [E, 2I, H] and down [E, H, I] as ``GroupedExperts`` holds them after ``fuse_weights``.
+    Raises RuntimeError when the kernel cannot run them, ValueError for an expert id out of range."""
+    if _kernel is None or not supports(x, gate_up, down):
+        raise RuntimeError(
+            "moe_experts_cpu needs the built kernel, fp32 CPU tensors and [E, in, out] weights"
+        )
+    gu, dn = _in_out(gate_up), _in_out(down)
+    assert gu is not None and dn is not None
+    num_tokens, hidden = x.shape
+    top_k = experts.shape[1]
+    num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    assert down.shape == (num_experts, hidden, inter), (gate_up.shape, down.shape)
+    out = x.new_empty(num_tokens, hidden)
+    _kernel.moe_experts(
+        _buf(x),
+        _buf(experts.to(torch.int64)),
+        _buf(weights.to(torch.float32)),
+        gu.detach().numpy(),
+        dn.detach().numpy(),
+        out.numpy(),
+        num_tokens,
+        top_k,
+        num_experts,
+        hidden,
+        inter,
+    )
+    return out

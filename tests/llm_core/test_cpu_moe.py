@@ -1,0 +1,82 @@
+"""The C MoE kernel (cpu_moe) against the per-token reference and the torch paths, through both
+its AVX2 and its scalar kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from llm_core import cpu_moe
+from llm_core.moe import Routing, SparseMoE
+from tests.llm_core.test_model_moe import moe_config, per_token_reference
+
+pytestmark = pytest.mark.skipif(not cpu_moe.AVAILABLE, reason="llm_core._moe is not built")
+
+
+@pytest.fixture(params=["avx2", "scalar"])
+def simd(request: pytest.FixtureRequest) -> Iterator[str]:
+    before = cpu_moe.simd()
+    assert before is not None
+    try:
+        cpu_moe.set_simd(request.param)
+    except ValueError:
+        pytest.skip(f"{request.param} is not available on this CPU")
+    yield request.param
+    cpu_moe.set_simd(before)
+
+
+def random_moe(seed: int, **kw: int) -> SparseMoE:
+    moe = SparseMoE(moe_config(**kw))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    moe.experts.fuse_weights()  # the [E, in, out] layout the kernel reads
+    return moe
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 3, 37, 300])
+@pytest.mark.parametrize(
+    ("hidden", "inter", "top_k"),
+    [(24, 8, 3), (32, 16, 2), (40, 24, 1)],  # widths that are and are not multiples of 16 / 8
+)
+def test_matches_per_token_reference(simd: str, num_tokens: int, hidden: int, inter: int, top_k: int) -> None:
+    moe = random_moe(1, hidden_size=hidden, moe_intermediate_size=inter, num_experts_per_tok=top_k)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(2))
+    routing = moe.gate(x)
+    assert cpu_moe.supports(x, moe.experts.gate_up_proj, moe.experts.down_proj)
+    out = moe.experts(x, routing)
+    torch.testing.assert_close(out, per_token_reference(moe.experts, x, routing), rtol=1e-5, atol=1e-5)
+    if num_tokens > 5:  # a token's output does not depend on its batch
+        torch.testing.assert_close(
+            moe.experts(x[5:6], Routing(routing.experts[5:6], routing.weights[5:6])), out[5:6]
+        )
+
+
+def test_agrees_with_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    moe = random_moe(3)
+    x = torch.randn(50, 24, generator=torch.Generator().manual_seed(4))
+    out = moe(x)
+    monkeypatch.setattr(cpu_moe, "_kernel", None)
+    torch.testing.assert_close(out, moe(x), rtol=1e-5, atol=1e-6)
+
+
+def test_needs_the_fused_layout_and_fp32() -> None:
+    moe = SparseMoE(moe_config())
+    x = torch.randn(4, 24)
+    assert not cpu_moe.supports(x, moe.experts.gate_up_proj, moe.experts.down_proj)  # checkpoint layout
+    moe.experts.fuse_weights()
+    assert cpu_moe.supports(x, moe.experts.gate_up_proj, moe.experts.down_proj)
+    assert not cpu_moe.supports(x.double(), moe.experts.gate_up_proj, moe.experts.down_proj)
+
+
+def test_an_expert_id_out_of_range_is_an_error() -> None:
+    moe = random_moe(5)
+    x = torch.randn(3, 24)
+    routing = moe.gate(x)
+    bad = routing.experts.clone()
+    bad[1, 0] = 8  # 8 experts: ids 0..7
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_moe.moe_experts_cpu(x, bad, routing.weights, moe.experts.gate_up_proj, moe.experts.down_proj)
