@@ -6,9 +6,8 @@
  *
  * Why: with a few tokens per expert (a decode step), running the experts through a BLAS means one
  * small GEMM pair per expert plus gathers, padding, activation and scatter ops around them, most
- * of the step's MoE time. Here each expert takes its tokens four rows at a time through a
- * register-blocked kernel (4 rows x 16 columns of FMA accumulators), the activation and the
- * weighted sum are fused in, and each weight matrix is streamed once per 4 tokens.
+ * of the step's MoE time. Here each expert's tokens go through a small-M product that streams
+ * each weight matrix once per call, with the activation and the weighted sum fused.
  *
  * Layouts (C-contiguous float32; "[E, in, out]" is what GroupedExperts.fuse_weights lays out):
  *   x [T, H]    experts int64 [T, K]   weights [T, K]   out [T, H] (overwritten)
@@ -25,22 +24,75 @@
 
 #include "_simd.h"
 
-#define ROWS 4 /* tokens per pass over an expert's weights */
+/* Small-M products: Y[r] = X[r] @ W for the few rows routed to one expert, W [in, n] row-major.
+ * Column strips of 16 outer, tiles of 4 rows inner, and a 4 x 16 block of FMA accumulators
+ * (8 registers) over k: each strip of W (in x 64 bytes) is read from memory once and stays in L1
+ * while every row tile passes over it, so the weights stream through once per call (a BLAS packs
+ * them first, which for a handful of rows costs as much as the product). A tail tile of fewer
+ * than 4 rows repeats its last row and stores only the real ones. */
+typedef void (*gemm_rows_fn)(const float *const *x, Py_ssize_t M, const float *W, const float *bias,
+                             Py_ssize_t in, Py_ssize_t n, float *y, Py_ssize_t ldy);
 
-/* y[r][0 .. n) = x[r] @ W for r < ROWS, W [in, n] row-major. Rows past the real ones point at a
- * zero row (their results are ignored). */
-typedef void (*rows_gemm_fn)(const float *const x[ROWS], const float *W, Py_ssize_t in, Py_ssize_t n, float *y);
-
-static void rows_gemm_scalar(const float *const x[ROWS], const float *W, Py_ssize_t in, Py_ssize_t n, float *y) {
-    for (int r = 0; r < ROWS; r++) {
-        float *yr = y + r * n;
-        memset(yr, 0, (size_t)n * sizeof(float));
+static void gemm_rows_scalar(const float *const *x, Py_ssize_t M, const float *W, const float *bias,
+                             Py_ssize_t in, Py_ssize_t n, float *y, Py_ssize_t ldy) {
+    for (Py_ssize_t r = 0; r < M; r++) {
+        float *yr = y + r * ldy;
+        for (Py_ssize_t j = 0; j < n; j++) yr[j] = bias != NULL ? bias[j] : 0.0f;
         for (Py_ssize_t k = 0; k < in; k++) {
             const float xk = x[r][k], *wk = W + k * n;
             for (Py_ssize_t j = 0; j < n; j++) yr[j] += xk * wk[j];
         }
     }
 }
+
+#ifdef HAVE_AVX2_PATH
+static AVX2 void gemm_rows_avx2(const float *const *x, Py_ssize_t M, const float *W, const float *bias,
+                                Py_ssize_t in, Py_ssize_t n, float *y, Py_ssize_t ldy) {
+    Py_ssize_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const __m256 b0 = bias != NULL ? _mm256_loadu_ps(bias + j) : _mm256_setzero_ps();
+        const __m256 b1 = bias != NULL ? _mm256_loadu_ps(bias + j + 8) : _mm256_setzero_ps();
+        for (Py_ssize_t r0 = 0; r0 < M; r0 += 4) {
+            const Py_ssize_t rows = M - r0 < 4 ? M - r0 : 4;
+            const float *x0 = x[r0], *x1 = x[r0 + (rows > 1 ? 1 : 0)], *x2 = x[r0 + (rows > 2 ? 2 : 0)],
+                        *x3 = x[r0 + (rows > 3 ? 3 : 0)];
+            __m256 a00 = b0, a01 = b1, a10 = b0, a11 = b1, a20 = b0, a21 = b1, a30 = b0, a31 = b1;
+            const float *w = W + j;
+            const int first = r0 == 0 && j + 16 < n; /* the first tile fetches the next strip */
+            for (Py_ssize_t k = 0; k < in; k++, w += n) {
+                if (first) _mm_prefetch((const char *)(w + 16), _MM_HINT_T0);
+                const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+                __m256 xr = _mm256_broadcast_ss(x0 + k);
+                a00 = _mm256_fmadd_ps(xr, w0, a00);
+                a01 = _mm256_fmadd_ps(xr, w1, a01);
+                xr = _mm256_broadcast_ss(x1 + k);
+                a10 = _mm256_fmadd_ps(xr, w0, a10);
+                a11 = _mm256_fmadd_ps(xr, w1, a11);
+                xr = _mm256_broadcast_ss(x2 + k);
+                a20 = _mm256_fmadd_ps(xr, w0, a20);
+                a21 = _mm256_fmadd_ps(xr, w1, a21);
+                xr = _mm256_broadcast_ss(x3 + k);
+                a30 = _mm256_fmadd_ps(xr, w0, a30);
+                a31 = _mm256_fmadd_ps(xr, w1, a31);
+            }
+            float *yr = y + r0 * ldy + j;
+            _mm256_storeu_ps(yr, a00);
+            _mm256_storeu_ps(yr + 8, a01);
+            if (rows > 1) _mm256_storeu_ps(yr + ldy, a10), _mm256_storeu_ps(yr + ldy + 8, a11);
+            if (rows > 2) _mm256_storeu_ps(yr + 2 * ldy, a20), _mm256_storeu_ps(yr + 2 * ldy + 8, a21);
+            if (rows > 3) _mm256_storeu_ps(yr + 3 * ldy, a30), _mm256_storeu_ps(yr + 3 * ldy + 8, a31);
+        }
+    }
+    if (j < n) { /* columns past the last full strip, one at a time */
+        for (Py_ssize_t r = 0; r < M; r++)
+            for (Py_ssize_t c = j; c < n; c++) {
+                float acc = bias != NULL ? bias[c] : 0.0f;
+                for (Py_ssize_t k = 0; k < in; k++) acc += x[r][k] * W[k * n + c];
+                y[r * ldy + c] = acc;
+            }
+    }
+}
+#endif
 
 /* h[i] = silu(h[i]) * h[I + i] for i < I: the SwiGLU activation over one [gate | up] row. */
 typedef void (*swiglu_fn)(float *h, Py_ssize_t I);
@@ -61,48 +113,9 @@ static AVX2 void swiglu_avx2(float *h, Py_ssize_t I) {
     for (; i < I; i++) h[i] = h[i] / (1.0f + expf(-h[i])) * h[I + i];
 }
 
-static AVX2 void rows_gemm_avx2(const float *const x[ROWS], const float *W, Py_ssize_t in, Py_ssize_t n,
-                                float *y) {
-    Py_ssize_t j = 0;
-    for (; j + 16 <= n; j += 16) { /* 4 rows x 16 columns: 8 accumulators */
-        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
-               a31 = a00;
-        const float *w = W + j;
-        for (Py_ssize_t k = 0; k < in; k++, w += n) {
-            const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
-            __m256 xr = _mm256_broadcast_ss(x[0] + k);
-            a00 = _mm256_fmadd_ps(xr, w0, a00);
-            a01 = _mm256_fmadd_ps(xr, w1, a01);
-            xr = _mm256_broadcast_ss(x[1] + k);
-            a10 = _mm256_fmadd_ps(xr, w0, a10);
-            a11 = _mm256_fmadd_ps(xr, w1, a11);
-            xr = _mm256_broadcast_ss(x[2] + k);
-            a20 = _mm256_fmadd_ps(xr, w0, a20);
-            a21 = _mm256_fmadd_ps(xr, w1, a21);
-            xr = _mm256_broadcast_ss(x[3] + k);
-            a30 = _mm256_fmadd_ps(xr, w0, a30);
-            a31 = _mm256_fmadd_ps(xr, w1, a31);
-        }
-        _mm256_storeu_ps(y + j, a00);
-        _mm256_storeu_ps(y + j + 8, a01);
-        _mm256_storeu_ps(y + n + j, a10);
-        _mm256_storeu_ps(y + n + j + 8, a11);
-        _mm256_storeu_ps(y + 2 * n + j, a20);
-        _mm256_storeu_ps(y + 2 * n + j + 8, a21);
-        _mm256_storeu_ps(y + 3 * n + j, a30);
-        _mm256_storeu_ps(y + 3 * n + j + 8, a31);
-    }
-    for (; j < n; j++) { /* column tail (n not a multiple of 16) */
-        for (int r = 0; r < ROWS; r++) {
-            float acc = 0.0f;
-            for (Py_ssize_t k = 0; k < in; k++) acc += x[r][k] * W[k * n + j];
-            y[r * n + j] = acc;
-        }
-    }
-}
 #endif
 
-static rows_gemm_fn rows_gemm = rows_gemm_scalar;
+static gemm_rows_fn gemm_rows = gemm_rows_scalar;
 static swiglu_fn swiglu = swiglu_scalar;
 
 typedef struct {
@@ -118,10 +131,11 @@ static const char *run(const Problem *pb) {
     const char *err = NULL;
     Py_ssize_t *start = calloc((size_t)pb->E + 1, sizeof(Py_ssize_t));
     Py_ssize_t *order = malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t));
-    /* scratch: gate|up rows [ROWS][2I], then down outputs [ROWS][H], then one zero row [max(H, I)] */
-    const Py_ssize_t zero_len = H > I ? H : I;
-    float *scratch = calloc((size_t)(ROWS * 2 * I + ROWS * H + zero_len), sizeof(float));
-    if (start == NULL || order == NULL || scratch == NULL) {
+    /* scratch, for the largest expert's C assignments: their rows of x, then gate|up [C, 2I]
+     * (activated in place), then down outputs [C, H]; sized below once the counts are known */
+    const float **rows = NULL;
+    float *scratch = NULL;
+    if (start == NULL || order == NULL) {
         err = "moe_experts: out of memory";
         goto done;
     }
@@ -144,29 +158,37 @@ static const char *run(const Problem *pb) {
         for (Py_ssize_t a = 0; a < n; a++) order[fill[pb->experts[a]]++] = a; /* (t, k) order per expert */
         free(fill);
     }
+    Py_ssize_t most = 1;
+    for (Py_ssize_t e = 0; e < pb->E; e++) most = start[e + 1] - start[e] > most ? start[e + 1] - start[e] : most;
+    rows = malloc((size_t)most * sizeof(float *));
+    scratch = malloc((size_t)(most * (2 * I + H)) * sizeof(float));
+    if (rows == NULL || scratch == NULL) {
+        err = "moe_experts: out of memory";
+        goto done;
+    }
+    float *hidden = scratch, *y = scratch + most * 2 * I;
     memset(pb->out, 0, (size_t)(pb->T * H) * sizeof(float));
-    float *hidden = scratch, *y = scratch + ROWS * 2 * I, *zero = y + ROWS * H;
     for (Py_ssize_t e = 0; e < pb->E; e++) {
-        const float *gate_up = pb->gate_up + e * H * 2 * I, *down = pb->down + e * I * H;
-        for (Py_ssize_t a0 = start[e]; a0 < start[e + 1]; a0 += ROWS) {
-            const Py_ssize_t rows = start[e + 1] - a0 < ROWS ? start[e + 1] - a0 : ROWS;
-            const float *xr[ROWS], *act[ROWS];
-            for (Py_ssize_t r = 0; r < ROWS; r++) xr[r] = r < rows ? pb->x + (order[a0 + r] / pb->K) * H : zero;
-            rows_gemm(xr, gate_up, H, 2 * I, hidden); /* [ROWS, 2I] */
-            for (Py_ssize_t r = 0; r < rows; r++) swiglu(hidden + r * 2 * I, I); /* over the gate half */
-            for (Py_ssize_t r = 0; r < ROWS; r++) act[r] = r < rows ? hidden + r * 2 * I : zero;
-            rows_gemm(act, down, I, H, y); /* [ROWS, H] */
-            for (Py_ssize_t r = 0; r < rows; r++) {
-                const Py_ssize_t a = order[a0 + r];
-                const float w = pb->weights[a], *yr = y + r * H;
-                float *o = pb->out + (a / pb->K) * H;
-                for (Py_ssize_t d = 0; d < H; d++) o[d] += w * yr[d];
-            }
+        const Py_ssize_t c = start[e + 1] - start[e];
+        if (c == 0) continue;
+        const Py_ssize_t *mine = order + start[e];
+        for (Py_ssize_t r = 0; r < c; r++) rows[r] = pb->x + (mine[r] / pb->K) * H;
+        gemm_rows(rows, c, pb->gate_up + e * H * 2 * I, NULL, H, 2 * I, hidden, 2 * I); /* [C, 2I] */
+        for (Py_ssize_t r = 0; r < c; r++) {
+            swiglu(hidden + r * 2 * I, I); /* over the gate half */
+            rows[r] = hidden + r * 2 * I;
+        }
+        gemm_rows(rows, c, pb->down + e * I * H, NULL, I, H, y, H); /* [C, H] */
+        for (Py_ssize_t r = 0; r < c; r++) {
+            const float w = pb->weights[mine[r]], *yr = y + r * H;
+            float *o = pb->out + (mine[r] / pb->K) * H;
+            for (Py_ssize_t d = 0; d < H; d++) o[d] += w * yr[d];
         }
     }
 done:
     free(start);
     free(order);
+    free(rows);
     free(scratch);
     return err;
 }
@@ -227,7 +249,7 @@ done:
 static PyObject *py_simd(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
-    return PyUnicode_FromString(rows_gemm == rows_gemm_scalar ? "scalar" : "avx2");
+    return PyUnicode_FromString(gemm_rows == gemm_rows_scalar ? "scalar" : "avx2");
 }
 
 /* set_simd(name): "avx2" (where the CPU has it) or "scalar"; for tests of both paths. */
@@ -236,13 +258,13 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
     if (strcmp(name, "scalar") == 0) {
-        rows_gemm = rows_gemm_scalar;
+        gemm_rows = gemm_rows_scalar;
         swiglu = swiglu_scalar;
         Py_RETURN_NONE;
     }
 #ifdef HAVE_AVX2_PATH
     if (strcmp(name, "avx2") == 0 && cpu_has_avx2()) {
-        rows_gemm = rows_gemm_avx2;
+        gemm_rows = gemm_rows_avx2;
         swiglu = swiglu_avx2;
         Py_RETURN_NONE;
     }
@@ -264,7 +286,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_moe", NULL, -1, met
 
 PyMODINIT_FUNC PyInit__moe(void) {
 #ifdef HAVE_AVX2_PATH
-    if (cpu_has_avx2()) rows_gemm = rows_gemm_avx2, swiglu = swiglu_avx2;
+    if (cpu_has_avx2()) gemm_rows = gemm_rows_avx2, swiglu = swiglu_avx2;
 #endif
     return PyModule_Create(&module);
 }

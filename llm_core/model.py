@@ -32,6 +32,7 @@ from llm_core.attention_batch import AttentionBatch, PagedKV
 from llm_core.config import MiMoConfig
 from llm_core.moe import DenseMLP, GroupedExperts, SparseMoE
 from llm_core.rope import PartialRotary, apply_partial_rotary_
+from llm_core.weight_layout import input_major
 
 # Rotary (cos, sin) tables of one step's positions, per (rope_dim, theta): made by the first layer
 # that needs them and reused by the other layers of its type.
@@ -83,8 +84,10 @@ class MiMoAttention(nn.Module):
 
     @torch.no_grad()
     def fuse_weights(self) -> None:
-        """Stack q/k/v projections for the fused path; call again after the weights change."""
-        self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        """Stack q/k/v projections for the fused path (and store them, and o_proj, input-major: see
+        ``weight_layout``); call again after the weights change."""
+        self.qkv_weight = input_major(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+        self.o_proj.weight.data = input_major(self.o_proj.weight.data)
         biases = [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
         self.qkv_bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
 
@@ -230,11 +233,14 @@ class MiMoForCausalLM(nn.Module):
 
     def fuse_weights(self) -> None:
         """Build the stacked projection weights the fused paths use (see ``MiMoAttention``,
-        ``DenseMLP``) and lay expert weights out for their matmuls (``GroupedExperts``). Call after
-        loading weights, and again after any later change to them."""
+        ``DenseMLP``) and store projection weights input-major (``weight_layout``; the lm_head too,
+        unless it is the embedding). Call after loading weights, and again after any later change
+        to them."""
         for module in self.modules():
             if isinstance(module, (MiMoAttention, DenseMLP, GroupedExperts)):
                 module.fuse_weights()
+        if self.lm_head.weight is not self.model.embed_tokens.weight:  # lookups want rows contiguous
+            self.lm_head.weight.data = input_major(self.lm_head.weight.data)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """input_ids [T] -> [T, hidden]; the runner overwrites placeholder rows with media embeddings."""
