@@ -17,8 +17,9 @@ and the sinks carry real mass; otherwise a broken mask or a dropped sink could h
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 import torch
@@ -99,3 +100,28 @@ def tiny_mimo_hf(tiny_mimo_dir: Path) -> Any:
 def loaded(tiny_mimo_dir: Path) -> LoadedLLM:
     """The tiny checkpoint loaded through our own loader (once per test module)."""
     return load_llm(tiny_mimo_dir)
+
+
+class SimdKernel(Protocol):
+    """A C-kernel wrapper module (``cpu_attention``, ``cpu_moe``)."""
+
+    def simd(self) -> str | None: ...
+    def set_simd(self, name: str) -> None: ...
+
+
+def simd_fixture(kernel: SimdKernel) -> Any:
+    """A fixture that runs a test once per SIMD level of ``kernel`` ("avx2" where the CPU has it,
+    "scalar"), restoring the level the kernel chose at import afterwards."""
+
+    @pytest.fixture(params=["avx2", "scalar"])
+    def simd(request: pytest.FixtureRequest) -> Iterator[str]:
+        before = kernel.simd()
+        assert before is not None
+        try:
+            kernel.set_simd(request.param)
+        except ValueError:
+            pytest.skip(f"{request.param} is not available on this CPU")
+        yield request.param
+        kernel.set_simd(before)
+
+    return simd

@@ -5,8 +5,6 @@ up as NaN or a large error."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -14,23 +12,12 @@ from hypothesis import strategies as st
 
 from llm_core import cpu_attention
 from llm_core.attention import paged_attention
+from tests.llm_core.conftest import simd_fixture
 from tests.llm_core.test_attention import Case, dense_reference, make_case
 
 pytestmark = pytest.mark.skipif(not cpu_attention.AVAILABLE, reason="llm_core._paged_attention is not built")
 
-SIMD = ["avx2", "scalar"]
-
-
-@pytest.fixture(params=SIMD)
-def simd(request: pytest.FixtureRequest) -> Iterator[str]:
-    before = cpu_attention.simd()
-    assert before is not None
-    try:
-        cpu_attention.set_simd(request.param)
-    except ValueError:
-        pytest.skip(f"{request.param} is not available on this CPU")
-    yield request.param
-    cpu_attention.set_simd(before)
+simd = simd_fixture(cpu_attention)
 
 
 def run(case: Case, scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:

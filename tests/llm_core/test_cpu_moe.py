@@ -3,28 +3,18 @@ its AVX2 and its scalar kernels."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 from llm_core import cpu_moe
 from llm_core.moe import Routing, SparseMoE
+from tests.llm_core.conftest import simd_fixture
 from tests.llm_core.test_model_moe import moe_config, per_token_reference
 
 pytestmark = pytest.mark.skipif(not cpu_moe.AVAILABLE, reason="llm_core._moe is not built")
 
 
-@pytest.fixture(params=["avx2", "scalar"])
-def simd(request: pytest.FixtureRequest) -> Iterator[str]:
-    before = cpu_moe.simd()
-    assert before is not None
-    try:
-        cpu_moe.set_simd(request.param)
-    except ValueError:
-        pytest.skip(f"{request.param} is not available on this CPU")
-    yield request.param
-    cpu_moe.set_simd(before)
+simd = simd_fixture(cpu_moe)
 
 
 def random_moe(seed: int, **kw: int) -> SparseMoE:
