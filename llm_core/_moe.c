@@ -29,15 +29,20 @@
  * (8 registers) over k: each strip of W (in x 64 bytes) is read from memory once and stays in L1
  * while every row tile passes over it, so the weights stream through once per call (a BLAS packs
  * them first, which for a handful of rows costs as much as the product). A tail tile of fewer
- * than 4 rows repeats its last row and stores only the real ones. */
-typedef void (*gemm_rows_fn)(const float *const *x, Py_ssize_t M, const float *W, const float *bias,
-                             Py_ssize_t in, Py_ssize_t n, float *y, Py_ssize_t ldy);
+ * than 4 rows repeats its last row and stores only the real ones.
+ *
+ * In a decode step every expert's weights come cold from DRAM, so the product also fetches
+ * ``next`` (the next expert's matrix of the same shape, or NULL), a share of its lines per strip:
+ * its memory traffic overlaps this expert's FMAs instead of following them. */
+typedef void (*gemm_rows_fn)(const float *const *x, Py_ssize_t M, const float *W, Py_ssize_t in, Py_ssize_t n,
+                             float *y, Py_ssize_t ldy, const float *next);
 
-static void gemm_rows_scalar(const float *const *x, Py_ssize_t M, const float *W, const float *bias,
-                             Py_ssize_t in, Py_ssize_t n, float *y, Py_ssize_t ldy) {
+static void gemm_rows_scalar(const float *const *x, Py_ssize_t M, const float *W, Py_ssize_t in, Py_ssize_t n,
+                             float *y, Py_ssize_t ldy, const float *next) {
+    (void)next;
     for (Py_ssize_t r = 0; r < M; r++) {
         float *yr = y + r * ldy;
-        for (Py_ssize_t j = 0; j < n; j++) yr[j] = bias != NULL ? bias[j] : 0.0f;
+        memset(yr, 0, (size_t)n * sizeof(float));
         for (Py_ssize_t k = 0; k < in; k++) {
             const float xk = x[r][k], *wk = W + k * n;
             for (Py_ssize_t j = 0; j < n; j++) yr[j] += xk * wk[j];
@@ -46,21 +51,32 @@ static void gemm_rows_scalar(const float *const *x, Py_ssize_t M, const float *W
 }
 
 #ifdef HAVE_AVX2_PATH
-static AVX2 void gemm_rows_avx2(const float *const *x, Py_ssize_t M, const float *W, const float *bias,
-                                Py_ssize_t in, Py_ssize_t n, float *y, Py_ssize_t ldy) {
-    Py_ssize_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-        const __m256 b0 = bias != NULL ? _mm256_loadu_ps(bias + j) : _mm256_setzero_ps();
-        const __m256 b1 = bias != NULL ? _mm256_loadu_ps(bias + j + 8) : _mm256_setzero_ps();
+static AVX2 void gemm_rows_avx2(const float *const *x, Py_ssize_t M, const float *W, Py_ssize_t in, Py_ssize_t n,
+                                float *y, Py_ssize_t ldy, const float *next) {
+    const Py_ssize_t strips = n / 16, bytes = in * n * (Py_ssize_t)sizeof(float);
+    for (Py_ssize_t s = 0; s < strips; s++) {
+        const Py_ssize_t j = s * 16;
+        /* the first row tile fetches the next strip, one line per k, and its share of ``next``,
+         * lines [s, s + 1) / strips, spread over the same k loop */
+        const char *pf = next != NULL ? (const char *)next + s * bytes / strips / 64 * 64 : NULL;
+        const char *pf_end = next != NULL ? (const char *)next + (s + 1) * bytes / strips : NULL;
+        const Py_ssize_t pf_step = next != NULL ? ((pf_end - pf) / in + 63) / 64 * 64 : 0;
         for (Py_ssize_t r0 = 0; r0 < M; r0 += 4) {
             const Py_ssize_t rows = M - r0 < 4 ? M - r0 : 4;
             const float *x0 = x[r0], *x1 = x[r0 + (rows > 1 ? 1 : 0)], *x2 = x[r0 + (rows > 2 ? 2 : 0)],
                         *x3 = x[r0 + (rows > 3 ? 3 : 0)];
-            __m256 a00 = b0, a01 = b1, a10 = b0, a11 = b1, a20 = b0, a21 = b1, a30 = b0, a31 = b1;
+            __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+                   a31 = a00;
             const float *w = W + j;
-            const int first = r0 == 0 && j + 16 < n; /* the first tile fetches the next strip */
+            const int first = r0 == 0;
             for (Py_ssize_t k = 0; k < in; k++, w += n) {
-                if (first) _mm_prefetch((const char *)(w + 16), _MM_HINT_T0);
+                if (first) {
+                    if (s + 1 < strips) _mm_prefetch((const char *)(w + 16), _MM_HINT_T0);
+                    if (pf != NULL && pf < pf_end) {
+                        for (Py_ssize_t b = 0; b < pf_step; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+                        pf += pf_step;
+                    }
+                }
                 const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
                 __m256 xr = _mm256_broadcast_ss(x0 + k);
                 a00 = _mm256_fmadd_ps(xr, w0, a00);
@@ -83,14 +99,12 @@ static AVX2 void gemm_rows_avx2(const float *const *x, Py_ssize_t M, const float
             if (rows > 3) _mm256_storeu_ps(yr + 3 * ldy, a30), _mm256_storeu_ps(yr + 3 * ldy + 8, a31);
         }
     }
-    if (j < n) { /* columns past the last full strip, one at a time */
-        for (Py_ssize_t r = 0; r < M; r++)
-            for (Py_ssize_t c = j; c < n; c++) {
-                float acc = bias != NULL ? bias[c] : 0.0f;
-                for (Py_ssize_t k = 0; k < in; k++) acc += x[r][k] * W[k * n + c];
-                y[r * ldy + c] = acc;
-            }
-    }
+    for (Py_ssize_t r = 0; r < M; r++) /* columns past the last full strip, one at a time */
+        for (Py_ssize_t c = strips * 16; c < n; c++) {
+            float acc = 0.0f;
+            for (Py_ssize_t k = 0; k < in; k++) acc += x[r][k] * W[k * n + c];
+            y[r * ldy + c] = acc;
+        }
 }
 #endif
 
@@ -171,14 +185,18 @@ static const char *run(const Problem *pb) {
     for (Py_ssize_t e = 0; e < pb->E; e++) {
         const Py_ssize_t c = start[e + 1] - start[e];
         if (c == 0) continue;
+        Py_ssize_t e2 = e + 1; /* the next expert with tokens: its weights are fetched meanwhile */
+        while (e2 < pb->E && start[e2 + 1] == start[e2]) e2++;
+        const float *next_gate_up = e2 < pb->E ? pb->gate_up + e2 * H * 2 * I : NULL;
+        const float *next_down = e2 < pb->E ? pb->down + e2 * I * H : NULL;
         const Py_ssize_t *mine = order + start[e];
         for (Py_ssize_t r = 0; r < c; r++) rows[r] = pb->x + (mine[r] / pb->K) * H;
-        gemm_rows(rows, c, pb->gate_up + e * H * 2 * I, NULL, H, 2 * I, hidden, 2 * I); /* [C, 2I] */
+        gemm_rows(rows, c, pb->gate_up + e * H * 2 * I, H, 2 * I, hidden, 2 * I, next_gate_up); /* [C, 2I] */
         for (Py_ssize_t r = 0; r < c; r++) {
             swiglu(hidden + r * 2 * I, I); /* over the gate half */
             rows[r] = hidden + r * 2 * I;
         }
-        gemm_rows(rows, c, pb->down + e * I * H, NULL, I, H, y, H); /* [C, H] */
+        gemm_rows(rows, c, pb->down + e * I * H, I, H, y, H, next_down); /* [C, H] */
         for (Py_ssize_t r = 0; r < c; r++) {
             const float w = pb->weights[mine[r]], *yr = y + r * H;
             float *o = pb->out + (mine[r] / pb->K) * H;
