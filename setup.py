@@ -24,14 +24,14 @@ setup(
         Extension(
             "llm_core._paged_attention",
             sources=["llm_core/_paged_attention.c"],
-            depends=["llm_core/_simd.h"],
+            depends=["llm_core/_kernels.h"],
             extra_compile_args=["-O3"],
             optional=True,
         ),
         Extension(
             "llm_core._moe",
             sources=["llm_core/_moe.c"],
-            depends=["llm_core/_simd.h"],
+            depends=["llm_core/_kernels.h"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

@@ -22,7 +22,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "_simd.h"
+#include "_kernels.h"
+
+#define KERNEL "moe_experts" /* error messages start with this */
 
 /* Small-M products: Y[r] = X[r] @ W for the few rows routed to one expert, W [in, n] row-major.
  * Column strips of 16 outer, tiles of 4 rows inner, and a 4 x 16 block of FMA accumulators
@@ -122,7 +124,8 @@ static AVX2 void swiglu_avx2(float *h, Py_ssize_t I) {
     for (; i + 8 <= I; i += 8) {
         const __m256 g = _mm256_loadu_ps(h + i);
         const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)); /* e^-g, clamped for |g| > 87 */
-        _mm256_storeu_ps(h + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(h + I + i)));
+        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(h + i, _mm256_mul_ps(silu, _mm256_loadu_ps(h + I + i)));
     }
     for (; i < I; i++) h[i] = h[i] / (1.0f + expf(-h[i])) * h[I + i];
 }
@@ -211,18 +214,6 @@ done:
     return err;
 }
 
-static int check_buffer(const Py_buffer *buf, Py_ssize_t expect_len, const char *name) {
-    if (!PyBuffer_IsContiguous(buf, 'C')) {
-        PyErr_Format(PyExc_ValueError, "moe_experts: %s must be C-contiguous", name);
-        return -1;
-    }
-    if (buf->len != expect_len) {
-        PyErr_Format(PyExc_ValueError, "moe_experts: %s has %zd bytes, expected %zd", name, buf->len, expect_len);
-        return -1;
-    }
-    return 0;
-}
-
 /* moe_experts(x, experts, weights, gate_up, down, out, T, K, E, H, I) -> None */
 static PyObject *py_moe_experts(PyObject *self, PyObject *args) {
     Py_buffer x, experts, weights, gate_up, down, out;
@@ -237,10 +228,12 @@ static PyObject *py_moe_experts(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "moe_experts: invalid sizes");
         goto done;
     }
-    if (check_buffer(&x, pb.T * pb.H * f, "x") ||
-        check_buffer(&experts, pb.T * pb.K * (Py_ssize_t)sizeof(int64_t), "experts") ||
-        check_buffer(&weights, pb.T * pb.K * f, "weights") || check_buffer(&gate_up, pb.E * pb.H * 2 * pb.I * f, "gate_up") ||
-        check_buffer(&down, pb.E * pb.I * pb.H * f, "down") || check_buffer(&out, pb.T * pb.H * f, "out"))
+    if (check_buffer(&x, KERNEL, pb.T * pb.H * f, "x") ||
+        check_buffer(&experts, KERNEL, pb.T * pb.K * (Py_ssize_t)sizeof(int64_t), "experts") ||
+        check_buffer(&weights, KERNEL, pb.T * pb.K * f, "weights") ||
+        check_buffer(&gate_up, KERNEL, pb.E * pb.H * 2 * pb.I * f, "gate_up") ||
+        check_buffer(&down, KERNEL, pb.E * pb.I * pb.H * f, "down") ||
+        check_buffer(&out, KERNEL, pb.T * pb.H * f, "out"))
         goto done;
     pb.x = x.buf, pb.experts = experts.buf, pb.weights = weights.buf;
     pb.gate_up = gate_up.buf, pb.down = down.buf, pb.out = out.buf;

@@ -32,7 +32,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "_simd.h"
+#include "_kernels.h"
+
+#define KERNEL "paged_attention" /* error messages start with this */
 
 #define KEY_BLOCK 128 /* keys per online-softmax block: one block covers a 128-token window */
 
@@ -153,7 +155,8 @@ static AVX2 void block_scores_avx2(const Block *bk, float *s) {
         for (Py_ssize_t h = 0; h < bk->H; h++) {
             const float *qh = bk->q + h * D, *kh = row + (h / bk->group) * D;
             __m256 a = _mm256_setzero_ps();
-            for (Py_ssize_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(kh + d), a);
+            for (Py_ssize_t d = 0; d < D; d += 8)
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(kh + d), a);
             s[h * KEY_BLOCK + j] = bk->scale * hsum(a);
         }
     }
@@ -226,15 +229,16 @@ static AVX2 void block_accumulate_avx2(const Block *bk, const float *p, float *a
             _mm256_storeu_ps(ah + d0 + 24, _mm256_add_ps(a3, b3));
         }
         for (; d0 < Dv; d0 += 8) { /* 8-wide tail: four keys per step, four chains */
-            __m256 a[4] = {_mm256_loadu_ps(ah + d0), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            const __m256 zero = _mm256_setzero_ps();
+            __m256 a[4] = {_mm256_loadu_ps(ah + d0), zero, zero, zero};
             Py_ssize_t j = 0;
             for (; j + 4 <= nb; j += 4)
                 for (int i = 0; i < 4; i++)
                     a[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(ph + j + i),
                                            _mm256_loadu_ps(base + bk->slots[j + i] * vstride + d0), a[i]);
             for (; j < nb; j++)
-                a[0] = _mm256_fmadd_ps(_mm256_broadcast_ss(ph + j), _mm256_loadu_ps(base + bk->slots[j] * vstride + d0),
-                                       a[0]);
+                a[0] = _mm256_fmadd_ps(_mm256_broadcast_ss(ph + j),
+                                       _mm256_loadu_ps(base + bk->slots[j] * vstride + d0), a[0]);
             _mm256_storeu_ps(ah + d0, _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
         }
     }
@@ -376,19 +380,6 @@ done:
     return err;
 }
 
-static int check_buffer(const Py_buffer *buf, Py_ssize_t expect_len, const char *name) {
-    if (!PyBuffer_IsContiguous(buf, 'C')) {
-        PyErr_Format(PyExc_ValueError, "paged_attention: %s must be C-contiguous", name);
-        return -1;
-    }
-    if (buf->len != expect_len) {
-        PyErr_Format(PyExc_ValueError, "paged_attention: %s has %zd bytes, expected %zd", name, buf->len,
-                     expect_len);
-        return -1;
-    }
-    return 0;
-}
-
 /* paged_attention(q, k, v, table, cu, lens, sinks, out, H, Hkv, D, Dv, page, window, scale) -> None */
 static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
     Py_buffer q, k, v, table, cu, lens, sinks, out;
@@ -406,8 +397,8 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
         goto done;
     }
     pb.B = lens.len / i32;
-    if (lens.len % i32 || check_buffer(&cu, (pb.B + 1) * i32, "cu_seqlens_q") ||
-        check_buffer(&lens, pb.B * i32, "seq_lens"))
+    if (lens.len % i32 || check_buffer(&cu, KERNEL, (pb.B + 1) * i32, "cu_seqlens_q") ||
+        check_buffer(&lens, KERNEL, pb.B * i32, "seq_lens"))
         goto done;
     pb.cu = cu.buf;
     pb.lens = lens.buf;
@@ -431,10 +422,10 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
     }
     pb.num_pages = k.len / (row_k * page);
     pb.P = pb.B ? table.len / (pb.B * i32) : 0;
-    if (check_buffer(&q, T * H * D * f, "q") || check_buffer(&out, T * H * Dv * f, "out") ||
-        check_buffer(&k, k.len, "k") || check_buffer(&v, v.len, "v") ||
-        check_buffer(&table, pb.B * pb.P * i32, "page_table") ||
-        (sinks.len != 0 && check_buffer(&sinks, H * f, "sinks")))
+    if (check_buffer(&q, KERNEL, T * H * D * f, "q") || check_buffer(&out, KERNEL, T * H * Dv * f, "out") ||
+        check_buffer(&k, KERNEL, k.len, "k") || check_buffer(&v, KERNEL, v.len, "v") ||
+        check_buffer(&table, KERNEL, pb.B * pb.P * i32, "page_table") ||
+        (sinks.len != 0 && check_buffer(&sinks, KERNEL, H * f, "sinks")))
         goto done;
     pb.q = q.buf, pb.k = k.buf, pb.v = v.buf, pb.table = table.buf, pb.out = out.buf;
     pb.sinks = sinks.len ? sinks.buf : NULL;

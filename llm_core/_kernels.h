@@ -1,10 +1,25 @@
 /*
- * AVX2 + FMA helpers shared by the llm_core C kernels. Each kernel compiles its vector code with
- * the AVX2 target attribute and picks it at import when the CPU has AVX2 and FMA, so the
- * extensions build and run on any x86-64 (and, without HAVE_AVX2_PATH, on other CPUs).
+ * What the llm_core C kernels share: the buffer check of their Python entry points, and the AVX2 +
+ * FMA helpers. Each kernel compiles its vector code with the AVX2 target attribute and picks it
+ * at import when the CPU has AVX2 and FMA, so the extensions build and run on any x86-64 (and,
+ * without HAVE_AVX2_PATH, on other CPUs). Include after Python.h.
  */
-#ifndef LLM_CORE_SIMD_H
-#define LLM_CORE_SIMD_H
+#ifndef LLM_CORE_KERNELS_H
+#define LLM_CORE_KERNELS_H
+
+/* 0 when buf is C-contiguous and expect_len bytes long; else -1 with a ValueError naming the
+ * kernel and the argument. */
+static int check_buffer(const Py_buffer *buf, const char *kernel, Py_ssize_t expect_len, const char *name) {
+    if (!PyBuffer_IsContiguous(buf, 'C')) {
+        PyErr_Format(PyExc_ValueError, "%s: %s must be C-contiguous", kernel, name);
+        return -1;
+    }
+    if (buf->len != expect_len) {
+        PyErr_Format(PyExc_ValueError, "%s: %s has %zd bytes, expected %zd", kernel, name, buf->len, expect_len);
+        return -1;
+    }
+    return 0;
+}
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define HAVE_AVX2_PATH 1
