@@ -7,7 +7,7 @@ The kernel reads the weights as [E, in, out] row-major, which is how
 ``GroupedExperts.fuse_weights`` lays them out in memory (``supports`` checks it). Why a kernel:
 with a few tokens per expert (decode), the torch path is small batched GEMMs over padded rows plus
 a dozen gather, activation and scatter ops per layer; the kernel streams each expert's weights
-once per four tokens and fuses the rest. fp32 only; ``AVAILABLE`` is False when the extension was
+once per call (fetching the next routed expert's meanwhile) and fuses the rest. fp32 only; ``AVAILABLE`` is False when the extension was
 not built, and ``GroupedExperts`` keeps its torch path.
 """
 
