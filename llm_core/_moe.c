@@ -166,7 +166,7 @@ static const char *run(const Problem *pb) {
     }
     for (Py_ssize_t e = 0; e < pb->E; e++) start[e + 1] += start[e];
     {
-        Py_ssize_t *fill = malloc((size_t)pb->E * sizeof(Py_ssize_t) + 1);
+        Py_ssize_t *fill = malloc((size_t)pb->E * sizeof(Py_ssize_t));
         if (fill == NULL) {
             err = "moe_experts: out of memory";
             goto done;

@@ -15,47 +15,34 @@ the torch path.
 
 from __future__ import annotations
 
-from types import ModuleType
-
-import numpy as np
 import torch
 from torch import Tensor
 
-_kernel: ModuleType | None
-try:  # built by `pip install` (setup.py); optional
-    import llm_core._paged_attention as _kernel
-except ImportError:  # pragma: no cover - depends on the build
-    _kernel = None
+from llm_core import c_kernel
+from llm_core.c_kernel import buffer as _buf
+
+_kernel = c_kernel.load("llm_core._paged_attention")
 
 AVAILABLE = _kernel is not None
 
 
 def simd() -> str | None:
-    """'avx2' or 'scalar' (the primitives the kernel chose for this CPU), None when not built."""
-    return None if _kernel is None else str(_kernel.simd())
+    """'avx2' or 'scalar' (the primitives the kernel uses), None when not built."""
+    return c_kernel.simd(_kernel)
 
 
 def set_simd(name: str) -> None:
-    """Use the 'avx2' or the 'scalar' primitives from now on (ValueError where unavailable); the
-    kernel picks the best at import, so this exists for tests of both paths."""
-    if _kernel is None:
-        raise RuntimeError("llm_core._paged_attention is not built")
-    _kernel.set_simd(name)
+    """Use the 'avx2' or the 'scalar' primitives from now on (see ``c_kernel.set_simd``)."""
+    c_kernel.set_simd(_kernel, name)
 
 
 def supports(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
     """True when the kernel can run these tensors (built, CPU, fp32)."""
     return (
         _kernel is not None
-        and not q.is_cuda
+        and q.device.type == k_cache.device.type == v_cache.device.type == "cpu"
         and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-        and q.device == k_cache.device == v_cache.device
     )
-
-
-def _buf(t: Tensor) -> np.ndarray:
-    """A C-contiguous tensor as a buffer the kernel reads (no copy for contiguous tensors)."""
-    return t.detach().contiguous().numpy()
 
 
 def paged_attention_cpu(

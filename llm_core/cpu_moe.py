@@ -7,60 +7,44 @@ The kernel reads the weights as [E, in, out] row-major, which is how
 ``GroupedExperts.fuse_weights`` lays them out in memory (``supports`` checks it). Why a kernel:
 with a few tokens per expert (decode), the torch path is small batched GEMMs over padded rows plus
 a dozen gather, activation and scatter ops per layer; the kernel streams each expert's weights
-once per call (fetching the next routed expert's meanwhile) and fuses the rest. fp32 only; ``AVAILABLE`` is False when the extension was
-not built, and ``GroupedExperts`` keeps its torch path.
+once per call (fetching the next routed expert's meanwhile) and fuses the rest. fp32 only;
+``AVAILABLE`` is False when the extension was not built, and ``GroupedExperts`` keeps its torch
+path.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-
-import numpy as np
 import torch
 from torch import Tensor
 
-_kernel: ModuleType | None
-try:  # built by `pip install` (setup.py); optional
-    import llm_core._moe as _kernel
-except ImportError:  # pragma: no cover - depends on the build
-    _kernel = None
+from llm_core import c_kernel
+from llm_core.c_kernel import buffer as _buf
+from llm_core.weight_layout import in_out_view as _in_out
+
+_kernel = c_kernel.load("llm_core._moe")
 
 AVAILABLE = _kernel is not None
 
 
 def simd() -> str | None:
-    """'avx2' or 'scalar' (the kernel chosen for this CPU), None when not built."""
-    return None if _kernel is None else str(_kernel.simd())
+    """'avx2' or 'scalar' (the kernel in use), None when not built."""
+    return c_kernel.simd(_kernel)
 
 
 def set_simd(name: str) -> None:
-    """Use the 'avx2' or the 'scalar' kernel from now on (ValueError where unavailable); for tests."""
-    if _kernel is None:
-        raise RuntimeError("llm_core._moe is not built")
-    _kernel.set_simd(name)
-
-
-def _in_out(w: Tensor) -> Tensor | None:
-    """w [E, out, in] -> its memory as a contiguous [E, in, out] tensor, or None when it is not laid
-    out that way (the kernel never copies weights)."""
-    t = w.transpose(1, 2)
-    return t if t.is_contiguous() else None
+    """Use the 'avx2' or the 'scalar' kernel from now on (see ``c_kernel.set_simd``)."""
+    c_kernel.set_simd(_kernel, name)
 
 
 def supports(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
     """True when the kernel can run these tensors: built, CPU fp32, weights laid out [E, in, out]."""
     return (
         _kernel is not None
-        and x.device.type == "cpu"
+        and x.device.type == gate_up.device.type == down.device.type == "cpu"
         and x.dtype == gate_up.dtype == down.dtype == torch.float32
-        and gate_up.device.type == down.device.type == "cpu"
         and _in_out(gate_up) is not None
         and _in_out(down) is not None
     )
-
-
-def _buf(t: Tensor) -> np.ndarray:
-    return t.detach().contiguous().numpy()
 
 
 def moe_experts_cpu(x: Tensor, experts: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
@@ -83,8 +67,8 @@ def moe_experts_cpu(x: Tensor, experts: Tensor, weights: Tensor, gate_up: Tensor
         _buf(x),
         _buf(experts.to(torch.int64)),
         _buf(weights.to(torch.float32)),
-        gu.detach().numpy(),
-        dn.detach().numpy(),
+        _buf(gu),
+        _buf(dn),
         out.numpy(),
         num_tokens,
         top_k,
