@@ -7,8 +7,10 @@ succeeds and media_io uses its pure-Python paths, which give the same results:
 - ``media_io._jpeg``: JPEG decode through libjpeg into reused buffers (else: Pillow's decoder);
 - ``llm_core._paged_attention``: CPU paged attention over the KV pools (else: the torch path,
   same results to float32 rounding);
-- ``llm_core._moe``: CPU MoE experts in one call (else: the torch path, same results to float32
-  rounding).
+- ``llm_core._moe``: CPU MoE experts and routing in one call each (else: the torch paths, same
+  results to float32 rounding);
+- ``llm_core._rms_norm``: CPU RMSNorm fused with the residual add (else: torch's, same results to
+  float32 rounding).
 """
 
 from setuptools import Extension, setup
@@ -25,12 +27,20 @@ setup(
             "llm_core._paged_attention",
             sources=["llm_core/_paged_attention.c"],
             depends=["llm_core/_kernels.h"],
-            extra_compile_args=["-O3"],
+            # no implicit FMA: the rotary products must round like torch's (explicit FMAs stay)
+            extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,
         ),
         Extension(
             "llm_core._moe",
             sources=["llm_core/_moe.c"],
+            depends=["llm_core/_kernels.h"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
+        Extension(
+            "llm_core._rms_norm",
+            sources=["llm_core/_rms_norm.c"],
             depends=["llm_core/_kernels.h"],
             extra_compile_args=["-O3"],
             optional=True,

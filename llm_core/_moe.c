@@ -14,6 +14,10 @@
  *   gate_up [E, H, 2I]  (columns 0..I-1 gate, I..2I-1 up)     down [E, I, H]
  * Assignments are taken per expert in (t, k) order. Expert ids are checked (ValueError).
  * AVX2 + FMA where the CPU has them (chosen at import), plain loops otherwise.
+ *
+ * A second entry, route, is the router before it (llm_core/moe.py, TopKRouter): per token the
+ * sigmoid scores of x @ W_router^T, the selection by score + bias within the best expert groups,
+ * and the normalised, scaled weights, in one call instead of a dozen small torch ops.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -108,6 +112,7 @@ static AVX2 void gemm_rows_avx2(const float *const *x, Py_ssize_t M, const float
             y[r * ldy + c] = acc;
         }
 }
+
 #endif
 
 /* h[i] = silu(h[i]) * h[I + i] for i < I: the SwiGLU activation over one [gate | up] row. */
@@ -257,6 +262,115 @@ done:
     return result;
 }
 
+/* ---- routing ------------------------------------------------------------------------------- */
+
+/* Index of the largest of v[0 .. n) not yet taken (ties: the lowest index, as a stable sort would),
+ * or -1 when all are taken. */
+static Py_ssize_t argmax_free(const float *v, const unsigned char *taken, Py_ssize_t n) {
+    Py_ssize_t best = -1;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
+    return best;
+}
+
+typedef struct {
+    const float *x, *w, *bias;
+    int64_t *experts;
+    float *weights;
+    Py_ssize_t T, H, E, K, n_group, topk_group;
+    int norm;
+    float scaling;
+} Route;
+
+/* One token: scores = sigmoid(x W^T), selection by score + bias within the best groups, weights
+ * from the scores (module doc of llm_core/moe.py). work: 3E floats + E bytes. */
+static void route_token(const Route *rt, Py_ssize_t t, float *work) {
+    const Py_ssize_t E = rt->E, H = rt->H, K = rt->K, per = E / rt->n_group; /* all >= 1 (checked) */
+    float *score = work, *choice = work + E, *group = work + 2 * E;
+    unsigned char *taken = (unsigned char *)(work + 3 * E);
+    const float *x = rt->x + t * H;
+    for (Py_ssize_t e = 0; e < E; e++) {
+        const float *we = rt->w + e * H;
+        float part[8] = {0};
+        Py_ssize_t i = 0;
+        for (; i + 8 <= H; i += 8)
+            for (int j = 0; j < 8; j++) part[j] += x[i + j] * we[i + j];
+        float z = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        for (; i < H; i++) z += x[i] * we[i];
+        score[e] = 1.0f / (1.0f + expf(-z));
+        choice[e] = score[e] + rt->bias[e];
+    }
+    if (rt->topk_group < rt->n_group) { /* a group scores the sum of its best two choices */
+        for (Py_ssize_t g = 0; g < rt->n_group; g++) {
+            for (Py_ssize_t e = 0; e < per; e++) taken[e] = 0;
+            const Py_ssize_t a = argmax_free(choice + g * per, taken, per);
+            taken[a] = 1;
+            const Py_ssize_t b = argmax_free(choice + g * per, taken, per);
+            group[g] = b < 0 ? choice[g * per + a] : choice[g * per + a] + choice[g * per + b];
+        }
+        for (Py_ssize_t g = 0; g < rt->n_group; g++) taken[g] = 0;
+        for (Py_ssize_t i = 0; i < rt->topk_group; i++) taken[argmax_free(group, taken, rt->n_group)] = 1;
+        for (Py_ssize_t g = 0; g < rt->n_group; g++)
+            if (!taken[g])
+                for (Py_ssize_t e = 0; e < per; e++) choice[g * per + e] = -INFINITY;
+    }
+    for (Py_ssize_t e = 0; e < E; e++) taken[e] = 0;
+    int64_t *ex = rt->experts + t * K;
+    float *wt = rt->weights + t * K, sum = 0.0f;
+    for (Py_ssize_t k = 0; k < K; k++) {
+        const Py_ssize_t e = argmax_free(choice, taken, E);
+        taken[e] = 1;
+        ex[k] = e;
+        wt[k] = score[e];
+        sum += score[e];
+    }
+    for (Py_ssize_t k = 0; k < K; k++) {
+        if (rt->norm) wt[k] = wt[k] / (sum + 1e-20f);
+        if (rt->scaling != 1.0f) wt[k] = wt[k] * rt->scaling;
+    }
+}
+
+/* route(x, weight, bias, experts, weights, T, H, E, K, n_group, topk_group, norm, scaling) -> None */
+static PyObject *py_route(PyObject *self, PyObject *args) {
+    Py_buffer x, w, bias, experts, weights;
+    Route rt = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*w*nnnnnnpf", &x, &w, &bias, &experts, &weights, &rt.T, &rt.H, &rt.E,
+                          &rt.K, &rt.n_group, &rt.topk_group, &rt.norm, &rt.scaling))
+        return NULL;
+    PyObject *result = NULL;
+    float *work = NULL;
+    const Py_ssize_t f = (Py_ssize_t)sizeof(float);
+    if (rt.T < 0 || rt.H < 1 || rt.E < 1 || rt.K < 1 || rt.n_group < 1 || rt.E % rt.n_group ||
+        rt.topk_group < 1 || rt.topk_group > rt.n_group || rt.K > rt.topk_group * (rt.E / rt.n_group)) {
+        PyErr_SetString(PyExc_ValueError, "route: invalid sizes (experts, groups and top-k must be consistent)");
+        goto done;
+    }
+    if (check_buffer(&x, "route", rt.T * rt.H * f, "x") || check_buffer(&w, "route", rt.E * rt.H * f, "weight") ||
+        check_buffer(&bias, "route", rt.E * f, "bias") ||
+        check_buffer(&experts, "route", rt.T * rt.K * (Py_ssize_t)sizeof(int64_t), "experts") ||
+        check_buffer(&weights, "route", rt.T * rt.K * f, "weights"))
+        goto done;
+    work = malloc((size_t)(4 * rt.E + rt.n_group) * sizeof(float));
+    if (work == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    rt.x = x.buf, rt.w = w.buf, rt.bias = bias.buf, rt.experts = experts.buf, rt.weights = weights.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t t = 0; t < rt.T; t++) route_token(&rt, t, work);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    free(work);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&bias);
+    PyBuffer_Release(&experts);
+    PyBuffer_Release(&weights);
+    return result;
+}
+
 static PyObject *py_simd(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
@@ -288,6 +402,9 @@ static PyMethodDef methods[] = {
     {"moe_experts", py_moe_experts, METH_VARARGS,
      "moe_experts(x, experts, weights, gate_up, down, out, T, K, E, H, I): float32 SwiGLU experts over "
      "routed tokens, weighted and summed per token into out [T, H]; releases the GIL."},
+    {"route", py_route, METH_VARARGS,
+     "route(x, weight, bias, experts, weights, T, H, E, K, n_group, topk_group, norm, scaling): sigmoid routing "
+     "with a selection bias and group-limited top-k, into experts int64 [T, K] and weights float32 [T, K]."},
     {"simd", py_simd, METH_NOARGS, "simd() -> 'avx2' or 'scalar': the kernel in use."},
     {"set_simd", py_set_simd, METH_VARARGS, "set_simd(name): use the 'avx2' or the 'scalar' kernel."},
     {NULL, NULL, 0, NULL},

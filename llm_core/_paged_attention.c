@@ -22,6 +22,11 @@
  * Query head h reads KV head h / (H / Hkv). Everything is checked against the buffer sizes; a
  * page outside the pool raises ValueError (nothing out of bounds is ever read).
  *
+ * A second entry, qkv_attention, takes the fused projection output instead of q: per sequence, it
+ * first applies the partial rotary embedding to the q and k heads of its new rows (in place), stores
+ * their k and value-scaled v in the pools at the given slots, then attends as above with the q
+ * heads read in place. That is the whole attention layer between the two projections, in one call.
+ *
  * x86-64 with AVX2 + FMA uses the vector primitives (chosen at import); other CPUs the scalar ones.
  * Results agree to float32 rounding (the sums run in a different order than torch's).
  */
@@ -256,19 +261,55 @@ static block_accumulate_fn block_accumulate = block_accumulate_scalar;
 /* ---- the kernel --------------------------------------------------------------------------- */
 
 typedef struct {
-    const float *q, *k, *v, *sinks; /* sinks: NULL for none */
+    const float *q, *sinks; /* sinks: NULL for none */
+    float *k, *v;           /* written only by the fused entry (new tokens' rows) */
     const int32_t *table, *cu, *lens;
     float *out;
     Py_ssize_t B, H, Hkv, D, Dv, page, P, num_pages, window;
+    Py_ssize_t q_stride; /* floats from one query row to the next: H * D, or a whole qkv row */
     float scale;
+    /* fused entry only (new_slots NULL otherwise): rotate q and k in the qkv rows, then store k
+     * and v_scale * v at new_slots; cos/sin [T, width] */
+    float *qkv;
+    const float *cos, *sin;
+    const int64_t *new_slots;
+    Py_ssize_t width;
+    float v_scale;
 } Problem;
+
+/* Rows t0 .. t1 - 1 of qkv [T, (H + Hkv) * D + Hkv * Dv]: rotate the first ``width`` dims of every
+ * q and k head (half-split pairs (i, i + width / 2)), then copy k and v_scale * v into the pools at
+ * the token's slot. The products and sums are those of rope.apply_partial_rotary_ in the same
+ * order (this file is compiled without FMA contraction), so the pools get the same bits as the
+ * torch path writes. */
+static void rope_and_store(const Problem *pb, Py_ssize_t t0, Py_ssize_t t1) {
+    const Py_ssize_t heads = pb->H + pb->Hkv, D = pb->D, half = pb->width / 2;
+    const Py_ssize_t kdim = pb->Hkv * D, vdim = pb->Hkv * pb->Dv;
+    for (Py_ssize_t t = t0; t < t1; t++) {
+        float *row = pb->qkv + t * pb->q_stride;
+        const float *c = pb->cos + t * pb->width, *s = pb->sin + t * pb->width;
+        for (Py_ssize_t h = 0; h < heads; h++) {
+            float *x1 = row + h * D, *x2 = x1 + half;
+            for (Py_ssize_t i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i], as = a * s[i], bs = b * s[i];
+                x1[i] = a * c[i] - bs;
+                x2[i] = b * c[i] + as;
+            }
+        }
+        const int64_t slot = pb->new_slots[t];
+        memcpy(pb->k + slot * kdim, row + pb->H * D, (size_t)kdim * sizeof(float));
+        const float *vin = row + heads * D;
+        float *vout = pb->v + slot * vdim;
+        for (Py_ssize_t i = 0; i < vdim; i++) vout[i] = vin[i] * pb->v_scale;
+    }
+}
 
 /* Attention of one query (packed row t) whose keys are slots[0 .. nk); pf: the next query's rows
  * to fetch meanwhile, or NULL. */
 static void attend_query(const Problem *pb, Py_ssize_t t, const int64_t *slots, Py_ssize_t nk, Prefetch *pf,
                          float *s, float *m, float *l, float *acc) {
     const Py_ssize_t H = pb->H, Dv = pb->Dv;
-    Block bk = {pb->q + t * H * pb->D, pb->k, pb->v, slots, 0, H, H / pb->Hkv, pb->D, Dv,
+    Block bk = {pb->q + t * pb->q_stride, pb->k, pb->v, slots, 0, H, H / pb->Hkv, pb->D, Dv,
                 pb->Hkv * pb->D, pb->Hkv * Dv, pb->scale, 0, nk, pf};
     for (Py_ssize_t h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.0f;
     memset(acc, 0, (size_t)(H * Dv) * sizeof(float));
@@ -353,6 +394,7 @@ static const char *run(const Problem *pb) {
         }
         const Py_ssize_t n = pb->cu[b + 1] - pb->cu[b], first = pb->lens[b] - n;
         const Py_ssize_t nb = next_nonempty(pb, b + 1);
+        if (pb->new_slots != NULL) rope_and_store(pb, pb->cu[b], pb->cu[b + 1]); /* its keys, before it reads them */
         Py_ssize_t lo_next = 0;
         Prefetch pf = {0}, *last_pf = NULL;
         if (nb < pb->B) { /* the next sequence's slots now, so its first query's rows can be fetched */
@@ -380,6 +422,72 @@ done:
     return err;
 }
 
+/* The checks and fields both entry points share: sizes, cu/lens, pools, page table, sinks (each
+ * entry checks its queries, then out: see check_out). Returns 0, or -1 with a ValueError set. */
+static int setup_problem(Problem *pb, Py_buffer *k, Py_buffer *v, Py_buffer *table, Py_buffer *cu, Py_buffer *lens,
+                         Py_buffer *sinks, Py_ssize_t H, Py_ssize_t Hkv, Py_ssize_t D, Py_ssize_t Dv,
+                         Py_ssize_t page, Py_ssize_t window, float scale) {
+    const Py_ssize_t f = (Py_ssize_t)sizeof(float), i32 = (Py_ssize_t)sizeof(int32_t);
+    if (H < 1 || Hkv < 1 || H % Hkv || D < 1 || Dv < 1 || page < 1) {
+        PyErr_SetString(PyExc_ValueError, "paged_attention: invalid head counts, head dims or page size");
+        return -1;
+    }
+    pb->B = lens->len / i32;
+    if (lens->len % i32 || check_buffer(cu, KERNEL, (pb->B + 1) * i32, "cu_seqlens_q") ||
+        check_buffer(lens, KERNEL, pb->B * i32, "seq_lens"))
+        return -1;
+    pb->cu = cu->buf;
+    pb->lens = lens->buf;
+    if (pb->cu[0] != 0) {
+        PyErr_SetString(PyExc_ValueError, "paged_attention: cu_seqlens_q must start at 0");
+        return -1;
+    }
+    for (Py_ssize_t b = 0; b < pb->B; b++) {
+        const Py_ssize_t n = pb->cu[b + 1] - pb->cu[b];
+        if (n < 0 || n > pb->lens[b]) {
+            PyErr_Format(PyExc_ValueError, "paged_attention: sequence %zd has %zd new tokens of %d", b, n,
+                         (int)pb->lens[b]);
+            return -1;
+        }
+    }
+    const Py_ssize_t row_k = Hkv * D * f, row_v = Hkv * Dv * f;
+    if (k->len % (row_k * page) || v->len / row_v != k->len / row_k || v->len % row_v) {
+        PyErr_SetString(PyExc_ValueError, "paged_attention: k and v pools must hold the same whole pages");
+        return -1;
+    }
+    pb->num_pages = k->len / (row_k * page);
+    pb->P = pb->B ? table->len / (pb->B * i32) : 0;
+    if (check_buffer(k, KERNEL, k->len, "k") ||
+        check_buffer(v, KERNEL, v->len, "v") || check_buffer(table, KERNEL, pb->B * pb->P * i32, "page_table") ||
+        (sinks->len != 0 && check_buffer(sinks, KERNEL, H * f, "sinks")))
+        return -1;
+    pb->k = k->buf, pb->v = v->buf, pb->table = table->buf;
+    pb->sinks = sinks->len ? sinks->buf : NULL;
+    pb->H = H, pb->Hkv = Hkv, pb->D = D, pb->Dv = Dv, pb->page = page, pb->window = window, pb->scale = scale;
+    return 0;
+}
+
+/* out [T, H, Dv] for the T queries of a set-up problem; 0, or -1 with a ValueError set. */
+static int check_out(Problem *pb, Py_buffer *out) {
+    const Py_ssize_t T = pb->B ? pb->cu[pb->B] : 0;
+    if (check_buffer(out, KERNEL, T * pb->H * pb->Dv * (Py_ssize_t)sizeof(float), "out")) return -1;
+    pb->out = out->buf;
+    return 0;
+}
+
+/* Runs pb without the GIL; returns 0, or -1 with a ValueError set. */
+static int run_released(const Problem *pb) {
+    const char *err;
+    Py_BEGIN_ALLOW_THREADS
+    err = run(pb);
+    Py_END_ALLOW_THREADS
+    if (err != NULL) {
+        PyErr_SetString(PyExc_ValueError, err);
+        return -1;
+    }
+    return 0;
+}
+
 /* paged_attention(q, k, v, table, cu, lens, sinks, out, H, Hkv, D, Dv, page, window, scale) -> None */
 static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
     Py_buffer q, k, v, table, cu, lens, sinks, out;
@@ -391,57 +499,67 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
         return NULL;
     PyObject *result = NULL;
     Problem pb = {0};
-    const Py_ssize_t f = (Py_ssize_t)sizeof(float), i32 = (Py_ssize_t)sizeof(int32_t);
-    if (H < 1 || Hkv < 1 || H % Hkv || D < 1 || Dv < 1 || page < 1) {
-        PyErr_SetString(PyExc_ValueError, "paged_attention: invalid head counts, head dims or page size");
+    if (setup_problem(&pb, &k, &v, &table, &cu, &lens, &sinks, H, Hkv, D, Dv, page, window, scale) ||
+        check_buffer(&q, KERNEL, (pb.B ? pb.cu[pb.B] : 0) * H * D * (Py_ssize_t)sizeof(float), "q") ||
+        check_out(&pb, &out))
         goto done;
-    }
-    pb.B = lens.len / i32;
-    if (lens.len % i32 || check_buffer(&cu, KERNEL, (pb.B + 1) * i32, "cu_seqlens_q") ||
-        check_buffer(&lens, KERNEL, pb.B * i32, "seq_lens"))
-        goto done;
-    pb.cu = cu.buf;
-    pb.lens = lens.buf;
-    if (pb.cu[0] != 0) {
-        PyErr_SetString(PyExc_ValueError, "paged_attention: cu_seqlens_q must start at 0");
-        goto done;
-    }
-    for (Py_ssize_t b = 0; b < pb.B; b++) {
-        const Py_ssize_t n = pb.cu[b + 1] - pb.cu[b];
-        if (n < 0 || n > pb.lens[b]) {
-            PyErr_Format(PyExc_ValueError, "paged_attention: sequence %zd has %zd new tokens of %d", b, n,
-                         (int)pb.lens[b]);
-            goto done;
-        }
-    }
-    const Py_ssize_t T = pb.B ? pb.cu[pb.B] : 0;
-    const Py_ssize_t row_k = Hkv * D * f, row_v = Hkv * Dv * f;
-    if (k.len % (row_k * page) || v.len / row_v != k.len / row_k || v.len % row_v) {
-        PyErr_SetString(PyExc_ValueError, "paged_attention: k and v pools must hold the same whole pages");
-        goto done;
-    }
-    pb.num_pages = k.len / (row_k * page);
-    pb.P = pb.B ? table.len / (pb.B * i32) : 0;
-    if (check_buffer(&q, KERNEL, T * H * D * f, "q") || check_buffer(&out, KERNEL, T * H * Dv * f, "out") ||
-        check_buffer(&k, KERNEL, k.len, "k") || check_buffer(&v, KERNEL, v.len, "v") ||
-        check_buffer(&table, KERNEL, pb.B * pb.P * i32, "page_table") ||
-        (sinks.len != 0 && check_buffer(&sinks, KERNEL, H * f, "sinks")))
-        goto done;
-    pb.q = q.buf, pb.k = k.buf, pb.v = v.buf, pb.table = table.buf, pb.out = out.buf;
-    pb.sinks = sinks.len ? sinks.buf : NULL;
-    pb.H = H, pb.Hkv = Hkv, pb.D = D, pb.Dv = Dv, pb.page = page, pb.window = window, pb.scale = scale;
-    const char *err;
-    Py_BEGIN_ALLOW_THREADS
-    err = run(&pb);
-    Py_END_ALLOW_THREADS
-    if (err != NULL) {
-        PyErr_SetString(PyExc_ValueError, err);
-        goto done;
-    }
-    result = Py_None;
-    Py_INCREF(result);
+    pb.q = q.buf;
+    pb.q_stride = H * D;
+    if (run_released(&pb) == 0) result = Py_NewRef(Py_None);
 done:
     PyBuffer_Release(&q);
+    PyBuffer_Release(&k);
+    PyBuffer_Release(&v);
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&cu);
+    PyBuffer_Release(&lens);
+    PyBuffer_Release(&sinks);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* qkv_attention(qkv, cos, sin, slots, k, v, table, cu, lens, sinks, out, H, Hkv, D, Dv, page, window, scale,
+ *               v_scale) -> None */
+static PyObject *py_qkv_attention(PyObject *self, PyObject *args) {
+    Py_buffer qkv, cos, sin, slots, k, v, table, cu, lens, sinks, out;
+    Py_ssize_t H, Hkv, D, Dv, page, window;
+    float scale, v_scale;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*y*y*y*w*w*y*y*y*y*w*nnnnnnff", &qkv, &cos, &sin, &slots, &k, &v, &table, &cu,
+                          &lens, &sinks, &out, &H, &Hkv, &D, &Dv, &page, &window, &scale, &v_scale))
+        return NULL;
+    PyObject *result = NULL;
+    Problem pb = {0};
+    const Py_ssize_t f = (Py_ssize_t)sizeof(float);
+    if (setup_problem(&pb, &k, &v, &table, &cu, &lens, &sinks, H, Hkv, D, Dv, page, window, scale))
+        goto done;
+    const Py_ssize_t T = pb.B ? pb.cu[pb.B] : 0;
+    pb.q_stride = (H + Hkv) * D + Hkv * Dv;
+    pb.width = T ? cos.len / (T * f) : 0;
+    if (check_buffer(&qkv, KERNEL, T * pb.q_stride * f, "qkv") ||
+        check_buffer(&slots, KERNEL, T * (Py_ssize_t)sizeof(int64_t), "slots") ||
+        check_buffer(&cos, KERNEL, T * pb.width * f, "cos") || check_buffer(&sin, KERNEL, T * pb.width * f, "sin") ||
+        check_out(&pb, &out))
+        goto done;
+    if (pb.width % 2 || pb.width > D) {
+        PyErr_Format(PyExc_ValueError, "paged_attention: rotary width %zd must be even and at most %zd", pb.width,
+                     D);
+        goto done;
+    }
+    pb.new_slots = slots.buf;
+    for (Py_ssize_t t = 0; t < T; t++)
+        if (pb.new_slots[t] < 0 || pb.new_slots[t] >= pb.num_pages * page) {
+            PyErr_Format(PyExc_ValueError, "paged_attention: write slot %lld of token %zd is outside the pool",
+                         (long long)pb.new_slots[t], t);
+            goto done;
+        }
+    pb.qkv = qkv.buf, pb.q = qkv.buf, pb.cos = cos.buf, pb.sin = sin.buf, pb.v_scale = v_scale;
+    if (run_released(&pb) == 0) result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&qkv);
+    PyBuffer_Release(&cos);
+    PyBuffer_Release(&sin);
+    PyBuffer_Release(&slots);
     PyBuffer_Release(&k);
     PyBuffer_Release(&v);
     PyBuffer_Release(&table);
@@ -486,6 +604,10 @@ static PyMethodDef methods[] = {
      "paged_attention(q, k, v, page_table, cu_seqlens_q, seq_lens, sinks, out, H, Hkv, D, Dv, page_size, "
      "window, scale): float32 varlen causal attention over paged KV pools into out [T, H, Dv] (window 0: "
      "none; sinks: float32 [H] or empty); releases the GIL."},
+    {"qkv_attention", py_qkv_attention, METH_VARARGS,
+     "qkv_attention(qkv, cos, sin, slots, k, v, page_table, cu_seqlens_q, seq_lens, sinks, out, H, Hkv, D, Dv, "
+     "page_size, window, scale, v_scale): rotate q and k inside qkv [T, (H + Hkv) * D + Hkv * Dv], store k and "
+     "v_scale * v at slots [T] of the pools, then paged_attention with those queries; releases the GIL."},
     {"simd", py_simd, METH_NOARGS, "simd() -> 'avx2' or 'scalar': the primitives in use."},
     {"set_simd", py_set_simd, METH_VARARGS, "set_simd(name): use the 'avx2' or the 'scalar' primitives."},
     {NULL, NULL, 0, NULL},

@@ -86,3 +86,63 @@ def paged_attention_cpu(
         float(scale),
     )
     return out
+
+
+def qkv_attention_cpu(
+    qkv: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    slots: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Tensor,
+    cu_seqlens_q: Tensor,
+    seq_lens: Tensor,
+    num_heads: int,
+    scale: float,
+    window: int | None = None,
+    sinks: Tensor | None = None,
+    v_scale: float = 1.0,
+) -> Tensor:
+    """The attention layer between its two projections, in one kernel call -> out [T, H, Dv]:
+
+        qkv [T, (H + Hkv) * D + Hkv * Dv]   rows [ q heads | k heads | v heads ] (the fused projection)
+        -> rotate the first ``cos.shape[1]`` dims of every q and k head (cos/sin [T, width]; in place)
+        -> store k and ``v_scale`` * v at ``slots`` [T] of the pools (what ``attention.write_kv`` does)
+        -> attention of the rotated q heads, as ``paged_attention_cpu``
+
+    Same results as ``rope.apply_partial_rotary_`` + ``write_kv`` + ``paged_attention_cpu`` (the
+    pools get the same bits). ``qkv`` must be contiguous: it is rotated in place. Raises ValueError
+    for a slot or page outside the pool (before anything is written)."""
+    if _kernel is None:
+        raise RuntimeError("llm_core._paged_attention is not built; use the torch path")
+    if not supports(qkv, k_cache, v_cache) or not qkv.is_contiguous():
+        raise RuntimeError(
+            f"the CPU kernel takes contiguous fp32 CPU tensors, got {qkv.dtype} on {qkv.device}"
+        )
+    page_size, num_kv, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    v_dim = v_cache.shape[-1]
+    assert qkv.shape[1] == (num_heads + num_kv) * head_dim + num_kv * v_dim, (qkv.shape, k_cache.shape)
+    out = qkv.new_empty(qkv.shape[0], num_heads, v_dim)
+    _kernel.qkv_attention(
+        qkv.numpy(),
+        _buf(cos),
+        _buf(sin),
+        _buf(slots.to(torch.int64)),
+        k_cache.numpy(),
+        v_cache.numpy(),
+        _buf(page_table.to(torch.int32)),
+        _buf(cu_seqlens_q.to(torch.int32)),
+        _buf(seq_lens.to(torch.int32)),
+        b"" if sinks is None else _buf(sinks.to(torch.float32)),
+        out.numpy(),
+        num_heads,
+        num_kv,
+        head_dim,
+        v_dim,
+        page_size,
+        0 if window is None else int(window),
+        float(scale),
+        float(v_scale),
+    )
+    return out

@@ -77,3 +77,51 @@ def moe_experts_cpu(x: Tensor, experts: Tensor, weights: Tensor, gate_up: Tensor
         inter,
     )
     return out
+
+
+def supports_route(x: Tensor, weight: Tensor) -> bool:
+    """True when ``route`` can run these tensors (built, CPU, fp32)."""
+    return (
+        _kernel is not None
+        and x.device.type == weight.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+    )
+
+
+def route(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[Tensor, Tensor]:
+    """Sigmoid routing of x [T, H] by the router weight [E, H] -> (experts int64 [T, K], weights fp32 [T, K]).
+
+    What ``moe.TopKRouter`` computes (scores, selection bias, group-limited top-k, normalised and
+    scaled weights) in one call; experts come in descending order of score + bias, ties to the
+    lower expert id. Raises ValueError for inconsistent sizes."""
+    if _kernel is None or not supports_route(x, weight):
+        raise RuntimeError("route needs the built kernel and fp32 CPU tensors")
+    num_tokens, hidden = x.shape
+    num_experts = weight.shape[0]
+    experts = torch.empty(num_tokens, top_k, dtype=torch.int64)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32)
+    _kernel.route(
+        _buf(x),
+        _buf(weight),
+        _buf(bias.to(torch.float32)),
+        experts.numpy(),
+        weights.numpy(),
+        num_tokens,
+        hidden,
+        num_experts,
+        top_k,
+        n_group,
+        topk_group,
+        norm_topk_prob,
+        float(scaling),
+    )
+    return experts, weights

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from llm_core import cpu_attention, cpu_norm
 from llm_core.attention import masked_attention, paged_attention, write_kv
 from llm_core.attention_batch import AttentionBatch, PagedKV
 from llm_core.config import MiMoConfig
@@ -46,12 +47,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if cpu_norm.supports(x, self.weight):
+            return cpu_norm.rms_norm_cpu(x, self.weight, self.eps)[0]
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # one op instead of six; bit-identical to the expression below for fp32 (tested)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """The residual add before a pre-norm, then the norm: (norm(residual + x), residual + x).
+        One kernel pass on CPU in fp32; fresh tensors either way."""
+        if cpu_norm.supports(x, self.weight) and residual.dtype == torch.float32:
+            normed, total = cpu_norm.rms_norm_cpu(x, self.weight, self.eps, residual)
+            assert total is not None
+            return normed, total
+        total = residual + x
+        return self(total), total
 
 
 class MiMoAttention(nn.Module):
@@ -144,12 +157,38 @@ class MiMoAttention(nn.Module):
     ) -> Tensor:
         """Paged: write this step's KV into the layer's pool, then attend. x [T, hidden] -> [T, hidden].
 
-        ``backend``: see ``attention.paged_attention`` (None: chosen by device)."""
-        q, k, v = self._qkv(x, positions, rope)
+        ``backend``: see ``attention.paged_attention`` (None: chosen by device). With the CPU kernel
+        and the fused projection, everything between the two projections is one kernel call
+        (``cpu_attention.qkv_attention_cpu``: rotary, KV store and attention)."""
         layer_kv = kv.layer(self.layer_idx)
         assert layer_kv.is_swa == self.is_swa, f"layer {self.layer_idx}: KV pool type mismatch"
         slots = batch.swa_slots if self.is_swa else batch.full_slots
         table = batch.swa_page_table if self.is_swa else batch.full_page_table
+        if (
+            self.qkv_weight is not None
+            and backend in (None, "cpu")
+            and cpu_attention.supports(x, layer_kv.k, layer_kv.v)
+        ):
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + Hkv) * D + Hkv * Dv]
+            cos, sin = self._cos_sin(positions, x.dtype, rope)
+            out = cpu_attention.qkv_attention_cpu(
+                qkv,
+                cos,
+                sin,
+                slots,
+                layer_kv.k,
+                layer_kv.v,
+                table,
+                batch.cu_seqlens_q,
+                batch.seq_lens,
+                self.num_heads,
+                self.scale,
+                self.window,
+                self.sinks,
+                self.v_scale,
+            )  # [T, H, Dv]
+            return self.o_proj(out.view(x.shape[0], -1))
+        q, k, v = self._qkv(x, positions, rope)
         write_kv(layer_kv.k, layer_kv.v, slots, k, v)
         out = paged_attention(
             q,
@@ -188,20 +227,30 @@ class MiMoDecoderLayer(nn.Module):
     def forward(
         self,
         x: Tensor,
+        residual: Tensor | None,
         positions: Tensor,
         batch: AttentionBatch | None,
         kv: PagedKV | None,
         rope: RopeTables | None = None,
         backend: str | None = None,
-    ) -> Tensor:
-        h = self.input_layernorm(x)
+    ) -> tuple[Tensor, Tensor]:
+        """(x, residual) -> (mlp output, residual): the hidden state after the layer is their sum,
+        left for the next norm to add (fused with it). The first layer takes the embeddings as x and
+        residual None::
+
+            residual += x;  h = attn(norm1(residual));  residual += h;  return mlp(norm2(residual)), residual
+        """
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
         if batch is None:
             h = self.self_attn.forward_dense(h, positions)
         else:
             assert kv is not None
             h = self.self_attn(h, positions, batch, kv, rope, backend)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class MiMoModel(nn.Module):
@@ -264,9 +313,14 @@ class MiMoForCausalLM(nn.Module):
         x = self.embed(input_ids) if input_embeds is None else input_embeds
         assert x.shape[0] == positions.shape[0] == batch.num_tokens, "tokens, positions, slots disagree"
         rope: RopeTables = {}
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, positions, batch, kv, rope, self.attention_backend)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, batch, kv, rope, self.attention_backend)
+        return self._final_norm(x, residual)
+
+    def _final_norm(self, x: Tensor, residual: Tensor | None) -> Tensor:
+        """The last layer's (mlp output, residual) -> final-normed hidden state."""
+        return self.model.norm(x) if residual is None else self.model.norm.add_forward(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:
@@ -280,6 +334,7 @@ class MiMoForCausalLM(nn.Module):
         ids = input_ids[0]
         x = self.embed(ids) if input_embeds is None else input_embeds.reshape(ids.shape[0], -1)
         positions = torch.arange(ids.shape[0], device=ids.device)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, positions, None, None)
-        return self.compute_logits(self.model.norm(x))[None]
+            x, residual = layer(x, residual, positions, None, None)
+        return self.compute_logits(self._final_norm(x, residual))[None]

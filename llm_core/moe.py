@@ -85,7 +85,20 @@ class TopKRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
 
     def forward(self, x: Tensor) -> Routing:
-        """x [T, H] -> Routing(experts [T, K], weights [T, K])."""
+        """x [T, H] -> Routing(experts [T, K], weights [T, K]). One kernel call on CPU in fp32."""
+        if cpu_moe.supports_route(x, self.weight):
+            return Routing(
+                *cpu_moe.route(
+                    x,
+                    self.weight,
+                    self.e_score_correction_bias,
+                    self.top_k,
+                    self.n_group,
+                    self.topk_group,
+                    self.norm_topk_prob,
+                    self.scaling,
+                )
+            )
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
         choice = scores + self.e_score_correction_bias
         if self.topk_group < self.n_group:

@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llm_core import cpu_attention
-from llm_core.attention import paged_attention
+from llm_core.attention import paged_attention, write_kv
+from llm_core.rope import PartialRotary, apply_partial_rotary_
 from tests.llm_core.conftest import simd_fixture
-from tests.llm_core.test_attention import Case, dense_reference, make_case
+from tests.llm_core.test_attention import PAGE, Case, dense_reference, make_case
 
 pytestmark = pytest.mark.skipif(not cpu_attention.AVAILABLE, reason="llm_core._paged_attention is not built")
 
@@ -133,3 +134,65 @@ def test_matches_dense_property(
     out = run(case, 0.25, window, sinks)
     assert not out.isnan().any()
     torch.testing.assert_close(out, dense_reference(case, 0.25, window, sinks), rtol=1e-5, atol=2e-6)
+
+
+def fused_inputs(
+    case: Case, rope_dim: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random projection rows qkv [T, (H + Hkv) * D + Hkv * Dv] for the case's new tokens, their
+    rotary tables and their write slots (from the case's page table)."""
+    heads, head_dim = case.q.shape[1], case.q.shape[2]
+    kv_heads, v_dim = case.k_cache.shape[2], case.v_cache.shape[3]
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(case.q.shape[0], (heads + kv_heads) * head_dim + kv_heads * v_dim, generator=g)
+    positions, slots = [], []
+    for b, n in enumerate(case.seq_lens.tolist()):
+        for pos in range(n - int(case.cu[b + 1] - case.cu[b]), n):
+            positions.append(pos)
+            slots.append(int(case.table[b, pos // PAGE]) * PAGE + pos % PAGE)
+    cos, sin = PartialRotary(rope_dim, 10_000.0).cos_sin(torch.tensor(positions), torch.float32)
+    return qkv, cos, sin, torch.tensor(slots)
+
+
+@pytest.mark.parametrize(("window", "rope_dim"), [(None, 10), (8, 21), (128, 32)])
+def test_fused_qkv_equals_rotary_write_then_attend(simd: str, window: int | None, rope_dim: int) -> None:
+    """qkv_attention_cpu = apply_partial_rotary_ + write_kv (values scaled) + paged_attention_cpu:
+    the same bits in the pools and in the rotated rows, and the same output."""
+    heads, kv_heads, head_dim, v_dim, v_scale = 8, 4, 32, 16, 0.707
+    case = make_case([37, 50, 3, 90], [37, 18, 1, 1], heads, kv_heads, head_dim, v_dim, window, seed=9)
+    qkv, cos, sin, slots = fused_inputs(case, rope_dim, seed=10)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(11))
+    k_ref, v_ref, rows = case.k_cache.clone(), case.v_cache.clone(), qkv.clone()
+    split = (heads + kv_heads) * head_dim
+    qk = apply_partial_rotary_(rows[:, :split].view(-1, heads + kv_heads, head_dim), cos, sin)
+    write_kv(k_ref, v_ref, slots, qk[:, heads:], rows[:, split:].reshape(-1, kv_heads, v_dim) * v_scale)
+    ref = cpu_attention.paged_attention_cpu(
+        qk[:, :heads].contiguous(), k_ref, v_ref, case.table, case.cu, case.seq_lens, 0.3, window, sinks
+    )
+    out = cpu_attention.qkv_attention_cpu(
+        qkv, cos, sin, slots, case.k_cache, case.v_cache, case.table, case.cu, case.seq_lens,
+        heads, 0.3, window, sinks, v_scale,
+    )  # fmt: skip
+    exact = {"rtol": 0.0, "atol": 0.0, "equal_nan": True}
+    torch.testing.assert_close(qkv[:, :split], rows[:, :split], **exact)
+    torch.testing.assert_close(case.k_cache, k_ref, **exact)
+    torch.testing.assert_close(case.v_cache, v_ref, **exact)
+    torch.testing.assert_close(out, ref, **exact)
+
+
+def test_fused_write_outside_the_pool_is_an_error_and_changes_nothing() -> None:
+    case = make_case([20, 9], [4, 9], seed=12)
+    qkv, cos, sin, slots = fused_inputs(case, 10, seed=13)
+    slots[-1] = case.k_cache.shape[0] * PAGE  # one past the last slot
+    before = (qkv.clone(), case.k_cache.clone(), case.v_cache.clone())
+    with pytest.raises(ValueError, match="outside the pool"):
+        cpu_attention.qkv_attention_cpu(
+            qkv, cos, sin, slots, case.k_cache, case.v_cache, case.table, case.cu, case.seq_lens, 4, 0.3
+        )
+    for a, b in zip(before, (qkv, case.k_cache, case.v_cache), strict=True):
+        torch.testing.assert_close(a, b, rtol=0.0, atol=0.0, equal_nan=True)
+    with pytest.raises(ValueError, match="rotary width"):  # odd width
+        cpu_attention.qkv_attention_cpu(
+            qkv, cos[:, :9].contiguous(), sin[:, :9].contiguous(), slots.clamp(max=0), case.k_cache,
+            case.v_cache, case.table, case.cu, case.seq_lens, 4, 0.3,
+        )  # fmt: skip

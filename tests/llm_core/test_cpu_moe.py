@@ -3,11 +3,13 @@ its AVX2 and its scalar kernels."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from llm_core import cpu_moe
-from llm_core.moe import Routing, SparseMoE
+from llm_core.moe import Routing, SparseMoE, TopKRouter
 from tests.llm_core.conftest import simd_fixture
 from tests.llm_core.test_model_moe import moe_config, per_token_reference
 
@@ -70,3 +72,42 @@ def test_an_expert_id_out_of_range_is_an_error() -> None:
     bad[1, 0] = 8  # 8 experts: ids 0..7
     with pytest.raises(ValueError, match="out of range"):
         cpu_moe.moe_experts_cpu(x, bad, routing.weights, moe.experts.gate_up_proj, moe.experts.down_proj)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},  # 8 experts in 4 groups, top-2 groups, top-3 experts, normalised, scaled by 2.5
+        {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 2, "norm_topk_prob": False},
+        {"n_routed_experts": 16, "n_group": 4, "topk_group": 1, "num_experts_per_tok": 4,
+         "routed_scaling_factor": 1.0},
+        {"hidden_size": 21},  # not a multiple of 8
+    ],
+)  # fmt: skip
+def test_route_matches_the_torch_router(kw: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same experts in the same order (descending score + bias) and the same weights as the torch
+    TopKRouter, for 300 tokens with a selection bias large enough to change choices."""
+    router = TopKRouter(moe_config(**kw))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(router.num_experts, generator=g) * 0.3)
+    x = torch.randn(300, router.weight.shape[1], generator=g)
+    fast = router(x)
+    monkeypatch.setattr(cpu_moe, "_kernel", None)
+    ref = router(x)
+    assert torch.equal(fast.experts, ref.experts)
+    torch.testing.assert_close(fast.weights, ref.weights, rtol=1e-6, atol=1e-7)
+    assert fast.experts.dtype == torch.int64 and fast.weights.dtype == torch.float32
+
+
+def test_route_rejects_inconsistent_sizes() -> None:
+    x, w, bias = torch.randn(3, 8), torch.randn(6, 8), torch.zeros(6)
+    with pytest.raises(ValueError, match="route"):  # 6 experts do not split into 4 groups
+        cpu_moe.route(x, w, bias, top_k=2, n_group=4, topk_group=1, norm_topk_prob=True, scaling=1.0)
+    with pytest.raises(ValueError, match="route"):  # top-4 of the 3 experts in one group of 3
+        cpu_moe.route(x, w, bias, top_k=4, n_group=2, topk_group=1, norm_topk_prob=True, scaling=1.0)
+    with pytest.raises(ValueError, match="bias"):
+        cpu_moe.route(
+            x, w, torch.zeros(5), top_k=2, n_group=1, topk_group=1, norm_topk_prob=True, scaling=1.0
+        )
