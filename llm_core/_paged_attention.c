@@ -58,34 +58,29 @@ typedef struct {
 
 /* The pool rows the next query will read, requested while this one computes. Decode queries
  * belong to different sequences whose pages are scattered over the pools, so every query starts
- * on cold rows; fetching them a query ahead, spread over this query's keys (row i of the next
- * query once this one is i / n of the way through), keeps the memory busy during the compute
- * without flooding it. Only used across sequences: the next query of the same sequence reads
- * the rows just read. */
+ * on cold rows. Their lines (keys first, then values) are requested a few at a time from inside
+ * this query's compute loops, ``per_step`` lines per step, sized so that the last line goes out
+ * as this query's compute ends: the memory stays busy the whole time, and the core never waits
+ * on a burst of requests (a burst of hundreds of prefetches fills the miss buffers and stalls the
+ * loads behind it). Only used across sequences: the next query of the same sequence reads the
+ * rows just read. */
 typedef struct Prefetch {
     const int64_t *slots;
-    Py_ssize_t n, k_done, v_done;
+    const char *k, *v;               /* pool bases */
+    Py_ssize_t n;                    /* rows (keys) of the next query */
+    Py_ssize_t k_lines, v_lines;     /* 64-byte lines per key row, per value row */
+    Py_ssize_t k_bytes, v_bytes;     /* row strides */
+    Py_ssize_t row, line, per_step;  /* cursor: rows 0 .. n - 1 are keys, n .. 2n - 1 values */
 } Prefetch;
 
-static inline void prefetch_rows(const float *base, const int64_t *slots, Py_ssize_t from, Py_ssize_t to,
-                                 Py_ssize_t stride) {
-    for (Py_ssize_t i = from; i < to; i++) {
-        const char *row = (const char *)(base + slots[i] * stride);
-        for (Py_ssize_t b = 0; b < stride * (Py_ssize_t)sizeof(float); b += 64) __builtin_prefetch(row + b);
-    }
-}
-
-/* Called after key j of the block (keys: is_v = 0, values: is_v = 1). */
-static inline void prefetch_next(const Block *bk, Py_ssize_t j, int is_v) {
-    Prefetch *pf = bk->pf;
+static inline void prefetch_step(Prefetch *pf) {
     if (pf == NULL) return;
-    Py_ssize_t upto = (bk->j_base + (j < bk->nb ? j : bk->nb)) * pf->n / bk->nk;
-    if (is_v) {
-        prefetch_rows(bk->v, pf->slots, pf->v_done, upto, bk->vstride);
-        pf->v_done = upto > pf->v_done ? upto : pf->v_done;
-    } else {
-        prefetch_rows(bk->k, pf->slots, pf->k_done, upto, bk->kstride);
-        pf->k_done = upto > pf->k_done ? upto : pf->k_done;
+    for (Py_ssize_t i = 0; i < pf->per_step && pf->row < 2 * pf->n; i++) {
+        const int is_v = pf->row >= pf->n;
+        const Py_ssize_t r = is_v ? pf->row - pf->n : pf->row;
+        const char *row = is_v ? pf->v + pf->slots[r] * pf->v_bytes : pf->k + pf->slots[r] * pf->k_bytes;
+        __builtin_prefetch(row + pf->line * 64);
+        if (++pf->line == (is_v ? pf->v_lines : pf->k_lines)) pf->line = 0, pf->row++;
     }
 }
 
@@ -136,8 +131,8 @@ static AVX2 void block_scores_avx2(const Block *bk, float *s) {
     for (; j + 8 <= bk->nb; j += 8) { /* 8 keys, every head: 8 independent FMA chains per head */
         const float *r[8];
         for (int i = 0; i < 8; i++) r[i] = bk->k + bk->slots[j + i] * bk->kstride;
-        prefetch_next(bk, j + 8, 0);
         for (Py_ssize_t h = 0; h < bk->H; h++) {
+            prefetch_step(bk->pf);
             const float *qh = bk->q + h * D;
             const Py_ssize_t off = (h / bk->group) * D;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
@@ -201,7 +196,6 @@ static AVX2 void block_accumulate_avx2(const Block *bk, const float *p, float *a
     for (Py_ssize_t h = 0; h < bk->H; h++) {
         const float *ph = p + h * KEY_BLOCK, *base = bk->v + (h / bk->group) * Dv;
         float *ah = acc + h * Dv;
-        if (h == 0) prefetch_next(bk, nb, 1);
         Py_ssize_t d0 = 0;
         for (; d0 + 32 <= Dv; d0 += 32) {
             __m256 a0 = _mm256_loadu_ps(ah + d0), a1 = _mm256_loadu_ps(ah + d0 + 8);
@@ -209,6 +203,7 @@ static AVX2 void block_accumulate_avx2(const Block *bk, const float *p, float *a
             __m256 b0 = _mm256_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
             Py_ssize_t j = 0;
             for (; j + 2 <= nb; j += 2) {
+                if ((j & 7) == 0) prefetch_step(bk->pf);
                 const float *r0 = base + bk->slots[j] * vstride + d0, *r1 = base + bk->slots[j + 1] * vstride + d0;
                 const __m256 p0 = _mm256_broadcast_ss(ph + j), p1 = _mm256_broadcast_ss(ph + j + 1);
                 a0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0), a0);
@@ -311,6 +306,11 @@ static void attend_query(const Problem *pb, Py_ssize_t t, const int64_t *slots, 
     const Py_ssize_t H = pb->H, Dv = pb->Dv;
     Block bk = {pb->q + t * pb->q_stride, pb->k, pb->v, slots, 0, H, H / pb->Hkv, pb->D, Dv,
                 pb->Hkv * pb->D, pb->Hkv * Dv, pb->scale, 0, nk, pf};
+    if (pf != NULL) { /* prefetch_step calls: one per head and 8 keys in the score pass, and per head,
+                       * 8 keys and 32 value dims in the value pass */
+        const Py_ssize_t steps = H * ((nk + 7) / 8) * (1 + Dv / 32);
+        pf->per_step = (pf->n * (pf->k_lines + pf->v_lines) + steps - 1) / steps;
+    }
     for (Py_ssize_t h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.0f;
     memset(acc, 0, (size_t)(H * Dv) * sizeof(float));
     for (Py_ssize_t j0 = 0; j0 < nk; j0 += KEY_BLOCK) {
@@ -404,6 +404,10 @@ static const char *run(const Problem *pb) {
                 const Py_ssize_t start = first_key(pb, pos, lo_next);
                 pf.slots = nxt + (start - lo_next);
                 pf.n = pos - start + 1;
+                pf.k = (const char *)pb->k, pf.v = (const char *)pb->v;
+                pf.k_bytes = pb->Hkv * pb->D * (Py_ssize_t)sizeof(float);
+                pf.v_bytes = pb->Hkv * pb->Dv * (Py_ssize_t)sizeof(float);
+                pf.k_lines = (pf.k_bytes + 63) / 64, pf.v_lines = (pf.v_bytes + 63) / 64;
                 last_pf = &pf;
             }
         }
