@@ -15,8 +15,11 @@ Values are scaled by ``attention_value_scale`` before they are cached, so the ca
 what attention reads. Attention reads the pools through the page tables in one call per layer,
 prefill and decode alike (``attention.paged_attention``: the Triton kernels on CUDA, the C kernel
 of ``cpu_attention`` on CPU, the torch reference where neither applies); rotary tables are
-computed once per step for each (rope_dim, theta). ``forward_dense`` is the plain unpaged
-reference (one sequence, no cache).
+computed once per step for each (rope_dim, theta). Layers hand on (mlp output, residual) so that
+each RMSNorm adds the residual itself. On CPU in fp32 a MoE layer is two MKL projections plus
+five C calls: norm (with the add), rotary + KV store + attention, norm (with the add), router,
+experts.
+``forward_dense`` is the plain unpaged reference (one sequence, no cache).
 Parameter names match transformers' in-memory module tree, so a converted state dict loads as is.
 The model knows nothing about scheduling, sampling or where KV pages come from.
 """
@@ -238,7 +241,8 @@ class MiMoDecoderLayer(nn.Module):
         left for the next norm to add (fused with it). The first layer takes the embeddings as x and
         residual None::
 
-            residual += x;  h = attn(norm1(residual));  residual += h;  return mlp(norm2(residual)), residual
+            residual = residual + x;  h = attn(norm1(residual))
+            residual = residual + h;  return mlp(norm2(residual)), residual
         """
         if residual is None:
             h, residual = self.input_layernorm(x), x
