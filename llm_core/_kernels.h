@@ -1,8 +1,8 @@
 /*
- * What the llm_core C kernels share: the buffer check of their Python entry points, and the AVX2 +
- * FMA helpers. Each kernel compiles its vector code with the AVX2 target attribute and picks it
- * at import when the CPU has AVX2 and FMA, so the extensions build and run on any x86-64 (and,
- * without HAVE_AVX2_PATH, on other CPUs). Include after Python.h.
+ * What the llm_core C kernels share: the buffer check of their Python entry points, a dot product,
+ * and the AVX2 + FMA helpers. Each kernel compiles its vector code with the AVX2 target attribute
+ * and picks it at import when the CPU has AVX2 and FMA, so the extensions build and run on any
+ * x86-64 (and, without HAVE_AVX2_PATH, on other CPUs). Include after Python.h.
  */
 #ifndef LLM_CORE_KERNELS_H
 #define LLM_CORE_KERNELS_H
@@ -19,6 +19,24 @@ static int check_buffer(const Py_buffer *buf, const char *kernel, Py_ssize_t exp
         return -1;
     }
     return 0;
+}
+
+/* Releases the n buffers an entry point parsed ("y*" / "w*" arguments), e.g.
+ * release_buffers((Py_buffer *[]){&x, &out}, 2). */
+static inline void release_buffers(Py_buffer *const *bufs, int n) {
+    for (int i = 0; i < n; i++) PyBuffer_Release(bufs[i]);
+}
+
+/* sum_i a[i] * b[i] for i < n, in 8 partial sums combined pairwise (a loop the compiler vectorizes
+ * at any SIMD level; the order is fixed, so results do not depend on the CPU). */
+static inline float dot8(const float *a, const float *b, Py_ssize_t n) {
+    float part[8] = {0};
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) part[j] += a[i + j] * b[i + j];
+    float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))

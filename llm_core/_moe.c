@@ -264,12 +264,7 @@ static PyObject *py_moe_experts(PyObject *self, PyObject *args) {
     result = Py_None;
     Py_INCREF(result);
 done:
-    PyBuffer_Release(&x);
-    PyBuffer_Release(&experts);
-    PyBuffer_Release(&weights);
-    PyBuffer_Release(&gate_up);
-    PyBuffer_Release(&down);
-    PyBuffer_Release(&out);
+    release_buffers((Py_buffer *[]){&x, &experts, &weights, &gate_up, &down, &out}, 6);
     return result;
 }
 
@@ -301,13 +296,7 @@ static void route_token(const Route *rt, Py_ssize_t t, float *work) {
     unsigned char *taken = (unsigned char *)(work + 3 * E);
     const float *x = rt->x + t * H;
     for (Py_ssize_t e = 0; e < E; e++) {
-        const float *we = rt->w + e * H;
-        float part[8] = {0};
-        Py_ssize_t i = 0;
-        for (; i + 8 <= H; i += 8)
-            for (int j = 0; j < 8; j++) part[j] += x[i + j] * we[i + j];
-        float z = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-        for (; i < H; i++) z += x[i] * we[i];
+        const float z = dot8(x, rt->w + e * H, H);
         score[e] = 1.0f / (1.0f + expf(-z));
         choice[e] = score[e] + rt->bias[e];
     }
@@ -374,11 +363,7 @@ static PyObject *py_route(PyObject *self, PyObject *args) {
     result = Py_NewRef(Py_None);
 done:
     free(work);
-    PyBuffer_Release(&x);
-    PyBuffer_Release(&w);
-    PyBuffer_Release(&bias);
-    PyBuffer_Release(&experts);
-    PyBuffer_Release(&weights);
+    release_buffers((Py_buffer *[]){&x, &w, &bias, &experts, &weights}, 5);
     return result;
 }
 

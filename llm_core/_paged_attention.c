@@ -511,14 +511,7 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
     pb.q_stride = H * D;
     if (run_released(&pb) == 0) result = Py_NewRef(Py_None);
 done:
-    PyBuffer_Release(&q);
-    PyBuffer_Release(&k);
-    PyBuffer_Release(&v);
-    PyBuffer_Release(&table);
-    PyBuffer_Release(&cu);
-    PyBuffer_Release(&lens);
-    PyBuffer_Release(&sinks);
-    PyBuffer_Release(&out);
+    release_buffers((Py_buffer *[]){&q, &k, &v, &table, &cu, &lens, &sinks, &out}, 8);
     return result;
 }
 
@@ -560,17 +553,7 @@ static PyObject *py_qkv_attention(PyObject *self, PyObject *args) {
     pb.qkv = qkv.buf, pb.q = qkv.buf, pb.cos = cos.buf, pb.sin = sin.buf, pb.v_scale = v_scale;
     if (run_released(&pb) == 0) result = Py_NewRef(Py_None);
 done:
-    PyBuffer_Release(&qkv);
-    PyBuffer_Release(&cos);
-    PyBuffer_Release(&sin);
-    PyBuffer_Release(&slots);
-    PyBuffer_Release(&k);
-    PyBuffer_Release(&v);
-    PyBuffer_Release(&table);
-    PyBuffer_Release(&cu);
-    PyBuffer_Release(&lens);
-    PyBuffer_Release(&sinks);
-    PyBuffer_Release(&out);
+    release_buffers((Py_buffer *[]){&qkv, &cos, &sin, &slots, &k, &v, &table, &cu, &lens, &sinks, &out}, 11);
     return result;
 }
 

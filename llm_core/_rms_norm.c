@@ -22,14 +22,8 @@
 #define KERNEL "rms_norm" /* error messages start with this */
 
 static void norm_row(const float *x, const float *w, float *out, Py_ssize_t dim, float eps) {
-    float part[8] = {0};
-    Py_ssize_t i = 0;
-    for (; i + 8 <= dim; i += 8)
-        for (int j = 0; j < 8; j++) part[j] += x[i + j] * x[i + j];
-    float sumsq = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-    for (; i < dim; i++) sumsq += x[i] * x[i];
-    const float rstd = 1.0f / sqrtf(sumsq / (float)dim + eps);
-    for (i = 0; i < dim; i++) out[i] = w[i] * (x[i] * rstd);
+    const float rstd = 1.0f / sqrtf(dot8(x, x, dim) / (float)dim + eps);
+    for (Py_ssize_t i = 0; i < dim; i++) out[i] = w[i] * (x[i] * rstd);
 }
 
 /* rms_norm(x, weight, residual, out, sum, rows, dim, eps) -> None; residual and sum empty: no add */
@@ -66,11 +60,7 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
-    PyBuffer_Release(&x);
-    PyBuffer_Release(&weight);
-    PyBuffer_Release(&residual);
-    PyBuffer_Release(&out);
-    PyBuffer_Release(&sum);
+    release_buffers((Py_buffer *[]){&x, &weight, &residual, &out, &sum}, 5);
     return result;
 }
 

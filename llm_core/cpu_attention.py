@@ -45,6 +45,39 @@ def supports(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
     )
 
 
+def _pool_args(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Tensor,
+    cu_seqlens_q: Tensor,
+    seq_lens: Tensor,
+    sinks: Tensor | None,
+    out: Tensor,
+    scale: float,
+    window: int | None,
+) -> tuple[object, ...]:
+    """What both kernel entries take after their queries: the pools (in place: the fused entry
+    writes them; the kernel rejects non-contiguous ones), the batch, the sinks, out [T, H, Dv] and
+    the sizes."""
+    page_size, num_kv, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    return (
+        k_cache.numpy(),
+        v_cache.numpy(),
+        _buf(page_table.to(torch.int32)),
+        _buf(cu_seqlens_q.to(torch.int32)),
+        _buf(seq_lens.to(torch.int32)),
+        b"" if sinks is None else _buf(sinks.to(torch.float32)),
+        out.numpy(),
+        out.shape[1],
+        num_kv,
+        head_dim,
+        v_cache.shape[-1],
+        page_size,
+        0 if window is None else int(window),
+        float(scale),
+    )
+
+
 def paged_attention_cpu(
     q: Tensor,
     k_cache: Tensor,
@@ -64,26 +97,10 @@ def paged_attention_cpu(
         raise RuntimeError("llm_core._paged_attention is not built; use attention.paged_attention_torch")
     if not supports(q, k_cache, v_cache):
         raise RuntimeError(f"the CPU kernel takes fp32 CPU tensors, got {q.dtype} on {q.device}")
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    page_size, num_kv, v_dim = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
-    assert k_cache.shape[3] == head_dim, (k_cache.shape, q.shape)
-    out = q.new_empty(q.shape[0], num_heads, v_dim)
+    assert k_cache.shape[3] == q.shape[2], (k_cache.shape, q.shape)
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     _kernel.paged_attention(
-        _buf(q),
-        _buf(k_cache),
-        _buf(v_cache),
-        _buf(page_table.to(torch.int32)),
-        _buf(cu_seqlens_q.to(torch.int32)),
-        _buf(seq_lens.to(torch.int32)),
-        b"" if sinks is None else _buf(sinks.to(torch.float32)),
-        out.numpy(),
-        num_heads,
-        num_kv,
-        head_dim,
-        v_dim,
-        page_size,
-        0 if window is None else int(window),
-        float(scale),
+        _buf(q), *_pool_args(k_cache, v_cache, page_table, cu_seqlens_q, seq_lens, sinks, out, scale, window)
     )
     return out
 
@@ -122,8 +139,7 @@ def qkv_attention_cpu(
         raise RuntimeError(
             f"the CPU kernel takes contiguous fp32 CPU tensors, got {qkv.dtype} on {qkv.device}"
         )
-    page_size, num_kv, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    v_dim = v_cache.shape[-1]
+    num_kv, head_dim, v_dim = k_cache.shape[2], k_cache.shape[3], v_cache.shape[-1]
     assert qkv.shape[1] == (num_heads + num_kv) * head_dim + num_kv * v_dim, (qkv.shape, k_cache.shape)
     out = qkv.new_empty(qkv.shape[0], num_heads, v_dim)
     _kernel.qkv_attention(
@@ -131,20 +147,7 @@ def qkv_attention_cpu(
         _buf(cos),
         _buf(sin),
         _buf(slots.to(torch.int64)),
-        k_cache.numpy(),
-        v_cache.numpy(),
-        _buf(page_table.to(torch.int32)),
-        _buf(cu_seqlens_q.to(torch.int32)),
-        _buf(seq_lens.to(torch.int32)),
-        b"" if sinks is None else _buf(sinks.to(torch.float32)),
-        out.numpy(),
-        num_heads,
-        num_kv,
-        head_dim,
-        v_dim,
-        page_size,
-        0 if window is None else int(window),
-        float(scale),
+        *_pool_args(k_cache, v_cache, page_table, cu_seqlens_q, seq_lens, sinks, out, scale, window),
         float(v_scale),
     )
     return out
