@@ -8,6 +8,7 @@ slip in the slot or table math cannot cancel out.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 from typing import Any
@@ -237,3 +238,29 @@ def test_cuda_triton_paged_matches_cpu_dense(tiny_mimo_dir: Path, dtype: torch.d
     logits = gpu_loaded.model.compute_logits(torch.cat(outs)).cpu()
     dense = cpu.forward_dense(ids[None])[0]
     assert rel_err(logits, dense) <= tol
+
+
+@pytest.mark.skipif(not cpu_attention.AVAILABLE, reason="llm_core._paged_attention is not built")
+def test_fused_cpu_layer_with_qkv_bias_equals_torch_path(
+    tiny_mimo_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With attention biases (which the tiny checkpoint lacks), the fused CPU layer (one kernel
+    call from the qkv rows to the attention output) equals the torch path: rotary, write_kv and
+    the torch paged attention, for a prefill chunk and then a decode step."""
+    config = dataclasses.replace(MiMoConfig.from_pretrained_dir(tiny_mimo_dir), attention_bias=True)
+    model = MiMoForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(21)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.08)
+    model.fuse_weights()
+    assert model.model.layers[0].self_attn.qkv_bias is not None
+    ids = prompt(23, seed=22)
+    outs = []
+    for backend in ("cpu", "torch"):
+        monkeypatch.setattr(model, "attention_backend", backend)
+        kv = make_kv(config, 8)
+        seq = PagedSeq(*free_lists(8, seed=1))
+        prefill = step(model, kv, [seq], [ids[:22]])
+        outs.append(torch.cat([prefill, step(model, kv, [seq], [ids[22:]])]))
+    assert rel_err(outs[0], outs[1]) <= 1e-5
