@@ -1,4 +1,5 @@
-"""CPU MoE experts through the C kernel (``_moe.c``): every routed expert of a layer in one call.
+"""CPU MoE through the C kernel (``_moe.c``): every routed expert of a layer in one call, and the
+router before it in another (``route``: what ``moe.TopKRouter`` computes).
 
     x [T, H], Routing(experts [T, K], weights [T, K]), gate_up [E, 2I, H], down [E, H, I]
     -> out [T, H] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t])

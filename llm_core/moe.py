@@ -12,9 +12,11 @@ Routing (DeepSeek-V3 "noaux_tc" style, no shared experts):
 Experts are computed grouped: the T*K (token, expert) assignments are sorted by expert, each
 expert runs one matmul over its contiguous segment, and results are scattered back with the
 routing weights (a loop over experts, never over tokens). Small batches (decode) pad every
-expert's segment to the largest one and run all experts in two ``bmm`` calls instead. Parameter names follow transformers'
-in-memory layout (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]);
-checkpoint.py converts per-expert checkpoints into it.
+expert's segment to the largest one and run all experts in two ``bmm`` calls instead. On CPU in
+fp32, with the C kernels built, the router and the experts are one call each (``cpu_moe``); the
+torch code here is then the reference. Parameter names follow transformers' in-memory layout
+(``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); checkpoint.py converts
+per-expert checkpoints into it.
 """
 
 from __future__ import annotations
