@@ -52,8 +52,7 @@ typedef struct {
     const int64_t *slots;
     Py_ssize_t nb, H, group, D, Dv, kstride, vstride; /* group: query heads per KV head */
     float scale;
-    Py_ssize_t j_base, nk; /* this block starts at key j_base of the query's nk keys */
-    struct Prefetch *pf;   /* or NULL */
+    struct Prefetch *pf; /* or NULL */
 } Block;
 
 /* The pool rows the next query will read, requested while this one computes. Decode queries
@@ -305,7 +304,7 @@ static void attend_query(const Problem *pb, Py_ssize_t t, const int64_t *slots, 
                          float *s, float *m, float *l, float *acc) {
     const Py_ssize_t H = pb->H, Dv = pb->Dv;
     Block bk = {pb->q + t * pb->q_stride, pb->k, pb->v, slots, 0, H, H / pb->Hkv, pb->D, Dv,
-                pb->Hkv * pb->D, pb->Hkv * Dv, pb->scale, 0, nk, pf};
+                pb->Hkv * pb->D, pb->Hkv * Dv, pb->scale, pf};
     if (pf != NULL) { /* prefetch_step calls: one per head and 8 keys in the score pass, and per head,
                        * 8 keys and 32 value dims in the value pass */
         const Py_ssize_t steps = H * ((nk + 7) / 8) * (1 + Dv / 32);
@@ -315,7 +314,6 @@ static void attend_query(const Problem *pb, Py_ssize_t t, const int64_t *slots, 
     memset(acc, 0, (size_t)(H * Dv) * sizeof(float));
     for (Py_ssize_t j0 = 0; j0 < nk; j0 += KEY_BLOCK) {
         bk.slots = slots + j0;
-        bk.j_base = j0;
         bk.nb = nk - j0 < KEY_BLOCK ? nk - j0 : KEY_BLOCK;
         block_scores(&bk, s);
         for (Py_ssize_t h = 0; h < H; h++) {
