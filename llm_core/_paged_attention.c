@@ -104,6 +104,13 @@ static float exp_shift_scalar(float *s, Py_ssize_t n, float m) {
     return sum;
 }
 
+/* max_j s[j] for 0 <= j < n (n >= 1) */
+static float max_of_scalar(const float *s, Py_ssize_t n) {
+    float m = s[0];
+    for (Py_ssize_t j = 1; j < n; j++) m = s[j] > m ? s[j] : m;
+    return m;
+}
+
 /* acc[h] += sum_j p[h][j] * v_j[h / group] */
 static void block_accumulate_scalar(const Block *bk, const float *p, float *acc) {
     for (Py_ssize_t j = 0; j < bk->nb; j++) {
@@ -159,6 +166,26 @@ static AVX2 void block_scores_avx2(const Block *bk, float *s) {
             s[h * KEY_BLOCK + j] = bk->scale * hsum(a);
         }
     }
+}
+
+/* A scalar max is one dependent compare per key; here eight lanes in two registers (a max is
+ * exact in any order: same result). */
+static AVX2 float max_of_avx2(const float *s, Py_ssize_t n) {
+    if (n < 16) return max_of_scalar(s, n);
+    __m256 a = _mm256_loadu_ps(s), b = _mm256_loadu_ps(s + 8);
+    Py_ssize_t j = 16;
+    for (; j + 16 <= n; j += 16) {
+        a = _mm256_max_ps(a, _mm256_loadu_ps(s + j));
+        b = _mm256_max_ps(b, _mm256_loadu_ps(s + j + 8));
+    }
+    if (j + 8 <= n) a = _mm256_max_ps(a, _mm256_loadu_ps(s + j)), j += 8;
+    a = _mm256_max_ps(a, b);
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    float m = _mm_cvtss_f32(x);
+    for (; j < n; j++) m = s[j] > m ? s[j] : m;
+    return m;
 }
 
 static AVX2 float exp_shift_avx2(float *s, Py_ssize_t n, float m) {
@@ -246,10 +273,12 @@ static AVX2 void block_accumulate_avx2(const Block *bk, const float *p, float *a
 
 typedef void (*block_scores_fn)(const Block *, float *);
 typedef float (*exp_shift_fn)(float *, Py_ssize_t, float);
+typedef float (*max_of_fn)(const float *, Py_ssize_t);
 typedef void (*block_accumulate_fn)(const Block *, const float *, float *);
 
 static block_scores_fn block_scores = block_scores_scalar;
 static exp_shift_fn exp_shift = exp_shift_scalar;
+static max_of_fn max_of = max_of_scalar;
 static block_accumulate_fn block_accumulate = block_accumulate_scalar;
 
 /* ---- the kernel --------------------------------------------------------------------------- */
@@ -318,8 +347,7 @@ static void attend_query(const Problem *pb, Py_ssize_t t, const int64_t *slots, 
         block_scores(&bk, s);
         for (Py_ssize_t h = 0; h < H; h++) {
             float *sh = s + h * KEY_BLOCK, *ah = acc + h * Dv;
-            float bm = sh[0];
-            for (Py_ssize_t j = 1; j < bk.nb; j++) bm = sh[j] > bm ? sh[j] : bm;
+            const float bm = max_of(sh, bk.nb);
             if (bm > m[h]) { /* a new running max: rescale what was summed so far */
                 if (l[h] > 0.0f) {
                     const float alpha = expf(m[h] - bm);
@@ -569,6 +597,7 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {
     if (strcmp(name, "scalar") == 0) {
         block_scores = block_scores_scalar;
         exp_shift = exp_shift_scalar;
+        max_of = max_of_scalar;
         block_accumulate = block_accumulate_scalar;
         Py_RETURN_NONE;
     }
@@ -576,6 +605,7 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {
     if (strcmp(name, "avx2") == 0 && cpu_has_avx2()) {
         block_scores = block_scores_avx2;
         exp_shift = exp_shift_avx2;
+        max_of = max_of_avx2;
         block_accumulate = block_accumulate_avx2;
         Py_RETURN_NONE;
     }
@@ -606,6 +636,7 @@ PyMODINIT_FUNC PyInit__paged_attention(void) {
     if (cpu_has_avx2()) {
         block_scores = block_scores_avx2;
         exp_shift = exp_shift_avx2;
+        max_of = max_of_avx2;
         block_accumulate = block_accumulate_avx2;
     }
 #endif
