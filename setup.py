@@ -26,7 +26,7 @@ setup(
         Extension(
             "llm_core._paged_attention",
             sources=["llm_core/_paged_attention.c"],
-            depends=["llm_core/_kernels.h"],
+            depends=["llm_core/_kernels.h", "llm_core/_paged_attention.h"],
             # no implicit FMA: the rotary products must round like torch's (explicit FMAs stay)
             extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,
@@ -34,14 +34,14 @@ setup(
         Extension(
             "llm_core._moe",
             sources=["llm_core/_moe.c"],
-            depends=["llm_core/_kernels.h"],
+            depends=["llm_core/_kernels.h", "llm_core/_moe.h"],
             extra_compile_args=["-O3"],
             optional=True,
         ),
         Extension(
             "llm_core._rms_norm",
             sources=["llm_core/_rms_norm.c"],
-            depends=["llm_core/_kernels.h"],
+            depends=["llm_core/_kernels.h", "llm_core/_rms_norm.h"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

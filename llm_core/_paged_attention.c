@@ -32,491 +32,10 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "_kernels.h"
-
-#define KERNEL "paged_attention" /* error messages start with this */
-
-#define KEY_BLOCK 128 /* keys per online-softmax block: one block covers a 128-token window */
-
-/* A block's view of the problem: nb keys at slots[0 .. nb) and one query q [H, D]. Scores land
- * in s [H][KEY_BLOCK]; the weighted values accumulate into acc [H, Dv]. Keys are the outer loop
- * and heads the inner one, so each key's pool row (all KV heads, contiguous) is read once, in
- * slot order: pages stream through the cache instead of being walked once per head. */
-typedef struct {
-    const float *q, *k, *v;
-    const int64_t *slots;
-    Py_ssize_t nb, H, group, D, Dv, kstride, vstride; /* group: query heads per KV head */
-    float scale;
-    struct Prefetch *pf; /* or NULL */
-} Block;
-
-/* The pool rows the next query will read, requested while this one computes. Decode queries
- * belong to different sequences whose pages are scattered over the pools, so every query starts
- * on cold rows. Their lines (keys first, then values) are requested a few at a time from inside
- * this query's compute loops, ``per_step`` lines per step, sized so that the last line goes out
- * as this query's compute ends: the memory stays busy the whole time, and the core never waits
- * on a burst of requests (a burst of hundreds of prefetches fills the miss buffers and stalls the
- * loads behind it). Only used across sequences: the next query of the same sequence reads the
- * rows just read. */
-typedef struct Prefetch {
-    const int64_t *slots;
-    const char *k, *v;               /* pool bases */
-    Py_ssize_t n;                    /* rows (keys) of the next query */
-    Py_ssize_t k_lines, v_lines;     /* 64-byte lines per key row, per value row */
-    Py_ssize_t k_bytes, v_bytes;     /* row strides */
-    Py_ssize_t row, line, per_step;  /* cursor: rows 0 .. n - 1 are keys, n .. 2n - 1 values */
-} Prefetch;
-
-static inline void prefetch_step(Prefetch *pf) {
-    if (pf == NULL) return;
-    for (Py_ssize_t i = 0; i < pf->per_step && pf->row < 2 * pf->n; i++) {
-        const int is_v = pf->row >= pf->n;
-        const Py_ssize_t r = is_v ? pf->row - pf->n : pf->row;
-        const char *row = is_v ? pf->v + pf->slots[r] * pf->v_bytes : pf->k + pf->slots[r] * pf->k_bytes;
-        __builtin_prefetch(row + pf->line * 64);
-        if (++pf->line == (is_v ? pf->v_lines : pf->k_lines)) pf->line = 0, pf->row++;
-    }
-}
-
-/* ---- primitives: scalar versions ---------------------------------------------------------- */
-
-static void block_scores_scalar(const Block *bk, float *s) {
-    for (Py_ssize_t j = 0; j < bk->nb; j++) {
-        const float *row = bk->k + bk->slots[j] * bk->kstride;
-        for (Py_ssize_t h = 0; h < bk->H; h++) {
-            const float *qh = bk->q + h * bk->D, *kh = row + (h / bk->group) * bk->D;
-            float acc = 0.0f;
-            for (Py_ssize_t d = 0; d < bk->D; d++) acc += qh[d] * kh[d];
-            s[h * KEY_BLOCK + j] = bk->scale * acc;
-        }
-    }
-}
-
-/* s[j] = e^(s[j] - m) for j < n; returns the sum. */
-static float exp_shift_scalar(float *s, Py_ssize_t n, float m) {
-    float sum = 0.0f;
-    for (Py_ssize_t j = 0; j < n; j++) sum += (s[j] = expf(s[j] - m));
-    return sum;
-}
-
-/* max_j s[j] for 0 <= j < n (n >= 1) */
-static float max_of_scalar(const float *s, Py_ssize_t n) {
-    float m = s[0];
-    for (Py_ssize_t j = 1; j < n; j++) m = s[j] > m ? s[j] : m;
-    return m;
-}
-
-/* acc[h] += sum_j p[h][j] * v_j[h / group] */
-static void block_accumulate_scalar(const Block *bk, const float *p, float *acc) {
-    for (Py_ssize_t j = 0; j < bk->nb; j++) {
-        const float *row = bk->v + bk->slots[j] * bk->vstride;
-        for (Py_ssize_t h = 0; h < bk->H; h++) {
-            const float *vh = row + (h / bk->group) * bk->Dv, pj = p[h * KEY_BLOCK + j];
-            float *ah = acc + h * bk->Dv;
-            for (Py_ssize_t d = 0; d < bk->Dv; d++) ah[d] += pj * vh[d];
-        }
-    }
-}
-
-/* ---- primitives: AVX2 + FMA versions ------------------------------------------------------ */
-
-#ifdef HAVE_AVX2_PATH
-static AVX2 void block_scores_avx2(const Block *bk, float *s) {
-    const Py_ssize_t D = bk->D;
-    if (D & 7) {
-        block_scores_scalar(bk, s);
-        return;
-    }
-    const __m256 vscale = _mm256_set1_ps(bk->scale);
-    Py_ssize_t j = 0;
-    for (; j + 8 <= bk->nb; j += 8) { /* 8 keys, every head: 8 independent FMA chains per head */
-        const float *r[8];
-        for (int i = 0; i < 8; i++) r[i] = bk->k + bk->slots[j + i] * bk->kstride;
-        for (Py_ssize_t h = 0; h < bk->H; h++) {
-            prefetch_step(bk->pf);
-            const float *qh = bk->q + h * D;
-            const Py_ssize_t off = (h / bk->group) * D;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-            for (Py_ssize_t d = 0; d < D; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(qh + d);
-                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[0] + off + d), a0);
-                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[1] + off + d), a1);
-                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[2] + off + d), a2);
-                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[3] + off + d), a3);
-                a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[4] + off + d), a4);
-                a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[5] + off + d), a5);
-                a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[6] + off + d), a6);
-                a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[7] + off + d), a7);
-            }
-            _mm256_storeu_ps(s + h * KEY_BLOCK + j, _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), vscale));
-        }
-    }
-    for (; j < bk->nb; j++) {
-        const float *row = bk->k + bk->slots[j] * bk->kstride;
-        for (Py_ssize_t h = 0; h < bk->H; h++) {
-            const float *qh = bk->q + h * D, *kh = row + (h / bk->group) * D;
-            __m256 a = _mm256_setzero_ps();
-            for (Py_ssize_t d = 0; d < D; d += 8)
-                a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(kh + d), a);
-            s[h * KEY_BLOCK + j] = bk->scale * hsum(a);
-        }
-    }
-}
-
-/* A scalar max is one dependent compare per key; here eight lanes in two registers (a max is
- * exact in any order: same result). */
-static AVX2 float max_of_avx2(const float *s, Py_ssize_t n) {
-    if (n < 16) return max_of_scalar(s, n);
-    __m256 a = _mm256_loadu_ps(s), b = _mm256_loadu_ps(s + 8);
-    Py_ssize_t j = 16;
-    for (; j + 16 <= n; j += 16) {
-        a = _mm256_max_ps(a, _mm256_loadu_ps(s + j));
-        b = _mm256_max_ps(b, _mm256_loadu_ps(s + j + 8));
-    }
-    if (j + 8 <= n) a = _mm256_max_ps(a, _mm256_loadu_ps(s + j)), j += 8;
-    a = _mm256_max_ps(a, b);
-    __m128 x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_max_ss(x, _mm_movehdup_ps(x));
-    float m = _mm_cvtss_f32(x);
-    for (; j < n; j++) m = s[j] > m ? s[j] : m;
-    return m;
-}
-
-static AVX2 float exp_shift_avx2(float *s, Py_ssize_t n, float m) {
-    Py_ssize_t j = 0;
-    const __m256 vm = _mm256_set1_ps(m);
-    __m256 vsum = _mm256_setzero_ps();
-    for (; j + 8 <= n; j += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
-        _mm256_storeu_ps(s + j, e);
-        vsum = _mm256_add_ps(vsum, e);
-    }
-    float sum = hsum(vsum);
-    if (j < n) { /* the tail through the same polynomial; padding lanes are discarded */
-        float tail[8];
-        for (int i = 0; i < 8; i++) tail[i] = j + i < n ? s[j + i] - m : -100.0f;
-        _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
-        for (Py_ssize_t i = 0; j + i < n; i++) {
-            s[j + i] = tail[i];
-            sum += tail[i];
-        }
-    }
-    return sum;
-}
-
-/* One head at a time, the output chunk in registers across the block's keys, and two keys per
- * step into separate accumulators: eight independent FMA chains, so the FMA latency is hidden
- * (one chain per output register would leave the units idle three cycles in four). */
-static AVX2 void block_accumulate_avx2(const Block *bk, const float *p, float *acc) {
-    const Py_ssize_t Dv = bk->Dv, nb = bk->nb, vstride = bk->vstride;
-    if (Dv & 7) {
-        block_accumulate_scalar(bk, p, acc);
-        return;
-    }
-    for (Py_ssize_t h = 0; h < bk->H; h++) {
-        const float *ph = p + h * KEY_BLOCK, *base = bk->v + (h / bk->group) * Dv;
-        float *ah = acc + h * Dv;
-        Py_ssize_t d0 = 0;
-        for (; d0 + 32 <= Dv; d0 += 32) {
-            __m256 a0 = _mm256_loadu_ps(ah + d0), a1 = _mm256_loadu_ps(ah + d0 + 8);
-            __m256 a2 = _mm256_loadu_ps(ah + d0 + 16), a3 = _mm256_loadu_ps(ah + d0 + 24);
-            __m256 b0 = _mm256_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
-            Py_ssize_t j = 0;
-            for (; j + 2 <= nb; j += 2) {
-                if ((j & 7) == 0) prefetch_step(bk->pf);
-                const float *r0 = base + bk->slots[j] * vstride + d0, *r1 = base + bk->slots[j + 1] * vstride + d0;
-                const __m256 p0 = _mm256_broadcast_ss(ph + j), p1 = _mm256_broadcast_ss(ph + j + 1);
-                a0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0), a0);
-                a1 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0 + 8), a1);
-                a2 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0 + 16), a2);
-                a3 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0 + 24), a3);
-                b0 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(r1), b0);
-                b1 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(r1 + 8), b1);
-                b2 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(r1 + 16), b2);
-                b3 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(r1 + 24), b3);
-            }
-            if (j < nb) {
-                const float *r0 = base + bk->slots[j] * vstride + d0;
-                const __m256 p0 = _mm256_broadcast_ss(ph + j);
-                a0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0), a0);
-                a1 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0 + 8), a1);
-                a2 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0 + 16), a2);
-                a3 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0 + 24), a3);
-            }
-            _mm256_storeu_ps(ah + d0, _mm256_add_ps(a0, b0));
-            _mm256_storeu_ps(ah + d0 + 8, _mm256_add_ps(a1, b1));
-            _mm256_storeu_ps(ah + d0 + 16, _mm256_add_ps(a2, b2));
-            _mm256_storeu_ps(ah + d0 + 24, _mm256_add_ps(a3, b3));
-        }
-        for (; d0 < Dv; d0 += 8) { /* 8-wide tail: four keys per step, four chains */
-            const __m256 zero = _mm256_setzero_ps();
-            __m256 a[4] = {_mm256_loadu_ps(ah + d0), zero, zero, zero};
-            Py_ssize_t j = 0;
-            for (; j + 4 <= nb; j += 4)
-                for (int i = 0; i < 4; i++)
-                    a[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(ph + j + i),
-                                           _mm256_loadu_ps(base + bk->slots[j + i] * vstride + d0), a[i]);
-            for (; j < nb; j++)
-                a[0] = _mm256_fmadd_ps(_mm256_broadcast_ss(ph + j),
-                                       _mm256_loadu_ps(base + bk->slots[j] * vstride + d0), a[0]);
-            _mm256_storeu_ps(ah + d0, _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
-        }
-    }
-}
-#endif
-
-typedef void (*block_scores_fn)(const Block *, float *);
-typedef float (*exp_shift_fn)(float *, Py_ssize_t, float);
-typedef float (*max_of_fn)(const float *, Py_ssize_t);
-typedef void (*block_accumulate_fn)(const Block *, const float *, float *);
-
-static block_scores_fn block_scores = block_scores_scalar;
-static exp_shift_fn exp_shift = exp_shift_scalar;
-static max_of_fn max_of = max_of_scalar;
-static block_accumulate_fn block_accumulate = block_accumulate_scalar;
-
-/* ---- the kernel --------------------------------------------------------------------------- */
-
-typedef struct {
-    const float *q, *sinks; /* sinks: NULL for none */
-    float *k, *v;           /* written only by the fused entry (new tokens' rows) */
-    const int32_t *table, *cu, *lens;
-    float *out;
-    Py_ssize_t B, H, Hkv, D, Dv, page, P, num_pages, window;
-    Py_ssize_t q_stride; /* floats from one query row to the next: H * D, or a whole qkv row */
-    float scale;
-    /* fused entry only (new_slots NULL otherwise): rotate q and k in the qkv rows, then store k
-     * and v_scale * v at new_slots; cos/sin [T, width] */
-    float *qkv;
-    const float *cos, *sin;
-    const int64_t *new_slots;
-    Py_ssize_t width;
-    float v_scale;
-} Problem;
-
-/* Rows t0 .. t1 - 1 of qkv [T, (H + Hkv) * D + Hkv * Dv]: rotate the first ``width`` dims of every
- * q and k head (half-split pairs (i, i + width / 2)), then copy k and v_scale * v into the pools at
- * the token's slot. The products and sums are those of rope.apply_partial_rotary_ in the same
- * order (this file is compiled without FMA contraction), so the pools get the same bits as the
- * torch path writes. */
-static void rope_and_store(const Problem *pb, Py_ssize_t t0, Py_ssize_t t1) {
-    const Py_ssize_t heads = pb->H + pb->Hkv, D = pb->D, half = pb->width / 2;
-    const Py_ssize_t kdim = pb->Hkv * D, vdim = pb->Hkv * pb->Dv;
-    for (Py_ssize_t t = t0; t < t1; t++) {
-        float *row = pb->qkv + t * pb->q_stride;
-        const float *c = pb->cos + t * pb->width, *s = pb->sin + t * pb->width;
-        for (Py_ssize_t h = 0; h < heads; h++) {
-            float *x1 = row + h * D, *x2 = x1 + half;
-            for (Py_ssize_t i = 0; i < half; i++) {
-                const float a = x1[i], b = x2[i], as = a * s[i], bs = b * s[i];
-                x1[i] = a * c[i] - bs;
-                x2[i] = b * c[i] + as;
-            }
-        }
-        const int64_t slot = pb->new_slots[t];
-        memcpy(pb->k + slot * kdim, row + pb->H * D, (size_t)kdim * sizeof(float));
-        const float *vin = row + heads * D;
-        float *vout = pb->v + slot * vdim;
-        for (Py_ssize_t i = 0; i < vdim; i++) vout[i] = vin[i] * pb->v_scale;
-    }
-}
-
-/* Attention of one query (packed row t) whose keys are slots[0 .. nk); pf: the next query's rows
- * to fetch meanwhile, or NULL. */
-static void attend_query(const Problem *pb, Py_ssize_t t, const int64_t *slots, Py_ssize_t nk, Prefetch *pf,
-                         float *s, float *m, float *l, float *acc) {
-    const Py_ssize_t H = pb->H, Dv = pb->Dv;
-    Block bk = {pb->q + t * pb->q_stride, pb->k, pb->v, slots, 0, H, H / pb->Hkv, pb->D, Dv,
-                pb->Hkv * pb->D, pb->Hkv * Dv, pb->scale, pf};
-    if (pf != NULL) { /* prefetch_step calls: one per head and 8 keys in the score pass, and per head,
-                       * 8 keys and 32 value dims in the value pass */
-        const Py_ssize_t steps = H * ((nk + 7) / 8) * (1 + Dv / 32);
-        pf->per_step = (pf->n * (pf->k_lines + pf->v_lines) + steps - 1) / steps;
-    }
-    for (Py_ssize_t h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.0f;
-    memset(acc, 0, (size_t)(H * Dv) * sizeof(float));
-    for (Py_ssize_t j0 = 0; j0 < nk; j0 += KEY_BLOCK) {
-        bk.slots = slots + j0;
-        bk.nb = nk - j0 < KEY_BLOCK ? nk - j0 : KEY_BLOCK;
-        block_scores(&bk, s);
-        for (Py_ssize_t h = 0; h < H; h++) {
-            float *sh = s + h * KEY_BLOCK, *ah = acc + h * Dv;
-            const float bm = max_of(sh, bk.nb);
-            if (bm > m[h]) { /* a new running max: rescale what was summed so far */
-                if (l[h] > 0.0f) {
-                    const float alpha = expf(m[h] - bm);
-                    l[h] *= alpha;
-                    for (Py_ssize_t d = 0; d < Dv; d++) ah[d] *= alpha;
-                }
-                m[h] = bm;
-            }
-            l[h] += exp_shift(sh, bk.nb, m[h]);
-        }
-        block_accumulate(&bk, s, acc);
-    }
-    float *o = pb->out + t * H * Dv;
-    for (Py_ssize_t h = 0; h < H; h++) {
-        float c = 1.0f, denom = l[h];
-        if (pb->sinks != NULL) { /* the sink joins the softmax denominator only */
-            const float mf = m[h] > pb->sinks[h] ? m[h] : pb->sinks[h];
-            c = expf(m[h] - mf);
-            denom = l[h] * c + expf(pb->sinks[h] - mf);
-        }
-        const float f = c / denom;
-        for (Py_ssize_t d = 0; d < Dv; d++) o[h * Dv + d] = acc[h * Dv + d] * f;
-    }
-}
-
-/* Slots of every key some query of sequence b reads (positions lo .. len - 1) into slots;
- * returns lo, or -1 when a page is not in the pool. */
-static Py_ssize_t sequence_slots(const Problem *pb, Py_ssize_t b, int64_t *slots) {
-    const Py_ssize_t len = pb->lens[b], first = len - (pb->cu[b + 1] - pb->cu[b]);
-    const Py_ssize_t lo = pb->window > 0 && first - pb->window + 1 > 0 ? first - pb->window + 1 : 0;
-    for (Py_ssize_t pos = lo; pos < len; pos++) {
-        const Py_ssize_t logical = pos / pb->page;
-        const int32_t phys = logical < pb->P ? pb->table[b * pb->P + logical] : -1;
-        if (phys < 0 || phys >= pb->num_pages) return -1;
-        slots[pos - lo] = (int64_t)phys * pb->page + pos % pb->page;
-    }
-    return lo;
-}
-
-/* First key of the query at position pos (keys before lo are not in its sequence's slots). */
-static inline Py_ssize_t first_key(const Problem *pb, Py_ssize_t pos, Py_ssize_t lo) {
-    return pb->window > 0 && pos - pb->window + 1 > lo ? pos - pb->window + 1 : lo;
-}
-
-static Py_ssize_t next_nonempty(const Problem *pb, Py_ssize_t b) {
-    while (b < pb->B && pb->cu[b + 1] == pb->cu[b]) b++;
-    return b;
-}
-
-/* Runs the whole batch; returns NULL or a static error message. Called without the GIL. */
-static const char *run(const Problem *pb) {
-    static const char *not_resident =
-        "paged_attention: a page some query reads is not in the pool (page table entry out of range or -1)";
-    const char *err = NULL;
-    Py_ssize_t max_keys = 1;
-    for (Py_ssize_t b = 0; b < pb->B; b++) max_keys = pb->lens[b] > max_keys ? pb->lens[b] : max_keys;
-    int64_t *const slot_buf = malloc(2 * (size_t)max_keys * sizeof(int64_t));
-    int64_t *cur = slot_buf, *nxt = slot_buf + max_keys; /* this sequence's slots, the next one's */
-    float *work = malloc((size_t)(pb->H * (KEY_BLOCK + 2 + pb->Dv)) * sizeof(float));
-    if (slot_buf == NULL || work == NULL) {
-        err = "paged_attention: out of memory";
-        goto done;
-    }
-    float *s = work, *m = s + pb->H * KEY_BLOCK, *l = m + pb->H, *acc = l + pb->H;
-    Py_ssize_t b = next_nonempty(pb, 0), lo = b < pb->B ? sequence_slots(pb, b, cur) : 0;
-    while (b < pb->B) {
-        if (lo < 0) {
-            err = not_resident;
-            goto done;
-        }
-        const Py_ssize_t n = pb->cu[b + 1] - pb->cu[b], first = pb->lens[b] - n;
-        const Py_ssize_t nb = next_nonempty(pb, b + 1);
-        if (pb->new_slots != NULL) rope_and_store(pb, pb->cu[b], pb->cu[b + 1]); /* its keys, before it reads them */
-        Py_ssize_t lo_next = 0;
-        Prefetch pf = {0}, *last_pf = NULL;
-        if (nb < pb->B) { /* the next sequence's slots now, so its first query's rows can be fetched */
-            lo_next = sequence_slots(pb, nb, nxt);
-            if (lo_next >= 0) {
-                const Py_ssize_t pos = pb->lens[nb] - (pb->cu[nb + 1] - pb->cu[nb]);
-                const Py_ssize_t start = first_key(pb, pos, lo_next);
-                pf.slots = nxt + (start - lo_next);
-                pf.n = pos - start + 1;
-                pf.k = (const char *)pb->k, pf.v = (const char *)pb->v;
-                pf.k_bytes = pb->Hkv * pb->D * (Py_ssize_t)sizeof(float);
-                pf.v_bytes = pb->Hkv * pb->Dv * (Py_ssize_t)sizeof(float);
-                pf.k_lines = (pf.k_bytes + 63) / 64, pf.v_lines = (pf.v_bytes + 63) / 64;
-                last_pf = &pf;
-            }
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const Py_ssize_t pos = first + i, start = first_key(pb, pos, lo);
-            attend_query(pb, pb->cu[b] + i, cur + (start - lo), pos - start + 1, i == n - 1 ? last_pf : NULL, s,
-                         m, l, acc);
-        }
-        int64_t *swap = cur;
-        cur = nxt, nxt = swap;
-        b = nb, lo = lo_next;
-    }
-done:
-    free(slot_buf);
-    free(work);
-    return err;
-}
-
-/* The checks and fields both entry points share: sizes, cu/lens, pools, page table, sinks (each
- * entry checks its queries, then out: see check_out). Returns 0, or -1 with a ValueError set. */
-static int setup_problem(Problem *pb, Py_buffer *k, Py_buffer *v, Py_buffer *table, Py_buffer *cu, Py_buffer *lens,
-                         Py_buffer *sinks, Py_ssize_t H, Py_ssize_t Hkv, Py_ssize_t D, Py_ssize_t Dv,
-                         Py_ssize_t page, Py_ssize_t window, float scale) {
-    const Py_ssize_t f = (Py_ssize_t)sizeof(float), i32 = (Py_ssize_t)sizeof(int32_t);
-    if (H < 1 || Hkv < 1 || H % Hkv || D < 1 || Dv < 1 || page < 1) {
-        PyErr_SetString(PyExc_ValueError, "paged_attention: invalid head counts, head dims or page size");
-        return -1;
-    }
-    pb->B = lens->len / i32;
-    if (lens->len % i32 || check_buffer(cu, KERNEL, (pb->B + 1) * i32, "cu_seqlens_q") ||
-        check_buffer(lens, KERNEL, pb->B * i32, "seq_lens"))
-        return -1;
-    pb->cu = cu->buf;
-    pb->lens = lens->buf;
-    if (pb->cu[0] != 0) {
-        PyErr_SetString(PyExc_ValueError, "paged_attention: cu_seqlens_q must start at 0");
-        return -1;
-    }
-    for (Py_ssize_t b = 0; b < pb->B; b++) {
-        const Py_ssize_t n = pb->cu[b + 1] - pb->cu[b];
-        if (n < 0 || n > pb->lens[b]) {
-            PyErr_Format(PyExc_ValueError, "paged_attention: sequence %zd has %zd new tokens of %d", b, n,
-                         (int)pb->lens[b]);
-            return -1;
-        }
-    }
-    const Py_ssize_t row_k = Hkv * D * f, row_v = Hkv * Dv * f;
-    if (k->len % (row_k * page) || v->len / row_v != k->len / row_k || v->len % row_v) {
-        PyErr_SetString(PyExc_ValueError, "paged_attention: k and v pools must hold the same whole pages");
-        return -1;
-    }
-    pb->num_pages = k->len / (row_k * page);
-    pb->P = pb->B ? table->len / (pb->B * i32) : 0;
-    if (check_buffer(k, KERNEL, k->len, "k") ||
-        check_buffer(v, KERNEL, v->len, "v") || check_buffer(table, KERNEL, pb->B * pb->P * i32, "page_table") ||
-        (sinks->len != 0 && check_buffer(sinks, KERNEL, H * f, "sinks")))
-        return -1;
-    pb->k = k->buf, pb->v = v->buf, pb->table = table->buf;
-    pb->sinks = sinks->len ? sinks->buf : NULL;
-    pb->H = H, pb->Hkv = Hkv, pb->D = D, pb->Dv = Dv, pb->page = page, pb->window = window, pb->scale = scale;
-    return 0;
-}
-
-/* out [T, H, Dv] for the T queries of a set-up problem; 0, or -1 with a ValueError set. */
-static int check_out(Problem *pb, Py_buffer *out) {
-    const Py_ssize_t T = pb->B ? pb->cu[pb->B] : 0;
-    if (check_buffer(out, KERNEL, T * pb->H * pb->Dv * (Py_ssize_t)sizeof(float), "out")) return -1;
-    pb->out = out->buf;
-    return 0;
-}
-
-/* Runs pb without the GIL; returns 0, or -1 with a ValueError set. */
-static int run_released(const Problem *pb) {
-    const char *err;
-    Py_BEGIN_ALLOW_THREADS
-    err = run(pb);
-    Py_END_ALLOW_THREADS
-    if (err != NULL) {
-        PyErr_SetString(PyExc_ValueError, err);
-        return -1;
-    }
-    return 0;
-}
+#include "_paged_attention.h"
 
 /* paged_attention(q, k, v, table, cu, lens, sinks, out, H, Hkv, D, Dv, page, window, scale) -> None */
 static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
@@ -528,14 +47,14 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
                           &Hkv, &D, &Dv, &page, &window, &scale))
         return NULL;
     PyObject *result = NULL;
-    Problem pb = {0};
-    if (setup_problem(&pb, &k, &v, &table, &cu, &lens, &sinks, H, Hkv, D, Dv, page, window, scale) ||
-        check_buffer(&q, KERNEL, (pb.B ? pb.cu[pb.B] : 0) * H * D * (Py_ssize_t)sizeof(float), "q") ||
-        check_out(&pb, &out))
+    AttnProblem pb = {0};
+    if (attention_setup(&pb, &k, &v, &table, &cu, &lens, &sinks, H, Hkv, D, Dv, page, window, scale) ||
+        check_buffer(&q, ATTENTION_KERNEL, (pb.B ? pb.cu[pb.B] : 0) * H * D * (Py_ssize_t)sizeof(float), "q") ||
+        attention_check_out(&pb, &out))
         goto done;
     pb.q = q.buf;
     pb.q_stride = H * D;
-    if (run_released(&pb) == 0) result = Py_NewRef(Py_None);
+    if (attention_run_released(&pb) == 0) result = Py_NewRef(Py_None);
 done:
     release_buffers((Py_buffer *[]){&q, &k, &v, &table, &cu, &lens, &sinks, &out}, 8);
     return result;
@@ -552,32 +71,14 @@ static PyObject *py_qkv_attention(PyObject *self, PyObject *args) {
                           &lens, &sinks, &out, &H, &Hkv, &D, &Dv, &page, &window, &scale, &v_scale))
         return NULL;
     PyObject *result = NULL;
-    Problem pb = {0};
-    const Py_ssize_t f = (Py_ssize_t)sizeof(float);
-    if (setup_problem(&pb, &k, &v, &table, &cu, &lens, &sinks, H, Hkv, D, Dv, page, window, scale))
+    AttnProblem pb = {0};
+    if (attention_setup(&pb, &k, &v, &table, &cu, &lens, &sinks, H, Hkv, D, Dv, page, window, scale))
         goto done;
     const Py_ssize_t T = pb.B ? pb.cu[pb.B] : 0;
-    pb.q_stride = (H + Hkv) * D + Hkv * Dv;
-    pb.width = T ? cos.len / (T * f) : 0;
-    if (check_buffer(&qkv, KERNEL, T * pb.q_stride * f, "qkv") ||
-        check_buffer(&slots, KERNEL, T * (Py_ssize_t)sizeof(int64_t), "slots") ||
-        check_buffer(&cos, KERNEL, T * pb.width * f, "cos") || check_buffer(&sin, KERNEL, T * pb.width * f, "sin") ||
-        check_out(&pb, &out))
+    if (check_buffer(&qkv, ATTENTION_KERNEL, T * ((H + Hkv) * D + Hkv * Dv) * (Py_ssize_t)sizeof(float), "qkv") ||
+        attention_setup_fused(&pb, qkv.buf, &cos, &sin, &slots, v_scale) || attention_check_out(&pb, &out))
         goto done;
-    if (pb.width % 2 || pb.width > D) {
-        PyErr_Format(PyExc_ValueError, "paged_attention: rotary width %zd must be even and at most %zd", pb.width,
-                     D);
-        goto done;
-    }
-    pb.new_slots = slots.buf;
-    for (Py_ssize_t t = 0; t < T; t++)
-        if (pb.new_slots[t] < 0 || pb.new_slots[t] >= pb.num_pages * page) {
-            PyErr_Format(PyExc_ValueError, "paged_attention: write slot %lld of token %zd is outside the pool",
-                         (long long)pb.new_slots[t], t);
-            goto done;
-        }
-    pb.qkv = qkv.buf, pb.q = qkv.buf, pb.cos = cos.buf, pb.sin = sin.buf, pb.v_scale = v_scale;
-    if (run_released(&pb) == 0) result = Py_NewRef(Py_None);
+    if (attention_run_released(&pb) == 0) result = Py_NewRef(Py_None);
 done:
     release_buffers((Py_buffer *[]){&qkv, &cos, &sin, &slots, &k, &v, &table, &cu, &lens, &sinks, &out}, 11);
     return result;
@@ -586,7 +87,7 @@ done:
 static PyObject *py_simd(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
-    return PyUnicode_FromString(block_scores == block_scores_scalar ? "scalar" : "avx2");
+    return PyUnicode_FromString(attention_uses_avx2() ? "avx2" : "scalar");
 }
 
 /* set_simd(name): "avx2" (where the CPU has it) or "scalar"; for tests of both paths. */
@@ -594,22 +95,8 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {
     const char *name;
     (void)self;
     if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
-    if (strcmp(name, "scalar") == 0) {
-        block_scores = block_scores_scalar;
-        exp_shift = exp_shift_scalar;
-        max_of = max_of_scalar;
-        block_accumulate = block_accumulate_scalar;
-        Py_RETURN_NONE;
-    }
-#ifdef HAVE_AVX2_PATH
-    if (strcmp(name, "avx2") == 0 && cpu_has_avx2()) {
-        block_scores = block_scores_avx2;
-        exp_shift = exp_shift_avx2;
-        max_of = max_of_avx2;
-        block_accumulate = block_accumulate_avx2;
-        Py_RETURN_NONE;
-    }
-#endif
+    const int avx2 = strcmp(name, "avx2") == 0;
+    if ((avx2 || strcmp(name, "scalar") == 0) && attention_use_avx2(avx2)) Py_RETURN_NONE;
     PyErr_Format(PyExc_ValueError, "set_simd: '%s' is not available on this CPU (try 'scalar')", name);
     return NULL;
 }
@@ -632,13 +119,6 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_paged_attention", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__paged_attention(void) {
-#ifdef HAVE_AVX2_PATH
-    if (cpu_has_avx2()) {
-        block_scores = block_scores_avx2;
-        exp_shift = exp_shift_avx2;
-        max_of = max_of_avx2;
-        block_accumulate = block_accumulate_avx2;
-    }
-#endif
+    attention_use_avx2(1);
     return PyModule_Create(&module);
 }

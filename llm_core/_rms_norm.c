@@ -14,17 +14,11 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <math.h>
-#include <string.h>
 
 #include "_kernels.h"
+#include "_rms_norm.h"
 
 #define KERNEL "rms_norm" /* error messages start with this */
-
-static void norm_row(const float *x, const float *w, float *out, Py_ssize_t dim, float eps) {
-    const float rstd = 1.0f / sqrtf(dot8(x, x, dim) / (float)dim + eps);
-    for (Py_ssize_t i = 0; i < dim; i++) out[i] = w[i] * (x[i] * rstd);
-}
 
 /* rms_norm(x, weight, residual, out, sum, rows, dim, eps) -> None; residual and sum empty: no add */
 static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
@@ -48,15 +42,7 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     const float *xs = x.buf, *w = weight.buf, *res = residual.buf;
     float *o = out.buf, *s = sum.buf;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t r = 0; r < rows; r++) {
-        const float *xr = xs + r * dim;
-        if (add) {
-            float *sr = s + r * dim;
-            for (Py_ssize_t i = 0; i < dim; i++) sr[i] = xr[i] + res[r * dim + i];
-            xr = sr;
-        }
-        norm_row(xr, w, o + r * dim, dim, eps);
-    }
+    rms_norm_rows(xs, add ? res : NULL, w, o, add ? s : NULL, rows, dim, eps);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
