@@ -9,7 +9,7 @@ STAMP := $(VENV)/.epd-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py scripts/setup_env.sh media_io/preprocess/_patchify.c media_io/_jpeg.c llm_core/_paged_attention.c llm_core/_moe.c llm_core/_rms_norm.c llm_core/_kernels.h
+$(STAMP): pyproject.toml setup.py scripts/setup_env.sh media_io/preprocess/_patchify.c media_io/_jpeg.c $(wildcard llm_core/_*.c llm_core/_*.h)
 	VENV=$(VENV) bash scripts/setup_env.sh
 	@touch $(STAMP)
 

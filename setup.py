@@ -10,7 +10,9 @@ succeeds and media_io uses its pure-Python paths, which give the same results:
 - ``llm_core._moe``: CPU MoE experts and routing in one call each (else: the torch paths, same
   results to float32 rounding);
 - ``llm_core._rms_norm``: CPU RMSNorm fused with the residual add (else: torch's, same results to
-  float32 rounding).
+  float32 rounding);
+- ``llm_core._decoder_layer``: a whole CPU decoder layer in one call, from the three above and
+  torch's own sgemm (else: the model's modules, the same bits for MoE layers).
 """
 
 from setuptools import Extension, setup
@@ -43,6 +45,19 @@ setup(
             sources=["llm_core/_rms_norm.c"],
             depends=["llm_core/_kernels.h", "llm_core/_rms_norm.h"],
             extra_compile_args=["-O3"],
+            optional=True,
+        ),
+        Extension(
+            "llm_core._decoder_layer",
+            sources=["llm_core/_decoder_layer.c"],
+            depends=[
+                "llm_core/_kernels.h",
+                "llm_core/_paged_attention.h",
+                "llm_core/_moe.h",
+                "llm_core/_rms_norm.h",
+            ],
+            libraries=["dl"],  # dlopen/dlsym (part of libc from glibc 2.34 on)
+            extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,
         ),
         Extension(

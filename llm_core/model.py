@@ -16,9 +16,11 @@ what attention reads. Attention reads the pools through the page tables in one c
 prefill and decode alike (``attention.paged_attention``: the Triton kernels on CUDA, the C kernel
 of ``cpu_attention`` on CPU, the torch reference where neither applies); rotary tables are
 computed once per step for each (rope_dim, theta). Layers hand on (mlp output, residual) so that
-each RMSNorm adds the residual itself. On CPU in fp32 a MoE layer is two MKL projections plus
-five C calls: norm (with the add), rotary + KV store + attention, norm (with the add), router,
-experts.
+each RMSNorm adds the residual itself. On CPU in fp32, once ``fuse_weights`` has laid the
+weights out, each decoder layer of the paged forward is one C call (``cpu_layer``: norms,
+projections through torch's BLAS, rotary + KV store + attention, router and experts, on two
+buffers updated in place); the modules below are the same computation step by step, used
+elsewhere and as its reference (``layer_kernel = False``).
 ``forward_dense`` is the plain unpaged reference (one sequence, no cache).
 Parameter names match transformers' in-memory module tree, so a converted state dict loads as is.
 The model knows nothing about scheduling, sampling or where KV pages come from.
@@ -26,11 +28,13 @@ The model knows nothing about scheduling, sampling or where KV pages come from.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from llm_core import cpu_attention, cpu_norm
+from llm_core import cpu_attention, cpu_layer, cpu_norm
 from llm_core.attention import masked_attention, paged_attention, write_kv
 from llm_core.attention_batch import AttentionBatch, PagedKV
 from llm_core.config import MiMoConfig
@@ -256,6 +260,50 @@ class MiMoDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
 
+    def kernel_weights(self) -> cpu_layer.LayerWeights | None:
+        """This layer's weights for the one-call CPU kernel (``cpu_layer``), or None when it cannot
+        run them (weights not fused, not fp32 on CPU, kernel not built)."""
+        attn, mlp = self.self_attn, self.mlp
+        if attn.qkv_weight is None or self.input_layernorm.eps != self.post_attention_layernorm.eps:
+            return None
+        if isinstance(mlp, SparseMoE):
+            gate = mlp.gate
+            mlp_args = cpu_layer.moe_args(
+                gate.weight,
+                gate.e_score_correction_bias,
+                mlp.experts.gate_up_proj,
+                mlp.experts.down_proj,
+                gate.top_k,
+                gate.n_group,
+                gate.topk_group,
+                gate.norm_topk_prob,
+                gate.scaling,
+            )
+        else:
+            assert isinstance(mlp, DenseMLP)
+            if mlp.gate_up_weight is None:
+                return None
+            mlp_args = cpu_layer.dense_mlp_args(mlp.gate_up_weight, mlp.down_proj.weight)
+        if mlp_args is None:
+            return None
+        return cpu_layer.layer_weights(
+            self.input_layernorm.weight,
+            self.post_attention_layernorm.weight,
+            self.input_layernorm.eps,
+            attn.qkv_weight,
+            attn.qkv_bias,
+            attn.o_proj.weight,
+            attn.sinks,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            attn.v_head_dim,
+            attn.window,
+            attn.scale,
+            attn.v_scale,
+            mlp_args,
+        )
+
 
 class MiMoModel(nn.Module):
     def __init__(self, config: MiMoConfig) -> None:
@@ -263,6 +311,10 @@ class MiMoModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(MiMoDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def decoder_layers(self) -> list[MiMoDecoderLayer]:
+        """The layers, typed (iterating an nn.ModuleList gives plain Modules)."""
+        return cast(list[MiMoDecoderLayer], list(self.layers))
 
 
 class MiMoForCausalLM(nn.Module):
@@ -277,6 +329,10 @@ class MiMoForCausalLM(nn.Module):
         # Attention backend of the paged forward ("triton", "cpu", "torch"; see
         # attention.paged_attention); None: chosen by device and dtype.
         self.attention_backend: str | None = None
+        # Run each layer of the paged forward as one C call where it can (``cpu_layer``); False:
+        # always the modules. The layers' kernel weights are taken by ``fuse_weights``.
+        self.layer_kernel = True
+        self._kernel_weights: list[cpu_layer.LayerWeights] | None = None
 
     def tie_weights(self) -> None:
         """Share lm_head with the token embedding when the config ties them. Call again after
@@ -294,6 +350,29 @@ class MiMoForCausalLM(nn.Module):
                 module.fuse_weights()
         if self.lm_head.weight is not self.model.embed_tokens.weight:  # lookups want rows contiguous
             self.lm_head.weight.data = input_major(self.lm_head.weight.data)
+        weights = [layer.kernel_weights() for layer in self.model.decoder_layers()]
+        self._kernel_weights = (
+            None if any(w is None for w in weights) else [w for w in weights if w is not None]
+        )
+
+    def _layer_kernel_weights(self, x: Tensor) -> list[cpu_layer.LayerWeights] | None:
+        """The layers' kernel weights when this paged forward runs one C call per layer, else None
+        (switched off, another attention backend, not fp32 on CPU, or weights changed since
+        ``fuse_weights``: e.g. the model moved, which replaces the fused tensors)."""
+        weights = self._kernel_weights
+        if (
+            weights is None
+            or not self.layer_kernel
+            or self.attention_backend not in (None, "cpu")
+            or x.device.type != "cpu"
+            or x.dtype != torch.float32
+            or any(
+                w.source is not layer.self_attn.qkv_weight
+                for w, layer in zip(weights, self.model.decoder_layers(), strict=True)
+            )
+        ):
+            return None
+        return weights
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """input_ids [T] -> [T, hidden]; the runner overwrites placeholder rows with media embeddings."""
@@ -317,9 +396,34 @@ class MiMoForCausalLM(nn.Module):
         x = self.embed(input_ids) if input_embeds is None else input_embeds
         assert x.shape[0] == positions.shape[0] == batch.num_tokens, "tokens, positions, slots disagree"
         rope: RopeTables = {}
+        kernel_weights = self._layer_kernel_weights(x)
+        if kernel_weights is not None:
+            # x: a fresh embedding, or a copy of the caller's (the kernel updates it in place)
+            x = x.contiguous() if input_embeds is None else x.clone(memory_format=torch.contiguous_format)
+            return self._forward_kernel(x, positions, batch, kv, kernel_weights)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, positions, batch, kv, rope, self.attention_backend)
+        return self._final_norm(x, residual)
+
+    def _forward_kernel(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        batch: AttentionBatch,
+        kv: PagedKV,
+        kernel_weights: list[cpu_layer.LayerWeights],
+    ) -> Tensor:
+        """``forward`` with one C call per layer; x [T, hidden] (contiguous, ours to overwrite) and a
+        residual buffer are updated in place by every layer."""
+        residual = torch.empty_like(x)
+        step = cpu_layer.StepArgs(batch)
+        rope: RopeTables = {}
+        for i, (layer, weights) in enumerate(zip(self.model.decoder_layers(), kernel_weights, strict=True)):
+            layer_kv = kv.layer(i)
+            assert layer_kv.is_swa == layer.self_attn.is_swa, f"layer {i}: KV pool type mismatch"
+            cos, sin = layer.self_attn._cos_sin(positions, x.dtype, rope)
+            cpu_layer.decoder_layer_cpu(weights, step, layer_kv, cos, sin, x, residual, first=i == 0)
         return self._final_norm(x, residual)
 
     def _final_norm(self, x: Tensor, residual: Tensor | None) -> Tensor:

@@ -1,0 +1,231 @@
+/*
+ * One whole decoder layer of the MiMo model on the CPU, in one call (float32):
+ *
+ *   residual += x            (the first layer: residual = x)
+ *   h = rms_norm(residual) * ln1
+ *   qkv = h @ Wqkv (+ bias)                                   BLAS sgemm
+ *   a = attention(qkv): rotary, KV store at the step's slots, paged attention (_paged_attention.h)
+ *   residual += a @ Wo                                        BLAS sgemm
+ *   h = rms_norm(residual) * ln2
+ *   x = mlp(h): dense SwiGLU (sgemm, swiglu, sgemm) or routed experts (route + experts, _moe.h)
+ *
+ * x and residual [T, hidden] are updated in place: the model keeps two buffers for a whole forward.
+ *
+ * Why: a decode step of a small model spends as much time between the kernels (module calls,
+ * argument checks, tensor allocations, buffer exports: ~15 Python-level operations per layer) as
+ * in some of them. Here the layer is one call and one pass of argument checks, with the GIL
+ * released throughout. The pieces are the per-op kernels' code (the same headers), and the
+ * projections call the same BLAS routine torch's CPU linear calls (sgemm_, exported by
+ * libtorch_cpu, bound at run time by bind_sgemm), with the same arguments, so every step but one
+ * gives the bits of the per-op path: the dense MLP's activation is the MoE kernel's SwiGLU (its own
+ * exponential), not torch's silu, so the first layer agrees with torch to float32 rounding.
+ *
+ * Layouts (C-contiguous float32 unless noted; projection weights input-major [in, out], as
+ * model.fuse_weights lays them out):
+ *   x, residual [T, hidden]     ln1, ln2 [hidden]
+ *   qkv_w [hidden, (H + Hkv) * D + Hkv * Dv]   qkv_b [that] or empty   o_w [H * Dv, hidden]
+ *   attention step and pools: as qkv_attention in _paged_attention.c
+ *   dense MLP (E = 0): gate_up [hidden, 2I] (gate columns first), down [I, hidden]
+ *   MoE (E > 0): router_w [E, hidden], router_b [E], gate_up [E, hidden, 2I], down [E, I, hidden]
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "_kernels.h"
+#include "_moe.h"
+#include "_paged_attention.h"
+#include "_rms_norm.h"
+
+#define KERNEL "decoder_layer" /* error messages start with this */
+
+/* BLAS (Fortran interface, 32-bit integers, as torch's MKL build exports it). */
+typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n, const int *k,
+                         const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
+                         const float *beta, float *c, const int *ldc);
+static sgemm_fn sgemm = NULL;
+
+/* y [M, N] (row stride N) = x [M, K] (row stride ldx) @ w [K, N] (+ bias [N]), as torch's linear
+ * does it for an input-major weight: the bias copied into y, then one column-major sgemm call
+ * computing y^T = w^T x^T with beta 1 (0 without bias). */
+static void linear(const float *x, Py_ssize_t ldx, const float *w, const float *bias, float *y, Py_ssize_t M,
+                   Py_ssize_t K, Py_ssize_t N) {
+    const int m = (int)N, n = (int)M, k = (int)K, lda = (int)N, ldb = (int)ldx, ldc = (int)N;
+    const float one = 1.0f, beta = bias != NULL ? 1.0f : 0.0f;
+    if (bias != NULL)
+        for (Py_ssize_t r = 0; r < M; r++) memcpy(y + r * N, bias, (size_t)N * sizeof(float));
+    sgemm("N", "N", &m, &n, &k, &one, w, &lda, x, &ldb, &beta, y, &ldc);
+}
+
+/* The layer's weights and sizes, and its scratch. */
+typedef struct {
+    float *x, *residual;
+    int first;
+    const float *ln1, *ln2, *qkv_w, *qkv_b, *o_w;
+    float eps;
+    Py_ssize_t T, hidden, qkv_dim;
+    AttnProblem attn;
+    /* MLP: E == 0 dense */
+    const float *gate_up, *down, *router_w, *router_b;
+    Py_ssize_t E, I, K;
+    Route route;
+    /* scratch */
+    float *h, *qkv, *a, *g;
+    int64_t *experts;
+    float *weights, *route_work;
+} Layer;
+
+/* Runs the layer; NULL or a static error message. Called without the GIL. */
+static const char *layer_run(Layer *ly) {
+    const Py_ssize_t T = ly->T, Hd = ly->hidden, I = ly->I;
+    if (ly->first) {
+        memcpy(ly->residual, ly->x, (size_t)(T * Hd) * sizeof(float));
+        rms_norm_rows(ly->residual, NULL, ly->ln1, ly->h, NULL, T, Hd, ly->eps);
+    } else {
+        rms_norm_rows(ly->x, ly->residual, ly->ln1, ly->h, ly->residual, T, Hd, ly->eps);
+    }
+    linear(ly->h, Hd, ly->qkv_w, ly->qkv_b, ly->qkv, T, Hd, ly->qkv_dim);
+    const char *err = attention_run(&ly->attn); /* out: ly->a [T, H * Dv] */
+    if (err != NULL) return err;
+    const Py_ssize_t attn_dim = ly->attn.H * ly->attn.Dv;
+    linear(ly->a, attn_dim, ly->o_w, NULL, ly->h, T, attn_dim, Hd);
+    rms_norm_rows(ly->h, ly->residual, ly->ln2, ly->g, ly->residual, T, Hd, ly->eps);
+    if (ly->E == 0) { /* dense SwiGLU: [T, 2I] = g @ gate_up, activated in place, then down from the gate half */
+        float *gu = ly->h; /* free again, and sized for [T, 2I] too */
+        linear(ly->g, Hd, ly->gate_up, NULL, gu, T, Hd, 2 * I);
+        for (Py_ssize_t r = 0; r < T; r++) swiglu(gu + r * 2 * I, I);
+        linear(gu, 2 * I, ly->down, NULL, ly->x, T, I, Hd);
+        return NULL;
+    }
+    ly->route.x = ly->g;
+    for (Py_ssize_t t = 0; t < T; t++) route_token(&ly->route, t, ly->route_work);
+    const MoeProblem moe = {ly->g, ly->weights, ly->gate_up, ly->down, ly->experts, ly->x, T, ly->K, ly->E, Hd, I};
+    return moe_run(&moe);
+}
+
+/* decoder_layer(x, residual, first, cos, sin, slots, table, cu, lens, k, v, page, ln1, ln2, eps, qkv_w, qkv_b,
+ *               o_w, sinks, H, Hkv, D, Dv, window, scale, v_scale, gate_up, down, router_w, router_b, E, I, K,
+ *               n_group, topk_group, norm, scaling) -> None */
+static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
+    Py_buffer x, residual, cos, sin, slots, table, cu, lens, k, v, ln1, ln2, qkv_w, qkv_b, o_w, sinks, gate_up, down,
+        router_w, router_b;
+    Py_ssize_t page, H, Hkv, D, Dv, window, n_group, topk_group;
+    float scale, v_scale, scaling;
+    int norm;
+    Layer ly = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*w*py*y*y*y*y*y*w*w*ny*y*fy*y*y*y*nnnnnffy*y*y*y*nnnnnpf", &x, &residual, &ly.first,
+                          &cos, &sin, &slots, &table, &cu, &lens, &k, &v, &page, &ln1, &ln2, &ly.eps, &qkv_w, &qkv_b,
+                          &o_w, &sinks, &H, &Hkv, &D, &Dv, &window, &scale, &v_scale, &gate_up, &down, &router_w,
+                          &router_b, &ly.E, &ly.I, &ly.K, &n_group, &topk_group, &norm, &scaling))
+        return NULL;
+    PyObject *result = NULL;
+    float *scratch = NULL;
+    int64_t *experts = NULL;
+    const Py_ssize_t f = (Py_ssize_t)sizeof(float);
+    if (sgemm == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "decoder_layer: no BLAS bound (call bind_sgemm first)");
+        goto done;
+    }
+    if (attention_setup(&ly.attn, &k, &v, &table, &cu, &lens, &sinks, H, Hkv, D, Dv, page, window, scale)) goto done;
+    const Py_ssize_t Hd = ln1.len / f, T = ly.attn.B ? ly.attn.cu[ly.attn.B] : 0, E = ly.E, I = ly.I;
+    ly.T = T, ly.hidden = Hd, ly.qkv_dim = (H + Hkv) * D + Hkv * Dv;
+    if (Hd < 1 || E < 0 || I < 1 || (E > 0 && ly.K < 1)) {
+        PyErr_SetString(PyExc_ValueError, "decoder_layer: invalid sizes");
+        goto done;
+    }
+    if (check_buffer(&x, KERNEL, T * Hd * f, "x") || check_buffer(&residual, KERNEL, T * Hd * f, "residual") ||
+        check_buffer(&ln1, KERNEL, Hd * f, "ln1") || check_buffer(&ln2, KERNEL, Hd * f, "ln2") ||
+        check_buffer(&qkv_w, KERNEL, Hd * ly.qkv_dim * f, "qkv_w") ||
+        (qkv_b.len != 0 && check_buffer(&qkv_b, KERNEL, ly.qkv_dim * f, "qkv_b")) ||
+        check_buffer(&o_w, KERNEL, H * Dv * Hd * f, "o_w") ||
+        check_buffer(&gate_up, KERNEL, (E ? E : 1) * Hd * 2 * I * f, "gate_up") ||
+        check_buffer(&down, KERNEL, (E ? E : 1) * I * Hd * f, "down") ||
+        (E > 0 && (check_buffer(&router_w, KERNEL, E * Hd * f, "router_w") ||
+                   check_buffer(&router_b, KERNEL, E * f, "router_b"))))
+        goto done;
+    ly.route = (Route){NULL, router_w.buf, router_b.buf, NULL, NULL, T, Hd, E, ly.K, n_group, topk_group, norm, scaling};
+    if (E > 0 && !route_sizes_valid(&ly.route)) {
+        PyErr_SetString(PyExc_ValueError, ROUTE_SIZES_ERROR);
+        goto done;
+    }
+    /* scratch, each part on a 64-byte boundary (MKL's sgemm ran ~30% slower at prefill sizes on
+     * malloc's 16-byte alignment): h [T, max(hidden, 2I)], g [T, hidden], qkv [T, qkv_dim],
+     * a [T, H * Dv], then for the routing its weights [T, K] and work; experts int64 [T, K] apart */
+    const Py_ssize_t h_width = Hd > 2 * I ? Hd : 2 * I, route_floats = (Py_ssize_t)(route_work_bytes(&ly.route) / f);
+    const Py_ssize_t part[6] = {T * h_width, T * Hd, T * ly.qkv_dim, T * H * Dv, E > 0 ? T * ly.K : 0,
+                                E > 0 ? route_floats : 0};
+    Py_ssize_t offset[7] = {0};
+    for (int i = 0; i < 6; i++) offset[i + 1] = offset[i] + (part[i] + 15) / 16 * 16;
+    scratch = aligned_alloc(64, (size_t)(offset[6] ? offset[6] : 16) * sizeof(float));
+    experts = E > 0 ? malloc((size_t)(T * ly.K > 0 ? T * ly.K : 1) * sizeof(int64_t)) : NULL;
+    if (scratch == NULL || (E > 0 && experts == NULL)) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    ly.h = scratch + offset[0], ly.g = scratch + offset[1], ly.qkv = scratch + offset[2], ly.a = scratch + offset[3];
+    if (E > 0) {
+        ly.experts = experts, ly.weights = scratch + offset[4], ly.route_work = scratch + offset[5];
+        ly.route.experts = ly.experts, ly.route.weights = ly.weights;
+    }
+    if (attention_setup_fused(&ly.attn, ly.qkv, &cos, &sin, &slots, v_scale)) goto done;
+    ly.attn.out = ly.a;
+    ly.x = x.buf, ly.residual = residual.buf, ly.ln1 = ln1.buf, ly.ln2 = ln2.buf;
+    ly.qkv_w = qkv_w.buf, ly.qkv_b = qkv_b.len ? qkv_b.buf : NULL, ly.o_w = o_w.buf;
+    ly.gate_up = gate_up.buf, ly.down = down.buf;
+    const char *err = NULL;
+    if (T > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        err = layer_run(&ly);
+        Py_END_ALLOW_THREADS
+    }
+    if (err != NULL) {
+        PyErr_SetString(PyExc_ValueError, err);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    free(scratch);
+    free(experts);
+    release_buffers((Py_buffer *[]){&x, &residual, &cos, &sin, &slots, &table, &cu, &lens, &k, &v, &ln1, &ln2, &qkv_w,
+                                    &qkv_b, &o_w, &sinks, &gate_up, &down, &router_w, &router_b},
+                    20);
+    return result;
+}
+
+/* bind_sgemm(path): take sgemm_ from the already loaded shared library at path (libtorch_cpu). */
+static PyObject *py_bind_sgemm(PyObject *self, PyObject *args) {
+    const char *path;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
+    void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    sgemm_fn fn = lib != NULL ? (sgemm_fn)dlsym(lib, "sgemm_") : NULL;
+    if (fn == NULL) {
+        PyErr_Format(PyExc_OSError, "bind_sgemm: no sgemm_ in a loaded %s", path);
+        return NULL;
+    }
+    sgemm = fn; /* the library stays loaded: torch holds it (and dlopen took a reference) */
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"decoder_layer", py_decoder_layer, METH_VARARGS,
+     "decoder_layer(x, residual, first, cos, sin, slots, page_table, cu_seqlens_q, seq_lens, k, v, page_size, ln1, "
+     "ln2, eps, qkv_w, qkv_b, o_w, sinks, H, Hkv, D, Dv, window, scale, v_scale, gate_up, down, router_w, router_b, "
+     "E, I, K, n_group, topk_group, norm, scaling): one float32 decoder layer; x and residual [T, hidden] updated "
+     "in place (x: the MLP output, residual: the stream before it); releases the GIL."},
+    {"bind_sgemm", py_bind_sgemm, METH_VARARGS,
+     "bind_sgemm(path): use sgemm_ from the loaded shared library at path for the projections."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_decoder_layer", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__decoder_layer(void) {
+    attention_use_avx2(1);
+    moe_use_avx2(1);
+    return PyModule_Create(&module);
+}

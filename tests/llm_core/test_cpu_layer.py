@@ -1,0 +1,166 @@
+"""The one-call CPU decoder layer (``cpu_layer`` / ``_decoder_layer.c``) against the module path.
+
+Each layer of the tiny checkpoint's model runs both ways on the same input and a copy of the same
+pools: the MoE layers must give the same bits (same kernels, same BLAS call), the dense first layer
+the same to float32 rounding (its activation is the C SwiGLU, not torch's silu), and both must
+store the same KV. Then the whole paged forward both ways, when the model falls back to its
+modules, and the errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm_core import cpu_layer
+from llm_core.attention_batch import AttentionBatch, build_attention_batch
+from llm_core.checkpoint import LoadedLLM
+from llm_core.config import MiMoConfig
+from llm_core.kv_pool import DualKVCache
+from llm_core.model import MiMoForCausalLM
+from llm_core.moe import SparseMoE
+from tests.llm_core.test_model import PAGE, PagedSeq, free_lists, make_kv, prompt, rel_err, step
+
+pytestmark = pytest.mark.skipif(not cpu_layer.AVAILABLE, reason="llm_core._decoder_layer is not built")
+
+
+def zeroed_kv(config: MiMoConfig, num_pages: int) -> DualKVCache:
+    kv = make_kv(config, num_pages)  # NaN-poisoned; zero it so that pools compare with torch.equal
+    for i in range(kv.num_layers):
+        kv.layer(i).k.zero_()
+        kv.layer(i).v.zero_()
+    return kv
+
+
+def prefill_then_decode_batch(lens: list[int], news: list[int]) -> AttentionBatch:
+    """Two sequences, pages from shuffled free lists (a decode step after a prefill when news < lens)."""
+    full, swa = free_lists(16, seed=3)
+    pages = [[full.pop() for _ in range(-(-n // PAGE))] for n in lens]
+    swa_pages: list[list[int | None]] = [[swa.pop() for _ in range(-(-n // PAGE))] for n in lens]
+    return build_attention_batch(lens, news, pages, swa_pages, PAGE)
+
+
+def run_layer_both_ways(
+    model: MiMoForCausalLM, i: int, batch: AttentionBatch, seed: int
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(x, residual, k pool, v pool) after layer i through the modules and through the kernel."""
+    layer, config = model.model.layers[i], model.config
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch.num_tokens, config.hidden_size, generator=g)
+    residual = torch.randn(batch.num_tokens, config.hidden_size, generator=g)
+    positions = batch.positions()
+    first = i == 0
+    kv_modules, kv_kernel = zeroed_kv(config, 16), zeroed_kv(config, 16)
+    out, res = layer(x, None if first else residual, positions, batch, kv_modules, {}, "cpu")
+    weights = layer.kernel_weights()
+    assert weights is not None
+    xk, rk = x.clone(), residual.clone()
+    cos, sin = layer.self_attn._cos_sin(positions, torch.float32, {})
+    cpu_layer.decoder_layer_cpu(
+        weights, cpu_layer.StepArgs(batch), kv_kernel.layer(i), cos, sin, xk, rk, first
+    )
+    return (
+        (out, res, kv_modules.layer(i).k, kv_modules.layer(i).v),
+        (xk, rk, kv_kernel.layer(i).k, kv_kernel.layer(i).v),
+    )
+
+
+@pytest.mark.parametrize(
+    ("lens", "news"), [([23, 9], [23, 9]), ([24, 10], [1, 1])], ids=["prefill", "decode"]
+)
+def test_each_layer_equals_the_modules(loaded: LoadedLLM, lens: list[int], news: list[int]) -> None:
+    batch = prefill_then_decode_batch(lens, news)
+    for i, layer in enumerate(loaded.model.model.layers):
+        (out, res, k, v), (xk, rk, kk, vk) = run_layer_both_ways(loaded.model, i, batch, seed=i)
+        assert torch.equal(rk, res), f"layer {i}: residual"
+        assert torch.equal(kk, k) and torch.equal(vk, v), f"layer {i}: stored KV"
+        if isinstance(layer.mlp, SparseMoE):
+            assert torch.equal(xk, out), f"layer {i}: MoE output"
+        else:
+            assert rel_err(xk, out) <= 1e-6, f"layer {i}: dense MLP output"
+
+
+def test_layer_with_qkv_bias_equals_the_modules(tiny_mimo_dir: Path) -> None:
+    """Attention biases (which the tiny checkpoint lacks) are added like torch's linear adds them."""
+    config = dataclasses.replace(MiMoConfig.from_pretrained_dir(tiny_mimo_dir), attention_bias=True)
+    model = MiMoForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(31)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.08)
+    model.fuse_weights()
+    batch = prefill_then_decode_batch([19, 30], [19, 30])
+    (out, res, k, v), (xk, rk, kk, vk) = run_layer_both_ways(model, 1, batch, seed=5)
+    assert torch.equal(xk, out) and torch.equal(rk, res)
+    assert torch.equal(kk, k) and torch.equal(vk, v)
+
+
+def test_paged_forward_equals_the_modules(loaded: LoadedLLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill chunk then two decode steps of two sequences, with and without the layer kernel."""
+    model, config = loaded.model, loaded.config
+    assert model._layer_kernel_weights(torch.zeros(1, config.hidden_size)) is not None
+    ids = [prompt(29, seed=8), prompt(13, seed=9)]
+    outs = []
+    for on in (True, False):
+        monkeypatch.setattr(model, "layer_kernel", on)
+        kv = make_kv(config, 16)
+        full_free, swa_free = free_lists(16, seed=2)
+        seqs = [PagedSeq(full_free, swa_free) for _ in range(2)]
+        hidden = [step(model, kv, seqs, [ids[0][:27], ids[1][:11]])]
+        for t in (27, 28):
+            hidden.append(step(model, kv, seqs, [ids[0][t : t + 1], ids[1][t - 16 : t - 15]]))
+        outs.append(torch.cat(hidden))
+    assert rel_err(outs[0], outs[1]) <= 1e-6
+
+
+def test_model_falls_back_to_the_modules(tiny_mimo_dir: Path, loaded: LoadedLLM) -> None:
+    model = loaded.model
+    x = torch.zeros(2, loaded.config.hidden_size)
+    assert model._layer_kernel_weights(x) is not None
+    assert model._layer_kernel_weights(x.double()) is None  # not fp32
+    unfused = MiMoForCausalLM(loaded.config)
+    assert unfused._kernel_weights is None and unfused._layer_kernel_weights(x) is None
+    model.attention_backend = "torch"
+    try:
+        assert model._layer_kernel_weights(x) is None
+    finally:
+        model.attention_backend = None
+    attn = model.model.layers[3].self_attn
+    fused = attn.qkv_weight
+    attn.qkv_weight = fused.clone()  # a weight replaced after fuse_weights: the kernel's copy is stale
+    try:
+        assert model._layer_kernel_weights(x) is None
+    finally:
+        attn.qkv_weight = fused
+    assert model._layer_kernel_weights(x) is not None
+
+
+def test_errors_are_value_errors(loaded: LoadedLLM) -> None:
+    layer = loaded.model.model.layers[2]
+    weights = layer.kernel_weights()
+    assert weights is not None
+    batch = prefill_then_decode_batch([12], [12])
+    kv = zeroed_kv(loaded.config, 16)
+    positions = batch.positions()
+    cos, sin = layer.self_attn._cos_sin(positions, torch.float32, {})
+    x = torch.randn(12, loaded.config.hidden_size)
+    with pytest.raises(ValueError, match="x has"):
+        cpu_layer.decoder_layer_cpu(
+            weights, cpu_layer.StepArgs(batch), kv.layer(2), cos, sin, x[:11].clone(), x.clone(), False
+        )
+    bad = dataclasses.replace(batch, swa_slots=batch.swa_slots + 10**6, full_slots=batch.full_slots + 10**6)
+    before = kv.layer(2).k.clone()
+    with pytest.raises(ValueError, match="outside the pool"):
+        cpu_layer.decoder_layer_cpu(
+            weights, cpu_layer.StepArgs(bad), kv.layer(2), cos, sin, x.clone(), x.clone(), False
+        )
+    assert torch.equal(kv.layer(2).k, before)  # checked before anything is written
+    missing = dataclasses.replace(batch, swa_page_table=torch.full_like(batch.swa_page_table, -1))
+    missing = dataclasses.replace(missing, full_page_table=torch.full_like(batch.full_page_table, -1))
+    with pytest.raises(ValueError, match="not in the pool"):
+        cpu_layer.decoder_layer_cpu(
+            weights, cpu_layer.StepArgs(missing), kv.layer(2), cos, sin, x.clone(), x.clone(), False
+        )
