@@ -297,6 +297,6 @@ static int moe_use_avx2(int on) {
     return !on;
 }
 
-static int moe_uses_avx2(void) { return gemm_rows != gemm_rows_scalar; }
+static inline int moe_uses_avx2(void) { return gemm_rows != gemm_rows_scalar; }
 
 #endif

@@ -37,6 +37,27 @@
 #include "_kernels.h"
 #include "_paged_attention.h"
 
+/* out [T, H, Dv] for the T queries of a set-up problem; 0, or -1 with a ValueError set. */
+static int attention_check_out(AttnProblem *pb, Py_buffer *out) {
+    const Py_ssize_t T = pb->B ? pb->cu[pb->B] : 0;
+    if (check_buffer(out, ATTENTION_KERNEL, T * pb->H * pb->Dv * (Py_ssize_t)sizeof(float), "out")) return -1;
+    pb->out = out->buf;
+    return 0;
+}
+
+/* Runs pb without the GIL; returns 0, or -1 with a ValueError set. */
+static int attention_run_released(const AttnProblem *pb) {
+    const char *err;
+    Py_BEGIN_ALLOW_THREADS
+    err = attention_run(pb);
+    Py_END_ALLOW_THREADS
+    if (err != NULL) {
+        PyErr_SetString(PyExc_ValueError, err);
+        return -1;
+    }
+    return 0;
+}
+
 /* paged_attention(q, k, v, table, cu, lens, sinks, out, H, Hkv, D, Dv, page, window, scale) -> None */
 static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
     Py_buffer q, k, v, table, cu, lens, sinks, out;

@@ -470,14 +470,6 @@ static int attention_setup(AttnProblem *pb, Py_buffer *k, Py_buffer *v, Py_buffe
     return 0;
 }
 
-/* out [T, H, Dv] for the T queries of a set-up problem; 0, or -1 with a ValueError set. */
-static int attention_check_out(AttnProblem *pb, Py_buffer *out) {
-    const Py_ssize_t T = pb->B ? pb->cu[pb->B] : 0;
-    if (check_buffer(out, ATTENTION_KERNEL, T * pb->H * pb->Dv * (Py_ssize_t)sizeof(float), "out")) return -1;
-    pb->out = out->buf;
-    return 0;
-}
-
 /* The fused entry's part of the set-up, after attention_setup: qkv [T, (H + Hkv) * D + Hkv * Dv]
  * (sized by the caller; rotated in place and read as the queries), cos/sin [T, width], the write
  * slots [T] (each checked to be inside the pools, so nothing is written before an error) and the
@@ -508,19 +500,6 @@ static int attention_setup_fused(AttnProblem *pb, float *qkv, Py_buffer *cos, Py
     return 0;
 }
 
-/* Runs pb without the GIL; returns 0, or -1 with a ValueError set. */
-static int attention_run_released(const AttnProblem *pb) {
-    const char *err;
-    Py_BEGIN_ALLOW_THREADS
-    err = attention_run(pb);
-    Py_END_ALLOW_THREADS
-    if (err != NULL) {
-        PyErr_SetString(PyExc_ValueError, err);
-        return -1;
-    }
-    return 0;
-}
-
 /* The primitives in use: the AVX2 + FMA ones (where the CPU has them) or the scalar ones. */
 static int attention_use_avx2(int on) {
 #ifdef HAVE_AVX2_PATH
@@ -539,6 +518,6 @@ static int attention_use_avx2(int on) {
     return !on;
 }
 
-static int attention_uses_avx2(void) { return block_scores != block_scores_scalar; }
+static inline int attention_uses_avx2(void) { return block_scores != block_scores_scalar; }
 
 #endif
