@@ -14,11 +14,12 @@
  * Why: a decode step of a small model spends as much time between the kernels (module calls,
  * argument checks, tensor allocations, buffer exports: ~15 Python-level operations per layer) as
  * in some of them. Here the layer is one call and one pass of argument checks, with the GIL
- * released throughout. The pieces are the per-op kernels' code (the same headers), and the
- * projections call the same BLAS routine torch's CPU linear calls (sgemm_, exported by
- * libtorch_cpu, bound at run time by bind_sgemm), with the same arguments, so every step but one
- * gives the bits of the per-op path: the dense MLP's activation is the MoE kernel's SwiGLU (its own
- * exponential), not torch's silu, so the first layer agrees with torch to float32 rounding.
+ * released throughout. The pieces are the per-op kernels' code (the same headers). Projections of
+ * more than PACKED_MAX_ROWS rows call the BLAS routine torch's CPU linear calls (sgemm_, exported
+ * by libtorch_cpu, bound at run time by bind_sgemm) with the same arguments, so such a MoE layer
+ * gives the bits of the per-op path; smaller ones (decode) multiply by strip-packed copies of the
+ * weights (``project``), which agree to float32 rounding. The dense MLP's activation is the MoE
+ * kernel's SwiGLU (its own exponential), not torch's silu: float32 rounding again.
  *
  * Layouts (C-contiguous float32 unless noted; projection weights input-major [in, out], as
  * model.fuse_weights lays them out):
@@ -27,6 +28,8 @@
  *   attention step and pools: as qkv_attention in _paged_attention.c
  *   dense MLP (E = 0): gate_up [hidden, 2I] (gate columns first), down [I, hidden]
  *   MoE (E > 0): router_w [E, hidden], router_b [E], gate_up [E, hidden, 2I], down [E, I, hidden]
+ *   strip-packed copies (each optional: empty): qkv_p, o_p, and for a dense MLP gate_up_p, down_p,
+ *   a weight [in, out] as [out / 16, in, 16]
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -59,11 +62,35 @@ static void linear(const float *x, Py_ssize_t ldx, const float *w, const float *
     sgemm("N", "N", &m, &n, &k, &one, w, &lda, x, &ldb, &beta, y, &ldc);
 }
 
+/* Batches of at most this many rows (decode steps) multiply by the strip-packed copy of a projection
+ * weight, [out / 16, in, 16], with the MoE kernel's small-M product: each 16-column strip is one
+ * contiguous stream. BLAS copies the weight into such a layout on every call (at 32 rows about as
+ * long as the product itself) and a row-major weight's strips are rows 1-4 KB apart; larger
+ * batches (prefill) amortise that, and BLAS is faster there. */
+#define PACKED_MAX_ROWS 64
+
+/* y [M, N] = x [M, K] (row stride ldx) @ w (+ bias): the packed copy (or NULL) for small M, else BLAS. */
+static void project(const float *x, Py_ssize_t ldx, const float *w, const float *packed, const float *bias, float *y,
+                    Py_ssize_t M, Py_ssize_t K, Py_ssize_t N) {
+    if (packed == NULL || M > PACKED_MAX_ROWS) {
+        linear(x, ldx, w, bias, y, M, K, N);
+        return;
+    }
+    const float *rows[PACKED_MAX_ROWS];
+    for (Py_ssize_t r = 0; r < M; r++) rows[r] = x + r * ldx;
+    const Strips packed_strips = {K * 16, 16};
+    gemm_rows(rows, M, packed, K, N, y, N, NULL, &packed_strips);
+    if (bias != NULL)
+        for (Py_ssize_t r = 0; r < M; r++)
+            for (Py_ssize_t j = 0; j < N; j++) y[r * N + j] += bias[j];
+}
+
 /* The layer's weights and sizes, and its scratch. */
 typedef struct {
     float *x, *residual;
     int first;
     const float *ln1, *ln2, *qkv_w, *qkv_b, *o_w;
+    const float *qkv_p, *o_p, *gate_up_p, *down_p; /* strip-packed copies, or NULL */
     float eps;
     Py_ssize_t T, hidden, qkv_dim;
     AttnProblem attn;
@@ -86,17 +113,17 @@ static const char *layer_run(Layer *ly) {
     } else {
         rms_norm_rows(ly->x, ly->residual, ly->ln1, ly->h, ly->residual, T, Hd, ly->eps);
     }
-    linear(ly->h, Hd, ly->qkv_w, ly->qkv_b, ly->qkv, T, Hd, ly->qkv_dim);
+    project(ly->h, Hd, ly->qkv_w, ly->qkv_p, ly->qkv_b, ly->qkv, T, Hd, ly->qkv_dim);
     const char *err = attention_run(&ly->attn); /* out: ly->a [T, H * Dv] */
     if (err != NULL) return err;
     const Py_ssize_t attn_dim = ly->attn.H * ly->attn.Dv;
-    linear(ly->a, attn_dim, ly->o_w, NULL, ly->h, T, attn_dim, Hd);
+    project(ly->a, attn_dim, ly->o_w, ly->o_p, NULL, ly->h, T, attn_dim, Hd);
     rms_norm_rows(ly->h, ly->residual, ly->ln2, ly->g, ly->residual, T, Hd, ly->eps);
     if (ly->E == 0) { /* dense SwiGLU: [T, 2I] = g @ gate_up, activated in place, then down from the gate half */
         float *gu = ly->h; /* free again, and sized for [T, 2I] too */
-        linear(ly->g, Hd, ly->gate_up, NULL, gu, T, Hd, 2 * I);
+        project(ly->g, Hd, ly->gate_up, ly->gate_up_p, NULL, gu, T, Hd, 2 * I);
         for (Py_ssize_t r = 0; r < T; r++) swiglu(gu + r * 2 * I, I);
-        linear(gu, 2 * I, ly->down, NULL, ly->x, T, I, Hd);
+        project(gu, 2 * I, ly->down, ly->down_p, NULL, ly->x, T, I, Hd);
         return NULL;
     }
     ly->route.x = ly->g;
@@ -105,21 +132,32 @@ static const char *layer_run(Layer *ly) {
     return moe_run(&moe);
 }
 
+/* A strip-packed weight [out / 16, in, 16]: empty (none), or whole strips of the right size. */
+static int check_packed(const Py_buffer *buf, Py_ssize_t in, Py_ssize_t out, const char *name) {
+    if (buf->len == 0) return 0;
+    if (out % 16) {
+        PyErr_Format(PyExc_ValueError, "decoder_layer: %s: %zd outputs are not whole strips of 16", name, out);
+        return -1;
+    }
+    return check_buffer(buf, KERNEL, in * out * (Py_ssize_t)sizeof(float), name);
+}
+
 /* decoder_layer(x, residual, first, cos, sin, slots, table, cu, lens, k, v, page, ln1, ln2, eps, qkv_w, qkv_b,
  *               o_w, sinks, H, Hkv, D, Dv, window, scale, v_scale, gate_up, down, router_w, router_b, E, I, K,
- *               n_group, topk_group, norm, scaling) -> None */
+ *               n_group, topk_group, norm, scaling, qkv_p, o_p, gate_up_p, down_p) -> None */
 static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
     Py_buffer x, residual, cos, sin, slots, table, cu, lens, k, v, ln1, ln2, qkv_w, qkv_b, o_w, sinks, gate_up, down,
-        router_w, router_b;
+        router_w, router_b, qkv_p, o_p, gate_up_p, down_p;
     Py_ssize_t page, H, Hkv, D, Dv, window, n_group, topk_group;
     float scale, v_scale, scaling;
     int norm;
     Layer ly = {0};
     (void)self;
-    if (!PyArg_ParseTuple(args, "w*w*py*y*y*y*y*y*w*w*ny*y*fy*y*y*y*nnnnnffy*y*y*y*nnnnnpf", &x, &residual, &ly.first,
-                          &cos, &sin, &slots, &table, &cu, &lens, &k, &v, &page, &ln1, &ln2, &ly.eps, &qkv_w, &qkv_b,
-                          &o_w, &sinks, &H, &Hkv, &D, &Dv, &window, &scale, &v_scale, &gate_up, &down, &router_w,
-                          &router_b, &ly.E, &ly.I, &ly.K, &n_group, &topk_group, &norm, &scaling))
+    if (!PyArg_ParseTuple(args, "w*w*py*y*y*y*y*y*w*w*ny*y*fy*y*y*y*nnnnnffy*y*y*y*nnnnnpfy*y*y*y*", &x, &residual,
+                          &ly.first, &cos, &sin, &slots, &table, &cu, &lens, &k, &v, &page, &ln1, &ln2, &ly.eps, &qkv_w,
+                          &qkv_b, &o_w, &sinks, &H, &Hkv, &D, &Dv, &window, &scale, &v_scale, &gate_up, &down,
+                          &router_w, &router_b, &ly.E, &ly.I, &ly.K, &n_group, &topk_group, &norm, &scaling, &qkv_p,
+                          &o_p, &gate_up_p, &down_p))
         return NULL;
     PyObject *result = NULL;
     float *scratch = NULL;
@@ -144,8 +182,12 @@ static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
         check_buffer(&gate_up, KERNEL, (E ? E : 1) * Hd * 2 * I * f, "gate_up") ||
         check_buffer(&down, KERNEL, (E ? E : 1) * I * Hd * f, "down") ||
         (E > 0 && (check_buffer(&router_w, KERNEL, E * Hd * f, "router_w") ||
-                   check_buffer(&router_b, KERNEL, E * f, "router_b"))))
+                   check_buffer(&router_b, KERNEL, E * f, "router_b"))) ||
+        check_packed(&qkv_p, Hd, ly.qkv_dim, "qkv_p") || check_packed(&o_p, H * Dv, Hd, "o_p") ||
+        (E == 0 && (check_packed(&gate_up_p, Hd, 2 * I, "gate_up_p") || check_packed(&down_p, I, Hd, "down_p"))))
         goto done;
+    ly.qkv_p = qkv_p.len ? qkv_p.buf : NULL, ly.o_p = o_p.len ? o_p.buf : NULL;
+    ly.gate_up_p = E == 0 && gate_up_p.len ? gate_up_p.buf : NULL, ly.down_p = E == 0 && down_p.len ? down_p.buf : NULL;
     ly.route = (Route){NULL, router_w.buf, router_b.buf, NULL, NULL, T, Hd, E, ly.K, n_group, topk_group, norm, scaling};
     if (E > 0 && !route_sizes_valid(&ly.route)) {
         PyErr_SetString(PyExc_ValueError, ROUTE_SIZES_ERROR);
@@ -190,8 +232,9 @@ done:
     free(scratch);
     free(experts);
     release_buffers((Py_buffer *[]){&x, &residual, &cos, &sin, &slots, &table, &cu, &lens, &k, &v, &ln1, &ln2, &qkv_w,
-                                    &qkv_b, &o_w, &sinks, &gate_up, &down, &router_w, &router_b},
-                    20);
+                                    &qkv_b, &o_w, &sinks, &gate_up, &down, &router_w, &router_b, &qkv_p, &o_p,
+                                    &gate_up_p, &down_p},
+                    24);
     return result;
 }
 
@@ -227,5 +270,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__decoder_layer(void) {
     attention_use_avx2(1);
     moe_use_avx2(1);
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "PACKED_MAX_ROWS", PACKED_MAX_ROWS) < 0) Py_CLEAR(m);
+    return m;
 }

@@ -24,26 +24,37 @@
  * In a decode step every expert's weights come cold from DRAM, so the product also fetches
  * ``next`` (the next expert's matrix of the same shape, or NULL), a share of its lines per strip:
  * its memory traffic overlaps this expert's FMAs instead of following them. */
+/* Where column j, row k of W is: the strip of 16 columns holding j starts at W + (j / 16) * step,
+ * its rows are ld apart. Row-major [in, n]: {16, n}. Strip-packed [n / 16, in, 16] (each strip
+ * one contiguous stream; n a multiple of 16): {in * 16, 16}. */
+typedef struct Strips {
+    Py_ssize_t step, ld;
+} Strips;
+
 typedef void (*gemm_rows_fn)(const float *const *x, Py_ssize_t M, const float *W, Py_ssize_t in, Py_ssize_t n,
-                             float *y, Py_ssize_t ldy, const float *next);
+                             float *y, Py_ssize_t ldy, const float *next, const Strips *strips);
+
+static inline const float *strip_at(const float *W, const Strips *st, Py_ssize_t k, Py_ssize_t j) {
+    return W + (j / 16) * st->step + k * st->ld + j % 16;
+}
 
 static void gemm_rows_scalar(const float *const *x, Py_ssize_t M, const float *W, Py_ssize_t in, Py_ssize_t n,
-                             float *y, Py_ssize_t ldy, const float *next) {
+                             float *y, Py_ssize_t ldy, const float *next, const Strips *strips) {
     (void)next;
     for (Py_ssize_t r = 0; r < M; r++) {
         float *yr = y + r * ldy;
         memset(yr, 0, (size_t)n * sizeof(float));
         for (Py_ssize_t k = 0; k < in; k++) {
-            const float xk = x[r][k], *wk = W + k * n;
-            for (Py_ssize_t j = 0; j < n; j++) yr[j] += xk * wk[j];
+            const float xk = x[r][k];
+            for (Py_ssize_t j = 0; j < n; j++) yr[j] += xk * *strip_at(W, strips, k, j);
         }
     }
 }
 
 #ifdef HAVE_AVX2_PATH
 static AVX2 void gemm_rows_avx2(const float *const *x, Py_ssize_t M, const float *W, Py_ssize_t in, Py_ssize_t n,
-                                float *y, Py_ssize_t ldy, const float *next) {
-    const Py_ssize_t strips = n / 16, bytes = in * n * (Py_ssize_t)sizeof(float);
+                                float *y, Py_ssize_t ldy, const float *next, const Strips *st) {
+    const Py_ssize_t strips = n / 16, bytes = in * n * (Py_ssize_t)sizeof(float), ld = st->ld;
     for (Py_ssize_t s = 0; s < strips; s++) {
         const Py_ssize_t j = s * 16;
         /* the first row tile fetches the next strip, one line per k, and its share of ``next``,
@@ -58,11 +69,11 @@ static AVX2 void gemm_rows_avx2(const float *const *x, Py_ssize_t M, const float
                         *x5 = x[r0 + (rows > 5 ? 5 : 0)];
             __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
                    a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-            const float *w = W + j;
+            const float *w = W + s * st->step;
             const int first = r0 == 0;
-            for (Py_ssize_t k = 0; k < in; k++, w += n) {
+            for (Py_ssize_t k = 0; k < in; k++, w += ld) {
                 if (first) {
-                    if (s + 1 < strips) _mm_prefetch((const char *)(w + 16), _MM_HINT_T0);
+                    if (s + 1 < strips) _mm_prefetch((const char *)(w + st->step), _MM_HINT_T0);
                     if (pf != NULL && pf < pf_end) {
                         for (Py_ssize_t b = 0; b < pf_step; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
                         pf += pf_step;
@@ -101,7 +112,7 @@ static AVX2 void gemm_rows_avx2(const float *const *x, Py_ssize_t M, const float
     for (Py_ssize_t r = 0; r < M; r++) /* columns past the last full strip, one at a time */
         for (Py_ssize_t c = strips * 16; c < n; c++) {
             float acc = 0.0f;
-            for (Py_ssize_t k = 0; k < in; k++) acc += x[r][k] * W[k * n + c];
+            for (Py_ssize_t k = 0; k < in; k++) acc += x[r][k] * *strip_at(W, st, k, c);
             y[r * ldy + c] = acc;
         }
 }
@@ -182,6 +193,7 @@ static const char *moe_run(const MoeProblem *pb) {
         goto done;
     }
     float *hidden = scratch, *y = scratch + most * 2 * I;
+    const Strips gate_up_rows = {16, 2 * I}, down_rows = {16, H}; /* row-major [in, out] */
     memset(pb->out, 0, (size_t)(pb->T * H) * sizeof(float));
     for (Py_ssize_t e = 0; e < pb->E; e++) {
         const Py_ssize_t c = start[e + 1] - start[e];
@@ -192,12 +204,12 @@ static const char *moe_run(const MoeProblem *pb) {
         const float *next_down = e2 < pb->E ? pb->down + e2 * I * H : NULL;
         const Py_ssize_t *mine = order + start[e];
         for (Py_ssize_t r = 0; r < c; r++) rows[r] = pb->x + (mine[r] / pb->K) * H;
-        gemm_rows(rows, c, pb->gate_up + e * H * 2 * I, H, 2 * I, hidden, 2 * I, next_gate_up); /* [C, 2I] */
+        gemm_rows(rows, c, pb->gate_up + e * H * 2 * I, H, 2 * I, hidden, 2 * I, next_gate_up, &gate_up_rows); /* [C, 2I] */
         for (Py_ssize_t r = 0; r < c; r++) {
             swiglu(hidden + r * 2 * I, I); /* over the gate half */
             rows[r] = hidden + r * 2 * I;
         }
-        gemm_rows(rows, c, pb->down + e * I * H, I, H, y, H, next_down); /* [C, H] */
+        gemm_rows(rows, c, pb->down + e * I * H, I, H, y, H, next_down, &down_rows); /* [C, H] */
         for (Py_ssize_t r = 0; r < c; r++) {
             const float w = pb->weights[mine[r]], *yr = y + r * H;
             float *o = pb->out + (mine[r] / pb->K) * H;

@@ -8,9 +8,14 @@
 layers. Why: in a decode step of a small model the Python and torch work between the per-op
 kernels (module calls, argument checks and buffer exports, small allocations: ~15 operations per
 layer) costs as much as some kernels. The pieces are the per-op kernels' code (``cpu_attention``,
-``cpu_moe``, ``cpu_norm``), and the projections call the BLAS routine torch's own CPU linear calls
-(``sgemm_`` from libtorch_cpu) the same way, so a MoE layer gives the same bits as the per-op
-path; the dense layer's activation is the MoE kernel's SwiGLU (float32 rounding from torch's silu).
+``cpu_moe``, ``cpu_norm``). Projections of more than ``PACKED_MAX_ROWS`` rows (prefill) call the
+BLAS routine torch's own CPU linear calls (``sgemm_`` from libtorch_cpu) the same way, so a MoE
+layer then gives the same bits as the per-op path; smaller batches (decode) multiply by
+strip-packed copies of the attention and dense-MLP projection weights (``pack_strips``; BLAS
+repacks a weight on every call, which at 32 rows costs about as much as the product), which agree
+to float32 rounding. The dense layer's activation is the MoE kernel's SwiGLU (float32 rounding
+from torch's silu). The packed copies add the attention and dense-MLP projections' size in memory
+once more; the routed experts (most of a MoE model) are not copied.
 
 fp32 CPU only, projection weights input-major (``weight_layout``). ``AVAILABLE`` is False when the
 extension was not built or torch's sgemm could not be bound; the model then runs its modules.
@@ -45,12 +50,23 @@ def _bind_sgemm() -> bool:
 
 AVAILABLE = _bind_sgemm()
 
+# Batches of at most this many rows use the strip-packed weight copies (``pack_strips``), larger
+# ones torch's sgemm (whose results the modules give bit for bit).
+PACKED_MAX_ROWS: int = _kernel.PACKED_MAX_ROWS if _kernel is not None else 0
+
 
 class LayerWeights(NamedTuple):
     """One layer's weights as the kernel takes them (``layer_weights``)."""
 
     args: tuple[object, ...]  # everything after the step and pool arguments
     source: Tensor  # the fused qkv weight they were taken from: a new one means they are stale
+
+
+class MlpArgs(NamedTuple):
+    """A layer's MLP as the kernel takes it (``dense_mlp_args`` / ``moe_args``)."""
+
+    args: tuple[object, ...]
+    packed: tuple[object, object]  # strip-packed gate_up and down (dense only), or empty
 
 
 def _in_out(w: Tensor) -> Tensor | None:
@@ -60,13 +76,25 @@ def _in_out(w: Tensor) -> Tensor | None:
     return in_out_view(w.detach())
 
 
-def dense_mlp_args(gate_up: Tensor, down: Tensor) -> tuple[object, ...] | None:
+def pack_strips(w: Tensor) -> object:
+    """A copy of an [in, out] weight as 16-column strips, [out / 16, in, 16] contiguous: what the
+    kernel multiplies small batches (decode) by; empty when out is not a multiple of 16."""
+    k, n = w.shape
+    if n % 16:
+        return b""
+    return w.reshape(k, n // 16, 16).permute(1, 0, 2).contiguous().numpy()
+
+
+def dense_mlp_args(gate_up: Tensor, down: Tensor) -> MlpArgs | None:
     """The MLP arguments of a dense SwiGLU layer: gate_up [2I, hidden] (gate rows first) and down
     [hidden, I], both input-major; None when they are not."""
     gu, dn = _in_out(gate_up), _in_out(down)
     if gu is None or dn is None:
         return None
-    return (gu.numpy(), dn.numpy(), b"", b"", 0, down.shape[1], 0, 1, 1, False, 1.0)
+    return MlpArgs(
+        (gu.numpy(), dn.numpy(), b"", b"", 0, down.shape[1], 0, 1, 1, False, 1.0),
+        (pack_strips(gu), pack_strips(dn)),
+    )
 
 
 def moe_args(
@@ -79,13 +107,13 @@ def moe_args(
     topk_group: int,
     norm_topk_prob: bool,
     scaling: float,
-) -> tuple[object, ...] | None:
+) -> MlpArgs | None:
     """The MLP arguments of a MoE layer: router [E, hidden] and its selection bias [E] (fp32),
     experts gate_up [E, 2I, hidden] and down [E, hidden, I] input-major; None when not so."""
     gu, dn = _in_out(gate_up), _in_out(down)
     if gu is None or dn is None or router.dtype != torch.float32 or router.device.type != "cpu":
         return None
-    return (
+    args = (
         gu.numpy(),
         dn.numpy(),
         _buf(router),
@@ -98,6 +126,7 @@ def moe_args(
         norm_topk_prob,
         float(scaling),
     )
+    return MlpArgs(args, (b"", b""))
 
 
 def layer_weights(
@@ -115,11 +144,11 @@ def layer_weights(
     window: int | None,
     scale: float,
     v_scale: float,
-    mlp: tuple[object, ...],
+    mlp: MlpArgs,
 ) -> LayerWeights | None:
     """A layer's arguments (norm weights, fused qkv [(H + 2 Hkv') * ., hidden] and o [hidden, H * Dv]
-    projections input-major, attention sizes, and ``dense_mlp_args`` / ``moe_args``); None when the
-    kernel cannot run them."""
+    projections input-major, attention sizes, and ``dense_mlp_args`` / ``moe_args``), with
+    strip-packed copies of the projections for small batches; None when the kernel cannot run them."""
     qkv, o = _in_out(qkv_weight), _in_out(o_weight)
     if not AVAILABLE or qkv is None or o is None or ln1.dtype != torch.float32 or ln2.dtype != torch.float32:
         return None
@@ -138,7 +167,10 @@ def layer_weights(
         0 if window is None else int(window),
         float(scale),
         float(v_scale),
-        *mlp,
+        *mlp.args,
+        pack_strips(qkv),
+        pack_strips(o),
+        *mlp.packed,
     )
     return LayerWeights(args, qkv_weight)
 

@@ -14,12 +14,12 @@ Attention per layer type (see config.py):
 Values are scaled by ``attention_value_scale`` before they are cached, so the cache holds exactly
 what attention reads. Attention reads the pools through the page tables in one call per layer,
 prefill and decode alike (``attention.paged_attention``: the Triton kernels on CUDA, the C kernel
-of ``cpu_attention`` on CPU, the torch reference where neither applies); rotary tables are
-computed once per step for each (rope_dim, theta). Layers hand on (mlp output, residual) so that
-each RMSNorm adds the residual itself. On CPU in fp32, once ``fuse_weights`` has laid the
+of ``cpu_attention`` on CPU, the torch reference where neither applies); rotary (cos, sin) rows
+are gathered once per step for each (rope_dim, theta) from per-position tables the model keeps.
+Layers hand on (mlp output, residual) so that each RMSNorm adds the residual itself. On CPU in fp32, once ``fuse_weights`` has laid the
 weights out, each decoder layer of the paged forward is one C call (``cpu_layer``: norms,
-projections through torch's BLAS, rotary + KV store + attention, router and experts, on two
-buffers updated in place); the modules below are the same computation step by step, used
+projections through torch's BLAS or, for decode-sized batches, strip-packed weight copies, rotary +
+KV store + attention, router and experts, on two buffers updated in place); the modules below are the same computation step by step, used
 elsewhere and as its reference (``layer_kernel = False``).
 ``forward_dense`` is the plain unpaged reference (one sequence, no cache).
 Parameter names match transformers' in-memory module tree, so a converted state dict loads as is.
@@ -42,9 +42,13 @@ from llm_core.moe import DenseMLP, GroupedExperts, SparseMoE
 from llm_core.rope import PartialRotary, apply_partial_rotary_
 from llm_core.weight_layout import input_major
 
-# Rotary (cos, sin) tables of one step's positions, per (rope_dim, theta): made by the first layer
-# that needs them and reused by the other layers of its type.
+# Rotary (cos, sin) tables of one step's positions, per (rope_dim, theta): gathered once per step
+# by the model (``MiMoForCausalLM.rope_tables``) or made by the first layer that needs them, and
+# reused by the other layers of its type.
 RopeTables = dict[tuple[int, float], tuple[Tensor, Tensor]]
+
+# Rows of the per-position rotary tables the model keeps (grown by doubling from this many).
+ROPE_CACHE_MIN_POSITIONS = 1024
 
 
 class RMSNorm(nn.Module):
@@ -333,6 +337,9 @@ class MiMoForCausalLM(nn.Module):
         # always the modules. The layers' kernel weights are taken by ``fuse_weights``.
         self.layer_kernel = True
         self._kernel_weights: list[cpu_layer.LayerWeights] | None = None
+        # (cos, sin) fp32 [positions, width] per (rope_dim, theta), for positions 0 .. n - 1: a step
+        # gathers its rows instead of computing its angles (~10 small ops per layer type and step).
+        self._rope_cache: dict[tuple[int, float], tuple[Tensor, Tensor]] = {}
 
     def tie_weights(self) -> None:
         """Share lm_head with the token embedding when the config ties them. Call again after
@@ -395,12 +402,12 @@ class MiMoForCausalLM(nn.Module):
         """
         x = self.embed(input_ids) if input_embeds is None else input_embeds
         assert x.shape[0] == positions.shape[0] == batch.num_tokens, "tokens, positions, slots disagree"
-        rope: RopeTables = {}
+        rope = self.rope_tables(positions, x.dtype)
         kernel_weights = self._layer_kernel_weights(x)
         if kernel_weights is not None:
             # x: a fresh embedding, or a copy of the caller's (the kernel updates it in place)
             x = x.contiguous() if input_embeds is None else x.clone(memory_format=torch.contiguous_format)
-            return self._forward_kernel(x, positions, batch, kv, kernel_weights)
+            return self._forward_kernel(x, rope, batch, kv, kernel_weights)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, positions, batch, kv, rope, self.attention_backend)
@@ -409,7 +416,7 @@ class MiMoForCausalLM(nn.Module):
     def _forward_kernel(
         self,
         x: Tensor,
-        positions: Tensor,
+        rope: RopeTables,
         batch: AttentionBatch,
         kv: PagedKV,
         kernel_weights: list[cpu_layer.LayerWeights],
@@ -418,13 +425,33 @@ class MiMoForCausalLM(nn.Module):
         residual buffer are updated in place by every layer."""
         residual = torch.empty_like(x)
         step = cpu_layer.StepArgs(batch)
-        rope: RopeTables = {}
         for i, (layer, weights) in enumerate(zip(self.model.decoder_layers(), kernel_weights, strict=True)):
             layer_kv = kv.layer(i)
             assert layer_kv.is_swa == layer.self_attn.is_swa, f"layer {i}: KV pool type mismatch"
-            cos, sin = layer.self_attn._cos_sin(positions, x.dtype, rope)
+            cos, sin = rope[layer.self_attn.rotary.rope_dim, layer.self_attn.rotary.theta]
             cpu_layer.decoder_layer_cpu(weights, step, layer_kv, cos, sin, x, residual, first=i == 0)
         return self._final_norm(x, residual)
+
+    def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> RopeTables:
+        """This step's (cos, sin) [T, width] for every rotary configuration of the model: rows of
+        per-position tables, computed by ``PartialRotary.cos_sin`` for positions 0 .. n - 1 when a
+        position first reaches n (n doubling), then gathered."""
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        tables: RopeTables = {}
+        for layer in self.model.decoder_layers():
+            rot = layer.self_attn.rotary
+            key = (rot.rope_dim, rot.theta)
+            if key in tables:
+                continue
+            cached = self._rope_cache.get(key)
+            if cached is None or cached[0].shape[0] < need or cached[0].device != positions.device:
+                n = max(ROPE_CACHE_MIN_POSITIONS, 1 << (need - 1).bit_length())
+                cached = self._rope_cache[key] = rot.cos_sin(
+                    torch.arange(n, device=positions.device), torch.float32
+                )
+            cos, sin = cached
+            tables[key] = cos.index_select(0, positions).to(dtype), sin.index_select(0, positions).to(dtype)
+        return tables
 
     def _final_norm(self, x: Tensor, residual: Tensor | None) -> Tensor:
         """The last layer's (mlp output, residual) -> final-normed hidden state."""

@@ -94,7 +94,7 @@ class ModelRunner:
         for b, (s, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
             start, end = s.num_computed_tokens, s.num_computed_tokens + n
             assert n > 0 and end <= s.num_tokens, (s.seq_id, start, n, s.num_tokens)
-            ids.extend(s.token_ids[start:end])
+            ids.extend(s.token_slice(start, end))
             pos.extend(range(start, end))
             seq_lens.append(end)
             if end == s.num_tokens:  # the chunk reaches the last known token: its logits are next

@@ -68,11 +68,10 @@ def run_layer_both_ways(
     )
 
 
-@pytest.mark.parametrize(
-    ("lens", "news"), [([23, 9], [23, 9]), ([24, 10], [1, 1])], ids=["prefill", "decode"]
-)
-def test_each_layer_equals_the_modules(loaded: LoadedLLM, lens: list[int], news: list[int]) -> None:
-    batch = prefill_then_decode_batch(lens, news)
+def test_each_layer_equals_the_modules_in_prefill(loaded: LoadedLLM) -> None:
+    """More rows than PACKED_MAX_ROWS: every projection goes through torch's sgemm, as in the modules."""
+    batch = prefill_then_decode_batch([40, 33], [40, 33])
+    assert batch.num_tokens > cpu_layer.PACKED_MAX_ROWS
     for i, layer in enumerate(loaded.model.model.layers):
         (out, res, k, v), (xk, rk, kk, vk) = run_layer_both_ways(loaded.model, i, batch, seed=i)
         assert torch.equal(rk, res), f"layer {i}: residual"
@@ -81,6 +80,24 @@ def test_each_layer_equals_the_modules(loaded: LoadedLLM, lens: list[int], news:
             assert torch.equal(xk, out), f"layer {i}: MoE output"
         else:
             assert rel_err(xk, out) <= 1e-6, f"layer {i}: dense MLP output"
+
+
+def test_each_layer_equals_the_modules_in_decode(loaded: LoadedLLM) -> None:
+    """A decode step: the projections multiply by the strip-packed copies (their own summation
+    order), so everything agrees to float32 rounding."""
+    batch = prefill_then_decode_batch([40, 33], [1, 1])
+    for i in range(len(loaded.model.model.layers)):
+        (out, res, k, v), (xk, rk, kk, vk) = run_layer_both_ways(loaded.model, i, batch, seed=i)
+        for name, a, b in (("residual", rk, res), ("output", xk, out), ("k", kk, k), ("v", vk, v)):
+            assert rel_err(a, b) <= 1e-6, f"layer {i}: {name}"
+
+
+def test_packed_strips_are_the_weight_by_column_blocks() -> None:
+    w = torch.randn(5, 48)
+    packed = torch.from_numpy(cpu_layer.pack_strips(w))  # type: ignore[arg-type]
+    assert packed.shape == (3, 5, 16)
+    assert torch.equal(torch.cat(list(packed), dim=1), w)
+    assert cpu_layer.pack_strips(torch.randn(5, 40)) == b""  # not whole strips: no copy
 
 
 def test_layer_with_qkv_bias_equals_the_modules(tiny_mimo_dir: Path) -> None:
@@ -92,10 +109,14 @@ def test_layer_with_qkv_bias_equals_the_modules(tiny_mimo_dir: Path) -> None:
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.08)
     model.fuse_weights()
-    batch = prefill_then_decode_batch([19, 30], [19, 30])
+    batch = prefill_then_decode_batch([40, 33], [40, 33])  # BLAS: the modules' bits
     (out, res, k, v), (xk, rk, kk, vk) = run_layer_both_ways(model, 1, batch, seed=5)
     assert torch.equal(xk, out) and torch.equal(rk, res)
     assert torch.equal(kk, k) and torch.equal(vk, v)
+    batch = prefill_then_decode_batch([40, 33], [1, 1])  # the packed copies, bias added after
+    (out, res, k, v), (xk, rk, kk, vk) = run_layer_both_ways(model, 1, batch, seed=6)
+    for a, b in ((xk, out), (rk, res), (kk, k), (vk, v)):
+        assert rel_err(a, b) <= 1e-6
 
 
 def test_paged_forward_equals_the_modules(loaded: LoadedLLM, monkeypatch: pytest.MonkeyPatch) -> None:

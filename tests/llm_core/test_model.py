@@ -264,3 +264,22 @@ def test_fused_cpu_layer_with_qkv_bias_equals_torch_path(
         prefill = step(model, kv, [seq], [ids[:22]])
         outs.append(torch.cat([prefill, step(model, kv, [seq], [ids[22:]])]))
     assert rel_err(outs[0], outs[1]) <= 1e-5
+
+
+def test_rope_tables_are_the_rotary_of_the_positions(loaded: LoadedLLM) -> None:
+    """Rows gathered from the model's per-position tables equal the rotary computed for the step's
+    positions, and the tables grow (doubling) when a position first passes their end."""
+    model = loaded.model
+    model._rope_cache.clear()
+    for positions in (torch.tensor([0, 5, 3, 1023]), torch.tensor([1024, 7, 4000])):
+        tables = model.rope_tables(positions, torch.float32)
+        rotaries = {
+            (layer.self_attn.rotary.rope_dim, layer.self_attn.rotary.theta): layer.self_attn.rotary
+            for layer in model.model.decoder_layers()
+        }
+        assert set(tables) == set(rotaries) and len(tables) == 2  # full and SWA layers' theta
+        for key, (cos, sin) in tables.items():
+            ref_cos, ref_sin = rotaries[key].cos_sin(positions, torch.float32)
+            torch.testing.assert_close(cos, ref_cos, rtol=0, atol=1e-6)
+            torch.testing.assert_close(sin, ref_sin, rtol=0, atol=1e-6)
+    assert {t[0].shape[0] for t in model._rope_cache.values()} == {4096}
