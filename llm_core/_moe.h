@@ -52,61 +52,93 @@ static void gemm_rows_scalar(const float *const *x, Py_ssize_t M, const float *W
 }
 
 #ifdef HAVE_AVX2_PATH
+/* The fetches the first row tile of a strip issues while it runs: the next strip, one line per k
+ * (next_strip; 0: none), and lines [pf, pf_end) of the next matrix, pf_step bytes per k. */
+typedef struct {
+    Py_ssize_t next_strip;
+    const char *pf, *pf_end;
+    Py_ssize_t pf_step;
+} TileFetch;
+
+/* y rows (ldy apart) = R rows x[0 .. R) times one 16-column strip w (rows ld apart), in registers:
+ * R x 2 accumulators, one FMA chain per accumulator over k. R is a constant at every call (the
+ * unused accumulators and branches fold away; named variables, not an array, which GCC would keep
+ * in memory); rows >= n_out (padding: x repeats a real row) are not stored. */
+#define TILE_ROW(i, a0, a1)                                       \
+    if (R > i) {                                                  \
+        const __m256 xr = _mm256_broadcast_ss(x##i + k);          \
+        a0 = _mm256_fmadd_ps(xr, w0, a0);                         \
+        a1 = _mm256_fmadd_ps(xr, w1, a1);                         \
+    }
+#define TILE_STORE(i, a0, a1)                                     \
+    if (R > i && n_out > i) {                                     \
+        _mm256_storeu_ps(y + i * ldy, a0);                        \
+        _mm256_storeu_ps(y + i * ldy + 8, a1);                    \
+    }
+static inline AVX2 __attribute__((always_inline)) void gemm_tile(const int R, const float *const *x, const float *w,
+                                                                 Py_ssize_t in, Py_ssize_t ld, float *y, Py_ssize_t ldy,
+                                                                 int n_out, const TileFetch *fetch) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00,
+           a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+    const float *const x0 = x[0], *const x1 = x[R > 1 ? 1 : 0], *const x2 = x[R > 2 ? 2 : 0],
+                       *const x3 = x[R > 3 ? 3 : 0], *const x4 = x[R > 4 ? 4 : 0], *const x5 = x[R > 5 ? 5 : 0];
+    const int fetching = fetch != NULL;
+    const Py_ssize_t next_strip = fetching ? fetch->next_strip : 0, pf_step = fetching ? fetch->pf_step : 0;
+    const char *pf = fetching ? fetch->pf : NULL, *const pf_end = fetching ? fetch->pf_end : NULL;
+    for (Py_ssize_t k = 0; k < in; k++, w += ld) {
+        if (fetching) {
+            if (next_strip) _mm_prefetch((const char *)(w + next_strip), _MM_HINT_T0);
+            if (pf != NULL && pf < pf_end) {
+                for (Py_ssize_t b = 0; b < pf_step; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+                pf += pf_step;
+            }
+        }
+        const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+        TILE_ROW(0, a00, a01)
+        TILE_ROW(1, a10, a11)
+        TILE_ROW(2, a20, a21)
+        TILE_ROW(3, a30, a31)
+        TILE_ROW(4, a40, a41)
+        TILE_ROW(5, a50, a51)
+    }
+    TILE_STORE(0, a00, a01)
+    TILE_STORE(1, a10, a11)
+    TILE_STORE(2, a20, a21)
+    TILE_STORE(3, a30, a31)
+    TILE_STORE(4, a40, a41)
+    TILE_STORE(5, a50, a51)
+}
+#undef TILE_ROW
+#undef TILE_STORE
+
+/* Tiles of 6 rows (12 FMA chains), and the last few rows in a tile of 4 or 2 (a decode step gives
+ * an expert ~8 rows: 6 + 2 computes 8 rows, where 6 + 6 computed 12). Each row's sums run in the
+ * same order whatever its tile, so results do not depend on the tiling. */
 static AVX2 void gemm_rows_avx2(const float *const *x, Py_ssize_t M, const float *W, Py_ssize_t in, Py_ssize_t n,
                                 float *y, Py_ssize_t ldy, const float *next, const Strips *st) {
-    const Py_ssize_t strips = n / 16, bytes = in * n * (Py_ssize_t)sizeof(float), ld = st->ld;
+    const Py_ssize_t strips = n / 16, bytes = in * n * (Py_ssize_t)sizeof(float);
     for (Py_ssize_t s = 0; s < strips; s++) {
         const Py_ssize_t j = s * 16;
         /* the first row tile fetches the next strip, one line per k, and its share of ``next``,
          * lines [s, s + 1) / strips, spread over the same k loop */
-        const char *pf = next != NULL ? (const char *)next + s * bytes / strips / 64 * 64 : NULL;
-        const char *pf_end = next != NULL ? (const char *)next + (s + 1) * bytes / strips : NULL;
-        const Py_ssize_t pf_step = next != NULL ? ((pf_end - pf) / in + 63) / 64 * 64 : 0;
-        for (Py_ssize_t r0 = 0; r0 < M; r0 += 6) {
-            const Py_ssize_t rows = M - r0 < 6 ? M - r0 : 6;
-            const float *x0 = x[r0], *x1 = x[r0 + (rows > 1 ? 1 : 0)], *x2 = x[r0 + (rows > 2 ? 2 : 0)],
-                        *x3 = x[r0 + (rows > 3 ? 3 : 0)], *x4 = x[r0 + (rows > 4 ? 4 : 0)],
-                        *x5 = x[r0 + (rows > 5 ? 5 : 0)];
-            __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
-                   a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-            const float *w = W + s * st->step;
-            const int first = r0 == 0;
-            for (Py_ssize_t k = 0; k < in; k++, w += ld) {
-                if (first) {
-                    if (s + 1 < strips) _mm_prefetch((const char *)(w + st->step), _MM_HINT_T0);
-                    if (pf != NULL && pf < pf_end) {
-                        for (Py_ssize_t b = 0; b < pf_step; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
-                        pf += pf_step;
-                    }
-                }
-                const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
-                __m256 xr = _mm256_broadcast_ss(x0 + k);
-                a00 = _mm256_fmadd_ps(xr, w0, a00);
-                a01 = _mm256_fmadd_ps(xr, w1, a01);
-                xr = _mm256_broadcast_ss(x1 + k);
-                a10 = _mm256_fmadd_ps(xr, w0, a10);
-                a11 = _mm256_fmadd_ps(xr, w1, a11);
-                xr = _mm256_broadcast_ss(x2 + k);
-                a20 = _mm256_fmadd_ps(xr, w0, a20);
-                a21 = _mm256_fmadd_ps(xr, w1, a21);
-                xr = _mm256_broadcast_ss(x3 + k);
-                a30 = _mm256_fmadd_ps(xr, w0, a30);
-                a31 = _mm256_fmadd_ps(xr, w1, a31);
-                xr = _mm256_broadcast_ss(x4 + k);
-                a40 = _mm256_fmadd_ps(xr, w0, a40);
-                a41 = _mm256_fmadd_ps(xr, w1, a41);
-                xr = _mm256_broadcast_ss(x5 + k);
-                a50 = _mm256_fmadd_ps(xr, w0, a50);
-                a51 = _mm256_fmadd_ps(xr, w1, a51);
-            }
+        TileFetch fetch = {s + 1 < strips ? st->step : 0, NULL, NULL, 0};
+        if (next != NULL) {
+            fetch.pf = (const char *)next + s * bytes / strips / 64 * 64;
+            fetch.pf_end = (const char *)next + (s + 1) * bytes / strips;
+            fetch.pf_step = ((fetch.pf_end - fetch.pf) / in + 63) / 64 * 64;
+        }
+        const float *w = W + s * st->step;
+        for (Py_ssize_t r0 = 0; r0 < M;) {
+            const Py_ssize_t left = M - r0;
+            const float *rows[6];
+            for (int i = 0; i < 6; i++) rows[i] = x[r0 + (i < left ? i : left - 1)];
+            const TileFetch *f = r0 == 0 ? &fetch : NULL;
             float *yr = y + r0 * ldy + j;
-            _mm256_storeu_ps(yr, a00);
-            _mm256_storeu_ps(yr + 8, a01);
-            if (rows > 1) _mm256_storeu_ps(yr + ldy, a10), _mm256_storeu_ps(yr + ldy + 8, a11);
-            if (rows > 2) _mm256_storeu_ps(yr + 2 * ldy, a20), _mm256_storeu_ps(yr + 2 * ldy + 8, a21);
-            if (rows > 3) _mm256_storeu_ps(yr + 3 * ldy, a30), _mm256_storeu_ps(yr + 3 * ldy + 8, a31);
-            if (rows > 4) _mm256_storeu_ps(yr + 4 * ldy, a40), _mm256_storeu_ps(yr + 4 * ldy + 8, a41);
-            if (rows > 5) _mm256_storeu_ps(yr + 5 * ldy, a50), _mm256_storeu_ps(yr + 5 * ldy + 8, a51);
+            const int n_out = left < 6 ? (int)left : 6;
+            if (left >= 5) gemm_tile(6, rows, w, in, st->ld, yr, ldy, n_out, f);
+            else if (left >= 3) gemm_tile(4, rows, w, in, st->ld, yr, ldy, n_out, f);
+            else gemm_tile(2, rows, w, in, st->ld, yr, ldy, n_out, f);
+            r0 += left >= 5 ? 6 : left >= 3 ? 4 : 2;
         }
     }
     for (Py_ssize_t r = 0; r < M; r++) /* columns past the last full strip, one at a time */
