@@ -36,7 +36,7 @@ setup(
         Extension(
             "llm_core._moe",
             sources=["llm_core/_moe.c"],
-            depends=["llm_core/_kernels.h", "llm_core/_moe.h"],
+            depends=["llm_core/_kernels.h", "llm_core/_gemm.h", "llm_core/_moe.h"],
             extra_compile_args=["-O3"],
             optional=True,
         ),
@@ -52,6 +52,7 @@ setup(
             sources=["llm_core/_decoder_layer.c"],
             depends=[
                 "llm_core/_kernels.h",
+                "llm_core/_gemm.h",
                 "llm_core/_paged_attention.h",
                 "llm_core/_moe.h",
                 "llm_core/_rms_norm.h",
