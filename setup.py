@@ -55,6 +55,7 @@ setup(
                 "llm_core/_gemm.h",
                 "llm_core/_paged_attention.h",
                 "llm_core/_moe.h",
+                "llm_core/_pool.h",
                 "llm_core/_rms_norm.h",
             ],
             libraries=["dl"],  # dlopen/dlsym (part of libc from glibc 2.34 on)

@@ -92,11 +92,16 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def machine_info() -> dict[str, Any]:
     """CPU model, usable cores, torch threads and the GPU (if any): print it with every result."""
     info: dict[str, Any] = {
         "cpu_model": _cpu_model(),
-        "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_cores": usable_cores(),
         "python": platform.python_version(),
         "platform": platform.platform(),
     }

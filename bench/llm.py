@@ -18,11 +18,15 @@ machine distorts far less than wall time. ``--rounds N`` alternates engine and b
 reports the median round; each round draws fresh prompts (seed + round, same length range, the
 same for both paths), so no round finds an earlier round's prompts in the engine's prefix cache.
 
+Both paths run with the same torch intra-op thread count (``--threads``; by default one per usable
+core): transformers' ops and MKL use it, and so does the engine's one-call decoder layer
+(attention split by sequence, experts by expert, decode projections by column strip).
+
 The process runs with the allocator setting every epd process starts with
 (``epd.allocator.keep_freed_memory``: freed large buffers are reused, not unmapped); it applies to
 the engine and transformers alike, and the table caption says whether it was in effect.
 
-    python -m bench.llm [--requests 32] [--max-tokens 64] [--threads 1] [--rounds 1] [--json out.json]
+    python -m bench.llm [--requests 32] [--max-tokens 64] [--threads 0] [--rounds 1] [--json out.json]
 """
 
 from __future__ import annotations
@@ -35,7 +39,15 @@ from typing import Any
 
 import torch
 
-from bench.common import add_common_args, format_machine, machine_info, percentiles, print_table, write_json
+from bench.common import (
+    add_common_args,
+    format_machine,
+    machine_info,
+    percentiles,
+    print_table,
+    usable_cores,
+    write_json,
+)
 from epd.allocator import keep_freed_memory
 from llm_core.checkpoint import load_llm
 from llm_core.engine import LLMEngine
@@ -132,15 +144,16 @@ def main(argv: list[str] | None = None) -> int:
         help="alternate engine / batched transformers this many times; the median round is reported "
         "(on a shared machine, load drifts between phases)",
     )
-    # One intra-op thread by default, for both paths: ops of a model this small are dominated by
-    # per-op overhead, and on a shared machine extra threads mostly add contention (transformers'
-    # generate slowed down ~8x with 2 threads on the 2-core test machine, which would flatter us).
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
+    # The same intra-op thread count for both paths; by default one per usable core, so each side
+    # has the whole machine (transformers' ops and MKL calls, the engine's C layer kernel: see
+    # llm_core.cpu_layer.set_threads). --threads 1 compares what each does on one core.
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch intra-op threads, both paths (0: one per usable core)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.max_tokens, args.max_prompt, args.sequential_sample = 4, 8, 64, 1
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads if args.threads > 0 else usable_cores())
     # `epd llm` runs with this allocator setting (every epd process does); it applies to both paths.
     freed_memory_kept = keep_freed_memory()
 

@@ -29,7 +29,15 @@ from pathlib import Path
 import av
 import numpy as np
 
-from bench.common import add_common_args, format_machine, machine_info, percentiles, print_table, write_json
+from bench.common import (
+    add_common_args,
+    format_machine,
+    machine_info,
+    percentiles,
+    print_table,
+    usable_cores,
+    write_json,
+)
 from media_io.config import MediaLimits, PreprocessConfig
 from media_io.video import decode_video, probe_video
 from media_io.video_decode import FrameResizer, shutdown_pools, warm_pool
@@ -132,8 +140,7 @@ def main() -> None:
     args = parser.parse_args()
     minutes = args.minutes if args.minutes is not None else (1.0 if args.quick else 10.0)
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else 1)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    workers = args.workers or max(2, cores)
+    workers = args.workers or max(2, usable_cores())
 
     machine = machine_info()
     data = make_clip(minutes, args.seed).read_bytes()

@@ -11,6 +11,12 @@
  *
  * x and residual [T, hidden] are updated in place: the model keeps two buffers for a whole forward.
  *
+ * Threads (set_threads, _pool.h): attention is split by sequence (ranges of about equal work), the
+ * routed experts by expert (each part stores its weighted rows, then the rows are summed per token
+ * in expert order), decode-sized projections by 16-column strip. Every part writes its own outputs
+ * and every sum runs in the same order, so any thread count gives the same bits. Prefill-sized
+ * projections are BLAS calls, which use BLAS's own threads.
+ *
  * Why: a decode step of a small model spends as much time between the kernels (module calls,
  * argument checks, tensor allocations, buffer exports: ~15 Python-level operations per layer) as
  * in some of them. Here the layer is one call and one pass of argument checks, with the GIL
@@ -40,6 +46,7 @@
 #include "_kernels.h"
 #include "_moe.h"
 #include "_paged_attention.h"
+#include "_pool.h"
 #include "_rms_norm.h"
 
 #define KERNEL "decoder_layer" /* error messages start with this */
@@ -69,7 +76,93 @@ static void linear(const float *x, Py_ssize_t ldx, const float *w, const float *
  * batches (prefill) amortise that, and BLAS is faster there. */
 #define PACKED_MAX_ROWS 64
 
-/* y [M, N] = x [M, K] (row stride ldx) @ w (+ bias): the packed copy (or NULL) for small M, else BLAS. */
+/* ---- parallel parts (_pool.h): each a disjoint share of the outputs, so any number of threads
+ * gives the same bits ---------------------------------------------------------------------------- */
+
+/* A packed projection: part p computes its share of the 16-column strips for every row. */
+typedef struct {
+    const float *const *rows;
+    const float *packed, *bias;
+    float *y;
+    Py_ssize_t M, K, N;
+} ProjectJob;
+
+static void project_part(void *ctx, int p, int parts) {
+    const ProjectJob *j = ctx;
+    Py_ssize_t s0, s1;
+    pool_split(j->N / 16, p, parts, &s0, &s1);
+    if (s1 == s0) return;
+    const Strips packed_strips = {j->K * 16, 16};
+    gemm_rows(j->rows, j->M, j->packed + s0 * j->K * 16, j->K, (s1 - s0) * 16, j->y + s0 * 16, j->N, NULL,
+              &packed_strips);
+    if (j->bias != NULL)
+        for (Py_ssize_t r = 0; r < j->M; r++)
+            for (Py_ssize_t c = s0 * 16; c < s1 * 16; c++) j->y[r * j->N + c] += j->bias[c];
+}
+
+/* Attention: part p runs sequences bounds[p] .. bounds[p + 1] (attention_split). */
+typedef struct {
+    const AttnProblem *pb;
+    Py_ssize_t bounds[POOL_MAX + 1];
+    const char *err[POOL_MAX];
+} AttnJob;
+
+static void attention_part(void *ctx, int p, int parts) {
+    AttnJob *j = ctx;
+    (void)parts;
+    j->err[p] = attention_run_range(j->pb, j->bounds[p], j->bounds[p + 1]);
+}
+
+/* Routed experts: part p runs experts bounds[p] .. bounds[p + 1] into contrib rows, then (a
+ * second region) adds up tokens rows [t0, t1) of its share. */
+typedef struct {
+    const MoeProblem *pb;
+    const MoePlan *plan;
+    float *contrib;
+    Py_ssize_t bounds[POOL_MAX + 1];
+    const char *err[POOL_MAX];
+} MoeJob;
+
+static void moe_part(void *ctx, int p, int parts) {
+    MoeJob *j = ctx;
+    (void)parts;
+    j->err[p] = moe_experts_range(j->pb, j->plan, j->bounds[p], j->bounds[p + 1], j->contrib);
+}
+
+static void moe_sum_part(void *ctx, int p, int parts) {
+    const MoeJob *j = ctx;
+    Py_ssize_t t0, t1;
+    pool_split(j->pb->T, p, parts, &t0, &t1);
+    moe_sum_contrib(j->pb, j->contrib, t0, t1);
+}
+
+/* The routed experts over the pool's threads: expert ranges of about equal assignments. */
+static const char *moe_parallel(const MoeProblem *moe, int parts) {
+    if (parts <= 1) return moe_run(moe);
+    MoePlan plan = {0};
+    MoeJob job = {moe, &plan, NULL, {0}, {NULL}};
+    const char *err = moe_plan(moe, &plan);
+    if (err == NULL) job.contrib = malloc((size_t)(moe->T * moe->K * moe->H) * sizeof(float));
+    if (err == NULL && job.contrib == NULL) err = "moe_experts: out of memory";
+    if (err == NULL) {
+        const Py_ssize_t n = moe->T * moe->K;
+        Py_ssize_t e = 0;
+        for (int p = 1; p < parts; p++) {
+            while (e < moe->E && plan.start[e] < n * p / parts) e++;
+            job.bounds[p] = e;
+        }
+        job.bounds[parts] = moe->E;
+        pool_run(parts, moe_part, &job);
+        for (int p = 0; p < parts && err == NULL; p++) err = job.err[p];
+        if (err == NULL) pool_run(parts, moe_sum_part, &job);
+    }
+    free(job.contrib);
+    moe_plan_free(&plan);
+    return err;
+}
+
+/* y [M, N] = x [M, K] (row stride ldx) @ w (+ bias): the packed copy (or NULL) for small M, split
+ * over the pool's threads, else BLAS (its own threads). */
 static void project(const float *x, Py_ssize_t ldx, const float *w, const float *packed, const float *bias, float *y,
                     Py_ssize_t M, Py_ssize_t K, Py_ssize_t N) {
     if (packed == NULL || M > PACKED_MAX_ROWS) {
@@ -78,11 +171,8 @@ static void project(const float *x, Py_ssize_t ldx, const float *w, const float 
     }
     const float *rows[PACKED_MAX_ROWS];
     for (Py_ssize_t r = 0; r < M; r++) rows[r] = x + r * ldx;
-    const Strips packed_strips = {K * 16, 16};
-    gemm_rows(rows, M, packed, K, N, y, N, NULL, &packed_strips);
-    if (bias != NULL)
-        for (Py_ssize_t r = 0; r < M; r++)
-            for (Py_ssize_t j = 0; j < N; j++) y[r * N + j] += bias[j];
+    ProjectJob job = {rows, packed, bias, y, M, K, N};
+    pool_run(pool_size(), project_part, &job);
 }
 
 /* The layer's weights and sizes, and its scratch. */
@@ -114,8 +204,12 @@ static const char *layer_run(Layer *ly) {
         rms_norm_rows(ly->x, ly->residual, ly->ln1, ly->h, ly->residual, T, Hd, ly->eps);
     }
     project(ly->h, Hd, ly->qkv_w, ly->qkv_p, ly->qkv_b, ly->qkv, T, Hd, ly->qkv_dim);
-    const char *err = attention_run(&ly->attn); /* out: ly->a [T, H * Dv] */
-    if (err != NULL) return err;
+    const int parts = pool_size();
+    AttnJob attn = {&ly->attn, {0}, {NULL}};
+    attention_split(&ly->attn, parts, attn.bounds);
+    pool_run(parts, attention_part, &attn); /* out: ly->a [T, H * Dv] */
+    for (int p = 0; p < parts; p++)
+        if (attn.err[p] != NULL) return attn.err[p];
     const Py_ssize_t attn_dim = ly->attn.H * ly->attn.Dv;
     project(ly->a, attn_dim, ly->o_w, ly->o_p, NULL, ly->h, T, attn_dim, Hd);
     rms_norm_rows(ly->h, ly->residual, ly->ln2, ly->g, ly->residual, T, Hd, ly->eps);
@@ -129,7 +223,7 @@ static const char *layer_run(Layer *ly) {
     ly->route.x = ly->g;
     for (Py_ssize_t t = 0; t < T; t++) route_token(&ly->route, t, ly->route_work);
     const MoeProblem moe = {ly->g, ly->weights, ly->gate_up, ly->down, ly->experts, ly->x, T, ly->K, ly->E, Hd, I};
-    return moe_run(&moe);
+    return moe_parallel(&moe, parts);
 }
 
 /* A strip-packed weight [out / 16, in, 16]: empty (none), or whole strips of the right size. */
@@ -238,6 +332,15 @@ done:
     return result;
 }
 
+/* set_threads(n): threads (the caller included) each layer's regions use from now on. */
+static PyObject *py_set_threads(PyObject *self, PyObject *args) {
+    int n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
+    pool_set_size(n);
+    return PyLong_FromLong(pool_size());
+}
+
 /* bind_sgemm(path): take sgemm_ from the already loaded shared library at path (libtorch_cpu). */
 static PyObject *py_bind_sgemm(PyObject *self, PyObject *args) {
     const char *path;
@@ -259,6 +362,9 @@ static PyMethodDef methods[] = {
      "ln2, eps, qkv_w, qkv_b, o_w, sinks, H, Hkv, D, Dv, window, scale, v_scale, gate_up, down, router_w, router_b, "
      "E, I, K, n_group, topk_group, norm, scaling): one float32 decoder layer; x and residual [T, hidden] updated "
      "in place (x: the MLP output, residual: the stream before it); releases the GIL."},
+    {"set_threads", py_set_threads, METH_VARARGS,
+     "set_threads(n) -> threads: how many threads (the caller included) a layer's attention, MoE experts and "
+     "decode-sized projections are split over (workers are created on first need)."},
     {"bind_sgemm", py_bind_sgemm, METH_VARARGS,
      "bind_sgemm(path): use sgemm_ from the loaded shared library at path for the projections."},
     {NULL, NULL, 0, NULL},

@@ -45,17 +45,27 @@ typedef struct {
     Py_ssize_t T, K, E, H, I;
 } MoeProblem;
 
-/* Returns NULL or a static error message. Called without the GIL. */
-static const char *moe_run(const MoeProblem *pb) {
-    const Py_ssize_t n = pb->T * pb->K, H = pb->H, I = pb->I;
+/* Where each expert's assignments are: assignment a = t * K + k; order lists them grouped by
+ * expert, in (t, k) order within each, expert e's at order[start[e] .. start[e + 1]). */
+typedef struct {
+    Py_ssize_t *start, *order;
+    Py_ssize_t most; /* the largest expert's assignments */
+} MoePlan;
+
+static void moe_plan_free(MoePlan *plan) {
+    free(plan->start);
+    free(plan->order);
+    plan->start = plan->order = NULL;
+}
+
+/* Fills plan (free it with moe_plan_free, also after an error); NULL or a static error message. */
+static const char *moe_plan(const MoeProblem *pb, MoePlan *plan) {
+    const Py_ssize_t n = pb->T * pb->K;
+    plan->start = calloc((size_t)pb->E + 1, sizeof(Py_ssize_t));
+    plan->order = malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t));
+    Py_ssize_t *fill = malloc((size_t)pb->E * sizeof(Py_ssize_t));
     const char *err = NULL;
-    Py_ssize_t *start = calloc((size_t)pb->E + 1, sizeof(Py_ssize_t));
-    Py_ssize_t *order = malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t));
-    /* scratch, for the largest expert's C assignments: their rows of x, then gate|up [C, 2I]
-     * (activated in place), then down outputs [C, H]; sized below once the counts are known */
-    const float **rows = NULL;
-    float *scratch = NULL;
-    if (start == NULL || order == NULL) {
+    if (plan->start == NULL || plan->order == NULL || fill == NULL) {
         err = "moe_experts: out of memory";
         goto done;
     }
@@ -65,38 +75,47 @@ static const char *moe_run(const MoeProblem *pb) {
             err = "moe_experts: an expert id is out of range";
             goto done;
         }
-        start[e + 1]++;
+        plan->start[e + 1]++;
     }
-    for (Py_ssize_t e = 0; e < pb->E; e++) start[e + 1] += start[e];
-    {
-        Py_ssize_t *fill = malloc((size_t)pb->E * sizeof(Py_ssize_t));
-        if (fill == NULL) {
-            err = "moe_experts: out of memory";
-            goto done;
-        }
-        memcpy(fill, start, (size_t)pb->E * sizeof(Py_ssize_t));
-        for (Py_ssize_t a = 0; a < n; a++) order[fill[pb->experts[a]]++] = a; /* (t, k) order per expert */
-        free(fill);
+    for (Py_ssize_t e = 0; e < pb->E; e++) plan->start[e + 1] += plan->start[e];
+    memcpy(fill, plan->start, (size_t)pb->E * sizeof(Py_ssize_t));
+    for (Py_ssize_t a = 0; a < n; a++) plan->order[fill[pb->experts[a]]++] = a; /* (t, k) order per expert */
+    plan->most = 1;
+    for (Py_ssize_t e = 0; e < pb->E; e++) {
+        const Py_ssize_t c = plan->start[e + 1] - plan->start[e];
+        plan->most = c > plan->most ? c : plan->most;
     }
-    Py_ssize_t most = 1;
-    for (Py_ssize_t e = 0; e < pb->E; e++) most = start[e + 1] - start[e] > most ? start[e + 1] - start[e] : most;
-    rows = malloc((size_t)most * sizeof(float *));
-    scratch = malloc((size_t)(most * (2 * I + H)) * sizeof(float));
+done:
+    free(fill);
+    return err;
+}
+
+/* Experts e0 .. e1 - 1 over their assignments. Each weighted output row w * y is added to its
+ * token's row of pb->out (experts in order: the sum of a token's rows in expert order), or, with
+ * contrib non-NULL, stored at contrib [T * K, H] row a instead (ranges may then run at the same
+ * time; moe_sum_contrib adds them up in the same order). NULL or a static error message. */
+static const char *moe_experts_range(const MoeProblem *pb, const MoePlan *plan, Py_ssize_t e0, Py_ssize_t e1,
+                                     float *contrib) {
+    const Py_ssize_t H = pb->H, I = pb->I, most = plan->most;
+    /* scratch, for the largest expert's assignments: their rows of x, then gate|up [C, 2I]
+     * (activated in place), then down outputs [C, H] */
+    const float **rows = malloc((size_t)most * sizeof(float *));
+    float *scratch = malloc((size_t)(most * (2 * I + H)) * sizeof(float));
     if (rows == NULL || scratch == NULL) {
-        err = "moe_experts: out of memory";
-        goto done;
+        free(rows);
+        free(scratch);
+        return "moe_experts: out of memory";
     }
     float *hidden = scratch, *y = scratch + most * 2 * I;
     const Strips gate_up_rows = {16, 2 * I}, down_rows = {16, H}; /* row-major [in, out] */
-    memset(pb->out, 0, (size_t)(pb->T * H) * sizeof(float));
-    for (Py_ssize_t e = 0; e < pb->E; e++) {
-        const Py_ssize_t c = start[e + 1] - start[e];
+    for (Py_ssize_t e = e0; e < e1; e++) {
+        const Py_ssize_t c = plan->start[e + 1] - plan->start[e];
         if (c == 0) continue;
         Py_ssize_t e2 = e + 1; /* the next expert with tokens: its weights are fetched meanwhile */
-        while (e2 < pb->E && start[e2 + 1] == start[e2]) e2++;
-        const float *next_gate_up = e2 < pb->E ? pb->gate_up + e2 * H * 2 * I : NULL;
-        const float *next_down = e2 < pb->E ? pb->down + e2 * I * H : NULL;
-        const Py_ssize_t *mine = order + start[e];
+        while (e2 < e1 && plan->start[e2 + 1] == plan->start[e2]) e2++;
+        const float *next_gate_up = e2 < e1 ? pb->gate_up + e2 * H * 2 * I : NULL;
+        const float *next_down = e2 < e1 ? pb->down + e2 * I * H : NULL;
+        const Py_ssize_t *mine = plan->order + plan->start[e];
         for (Py_ssize_t r = 0; r < c; r++) rows[r] = pb->x + (mine[r] / pb->K) * H;
         gemm_rows(rows, c, pb->gate_up + e * H * 2 * I, H, 2 * I, hidden, 2 * I, next_gate_up, &gate_up_rows); /* [C, 2I] */
         for (Py_ssize_t r = 0; r < c; r++) {
@@ -106,15 +125,51 @@ static const char *moe_run(const MoeProblem *pb) {
         gemm_rows(rows, c, pb->down + e * I * H, I, H, y, H, next_down, &down_rows); /* [C, H] */
         for (Py_ssize_t r = 0; r < c; r++) {
             const float w = pb->weights[mine[r]], *yr = y + r * H;
-            float *o = pb->out + (mine[r] / pb->K) * H;
-            for (Py_ssize_t d = 0; d < H; d++) o[d] += w * yr[d];
+            if (contrib != NULL) {
+                float *o = contrib + mine[r] * H;
+                for (Py_ssize_t d = 0; d < H; d++) o[d] = w * yr[d];
+            } else {
+                float *o = pb->out + (mine[r] / pb->K) * H;
+                for (Py_ssize_t d = 0; d < H; d++) o[d] += w * yr[d];
+            }
         }
     }
-done:
-    free(start);
-    free(order);
     free(rows);
     free(scratch);
+    return NULL;
+}
+
+/* out rows t0 .. t1 - 1 = the sum of each token's contrib rows, in expert order from 0 (the order
+ * moe_experts_range adds them in): the same bits as the one-range path. */
+static inline void moe_sum_contrib(const MoeProblem *pb, const float *contrib, Py_ssize_t t0, Py_ssize_t t1) {
+    const Py_ssize_t K = pb->K, H = pb->H;
+    for (Py_ssize_t t = t0; t < t1; t++) {
+        float *o = pb->out + t * H;
+        memset(o, 0, (size_t)H * sizeof(float));
+        int64_t last = -1;
+        for (Py_ssize_t i = 0; i < K; i++) { /* the next larger expert id among the token's K */
+            Py_ssize_t pick = -1;
+            for (Py_ssize_t k = 0; k < K; k++) {
+                const int64_t e = pb->experts[t * K + k];
+                if (e > last && (pick < 0 || e < pb->experts[t * K + pick])) pick = k;
+            }
+            if (pick < 0) break;
+            last = pb->experts[t * K + pick];
+            const float *c = contrib + (t * K + pick) * H;
+            for (Py_ssize_t d = 0; d < H; d++) o[d] += c[d];
+        }
+    }
+}
+
+/* Returns NULL or a static error message. Called without the GIL. */
+static const char *moe_run(const MoeProblem *pb) {
+    MoePlan plan = {0};
+    const char *err = moe_plan(pb, &plan);
+    if (err == NULL) {
+        memset(pb->out, 0, (size_t)(pb->T * pb->H) * sizeof(float));
+        err = moe_experts_range(pb, &plan, 0, pb->E, NULL);
+    }
+    moe_plan_free(&plan);
     return err;
 }
 

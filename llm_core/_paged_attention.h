@@ -365,18 +365,21 @@ static inline Py_ssize_t first_key(const AttnProblem *pb, Py_ssize_t pos, Py_ssi
     return pb->window > 0 && pos - pb->window + 1 > lo ? pos - pb->window + 1 : lo;
 }
 
-static Py_ssize_t next_nonempty(const AttnProblem *pb, Py_ssize_t b) {
-    while (b < pb->B && pb->cu[b + 1] == pb->cu[b]) b++;
+/* The first sequence from b (before end) with new tokens, or end. */
+static Py_ssize_t next_nonempty(const AttnProblem *pb, Py_ssize_t b, Py_ssize_t end) {
+    while (b < end && pb->cu[b + 1] == pb->cu[b]) b++;
     return b;
 }
 
-/* Runs the whole batch; returns NULL or a static error message. Called without the GIL. */
-static const char *attention_run(const AttnProblem *pb) {
+/* Runs sequences b0 .. b1 - 1 of the batch; returns NULL or a static error message. Called without
+ * the GIL; ranges that do not overlap may run at the same time (each sequence writes only its own
+ * KV slots and output rows). */
+static const char *attention_run_range(const AttnProblem *pb, Py_ssize_t b0, Py_ssize_t b1) {
     static const char *not_resident =
         "paged_attention: a page some query reads is not in the pool (page table entry out of range or -1)";
     const char *err = NULL;
     Py_ssize_t max_keys = 1;
-    for (Py_ssize_t b = 0; b < pb->B; b++) max_keys = pb->lens[b] > max_keys ? pb->lens[b] : max_keys;
+    for (Py_ssize_t b = b0; b < b1; b++) max_keys = pb->lens[b] > max_keys ? pb->lens[b] : max_keys;
     int64_t *const slot_buf = malloc(2 * (size_t)max_keys * sizeof(int64_t));
     int64_t *cur = slot_buf, *nxt = slot_buf + max_keys; /* this sequence's slots, the next one's */
     float *work = malloc((size_t)(pb->H * (KEY_BLOCK + 2 + pb->Dv)) * sizeof(float));
@@ -385,18 +388,18 @@ static const char *attention_run(const AttnProblem *pb) {
         goto done;
     }
     float *s = work, *m = s + pb->H * KEY_BLOCK, *l = m + pb->H, *acc = l + pb->H;
-    Py_ssize_t b = next_nonempty(pb, 0), lo = b < pb->B ? sequence_slots(pb, b, cur) : 0;
-    while (b < pb->B) {
+    Py_ssize_t b = next_nonempty(pb, b0, b1), lo = b < b1 ? sequence_slots(pb, b, cur) : 0;
+    while (b < b1) {
         if (lo < 0) {
             err = not_resident;
             goto done;
         }
         const Py_ssize_t n = pb->cu[b + 1] - pb->cu[b], first = pb->lens[b] - n;
-        const Py_ssize_t nb = next_nonempty(pb, b + 1);
+        const Py_ssize_t nb = next_nonempty(pb, b + 1, b1);
         if (pb->new_slots != NULL) rope_and_store(pb, pb->cu[b], pb->cu[b + 1]); /* its keys, before it reads them */
         Py_ssize_t lo_next = 0;
         Prefetch pf = {0}, *last_pf = NULL;
-        if (nb < pb->B) { /* the next sequence's slots now, so its first query's rows can be fetched */
+        if (nb < b1) { /* the next sequence's slots now, so its first query's rows can be fetched */
             lo_next = sequence_slots(pb, nb, nxt);
             if (lo_next >= 0) {
                 const Py_ssize_t pos = pb->lens[nb] - (pb->cu[nb + 1] - pb->cu[nb]);
@@ -423,6 +426,33 @@ done:
     free(slot_buf);
     free(work);
     return err;
+}
+
+static inline const char *attention_run(const AttnProblem *pb) { return attention_run_range(pb, 0, pb->B); }
+
+/* Sequence ranges of about equal work for `parts` threads: bounds[p] .. bounds[p + 1]. A sequence
+ * costs its new tokens times the keys they read (a window's worth at most) plus a fixed share. */
+static inline void attention_split(const AttnProblem *pb, int parts, Py_ssize_t *bounds) {
+    double total = 0.0;
+    for (Py_ssize_t b = 0; b < pb->B; b++) {
+        const Py_ssize_t n = pb->cu[b + 1] - pb->cu[b], len = pb->lens[b];
+        const Py_ssize_t keys = pb->window > 0 && pb->window < len ? pb->window : len;
+        total += (double)n * (double)(keys + 16);
+    }
+    bounds[0] = 0;
+    double acc = 0.0;
+    Py_ssize_t b = 0;
+    for (int p = 1; p < parts; p++) {
+        const double target = total * p / parts;
+        while (b < pb->B && acc < target) {
+            const Py_ssize_t n = pb->cu[b + 1] - pb->cu[b], len = pb->lens[b];
+            const Py_ssize_t keys = pb->window > 0 && pb->window < len ? pb->window : len;
+            acc += (double)n * (double)(keys + 16);
+            b++;
+        }
+        bounds[p] = b;
+    }
+    bounds[parts] = pb->B;
 }
 
 /* The checks and fields both entry points share: sizes, cu/lens, pools, page table, sinks (each

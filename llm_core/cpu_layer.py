@@ -17,6 +17,10 @@ to float32 rounding. The dense layer's activation is the MoE kernel's SwiGLU (fl
 from torch's silu). The packed copies add the attention and dense-MLP projections' size in memory
 once more; the routed experts (most of a MoE model) are not copied.
 
+With several threads (``set_threads``; the model passes torch's intra-op thread count) a layer's
+attention is split by sequence, its routed experts by expert and its decode-sized projections by
+column strip, with the same bits for any count.
+
 fp32 CPU only, projection weights input-major (``weight_layout``). ``AVAILABLE`` is False when the
 extension was not built or torch's sgemm could not be bound; the model then runs its modules.
 """
@@ -53,6 +57,14 @@ AVAILABLE = _bind_sgemm()
 # Batches of at most this many rows use the strip-packed weight copies (``pack_strips``), larger
 # ones torch's sgemm (whose results the modules give bit for bit).
 PACKED_MAX_ROWS: int = _kernel.PACKED_MAX_ROWS if _kernel is not None else 0
+
+
+def set_threads(n: int) -> int:
+    """Split each layer's attention (by sequence), routed experts (by expert) and decode-sized
+    projections (by column strip) over n threads, the caller included; returns the count in use.
+    Every count gives the same bits. The model sets torch's intra-op thread count per forward."""
+    assert _kernel is not None
+    return int(_kernel.set_threads(n))
 
 
 class LayerWeights(NamedTuple):

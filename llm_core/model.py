@@ -424,6 +424,7 @@ class MiMoForCausalLM(nn.Module):
         """``forward`` with one C call per layer; x [T, hidden] (contiguous, ours to overwrite) and a
         residual buffer are updated in place by every layer."""
         residual = torch.empty_like(x)
+        cpu_layer.set_threads(torch.get_num_threads())
         step = cpu_layer.StepArgs(batch)
         for i, (layer, weights) in enumerate(zip(self.model.decoder_layers(), kernel_weights, strict=True)):
             layer_kv = kv.layer(i)

@@ -92,6 +92,38 @@ def test_each_layer_equals_the_modules_in_decode(loaded: LoadedLLM) -> None:
             assert rel_err(a, b) <= 1e-6, f"layer {i}: {name}"
 
 
+@pytest.mark.parametrize(("lens", "news"), [([40, 33, 21], [40, 33, 21]), ([40, 33, 21], [1, 1, 1])])
+def test_threads_give_the_same_bits(loaded: LoadedLLM, lens: list[int], news: list[int]) -> None:
+    """Attention split by sequence, experts by expert, projections by strip: 3 threads = 1 thread."""
+    batch = prefill_then_decode_batch(lens, news)
+    layers = loaded.model.model.decoder_layers()
+    outs = []
+    try:
+        for threads in (1, 3):
+            assert cpu_layer.set_threads(threads) == threads
+            outs.append([run_layer_both_ways(loaded.model, i, batch, seed=i)[1] for i in range(len(layers))])
+    finally:
+        cpu_layer.set_threads(1)
+    for i, (one, three) in enumerate(zip(*outs, strict=True)):
+        for a, b in zip(one, three, strict=True):
+            assert torch.equal(a, b), f"layer {i}"
+
+
+def test_thread_counts_change_between_calls(loaded: LoadedLLM) -> None:
+    """Many short regions while the thread count changes call to call (workers created on first
+    need must join the very next region): the same results every time, and no call hangs."""
+    batch = prefill_then_decode_batch([40, 33, 21], [1, 1, 1])
+    try:
+        cpu_layer.set_threads(1)
+        want = run_layer_both_ways(loaded.model, 3, batch, seed=9)[1]
+        for i in range(60):
+            cpu_layer.set_threads(1 + i % 4)
+            got = run_layer_both_ways(loaded.model, 3, batch, seed=9)[1]
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), i
+    finally:
+        cpu_layer.set_threads(1)
+
+
 def test_packed_strips_are_the_weight_by_column_blocks() -> None:
     w = torch.randn(5, 48)
     packed = torch.from_numpy(cpu_layer.pack_strips(w))  # type: ignore[arg-type]
