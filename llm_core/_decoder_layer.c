@@ -185,7 +185,7 @@ typedef struct {
     Py_ssize_t T, hidden, qkv_dim;
     AttnProblem attn;
     /* MLP: E == 0 dense */
-    const float *gate_up, *down, *router_w, *router_b;
+    const float *gate_up, *down;
     Py_ssize_t E, I, K;
     Route route;
     /* scratch */

@@ -22,7 +22,16 @@ from llm_core.config import MiMoConfig
 from llm_core.kv_pool import DualKVCache
 from llm_core.model import MiMoForCausalLM
 from llm_core.moe import SparseMoE
-from tests.llm_core.test_model import PAGE, PagedSeq, free_lists, make_kv, prompt, rel_err, step
+from tests.llm_core.test_model import (
+    PAGE,
+    PagedSeq,
+    free_lists,
+    make_kv,
+    model_with_qkv_bias,
+    prompt,
+    rel_err,
+    step,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_layer.AVAILABLE, reason="llm_core._decoder_layer is not built")
 
@@ -134,13 +143,7 @@ def test_packed_strips_are_the_weight_by_column_blocks() -> None:
 
 def test_layer_with_qkv_bias_equals_the_modules(tiny_mimo_dir: Path) -> None:
     """Attention biases (which the tiny checkpoint lacks) are added like torch's linear adds them."""
-    config = dataclasses.replace(MiMoConfig.from_pretrained_dir(tiny_mimo_dir), attention_bias=True)
-    model = MiMoForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(31)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.08)
-    model.fuse_weights()
+    model = model_with_qkv_bias(tiny_mimo_dir, seed=31)
     batch = prefill_then_decode_batch([40, 33], [40, 33])  # BLAS: the modules' bits
     (out, res, k, v), (xk, rk, kk, vk) = run_layer_both_ways(model, 1, batch, seed=5)
     assert torch.equal(xk, out) and torch.equal(rk, res)

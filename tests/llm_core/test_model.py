@@ -68,6 +68,19 @@ def free_lists(num_pages: int, seed: int) -> tuple[list[int], list[int]]:
     return torch.randperm(num_pages, generator=g).tolist(), torch.randperm(num_pages, generator=g).tolist()
 
 
+def model_with_qkv_bias(tiny_mimo_dir: Path, seed: int) -> MiMoForCausalLM:
+    """The tiny config with attention biases (which the tiny checkpoint lacks), random weights, fused."""
+    config = dataclasses.replace(MiMoConfig.from_pretrained_dir(tiny_mimo_dir), attention_bias=True)
+    model = MiMoForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.08)
+    model.fuse_weights()
+    assert model.model.decoder_layers()[0].self_attn.qkv_bias is not None
+    return model
+
+
 def step(
     model: MiMoForCausalLM,
     kv: DualKVCache,
@@ -247,14 +260,8 @@ def test_fused_cpu_layer_with_qkv_bias_equals_torch_path(
     """With attention biases (which the tiny checkpoint lacks), the fused CPU layer (one kernel
     call from the qkv rows to the attention output) equals the torch path: rotary, write_kv and
     the torch paged attention, for a prefill chunk and then a decode step."""
-    config = dataclasses.replace(MiMoConfig.from_pretrained_dir(tiny_mimo_dir), attention_bias=True)
-    model = MiMoForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(21)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.08)
-    model.fuse_weights()
-    assert model.model.layers[0].self_attn.qkv_bias is not None
+    model = model_with_qkv_bias(tiny_mimo_dir, seed=21)
+    config = model.config
     ids = prompt(23, seed=22)
     outs = []
     for backend in ("cpu", "torch"):
