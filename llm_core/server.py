@@ -235,8 +235,11 @@ def build_app(config: LLMServerConfig) -> Starlette:
 
 def serve_llm(config: LLMServerConfig) -> None:
     """Run the engine process until interrupted (``epd llm``)."""
+    import torch
     import uvicorn
 
+    if config.torch_threads is not None:
+        torch.set_num_threads(config.torch_threads)  # the process's own: the engine thread reads it
     app = build_app(config)
     if config.uds:
         uvicorn.run(app, uds=config.uds, log_level=config.log_level)

@@ -56,9 +56,14 @@ class LLMServerConfig:
     cache_namespace: str = "default"  # node embedding cache to read multimodal embeddings from
     fetch_timeout_s: float = 30.0  # for embeddings fetched from a remote encoder's URL
     log_level: str = "warning"
+    # torch intra-op threads of the engine process: torch ops, BLAS and the CPU decoder-layer
+    # kernel (llm_core.cpu_layer); None: torch's default (one per core)
+    torch_threads: int | None = None
 
     def __post_init__(self) -> None:
         check_dtype("LLMServerConfig.dtype", self.dtype)
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"LLMServerConfig.torch_threads must be >= 1, got {self.torch_threads}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
