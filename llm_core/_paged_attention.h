@@ -430,26 +430,24 @@ done:
 
 static inline const char *attention_run(const AttnProblem *pb) { return attention_run_range(pb, 0, pb->B); }
 
-/* Sequence ranges of about equal work for `parts` threads: bounds[p] .. bounds[p + 1]. A sequence
- * costs its new tokens times the keys they read (a window's worth at most) plus a fixed share. */
+/* The work of sequence b's queries, for splitting: its new tokens times the keys they read (a
+ * window's worth at most) plus a fixed share. */
+static inline double sequence_cost(const AttnProblem *pb, Py_ssize_t b) {
+    const Py_ssize_t n = pb->cu[b + 1] - pb->cu[b], len = pb->lens[b];
+    const Py_ssize_t keys = pb->window > 0 && pb->window < len ? pb->window : len;
+    return (double)n * (double)(keys + 16);
+}
+
+/* Sequence ranges of about equal work (sequence_cost) for `parts` threads: bounds[p] .. bounds[p + 1]. */
 static inline void attention_split(const AttnProblem *pb, int parts, Py_ssize_t *bounds) {
     double total = 0.0;
-    for (Py_ssize_t b = 0; b < pb->B; b++) {
-        const Py_ssize_t n = pb->cu[b + 1] - pb->cu[b], len = pb->lens[b];
-        const Py_ssize_t keys = pb->window > 0 && pb->window < len ? pb->window : len;
-        total += (double)n * (double)(keys + 16);
-    }
+    for (Py_ssize_t b = 0; b < pb->B; b++) total += sequence_cost(pb, b);
     bounds[0] = 0;
     double acc = 0.0;
     Py_ssize_t b = 0;
     for (int p = 1; p < parts; p++) {
         const double target = total * p / parts;
-        while (b < pb->B && acc < target) {
-            const Py_ssize_t n = pb->cu[b + 1] - pb->cu[b], len = pb->lens[b];
-            const Py_ssize_t keys = pb->window > 0 && pb->window < len ? pb->window : len;
-            acc += (double)n * (double)(keys + 16);
-            b++;
-        }
+        while (b < pb->B && acc < target) acc += sequence_cost(pb, b++);
         bounds[p] = b;
     }
     bounds[parts] = pb->B;

@@ -16,10 +16,12 @@ what attention reads. Attention reads the pools through the page tables in one c
 prefill and decode alike (``attention.paged_attention``: the Triton kernels on CUDA, the C kernel
 of ``cpu_attention`` on CPU, the torch reference where neither applies); rotary (cos, sin) rows
 are gathered once per step for each (rope_dim, theta) from per-position tables the model keeps.
-Layers hand on (mlp output, residual) so that each RMSNorm adds the residual itself. On CPU in fp32, once ``fuse_weights`` has laid the
-weights out, each decoder layer of the paged forward is one C call (``cpu_layer``: norms,
-projections through torch's BLAS or, for decode-sized batches, strip-packed weight copies, rotary +
-KV store + attention, router and experts, on two buffers updated in place); the modules below are the same computation step by step, used
+Layers hand on (mlp output, residual) so that each RMSNorm adds the residual itself.
+
+On CPU in fp32, once ``fuse_weights`` has laid the weights out, each decoder layer of the paged
+forward is one C call (``cpu_layer``: norms, projections through torch's BLAS or, for decode-sized
+batches, strip-packed weight copies, rotary + KV store + attention, router and experts, on two
+buffers updated in place); the modules below are the same computation step by step, used
 elsewhere and as its reference (``layer_kernel = False``).
 ``forward_dense`` is the plain unpaged reference (one sequence, no cache).
 Parameter names match transformers' in-memory module tree, so a converted state dict loads as is.
@@ -121,7 +123,7 @@ class MiMoAttention(nn.Module):
         rot = self.rotary
         if rope is None:
             return rot.cos_sin(positions, dtype)
-        key = (rot.rope_dim, rot.theta)
+        key = rot.key
         if key not in rope:
             rope[key] = rot.cos_sin(positions, dtype)
         return rope[key]
@@ -429,7 +431,7 @@ class MiMoForCausalLM(nn.Module):
         for i, (layer, weights) in enumerate(zip(self.model.decoder_layers(), kernel_weights, strict=True)):
             layer_kv = kv.layer(i)
             assert layer_kv.is_swa == layer.self_attn.is_swa, f"layer {i}: KV pool type mismatch"
-            cos, sin = rope[layer.self_attn.rotary.rope_dim, layer.self_attn.rotary.theta]
+            cos, sin = rope[layer.self_attn.rotary.key]
             cpu_layer.decoder_layer_cpu(weights, step, layer_kv, cos, sin, x, residual, first=i == 0)
         return self._final_norm(x, residual)
 
@@ -441,7 +443,7 @@ class MiMoForCausalLM(nn.Module):
         tables: RopeTables = {}
         for layer in self.model.decoder_layers():
             rot = layer.self_attn.rotary
-            key = (rot.rope_dim, rot.theta)
+            key = rot.key
             if key in tables:
                 continue
             cached = self._rope_cache.get(key)

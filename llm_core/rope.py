@@ -27,6 +27,11 @@ class PartialRotary(nn.Module):
         self.theta = theta
         self.width = 2 * ((rope_dim + 1) // 2)
 
+    @property
+    def key(self) -> tuple[int, float]:
+        """(rope_dim, theta): layers with the same key share a step's cos/sin tables."""
+        return self.rope_dim, self.theta
+
     def inv_freq(self, device: torch.device) -> Tensor:
         """fp32 [width / 2]. Recomputed per call (a handful of elements): no buffer to move or load."""
         exponents = torch.arange(0, self.rope_dim, 2, dtype=torch.float32, device=device) / self.rope_dim

@@ -281,8 +281,7 @@ def test_rope_tables_are_the_rotary_of_the_positions(loaded: LoadedLLM) -> None:
     for positions in (torch.tensor([0, 5, 3, 1023]), torch.tensor([1024, 7, 4000])):
         tables = model.rope_tables(positions, torch.float32)
         rotaries = {
-            (layer.self_attn.rotary.rope_dim, layer.self_attn.rotary.theta): layer.self_attn.rotary
-            for layer in model.model.decoder_layers()
+            layer.self_attn.rotary.key: layer.self_attn.rotary for layer in model.model.decoder_layers()
         }
         assert set(tables) == set(rotaries) and len(tables) == 2  # full and SWA layers' theta
         for key, (cos, sin) in tables.items():
