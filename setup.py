@@ -15,59 +15,45 @@ succeeds and media_io uses its pure-Python paths, which give the same results:
   torch's own sgemm (else: the model's modules, the same bits for MoE layers).
 """
 
+import importlib.util
+from pathlib import Path
+
 from setuptools import Extension, setup
+
+# The files each extension is built from live in one table (epd_common/native.py), which the
+# runtime uses too: every build embeds their hash (EPD_SOURCE_HASH, exported as SOURCE_HASH), so
+# a stale .so left from older sources is detected at import and not used.
+_spec = importlib.util.spec_from_file_location("_epd_native", Path(__file__).parent / "epd_common" / "native.py")
+assert _spec is not None and _spec.loader is not None
+native = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(native)
+
+
+def extension(name: str, **kwargs: object) -> Extension:
+    """``name`` built from its table entry (first file the source, the rest its headers)."""
+    source, *headers = native.EXTENSIONS[name]
+    return Extension(
+        name,
+        sources=[source],
+        depends=headers,
+        define_macros=[("EPD_SOURCE_HASH", f'"{native.source_hash(name, Path(__file__).parent)}"')],
+        optional=True,
+        **kwargs,
+    )
+
 
 setup(
     ext_modules=[
-        Extension(
-            "media_io.preprocess._patchify",
-            sources=["media_io/preprocess/_patchify.c"],
-            extra_compile_args=["-O3"],
-            optional=True,
-        ),
-        Extension(
-            "llm_core._paged_attention",
-            sources=["llm_core/_paged_attention.c"],
-            depends=["llm_core/_kernels.h", "llm_core/_paged_attention.h"],
-            # no implicit FMA: the rotary products must round like torch's (explicit FMAs stay)
-            extra_compile_args=["-O3", "-ffp-contract=off"],
-            optional=True,
-        ),
-        Extension(
-            "llm_core._moe",
-            sources=["llm_core/_moe.c"],
-            depends=["llm_core/_kernels.h", "llm_core/_gemm.h", "llm_core/_moe.h"],
-            extra_compile_args=["-O3"],
-            optional=True,
-        ),
-        Extension(
-            "llm_core._rms_norm",
-            sources=["llm_core/_rms_norm.c"],
-            depends=["llm_core/_kernels.h", "llm_core/_rms_norm.h"],
-            extra_compile_args=["-O3"],
-            optional=True,
-        ),
-        Extension(
+        extension("media_io.preprocess._patchify", extra_compile_args=["-O3"]),
+        # no implicit FMA: the rotary products must round like torch's (explicit FMAs stay)
+        extension("llm_core._paged_attention", extra_compile_args=["-O3", "-ffp-contract=off"]),
+        extension("llm_core._moe", extra_compile_args=["-O3"]),
+        extension("llm_core._rms_norm", extra_compile_args=["-O3"]),
+        extension(
             "llm_core._decoder_layer",
-            sources=["llm_core/_decoder_layer.c"],
-            depends=[
-                "llm_core/_kernels.h",
-                "llm_core/_gemm.h",
-                "llm_core/_paged_attention.h",
-                "llm_core/_moe.h",
-                "llm_core/_pool.h",
-                "llm_core/_rms_norm.h",
-            ],
             libraries=["dl"],  # dlopen/dlsym (part of libc from glibc 2.34 on)
             extra_compile_args=["-O3", "-ffp-contract=off"],
-            optional=True,
         ),
-        Extension(
-            "media_io._jpeg",
-            sources=["media_io/_jpeg.c"],
-            libraries=["jpeg"],
-            extra_compile_args=["-O3"],
-            optional=True,
-        ),
+        extension("media_io._jpeg", libraries=["jpeg"], extra_compile_args=["-O3"]),
     ]
 )

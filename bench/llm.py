@@ -16,7 +16,9 @@ how many engine outputs equal the batched transformers outputs token for token, 
 seconds per output token (``summary.cpu_speedup_vs_transformers``), which other load on a shared
 machine distorts far less than wall time. ``--rounds N`` alternates engine and batched runs and
 reports the median round; each round draws fresh prompts (seed + round, same length range, the
-same for both paths), so no round finds an earlier round's prompts in the engine's prefix cache.
+same for both paths), so no round finds an earlier round's prompts in the engine's prefix cache;
+the warm-up uses prompts of a seed no round uses, and ``summary.engine_cached_prompt_tokens_per_round``
+counts the prompt tokens the engine served from its prefix cache in each round (0 expected).
 
 Both paths run with the same torch intra-op thread count (``--threads``; by default one per usable
 core): transformers' ops and MKL use it, and so does the engine's one-call decoder layer
@@ -172,18 +174,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     engine.start()
     try:
-        # Warm-up both paths (allocator, lazy inits) on a small slice.
-        run_engine(engine, prompts[:2], 4)
-        run_hf_batched(hf, prompts[:2], 4)
+        # Warm-up both paths (allocator, lazy inits) on prompts from a seed no round uses: the
+        # warm-up's KV stays in the engine's prefix cache, and a round that reused its prompts
+        # would be served partly from it (transformers has no such cache).
+        n_rounds = max(1, args.rounds)
+        warm = make_prompts(2, args.min_prompt, args.max_prompt, args.seed + n_rounds)
+        run_engine(engine, warm, 4)
+        run_hf_batched(hf, warm, 4)
         rounds = []
-        for r in range(max(1, args.rounds)):
+        cached_per_round: list[int] = []
+        for r in range(n_rounds):
             # Fresh prompts per round: repeated ones would be prefix-cache hits for the engine only.
             ps = (
                 prompts
                 if r == 0
                 else make_prompts(args.requests, args.min_prompt, args.max_prompt, args.seed + r)
             )
-            rounds.append((run_engine(engine, ps, args.max_tokens), run_hf_batched(hf, ps, args.max_tokens)))
+            cached_before = engine.stats().cached_prompt_tokens_total
+            eng_r = run_engine(engine, ps, args.max_tokens)
+            cached_per_round.append(engine.stats().cached_prompt_tokens_total - cached_before)
+            rounds.append((eng_r, run_hf_batched(hf, ps, args.max_tokens)))
     finally:
         engine.stop()
     hf_s = run_hf_sequential(hf, prompts[: args.sequential_sample], args.max_tokens)
@@ -251,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             + " (median shown)"
         )
     print(f"CPU time per output token, transformers batched / engine: {cpu_speedup:.2f}x")
+    print(f"engine prompt tokens served from its prefix cache, per round: {cached_per_round}")
     threads = torch.get_num_threads()
     print(
         f"target >= {TARGET_SPEEDUP:.0f}x (both sides ran with {threads} torch thread(s)): "
@@ -283,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
             "engine_itl_p50_ms": eng["itl"].p50 * 1e3 if eng["itl"] else None,
             "engine_itl_p99_ms": eng["itl"].p99 * 1e3 if eng["itl"] else None,
             "outputs_identical_to_transformers": same,
+            # Prompt tokens the engine served from its prefix cache, per round: 0 unless two
+            # random prompts share a whole first page (the rounds and the warm-up never share
+            # prompts).
+            "engine_cached_prompt_tokens_per_round": cached_per_round,
             "requests": args.requests,
         },
     )

@@ -6,7 +6,8 @@
                                ▼
         decode + preprocess (thread pool) ─▶ EncodeBatcher (forward thread) ─▶ cache.put ─▶ ref
     GET /embeddings/{key}   safetensors body: tensor "embedding", metadata grid_thw/modality
-    GET /health             {"status": "ok", "fingerprint", "queue_depth", ...}
+    GET /health             {"status": "ok", "fingerprint", "queue_depth", ..., "paths": what decodes
+                            and preprocesses, "fallbacks": stand-ins in use and why}
     GET /metrics            prometheus text
 
 The event loop only awaits: hashing, decoding, preprocessing and cache I/O run in the decode
@@ -44,6 +45,8 @@ from encoder.embed_cache import EmbedCache, EntryTooLarge, InvalidKey
 from encoder.embedding_ref import EmbeddingRef
 from encoder.media_key import media_key
 from encoder.worker import WorkerConfig
+from epd_common.active_paths import report
+from media_io.active_paths import media_paths
 from media_io.errors import BadMedia, MediaError, MediaTooLarge
 from media_io.preprocess import Patches, PreprocessBackend, get_backend
 from media_io.sniff import sniff
@@ -102,6 +105,7 @@ class EncoderWorker:
         self.loaded = loaded
         self.cache = cache
         self.backend: PreprocessBackend = get_backend(config.preprocess_backend, config.preprocess)  # type: ignore[arg-type]
+        self.paths = report(media_paths(config.preprocess_backend))  # for /health
         self.batcher = EncodeBatcher(
             loaded.model,
             patch_budget=config.batch_budget(),
@@ -255,6 +259,7 @@ class EncoderWorker:
             "patch_budget": self.batcher.patch_budget,
             "cache_namespace": self.cache.namespace,
             "pid": os.getpid(),
+            **self.paths,
         }
 
     def metrics_text(self) -> bytes:

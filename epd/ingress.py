@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Any
 
 import aiohttp
 
@@ -37,6 +38,10 @@ class Ingress:
         self._pipeline: MediaPipeline | None = None
         self._engine: EngineClient | None = None
         self._health_task: asyncio.Task[None] | None = None
+        # What each role reported it runs ({"paths": {step: impl}, "fallbacks": [...]}), from the
+        # last health poll: the start banner and /health show it.
+        self.encoder_paths: dict[str, dict[str, Any]] = {}
+        self.engine_paths: dict[str, Any] = {}
         self.cache = EmbedCache(namespace=config.cache_namespace, capacity_bytes=config.cache_capacity_bytes)
         weights = config.encoder_weights or (1,) * len(config.encoder_urls)
         # One failed or passed poll flips a worker (calls that cannot connect take it out at once).
@@ -117,6 +122,7 @@ class Ingress:
             health = await self._engine.health()
             self.engine_up = health is not None
             if health:
+                self.engine_paths = _paths_of(health)
                 for pool in ("full", "swa"):
                     self.metrics.kv_usage.labels(pool=pool).set(float(health.get(f"kv_{pool}_usage", 0.0)))
                 self.metrics.llm_waiting.set(float(health.get("num_waiting", 0)))
@@ -125,9 +131,23 @@ class Ingress:
         """Whether ``url`` answers /health with this deployment's fingerprint; records its load."""
         health = await self.encoder_client.health(url)
         if health:
+            self.encoder_paths[url] = _paths_of(health)
             self.metrics.encoder_queue_depth.labels(worker=url).set(float(health.get("queue_depth", 0)))
             self.metrics.encoder_batch_size.labels(worker=url).set(float(health.get("last_batch_items", 0)))
         return health is not None and health.get("fingerprint") == self.fingerprint
+
+    def active_paths(self) -> dict[str, Any]:
+        """What the roles run, as last reported: ``{"paths": {"encoders": {url: ...}, "llm": ...},
+        "fallbacks": ["<role>: <step>: why", ...]}``."""
+        fallbacks = [f"encoder {url}: {f}" for url, p in self.encoder_paths.items() for f in p["fallbacks"]]
+        fallbacks += [f"llm: {f}" for f in self.engine_paths.get("fallbacks", [])]
+        return {
+            "paths": {
+                "encoders": {url: p["paths"] for url, p in self.encoder_paths.items()},
+                "llm": self.engine_paths.get("paths", {}),
+            },
+            "fallbacks": fallbacks,
+        }
 
     async def _health_loop(self) -> None:
         while True:
@@ -136,3 +156,8 @@ class Ingress:
                 await self.poll_health()
             except Exception:  # the loop must outlive any one bad poll
                 log.exception("health poll failed")
+
+
+def _paths_of(health: dict[str, Any]) -> dict[str, Any]:
+    """The ``paths`` / ``fallbacks`` part of a role's /health body (empty for an older role)."""
+    return {"paths": dict(health.get("paths") or {}), "fallbacks": list(health.get("fallbacks") or [])}

@@ -46,9 +46,10 @@ def build_app(config: IngressConfig) -> Starlette:
 
         return endpoint
 
-    async def health(_: Ingress, __: Request) -> Response:
-        # Answers from memory only, so it stays fast under full load.
-        return JSONResponse({"status": "ok"})
+    async def health(ing: Ingress, __: Request) -> Response:
+        # Answers from memory only, so it stays fast under full load (the roles' paths are from
+        # the last health poll).
+        return JSONResponse({"status": "ok", **ing.active_paths()})
 
     async def ready(ing: Ingress, _: Request) -> Response:
         up = len(ing.router.live_workers)

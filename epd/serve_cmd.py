@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from encoder.embed_cache import default_root
 from encoder.worker import WorkerConfig, plan_workers
@@ -29,6 +30,10 @@ from epd.config_cli import add_dataclass_args, dataclass_from_args, dataclass_to
 from epd.encoder_cmd import worker_child
 from epd.supervisor import ChildFailed, ChildSpec, Supervisor, python_argv
 from llm_core.server_config import LLMServerConfig
+from llm_core.tokenizer import TokenizerError
+
+if TYPE_CHECKING:
+    from epd.ingress import Ingress
 
 log = logging.getLogger("epd.serve")
 
@@ -149,7 +154,11 @@ async def serve(cfg: ServeConfig) -> int:
     from epd.ingress_app import build_app
 
     p = plan(cfg)
-    app = build_app(p.ingress)
+    try:
+        app = build_app(p.ingress)  # loads the tokenizer: a broken one stops us before any child
+    except TokenizerError as exc:
+        print(f"epd serve: {exc}", file=sys.stderr)
+        return 1
     ingress = app.state.ingress
 
     def on_down(spec: ChildSpec) -> None:
@@ -176,7 +185,7 @@ async def serve(cfg: ServeConfig) -> int:
                 timeout_graceful_shutdown=30,
             )
         )
-        announce = asyncio.create_task(_announce(server, p))
+        announce = asyncio.create_task(_announce(server, p, ingress))
         await server.serve()
         announce.cancel()
         return 0 if server.started else 1
@@ -185,7 +194,7 @@ async def serve(cfg: ServeConfig) -> int:
         shutil.rmtree(default_root(p.namespace), ignore_errors=True)
 
 
-async def _announce(server: object, p: Plan) -> None:
+async def _announce(server: object, p: Plan, ingress: Ingress) -> None:
     while not getattr(server, "started", False):
         await asyncio.sleep(0.05)
     print(
@@ -194,6 +203,18 @@ async def _announce(server: object, p: Plan) -> None:
         f"cache namespace: {p.namespace})",
         flush=True,
     )
+    print(banner_paths(ingress.active_paths()), flush=True)
+
+
+def banner_paths(active: dict[str, Any]) -> str:
+    """The start banner's lines on what runs each hot step, and every fallback in use."""
+    lines = []
+    for url, paths in active["paths"]["encoders"].items():
+        lines.append(f"  encoder {url}: " + ", ".join(f"{k}={v}" for k, v in paths.items()))
+    if active["paths"]["llm"]:
+        lines.append("  llm: " + ", ".join(f"{k}={v}" for k, v in active["paths"]["llm"].items()))
+    lines += [f"  WARNING slower fallback in use: {f}" for f in active["fallbacks"]]
+    return "\n".join(lines) if lines else "  (no role reported its paths)"
 
 
 class _Terminated(SystemExit):

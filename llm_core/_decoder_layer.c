@@ -373,10 +373,13 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_decoder_layer", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
+/* EPD_SOURCE_HASH: the hash of this extension's sources, defined by setup.py (epd_common/native.py
+   compares it with the tree at import, so a stale build is not used). */
 PyMODINIT_FUNC PyInit__decoder_layer(void) {
     attention_use_avx2(1);
     moe_use_avx2(1);
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddIntConstant(m, "PACKED_MAX_ROWS", PACKED_MAX_ROWS) < 0) Py_CLEAR(m);
+    if (m != NULL && PyModule_AddStringConstant(m, "SOURCE_HASH", EPD_SOURCE_HASH) < 0) Py_CLEAR(m);
     return m;
 }

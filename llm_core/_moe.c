@@ -134,7 +134,11 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_moe", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
+/* EPD_SOURCE_HASH: the hash of this extension's sources, defined by setup.py (epd_common/native.py
+   compares it with the tree at import, so a stale build is not used). */
 PyMODINIT_FUNC PyInit__moe(void) {
     moe_use_avx2(1);
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddStringConstant(m, "SOURCE_HASH", EPD_SOURCE_HASH) < 0) Py_CLEAR(m);
+    return m;
 }

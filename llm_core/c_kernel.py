@@ -7,19 +7,18 @@ are missing, ``load`` returns None and the wrappers report themselves unavailabl
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
 import numpy as np
 from torch import Tensor
 
+from epd_common import native
+
 
 def load(name: str) -> ModuleType | None:
-    """The extension module ``name`` (e.g. "llm_core._moe"), or None when it was not built."""
-    try:
-        return importlib.import_module(name)
-    except ImportError:  # pragma: no cover - depends on the build
-        return None
+    """The extension module ``name`` (e.g. "llm_core._moe"), or None when it was not built or is
+    stale (built from other sources than this tree's; ``epd_common.native``)."""
+    return native.load(name)
 
 
 def buffer(t: Tensor) -> np.ndarray:

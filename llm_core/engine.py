@@ -80,6 +80,7 @@ class LLMEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.device = torch.device(device)
+        self.dtype = dtype
         self.max_model_len = self.config.max_model_len or model_config.max_position_embeddings
         # End of generation: the model's eos, the tokenizer's, and ChatML's end of turn (as in
         # Qwen-style generation configs), unless a request sets ignore_eos.

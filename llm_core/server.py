@@ -3,7 +3,8 @@
 Routes:
     POST /v1/completions   prompt (text or token ids) -> completion, JSON or SSE (``stream``)
     GET  /v1/models        the one served model
-    GET  /health           {"status": "ok", running/waiting counts, KV usage, ...}
+    GET  /health           {"status": "ok", running/waiting counts, KV usage, ..., "paths": what runs
+                           the layers, "fallbacks": stand-ins in use and why}
     GET  /metrics          prometheus text
 
 Every request error is answered before the first byte of a stream goes out, as JSON
@@ -28,6 +29,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from epd.errors import APIError, bad_request, error_body, error_response, overloaded
+from epd_common.active_paths import report
+from llm_core.active_paths import llm_paths
 from llm_core.completion_request import (
     CompletionRequest,
     chunk_body,
@@ -86,6 +89,7 @@ def create_app(
     config = config or LLMServerConfig()
     metrics = _Metrics()
     model_name = config.served_model_name
+    paths = report(llm_paths(engine.device, engine.dtype))  # fixed once the process has started
 
     def guarded(fn: Handler) -> Handler:
         async def handler(request: Request) -> Response:
@@ -197,7 +201,7 @@ def create_app(
 
     async def health(request: Request) -> Response:
         s = engine.stats()
-        return JSONResponse({"status": "ok", "model": model_name, **s._asdict()})
+        return JSONResponse({"status": "ok", "model": model_name, **s._asdict(), **paths})
 
     async def metrics_route(request: Request) -> Response:
         return Response(metrics.render(engine), media_type="text/plain; version=0.0.4")

@@ -1,8 +1,10 @@
 """Tokenizer: encode/decode, ChatML chat template with media placeholder runs, and incremental
 detokenization for streaming.
 
-Real checkpoints ship a ``tokenizer.json`` (HF ``tokenizers`` format) and use it as is. Without one
-we build the byte-level default the embedded models agree on:
+Real checkpoints ship a ``tokenizer.json`` (HF ``tokenizers`` format) and use it as is; a checkpoint
+directory without one is an error (``TokenizerError`` names the file), and so is a tokenizer whose ids
+do not all fit the model's embedding rows (``vocab_size`` in config.json). Only the embedded default
+(no directory) uses the byte-level tokenizer the embedded models agree on:
 
     id 0..255   the byte with that value (any UTF-8 text round-trips)
     256 <|endoftext|> (eos)   257 <|im_start|>   258 <|im_end|>
@@ -15,6 +17,7 @@ placeholder run is only ``n`` copies of the pad id; the caller supplies ``n`` fr
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +44,10 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 )
 NUM_BYTES = 256
 TOKENIZER_FILE = "tokenizer.json"
+
+
+class TokenizerError(ValueError):
+    """A checkpoint's tokenizer that is missing or does not fit its model; names the file."""
 
 
 class ChatTemplateError(ValueError):
@@ -91,12 +98,48 @@ def save_default_tokenizer(directory: str | Path) -> Path:
 
 
 def load_tokenizer(model_dir: str | Path | None) -> Tokenizer:
-    """``<model_dir>/tokenizer.json`` when present, else the byte-level default."""
-    if model_dir is not None:
-        path = Path(model_dir) / TOKENIZER_FILE
-        if path.is_file():
-            return Tokenizer(HFTokenizer.from_file(str(path)))
-    return Tokenizer(build_default_tokenizer())
+    """``<model_dir>/tokenizer.json``, or the byte-level default for the embedded model (``None``).
+
+    Raises ``TokenizerError`` when the directory has no ``tokenizer.json`` (a silent fallback would
+    give a real model byte ids it was never trained on), when the file does not parse, or when its
+    largest id is outside the embedding rows that ``config.json`` declares (``vocab_size``, or
+    ``text_config.vocab_size`` for a vision-language checkpoint).
+    """
+    if model_dir is None:
+        return Tokenizer(build_default_tokenizer())
+    path = Path(model_dir) / TOKENIZER_FILE
+    if not path.is_file():
+        raise TokenizerError(
+            f"{path} not found: a checkpoint directory must ship its tokenizer as {TOKENIZER_FILE} "
+            "(the byte-level tokenizer is only for the embedded default model)"
+        )
+    try:
+        hf = HFTokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own untyped Exception for a bad file
+        raise TokenizerError(f"{path}: not a valid tokenizers file ({e})") from e
+    rows = _embedding_rows(Path(model_dir))
+    id_bound = max(hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    if rows is not None and id_bound > rows:
+        raise TokenizerError(
+            f"{path}: the tokenizer has ids up to {id_bound - 1} but {Path(model_dir) / 'config.json'} "
+            f"declares vocab_size {rows}: ids from {rows} up would index past the embedding table"
+        )
+    return Tokenizer(hf)
+
+
+def _embedding_rows(model_dir: Path) -> int | None:
+    """``vocab_size`` from ``config.json`` (top level, else ``text_config``); None when absent."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"{path}: cannot read the model config ({e})") from e
+    for scope in (config, config.get("text_config") or {}):
+        if isinstance(scope, dict) and isinstance(scope.get("vocab_size"), int):
+            return int(scope["vocab_size"])
+    return None
 
 
 class Tokenizer:

@@ -129,4 +129,10 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_jpeg", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__jpeg(void) { return PyModule_Create(&module); }
+/* EPD_SOURCE_HASH: the hash of this extension's sources, defined by setup.py (epd_common/native.py
+   compares it with the tree at import, so a stale build is not used). */
+PyMODINIT_FUNC PyInit__jpeg(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddStringConstant(m, "SOURCE_HASH", EPD_SOURCE_HASH) < 0) Py_CLEAR(m);
+    return m;
+}

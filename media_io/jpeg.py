@@ -32,14 +32,12 @@ from typing import NamedTuple
 import numpy as np
 from PIL import Image
 
+from epd_common import native
 from media_io.config import MediaLimits
 from media_io.image import SizeHint, image_format, open_header, orientation
 
-_kernel: ModuleType | None
-try:  # built by `pip install` when libjpeg's headers are present
-    import media_io._jpeg as _kernel
-except ImportError:  # pragma: no cover - depends on the build
-    _kernel = None
+# Built by `pip install` when libjpeg's headers are present; None when missing or stale.
+_kernel: ModuleType | None = native.load("media_io._jpeg")
 
 JPEG_KERNEL_AVAILABLE = _kernel is not None
 

@@ -199,10 +199,14 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_patchify", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
+/* EPD_SOURCE_HASH: the hash of this extension's sources, defined by setup.py (epd_common/native.py
+   compares it with the tree at import, so a stale build is not used). */
 PyMODINIT_FUNC PyInit__patchify(void) {
 #ifdef HAVE_X86_SIMD
     __builtin_cpu_init();
     use_sse41 = __builtin_cpu_supports("sse4.1");
 #endif
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddStringConstant(m, "SOURCE_HASH", EPD_SOURCE_HASH) < 0) Py_CLEAR(m);
+    return m;
 }

@@ -36,13 +36,12 @@ from typing import Literal, NamedTuple
 import numpy as np
 import torch
 
+from epd_common import native
 from media_io.config import PreprocessConfig
 
-_c_kernel: ModuleType | None
-try:  # the C kernel (built by `pip install`); without it the numpy path gives the same bits
-    import media_io.preprocess._patchify as _c_kernel
-except ImportError:  # pragma: no cover - depends on the build
-    _c_kernel = None
+# The C kernel (built by `pip install`); None when missing or stale, and then the numpy path gives
+# the same bits.
+_c_kernel: ModuleType | None = native.load("media_io.preprocess._patchify")
 
 Impl = Literal["auto", "c", "numpy", "torch"]
 

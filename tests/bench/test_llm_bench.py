@@ -1,5 +1,6 @@
 """A ``--quick`` smoke run of bench.llm: it finishes, the engine's greedy outputs equal transformers'
-token for token, and the summary carries both baselines and the target verdicts."""
+token for token, the summary carries both baselines and the target verdicts, and no round finds
+its prompts in the engine's prefix cache."""
 
 from __future__ import annotations
 
@@ -30,3 +31,5 @@ def test_quick_run_writes_summary(tmp_path: Path) -> None:
     assert s["target_speedup"] == TARGET_SPEEDUP
     assert s["meets_target_vs_batched"] == (s["speedup_vs_transformers"] >= TARGET_SPEEDUP)
     assert s["torch_threads"] == usable_cores()  # by default both sides get one thread per core
+    # The warm-up's prompts are not the rounds' prompts: no round is served from the prefix cache.
+    assert s["engine_cached_prompt_tokens_per_round"] == [0]

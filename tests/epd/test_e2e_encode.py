@@ -135,7 +135,17 @@ def test_embeddings_as_safetensors(epd_server: ServeProcess, media: Media) -> No
 
 def test_operational_routes(epd_server: ServeProcess) -> None:
     url = epd_server.url
-    assert http_json("GET", f"{url}/health") == (200, {"status": "ok"})
+    status, health = http_json("GET", f"{url}/health")
+    assert status == 200 and health["status"] == "ok"
+    # Every role says what runs its hot steps; this build has every C kernel and Pillow-SIMD.
+    (encoder,) = health["paths"]["encoders"].values()
+    assert encoder["jpeg_decode"].startswith("libjpeg") and encoder["patchify"].startswith("C kernel")
+    assert encoder["resize"].startswith("Pillow-SIMD")
+    assert health["paths"]["llm"]["decoder_layer"].startswith("one C call per layer")
+    assert health["fallbacks"] == []
+    # ... and the start banner said the same.
+    assert "  llm: decoder_layer=one C call per layer" in "".join(epd_server.log)
+    assert "WARNING slower fallback" not in "".join(epd_server.log)
     status, ready = http_json("GET", f"{url}/ready")
     assert status == 200 and ready["ready"] is True
     assert ready["encoders_up"] == ready["encoders"] == 1 and ready["engine_up"] is True

@@ -2,8 +2,8 @@
 computes on the same inputs.
 
 One server for the module, started with ``--encoder-model`` (a tiny random Qwen2.5-VL checkpoint) and
-``--llm-model`` (a tiny random MiMo-V2-Flash checkpoint, which has no tokenizer.json: the ingress must
-fall back to the byte-level default tokenizer and still start).
+``--llm-model`` (a tiny random MiMo-V2-Flash checkpoint with the byte-level tokenizer.json beside it).
+The same checkpoint without its tokenizer.json must not start at all: the error names the file.
 
 - ``/v1/encode?embeddings=true`` equals Qwen2VLImageProcessor + Qwen2_5_VisionTransformerPretrainedModel
   on the same image bytes (relative error <= 1e-3: different resize code paths feed the same model).
@@ -14,6 +14,9 @@ fall back to the byte-level default tokenizer and still start).
 from __future__ import annotations
 
 import io
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,8 +27,10 @@ from PIL import Image
 
 from tests.encoder.hf_fixtures import hf_vision_model, save_hf_full_model
 from tests.epd.conftest import (
+    REPO,
     ServeProcess,
     embedding_of,
+    free_port,
     http_json,
     image_bytes,
     photo,
@@ -50,7 +55,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def fidelity_server(checkpoints: tuple[Path, Path]) -> Iterator[ServeProcess]:
     vision_dir, mimo_dir = checkpoints
-    assert not (mimo_dir / "tokenizer.json").exists()
     server = start_serve(
         ["--encoder-model", str(vision_dir), "--llm-model", str(mimo_dir), "--llm-served-model-name", "tiny"]
     )
@@ -153,3 +157,21 @@ def test_chat_with_an_image_on_the_real_checkpoints(fidelity_server: ServeProces
     assert status == 200, body
     assert body["usage"]["completion_tokens"] == 4
     assert body["usage"]["image_tokens"] == 4  # 64x64 -> 56x56 -> 4x4 patches -> 2x2 merged
+
+
+def test_checkpoint_without_tokenizer_fails_at_start(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
+    """No silent byte-level fallback for a user's checkpoint: `epd serve` exits before starting any
+    role, and says which file is missing."""
+    _, mimo_dir = checkpoints
+    bare = tmp_path / "no-tokenizer"
+    shutil.copytree(mimo_dir, bare, ignore=shutil.ignore_patterns("tokenizer.json"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "epd.cli", "serve", "--port", str(free_port()), "--llm-model", str(bare)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"epd serve: {bare / 'tokenizer.json'} not found" in proc.stderr
+    assert "epd serving on" not in proc.stdout  # nothing was announced, no child was started

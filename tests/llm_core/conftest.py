@@ -2,7 +2,8 @@
 
 The checkpoint is the reference for every parity test in llm_core (model, engine): it is written once
 per test session by ``MiMoV2FlashForCausalLM.save_pretrained`` (so the on-disk layout is exactly what
-transformers writes: per-expert MLP weights, ``attention_sink_bias``), with shapes chosen so that
+transformers writes: per-expert MLP weights, ``attention_sink_bias``), beside the byte-level
+``tokenizer.json`` (a checkpoint directory must ship one), with shapes chosen so that
 
 - both layer types appear several times (7 layers: 0 and 5 full attention, the rest sliding window),
 - prompts of a few dozen tokens exceed the window (``sliding_window = 8``),
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from llm_core.checkpoint import LoadedLLM, load_llm
+from llm_core.tokenizer import save_default_tokenizer
 
 # Tiny matmuls gain nothing from intra-op threads, and on a loaded machine the thread hand-off costs
 # ~100x the work itself; one thread keeps these tests fast and their timing stable.
@@ -57,8 +59,10 @@ TINY_MIMO_CONFIG: dict[str, Any] = {
 TINY_MIMO_SEED = 1234
 
 
-def build_tiny_mimo(out_dir: Path) -> Path:
-    """Write the tiny random checkpoint (config.json + model.safetensors) into ``out_dir``."""
+def build_tiny_mimo(out_dir: Path, tokenizer: bool = True) -> Path:
+    """Write the tiny random checkpoint (config.json + model.safetensors) into ``out_dir``, with the
+    byte-level tokenizer as its ``tokenizer.json`` (its 263 ids fit the 512 embedding rows) unless
+    ``tokenizer`` is False."""
     from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
 
     torch.manual_seed(TINY_MIMO_SEED)
@@ -76,6 +80,8 @@ def build_tiny_mimo(out_dir: Path) -> Path:
                 buf.copy_(torch.randn(buf.shape, generator=gen) * 0.05)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
+    if tokenizer:
+        save_default_tokenizer(out_dir)
     return out_dir
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from llm_core.tokenizer import (
     SPECIAL_TOKENS,
     ChatTemplateError,
     Tokenizer,
+    TokenizerError,
     build_default_tokenizer,
     load_tokenizer,
     save_default_tokenizer,
@@ -54,9 +56,33 @@ def test_save_and_load(tmp_path: Path) -> None:
     loaded = load_tokenizer(tmp_path)
     text = "héllo <|im_start|> wörld 🙂"
     assert loaded.encode(text) == TOK.encode(text)
-    # Without a tokenizer.json the default is used.
-    assert load_tokenizer(tmp_path / "missing").encode(text) == TOK.encode(text)
+    # Only the embedded default (no directory) gets the byte-level tokenizer.
     assert load_tokenizer(None).encode(text) == TOK.encode(text)
+
+
+def test_directory_without_tokenizer_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 512}))
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json not found") as exc:
+        load_tokenizer(tmp_path)
+    assert str(tmp_path / "tokenizer.json") in str(exc.value)
+
+
+def test_unparsable_tokenizer_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match="not a valid tokenizers file"):
+        load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_tokenizer_larger_than_the_embedding_is_an_error(tmp_path: Path, nested: bool) -> None:
+    save_default_tokenizer(tmp_path)  # ids 0..262
+    rows = {"vocab_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": rows} if nested else rows))
+    with pytest.raises(TokenizerError, match=r"ids up to 262 .* declares vocab_size 256"):
+        load_tokenizer(tmp_path)
+    # One row per id is enough.
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 263}))
+    assert load_tokenizer(tmp_path).vocab_size == 263
 
 
 def test_chat_template_with_media_runs() -> None:

@@ -48,6 +48,30 @@ def test_bench_preprocess_quick_smoke(tmp_path: Path) -> None:
     latency = {r["method"] for r in doc["results"] if r["phase"] == "latency"}
     assert latency == {"transformers", "transformers-pil", "cpu", "cpu-nodraft", "dali"}
     throughput = [r for r in doc["results"] if r["phase"] == "throughput"]
-    assert {r["method"] for r in throughput} >= {"transformers", "transformers batch", "cpu", "cpu 1 thread"}
-    # Every ratio is against the fastest transformers row, which therefore reads 1.0.
-    assert max(r["speedup"] for r in throughput if r["method"].startswith("transformers")) == 1.0
+    assert {r["method"] for r in throughput} >= {
+        "transformers",
+        "transformers batch",
+        "transformers pool",
+        "transformers-pil pool",
+        "cpu",
+        "cpu 1 thread",
+        "floor: decode+resize",
+    }
+    # Every ratio is against the fastest transformers row, which therefore reads 1.0, and that
+    # row is the one the summary names.
+    fastest = max(
+        (r for r in throughput if r["method"].startswith("transformers")), key=lambda r: r["images_per_s"]
+    )
+    assert fastest["speedup"] == 1.0
+    assert summary["throughput_baseline_by_size"] == {fastest["size"]: fastest["method"]}
+    # The floor row's time is the unit of the floor column, and the summary's ratio is ours over it.
+    (floor,) = [r for r in throughput if r["method"] == "floor: decode+resize"]
+    (cpu,) = [r for r in throughput if r["method"] == "cpu"]
+    assert floor["x_floor_time"] == 1.0
+    assert summary["floor_ratio"] == pytest.approx(
+        floor["images_per_s"]
+        / max(
+            cpu["images_per_s"], next(r["images_per_s"] for r in throughput if r["method"] == "cpu 1 thread")
+        )
+    )
+    assert summary["meets_target"] == all(summary["meets_target_by_size"].values())

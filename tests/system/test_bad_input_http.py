@@ -156,7 +156,7 @@ def test_malformed_requests_get_documented_errors(svc: ServeProcess) -> None:
     check_error(request("GET", encode), 405)
 
     # Still healthy and serving.
-    assert request("GET", f"{url}/health").body == {"status": "ok"}
+    assert request("GET", f"{url}/health").body["status"] == "ok"
     assert request("GET", f"{url}/ready").status == 200
     reply = request("POST", encode, *multipart([("ok.png", unique_png(), "image/png")]))
     assert reply.status == 200, reply.body
