@@ -23,7 +23,9 @@ from setuptools import Extension, setup
 # The files each extension is built from live in one table (epd_common/native.py), which the
 # runtime uses too: every build embeds their hash (EPD_SOURCE_HASH, exported as SOURCE_HASH), so
 # a stale .so left from older sources is detected at import and not used.
-_spec = importlib.util.spec_from_file_location("_epd_native", Path(__file__).parent / "epd_common" / "native.py")
+_spec = importlib.util.spec_from_file_location(
+    "_epd_native", Path(__file__).parent / "epd_common" / "native.py"
+)
 assert _spec is not None and _spec.loader is not None
 native = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(native)

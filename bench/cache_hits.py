@@ -1,6 +1,7 @@
 """Embedding-cache hit rate: consistent hashing + node-shared caches vs round-robin + per-worker caches.
 
-    python -m bench.cache_hits [--requests 20000] [--media 10000] [--json PATH] [--quick]
+    python -m bench.cache_hits [--requests 20000] [--media 10000] [--round-trip-reps 200]
+                               [--json PATH] [--quick]
 
 A Zipf(alpha) stream of media requests goes to 4 encoder workers on 2 simulated nodes. Every
 configuration has the same total cache bytes:
@@ -11,14 +12,27 @@ configuration has the same total cache bytes:
     ring + worker cache          attribution: routing alone
     rr + node cache              attribution: sharing alone
 
-Everything is real but the encode: the real MediaKey, the real EncoderRouter ring and real
-EmbedCache directories (temporary roots), so eviction, headers and the byte budget all apply.
-A miss "encodes" by writing a deterministic tensor. Round-robin spreads each key over every
-worker, so each small cache holds copies of the same popular items; the ring partitions keys,
-so the whole budget holds distinct items.
+In a steady stream the gain is the ring's: round-robin spreads each key over every worker, so
+each small cache holds copies of the same popular items, while the ring partitions keys, so the
+whole budget holds distinct items, and once keys are partitioned a node cache of total/2 over two
+workers' keys holds what two total/4 caches hold. The node cache's own value shows elsewhere, and
+the benchmark measures it too:
 
-A second part times reading one cached 1 MiB embedding (get + touch every page via sum) against
-a copying read of the same file and against summing an in-memory tensor.
+    churn     a worker dies / joins mid-stream (the real router's mark_down / set_workers): the
+              hit rate over the next requests, node caches vs per-worker caches (cache_churn.py)
+    ingress   the real MediaPipeline serves the stream: the share of requests the ingress answers
+              from its node cache without calling a worker, and the time of such a hit against a
+              real worker's round trip on loopback (cache_ingress.py). The ingress also copies
+              remote workers' embeddings into its node's cache, so end to end fewer requests
+              skip the encode than the worker-only "ring + node cache" row says; both are printed.
+
+Real: MediaKeys, the EncoderRouter ring, EmbedCache directories on tmpfs (eviction, headers and
+the byte budget all apply), the ingress pipeline, and in the round trip an `epd encoder` process.
+Simulated: the encode (a miss writes a deterministic tensor of the item's size), the workers
+behind the stream's pipeline (no HTTP) and the transfer of a remote embedding.
+
+A last part times reading one cached 1 MiB embedding (get + touch every page via sum) against a
+copying read of the same file and against summing an in-memory tensor.
 """
 
 from __future__ import annotations
@@ -30,11 +44,22 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
+from bench.cache_churn import run_churn
+from bench.cache_ingress import run_ingress_stream, time_round_trip
+from bench.cache_report import churn_summary, print_churn, print_ingress, print_round_trip
+from bench.cache_sim import (
+    WORKERS,
+    CacheSet,
+    Workload,
+    item_tokens,
+    make_workload,
+    serve,
+    zipf_stream,
+)
 from bench.common import (
     add_common_args,
     format_machine,
@@ -45,13 +70,9 @@ from bench.common import (
     write_json,
 )
 from encoder.embed_cache import EmbedCache
-from encoder.media_key import media_key
 from encoder.router import EncoderRouter, WorkerSpec
-from media_io.config import PreprocessConfig
 
-WORKERS = [f"http://node{n}-enc{w}:8001" for n in range(2) for w in range(2)]
-NODE_OF = {url: i // 2 for i, url in enumerate(WORKERS)}
-HIDDEN = 128  # float16 embeddings: 256 B per token
+__all__ = ["item_tokens", "main", "zipf_stream"]  # the stream helpers moved to cache_sim.py
 
 
 class SimResult(NamedTuple):
@@ -67,52 +88,43 @@ class SimResult(NamedTuple):
         return self.hits / self.requests
 
 
-def zipf_stream(n_media: int, n_requests: int, alpha: float, seed: int) -> np.ndarray:
-    """Item ids drawn with P(rank k) ~ 1 / k^alpha (ranks shuffled over the ids)."""
-    rng = np.random.default_rng(seed)
-    p = 1.0 / np.arange(1, n_media + 1, dtype=np.float64) ** alpha
-    ranks = rng.choice(n_media, size=n_requests, p=p / p.sum())
-    return rng.permutation(n_media)[ranks]
+class Attribution(NamedTuple):
+    """Where the gain over the baseline comes from (relative hit-rate gains)."""
+
+    total: float  # ring + node cache vs the baseline
+    routing_alone: float  # ring + worker caches vs the baseline
+    sharing_alone: float  # round-robin + node cache vs the baseline
+    sharing_on_ring: float  # ring + node cache vs ring + worker caches
+    routing_share: float  # share of the gained hit-rate points that routing alone reaches
 
 
-def item_tokens(n_media: int, seed: int) -> np.ndarray:
-    """Tokens per item: images of 64..1024 tokens (log-uniform), as a Qwen2-VL mix would give."""
-    rng = np.random.default_rng(seed + 1)
-    return np.exp(rng.uniform(np.log(64), np.log(1024), size=n_media)).astype(np.int64)
+def attribute(sims: list[SimResult]) -> Attribution:
+    ours, base, ring_w, rr_node = (r.hit_rate for r in sims)
+
+    def rel(a: float, b: float) -> float:
+        return a / b - 1 if b else float("inf")
+
+    gained = ours - base
+    return Attribution(
+        total=rel(ours, base),
+        routing_alone=rel(ring_w, base),
+        sharing_alone=rel(rr_node, base),
+        sharing_on_ring=rel(ours, ring_w),
+        routing_share=(ring_w - base) / gained if gained else float("nan"),
+    )
 
 
-def simulate(
-    name: str,
-    keys: list[str],
-    tokens: np.ndarray,
-    stream: np.ndarray,
-    route: Callable[[int, str], str],
-    cache_for: Callable[[str], EmbedCache],
-) -> SimResult:
-    hits = encodes = 0
+def simulate(w: Workload, route: Callable[[int, str], str], caches: CacheSet) -> tuple[int, float]:
+    """Hits and seconds for ``w``'s stream routed by ``route``."""
+    hits = 0
     t0 = time.perf_counter()
-    for i, item in enumerate(stream):
-        key = keys[item]
-        cache = cache_for(route(i, key))
-        if cache.get(key) is not None:
-            hits += 1
-            continue
-        encodes += 1
-        emb = torch.full((int(tokens[item]), HIDDEN), float(item % 251), dtype=torch.float16)
-        cache.put(key, emb, [(1, 2, 2 * int(tokens[item]))], "image")
-    seconds = time.perf_counter() - t0
-    return SimResult(name, len(stream), hits, encodes, -1, seconds)
+    for i, item in enumerate(w.stream):
+        key = w.keys[item]
+        hits += serve(caches[route(i, key)], key, int(item), int(w.tokens[item]))
+    return hits, time.perf_counter() - t0
 
 
-def run_hit_rates(args: argparse.Namespace, base: Path) -> list[SimResult]:
-    cfg = PreprocessConfig()
-    keys = [media_key(f"media-{i}".encode(), "image", cfg, "bench-fingerprint") for i in range(args.media)]
-    tokens = item_tokens(args.media, args.seed)
-    stream = zipf_stream(args.media, args.requests, args.alpha, args.seed)
-    mean_entry = 4096 + float(tokens.mean()) * HIDDEN * 2
-    # Every per-worker cache (total / 4) must hold a few of the largest entries, even in tiny runs.
-    largest = 4096 + int(tokens.max()) * HIDDEN * 2
-    total = max(int(args.cache_fraction * args.media * mean_entry), 4 * 4 * largest)
+def run_hit_rates(w: Workload, base: Path) -> list[SimResult]:
     router = EncoderRouter([WorkerSpec(u) for u in WORKERS])
 
     def ring(i: int, key: str) -> str:
@@ -130,21 +142,15 @@ def run_hit_rates(args: argparse.Namespace, base: Path) -> list[SimResult]:
             ("rr + node cache", round_robin, True),
         ]
     ):
-        caches: dict[str, EmbedCache] = {}
+        caches = CacheSet(w.total_bytes, shared, base / f"cfg{cfg_i}")
         for url in WORKERS:
-            group = f"node{NODE_OF[url]}" if shared else url.split("//")[1].split(":")[0]
-            if group not in caches:
-                budget = total // 2 if shared else total // 4
-                caches[group] = EmbedCache("bench", capacity_bytes=budget, root=base / f"cfg{cfg_i}" / group)
-            caches[url] = caches[group]
-
-        r = simulate(name, keys, tokens, stream, route, caches.__getitem__)
-        evictions = sum(c.stats().evictions for g, c in caches.items() if not g.startswith("http"))
-        results.append(r._replace(evictions=evictions))
-        for g, c in caches.items():
-            if not g.startswith("http"):
-                assert c.stats().used_bytes <= c.capacity_bytes
-                c.close()
+            caches.add(url)
+        try:
+            hits, seconds = simulate(w, route, caches)
+            n = len(w.stream)
+            results.append(SimResult(name, n, hits, n - hits, caches.evictions(), seconds))
+        finally:
+            caches.close()
     return results
 
 
@@ -180,6 +186,26 @@ def run_read_latency(args: argparse.Namespace, base: Path) -> dict[str, list[flo
     return out
 
 
+def print_hit_rates(args: argparse.Namespace, sims: list[SimResult], a: Attribution, machine: str) -> None:
+    ours, baseline, ring_w, rr_node = sims
+    caption = (
+        f"Where the {a.total:+.1%} comes from: routing alone ({ring_w.name}) {a.routing_alone:+.1%}; "
+        f"sharing alone ({rr_node.name}) {a.sharing_alone:+.1%}; the node cache on top of the ring "
+        f"{a.sharing_on_ring:+.1%} ({ours.hit_rate:.3f} vs {ring_w.hit_rate:.3f}). Routing reaches "
+        f"{a.routing_share:.0%} of the gained hit-rate points: in a steady stream the gain is the "
+        "ring's. The node cache's own value is under churn and at the ingress (below).\n" + machine
+    )
+    print_table(
+        f"hit rate: Zipf({args.alpha}) over {args.media} media, {args.requests} requests, 4 workers on 2 nodes",
+        ["config", "hit rate", "encodes", "evictions", "vs baseline", "sim s"],
+        [
+            [r.name, r.hit_rate, r.encodes, r.evictions, r.hit_rate / baseline.hit_rate, r.seconds]
+            for r in sims
+        ],
+        caption=caption,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser)
@@ -193,53 +219,85 @@ def main(argv: list[str] | None = None) -> int:
         help="total cache bytes as a fraction of all items' bytes",
     )
     parser.add_argument("--latency-reps", type=int, default=300)
+    parser.add_argument(
+        "--round-trip-reps",
+        type=int,
+        default=200,
+        help="rounds of ingress hit vs worker round trip (starts one `epd encoder`; 0 skips it)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.media, args.latency_reps = 2000, 1000, 30
+        args.round_trip_reps = min(args.round_trip_reps, 20)
     torch.manual_seed(args.seed)
     # One thread: small fills and sums only; a 2-core machine shared with other jobs makes
     # OpenMP's spinning threads the bottleneck otherwise.
     torch.set_num_threads(1)
+    # Churn: warm over the first half of the stream, count the next quarter.
+    churn_at, churn_window = args.requests // 2, max(args.requests // 4, 1)
     base = Path(
         tempfile.mkdtemp(prefix="epd-bench-cache-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     )
     try:
-        sims = run_hit_rates(args, base)
+        w = make_workload(args.media, args.requests, args.alpha, args.seed, args.cache_fraction)
+        sims = run_hit_rates(w, base)
+        churn = run_churn(w, base, churn_at, churn_window)
+        ingress = run_ingress_stream(w, base / "ingress")
+        rt = time_round_trip(base, args.round_trip_reps, args.seed) if args.round_trip_reps > 0 else None
         lat = run_read_latency(args, base)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
     info = machine_info()
+    machine = format_machine(info)
     ours, baseline = sims[0], sims[1]
-    gain = ours.hit_rate / baseline.hit_rate - 1 if baseline.hit_rate else float("inf")
-    print_table(
-        f"hit rate: Zipf({args.alpha}) over {args.media} media, {args.requests} requests, 4 workers on 2 nodes",
-        ["config", "hit rate", "encodes", "evictions", "vs baseline", "sim s"],
-        [
-            [r.name, r.hit_rate, r.encodes, r.evictions, r.hit_rate / baseline.hit_rate, r.seconds]
-            for r in sims
-        ],
-        caption=format_machine(info),
-    )
+    a = attribute(sims)
+    print_hit_rates(args, sims, a, machine)
+    print_churn(churn, churn_at, machine)
+    print_ingress(ingress, ours.hit_rate, baseline.hit_rate, machine)
+    if rt is not None:
+        print_round_trip(rt, machine)
     lat_p = {name: percentiles(v) for name, v in lat.items()}
     base_p50 = lat_p["read file into buffer + sum"].p50
     print_table(
         "reading a cached 1 MiB embedding",
         ["path", "P50 ms", "P90 ms", "P99 ms", "P50 vs copy"],
         [[n, p.p50 * 1e3, p.p90 * 1e3, p.p99 * 1e3, p.p50 / base_p50] for n, p in lat_p.items()],
-        caption=format_machine(info),
+        caption=machine,
     )
     cached_p = lat_p["cache.get + sum (mmap, zero-copy)"]
-    summary = {
+    summary: dict[str, Any] = {
         "hit_rate_ours": ours.hit_rate,
         "hit_rate_baseline": baseline.hit_rate,
-        "hit_rate_gain": gain,
+        "hit_rate_gain": a.total,
         "encodes_saved": baseline.encodes - ours.encodes,
+        "hit_rate_ring_worker_cache": sims[2].hit_rate,
+        "hit_rate_rr_node_cache": sims[3].hit_rate,
+        "attribution": a._asdict(),
+        "churn": churn_summary(churn, churn_at),
+        "ingress_hit_fraction": ingress.ingress_hit_fraction,
+        "ingress": {
+            **ingress._asdict(),
+            "worker_hit_fraction": ingress.worker_hit_fraction,
+            "no_encode_fraction": ingress.no_encode_fraction,
+            "no_encode_gain_vs_baseline": ingress.no_encode_fraction / baseline.hit_rate - 1,
+        },
         "read_1mib_p50_ms": cached_p.p50 * 1e3,
         "read_1mib_p99_ms": cached_p.p99 * 1e3,
         "read_1mib_p50_vs_copy": cached_p.p50 / base_p50,
     }
-    print(f"hit_rate_gain (relative) = {gain:+.1%}")
+    if rt is not None:
+        summary["round_trip"] = {
+            "body_bytes": rt.body_bytes,
+            "ingress_hit_p50_ms": rt.ingress_hit_s.p50 * 1e3,
+            "worker_round_trip_p50_ms": rt.worker_hit_s.p50 * 1e3,
+            "worker_vs_ingress_p50": rt.worker_hit_s.p50 / rt.ingress_hit_s.p50,
+        }
+    print(
+        f"hit_rate_gain (relative) = {a.total:+.1%}: routing alone {a.routing_alone:+.1%}, "
+        f"the node cache on top of the ring {a.sharing_on_ring:+.1%}; "
+        f"ingress_hit_fraction = {ingress.ingress_hit_fraction:.3f}"
+    )
     write_json(
         args.json,
         summary=summary,
@@ -247,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         config=vars(args),
         results={
             "hit_rates": [{**r._asdict(), "hit_rate": r.hit_rate} for r in sims],
+            "churn": [{**r._asdict(), "hit_rate": r.hit_rate} for r in churn],
             "read_latency_s": {n: p._asdict() for n, p in lat_p.items()},
         },
     )

@@ -233,7 +233,59 @@ def test_threads_of_one_process_share_the_lock_safely(root: Path) -> None:
     assert cache.verify().ok and cache.stats().used_bytes == dir_bytes(root)
 
 
-def test_close_twice_is_a_no_op(tmp_path) -> None:
-    cache = EmbedCache(namespace="close-twice", root=tmp_path / "c")
+def open_files_under(root: Path) -> list[str]:
+    """Paths (relative to ``root``) of this process's open descriptors on files under ``root``."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = Path(os.readlink(f"/proc/self/fd/{name}"))
+        except FileNotFoundError:  # the listing's own descriptor, closed by now
+            continue
+        if target.is_relative_to(root):
+            out.append(str(target.relative_to(root)))
+    return sorted(out)
+
+
+def mapped(path: Path) -> bool:
+    """Whether this process maps ``path`` (the index is mmap'ed while a cache is open)."""
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip("\n").endswith(str(path)) for line in f)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_close_releases_everything_and_twice_is_a_no_op(root: Path) -> None:
+    t = torch.arange(8 * 8, dtype=torch.float32).view(8, 8)
+    cache = EmbedCache("t", capacity_bytes=1 << 20, root=root)
+    cache.put(key(0), t, [(1, 2, 32)], "image")
+    view = cache.get(key(0))
+    assert view is not None
+    # Python's mmap keeps a duplicate descriptor of each mapped file: the index and the view's entry.
+    assert open_files_under(root) == sorted(["lock", "index", f"entries/{key(0)}"])
+    assert mapped(root / "index")
     cache.close()
-    cache.close()
+    assert open_files_under(root) == [f"entries/{key(0)}"] and not mapped(root / "index")
+    assert torch.equal(view.tensor, t)  # a view taken before close keeps its own mapping
+    del view
+    assert open_files_under(root) == []
+
+    # A second close must not touch descriptors: the lock's old number is reused by the next open.
+    other = root / "other"
+    with open(other, "w") as f:
+        cache.close()
+        with cache:  # __exit__ closes a third time
+            pass
+        assert os.fstat(f.fileno()).st_ino == os.stat(other).st_ino
+        f.write("still open")
+    assert other.read_text() == "still open" and open_files_under(root) == []
+
+    # Closing released only this process's handles: the entry and the counters stay for the next open.
+    with EmbedCache("t", root=root) as reopened:
+        got = reopened.get(key(0))
+        assert got is not None and torch.equal(got.tensor, t)
+        assert reopened.stats().entries == 1 and reopened.stats().inserts == 1
+        del got
+    read_only = EmbedCache("t", root=root, read_only=True)
+    assert read_only.stats().hits == 2 and open_files_under(root) == ["index"]
+    read_only.close()
+    read_only.close()
+    assert open_files_under(root) == [] and not mapped(root / "index")

@@ -1,9 +1,16 @@
 """End-to-end parity with transformers' Qwen2VLVideoProcessor.
 
-Reference: every frame decoded to RGB with PyAV at the source size (what transformers' own PyAV
-loader does), then ``Qwen2VLVideoProcessor(do_sample_frames=True, fps=2, cap_pixels_per_frame=True)``.
-Ours: ``decode_video`` (sampled frames only, resized in the decoder) then the cpu preprocessing
-backend. Same indices, same grid, pixel_values within mean |diff| <= 0.01 and max |diff| <= 0.15.
+Reference: every frame decoded to RGB with PyAV at the source size, then
+``Qwen2VLVideoProcessor(do_sample_frames=True, fps=2, cap_pixels_per_frame=True)``, which picks
+the sampled frames from that array itself (so its own ``sample_frames`` is what our indices are
+checked against). transformers' own PyAV loader (``transformers.video_utils.read_video_pyav``,
+what ``load_video(backend="pyav")`` calls) does less work for the same frames: with PyAV's
+default decoder settings (slice threading) it decodes from the start only up to the last
+sampled index, keeps the sampled ``av.VideoFrame`` objects and converts only those to RGB
+(``to_ndarray(format="rgb24")``) at the end; ``test_transformers_pyav_loader_keeps_the_reference_frames``
+checks that its frames are the reference's. Ours: ``decode_video`` (sampled frames only, resized
+in the decoder) then the cpu preprocessing backend. Same indices, same grid, pixel_values within
+mean |diff| <= 0.01 and max |diff| <= 0.15.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
-from transformers.video_utils import VideoMetadata
+from transformers.video_utils import VideoMetadata, read_video_pyav
 
 from bench.video_factory import make_clip, make_vfr_clip
 from media_io.config import PreprocessConfig
@@ -23,7 +30,8 @@ from media_io.preprocess import get_backend
 from media_io.video import decode_video
 
 
-def _reference(data: bytes, max_video_tokens: int) -> tuple[list[int], torch.Tensor, tuple[int, int, int]]:
+def _decode_all(data: bytes) -> tuple[VideoMetadata, np.ndarray]:
+    """The clip's metadata as transformers' loader reads it, and every frame: [N, H, W, 3] RGB."""
     with av.open(io.BytesIO(data)) as container:
         stream = container.streams.video[0]
         meta = VideoMetadata(
@@ -34,6 +42,11 @@ def _reference(data: bytes, max_video_tokens: int) -> tuple[list[int], torch.Ten
             width=stream.width,
         )
         full = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(stream)])  # [N, H, W, 3]
+    return meta, full
+
+
+def _reference(data: bytes, max_video_tokens: int) -> tuple[list[int], torch.Tensor, tuple[int, int, int]]:
+    meta, full = _decode_all(data)
     ref = Qwen2VLVideoProcessor(max_video_tokens=max_video_tokens)
     indices = [int(i) for i in ref.sample_frames(meta, fps=2.0).tolist() if i < len(full)]
     out = ref(
@@ -80,3 +93,19 @@ def test_pixel_values_match_the_reference(case: str, workers: int) -> None:
     diff = (patches.pixel_values - ref_pixels).abs()
     assert diff.mean().item() <= 0.01
     assert diff.max().item() <= 0.15
+
+
+@pytest.mark.parametrize("case", ["upscale-320x240", "vfr-320x240"])
+def test_transformers_pyav_loader_keeps_the_reference_frames(case: str) -> None:
+    data = CASES[case][0]()
+    meta, full = _decode_all(data)
+    processor = Qwen2VLVideoProcessor()
+    indices = [int(i) for i in processor.sample_frames(meta, fps=2.0).tolist() if i < len(full)]
+
+    def sample(metadata: VideoMetadata, **kwargs: object) -> np.ndarray:
+        return np.asarray(processor.sample_frames(metadata, fps=2.0))
+
+    loaded, loaded_meta = read_video_pyav(io.BytesIO(data), sample_indices_fn=sample)  # type: ignore[arg-type]
+    assert len(indices) < len(full)  # the case samples: the loader must leave frames out
+    assert loaded_meta.total_num_frames == len(full)
+    np.testing.assert_array_equal(loaded, full[indices])
