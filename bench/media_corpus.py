@@ -57,7 +57,7 @@ class CorpusItem(NamedTuple):
 
 def default_corpus_dir() -> Path:
     """Where generated media is cached: ``$EPD_HOME/bench-media`` (default ~/.cache/epd/bench-media)."""
-    from epd.settings import epd_home
+    from epd_common.settings import epd_home
 
     return epd_home() / "bench-media"
 

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from encoder.config import VisionConfig
 from encoder.model import VisionTransformer
 from encoder.rope import rope_inv_freq
-from epd.settings import default_checkpoint_dir, epd_home
+from epd_common.settings import default_checkpoint_dir, epd_home
 
 FULL_MODEL_TYPE = "qwen2_5_vl"
 VISION_MODEL_TYPE = "qwen2_5_vl_vision"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from epd.runtime import DTYPES, check_dtype, resolve_device
+from epd_common.runtime import DTYPES, check_dtype, resolve_device
 from media_io.config import MediaLimits, PreprocessConfig
 
 

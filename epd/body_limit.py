@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from epd.errors import APIError, error_response
+from epd_common.errors import APIError, error_response
 
 DRAIN_BYTES = 16 * 1024 * 1024
 

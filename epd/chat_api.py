@@ -19,10 +19,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from epd.encode_api import read_json
-from epd.errors import APIError, error_body, overloaded, unprocessable
 from epd.ingress import Ingress
 from epd.media_pipeline import EncodedItem
 from epd.media_request import chat_prompt
+from epd_common.errors import APIError, error_body, overloaded, unprocessable
 
 # Sampling fields forwarded to the engine unchanged; the engine validates their values.
 _SAMPLING_FIELDS = (

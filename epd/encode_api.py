@@ -22,10 +22,10 @@ from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from epd.errors import APIError, bad_request
 from epd.ingress import Ingress
 from epd.media_pipeline import EncodedItem
 from epd.media_request import MediaSource, check_item_count, json_items_sources, upload_source
+from epd_common.errors import APIError, bad_request
 
 _KEY_RE = re.compile(r"^[0-9a-f]{16,128}$")
 

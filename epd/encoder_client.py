@@ -14,7 +14,7 @@ from safetensors.torch import load as load_safetensors
 
 from encoder.embedding_ref import EmbeddingRef
 from encoder.router import WorkerUnavailable
-from epd.errors import APIError
+from epd_common.errors import APIError
 
 
 class EncodeReply:

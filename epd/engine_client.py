@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from epd.errors import APIError
+from epd_common.errors import APIError
 
 
 def engine_unavailable(detail: str) -> APIError:

@@ -16,9 +16,9 @@ from encoder.router import EncoderRouter, WorkerSpec
 from epd.config import IngressConfig
 from epd.encoder_client import EncoderClient
 from epd.engine_client import EngineClient
-from epd.errors import APIError
 from epd.media_pipeline import MediaPipeline
 from epd.metrics import IngressMetrics
+from epd_common.errors import APIError
 from llm_core.tokenizer import Tokenizer, load_tokenizer
 from media_io.fetch import Fetcher
 

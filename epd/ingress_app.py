@@ -17,8 +17,8 @@ from starlette.routing import Route
 from epd import chat_api, encode_api
 from epd.body_limit import BodyLimitMiddleware
 from epd.config import IngressConfig
-from epd.errors import APIError, error_body, error_response
 from epd.ingress import Ingress
+from epd_common.errors import APIError, error_body, error_response
 from media_io.errors import MediaError
 
 Handler = Callable[[Ingress, Request], Awaitable[Response]]
@@ -85,6 +85,9 @@ def build_app(config: IngressConfig) -> Starlette:
     ]
 
     async def on_error(_: Request, exc: Exception) -> Response:
+        if isinstance(exc, MediaError):  # media_io's errors carry their own status and kind
+            body = error_body(exc.status, exc.kind, exc.message, exc.item)
+            return JSONResponse(body, status_code=exc.status)
         return error_response(exc)
 
     async def on_http_error(_: Request, exc: Exception) -> Response:

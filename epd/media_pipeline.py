@@ -22,9 +22,9 @@ from encoder.embedding_ref import EmbeddingRef
 from encoder.media_key import media_key_async
 from encoder.router import AllAttemptsFailed, EncoderRouter, NoWorkerAvailable
 from epd.encoder_client import EncoderClient
-from epd.errors import APIError, bad_request, overloaded
 from epd.media_request import MediaSource
 from epd.metrics import IngressMetrics
+from epd_common.errors import APIError, bad_request, overloaded
 from media_io.config import PreprocessConfig
 from media_io.errors import MediaError
 from media_io.fetch import Fetcher

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from epd.errors import APIError, bad_request, unprocessable
+from epd_common.errors import APIError, bad_request, unprocessable
 
 Modality = Literal["image", "video"]
 

@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from epd.settings import default_checkpoint_dir, epd_home
+from epd_common.settings import default_checkpoint_dir, epd_home
 from llm_core.config import ConfigError, MiMoConfig
 from llm_core.model import MiMoForCausalLM
 from llm_core.moe import TopKRouter

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from encoder.embedding_ref import EmbeddingRef
-from epd.errors import APIError, bad_request
+from epd_common.errors import APIError, bad_request
 from llm_core.sampling import SamplingParams, SamplingParamsError
 from llm_core.tokenizer import Tokenizer
 

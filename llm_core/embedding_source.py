@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from encoder.embedding_ref import EmbeddingRef
-from epd.errors import APIError, bad_request
+from epd_common.errors import APIError, bad_request
 from llm_core.model_runner import MultimodalInput
 
 log = logging.getLogger(__name__)

@@ -28,8 +28,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from epd.errors import APIError, bad_request, error_body, error_response, overloaded
 from epd_common.active_paths import report
+from epd_common.errors import APIError, bad_request, error_body, error_response, overloaded
 from llm_core.active_paths import llm_paths
 from llm_core.completion_request import (
     CompletionRequest,

@@ -2,8 +2,8 @@ import base64
 
 import pytest
 
-from epd.errors import APIError
 from epd.media_request import chat_prompt, json_items_sources, upload_source
+from epd_common.errors import APIError
 
 
 def test_json_items_url_data_and_data_uri() -> None:

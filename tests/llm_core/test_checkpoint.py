@@ -151,7 +151,7 @@ def test_default_checkpoint_uses_epd_home(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_a_changed_default_never_loads_an_older_checkpoint(tmp_path: Path) -> None:
-    from epd.settings import default_checkpoint_dir
+    from epd_common.settings import default_checkpoint_dir
 
     cfg = default_llm_config()
     here = default_checkpoint_dir(tmp_path, "llm", (cfg, 1, 1))

@@ -1,9 +1,10 @@
-"""The service's one error channel towards clients.
+"""The one error channel towards clients, shared by every role's HTTP app.
 
-Everything that came from a request and is wrong raises ``APIError`` (or a ``MediaError`` from
-media_io, which carries its own status); ``error_response`` renders both as
-``{"error": {"type", "message", "param"}}`` with the right status. Internal invariants use
-``assert`` and surface as 500s, never as a client's fault.
+Everything that came from a request and is wrong raises ``APIError``; ``error_response`` renders it
+as ``{"error": {"type", "message", "param", "code"}}`` with its status. Other packages' typed errors
+(media_io's ``MediaError``, which carries its own status) are rendered by the app that knows them,
+with ``error_body``. Internal invariants use ``assert`` and surface as 500s, never as a client's
+fault.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from starlette.responses import JSONResponse
-
-from media_io.errors import MediaError
 
 
 class APIError(Exception):
@@ -61,8 +60,6 @@ def error_response(exc: Exception) -> JSONResponse:
         return JSONResponse(
             error_body(exc.status, exc.type, exc.message, exc.param), status_code=exc.status, headers=headers
         )
-    if isinstance(exc, MediaError):
-        return JSONResponse(error_body(exc.status, exc.kind, exc.message, exc.item), status_code=exc.status)
     return JSONResponse(
         error_body(500, "internal_error", f"internal error: {type(exc).__name__}", None), status_code=500
     )
