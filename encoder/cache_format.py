@@ -4,7 +4,7 @@
 
     offset  size  field
     0       8     magic b"EPDEMBED"
-    8       2     version (1)
+    8       2     version (2)
     10      1     dtype code (DTYPES)
     11      1     modality code (MODALITIES)
     12      4     header_len: payload offset, a multiple of PAGE (the payload is page aligned)
@@ -16,7 +16,8 @@
     52      4     header crc32: over [0, 52) and [64, var_end) (the slot block is excluded)
     56      2     key length      58  2  writer length      60  2  grid count   62  2  reserved (0)
     64      8     SLOT BLOCK: index slot (u32) + reserved; the only bytes written after publish
-    72      ...   key (ascii) | writer (utf-8) | grid_thw as u32 triples
+    72      ...   key (ascii) | writer (utf-8) | grid_thw as u32 triples | seconds_per_grid_t (f64,
+                  NaN for none: a video's seconds per temporal patch, which M-RoPE spaces by)
     ...     pad to header_len
     header_len    payload: the tensor, row-major, little endian
 
@@ -27,12 +28,13 @@ locks or eviction: it only packs and parses bytes.
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from typing import NamedTuple
 
 MAGIC = b"EPDEMBED"
-VERSION = 1
+VERSION = 2  # 2: seconds_per_grid_t after the grid triples
 PAGE = 4096
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -66,6 +68,7 @@ class EntryHeader(NamedTuple):
     header_len: int
     payload_len: int
     payload_crc: int
+    seconds_per_grid_t: float | None = None
 
     @property
     def file_len(self) -> int:
@@ -74,7 +77,7 @@ class EntryHeader(NamedTuple):
 
 def header_len_for(key: str, writer: str, n_grid: int) -> int:
     """Bytes before the payload: the variable part rounded up to a page."""
-    var = len(key.encode("ascii")) + len(writer.encode("utf-8")) + 12 * n_grid
+    var = len(key.encode("ascii")) + len(writer.encode("utf-8")) + 12 * n_grid + 8
     return -(-(_VAR_OFFSET + var) // PAGE) * PAGE
 
 
@@ -88,6 +91,7 @@ def pack_header(
     writer: str,
     created_ns: int,
     payload_crc: int,
+    seconds_per_grid_t: float | None = None,
 ) -> bytes:
     """The header bytes (``header_len`` long) for a payload of ``shape`` ``dtype`` values."""
     key_b, writer_b = key.encode("ascii"), writer.encode("utf-8")
@@ -112,7 +116,8 @@ def pack_header(
         len(grid_thw),
         0,
     )
-    var = key_b + writer_b + b"".join(struct.pack("<III", *g) for g in grid_thw)
+    seconds = math.nan if seconds_per_grid_t is None else float(seconds_per_grid_t)
+    var = key_b + writer_b + b"".join(struct.pack("<III", *g) for g in grid_thw) + struct.pack("<d", seconds)
     crc = zlib.crc32(var, zlib.crc32(fixed[:_CRC_OFFSET]))
     out = bytearray(header_len)
     out[: _FIXED.size] = fixed
@@ -153,7 +158,7 @@ def parse_header(buf: bytes | memoryview, file_len: int) -> EntryHeader:
         raise CorruptEntry(f"unsupported version {version} (this build reads {VERSION})")
     if dtype_c >= len(DTYPES) or mod_c >= len(MODALITIES):
         raise CorruptEntry(f"bad dtype code {dtype_c} or modality code {mod_c}")
-    var_end = _VAR_OFFSET + klen + wlen + 12 * ngrid
+    var_end = _VAR_OFFSET + klen + wlen + 12 * ngrid + 8
     if header_len % PAGE or var_end > header_len or len(buf) < var_end:
         raise CorruptEntry(f"header_len {header_len} does not hold the {var_end}-byte header")
     crc = zlib.crc32(bytes(buf[_VAR_OFFSET:var_end]), zlib.crc32(bytes(buf[:_CRC_OFFSET])))
@@ -170,6 +175,7 @@ def parse_header(buf: bytes | memoryview, file_len: int) -> EntryHeader:
     writer = bytes(buf[pos : pos + wlen]).decode("utf-8")
     pos += wlen
     grid = tuple(struct.unpack_from("<III", buf, pos + 12 * i) for i in range(ngrid))
+    (seconds,) = struct.unpack_from("<d", buf, pos + 12 * ngrid)
     return EntryHeader(
         key=key,
         dtype=dtype,
@@ -181,6 +187,7 @@ def parse_header(buf: bytes | memoryview, file_len: int) -> EntryHeader:
         header_len=header_len,
         payload_len=payload_len,
         payload_crc=pcrc,
+        seconds_per_grid_t=None if math.isnan(seconds) else seconds,
     )
 
 

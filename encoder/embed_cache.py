@@ -203,7 +203,12 @@ class EmbedCache:
     @staticmethod
     def _ref(hdr: EntryHeader) -> EmbeddingRef:
         return EmbeddingRef(
-            key=hdr.key, dtype=hdr.dtype, shape=hdr.shape, grid_thw=hdr.grid_thw, modality=hdr.modality
+            key=hdr.key,
+            dtype=hdr.dtype,
+            shape=hdr.shape,
+            grid_thw=hdr.grid_thw,
+            modality=hdr.modality,
+            seconds_per_grid_t=hdr.seconds_per_grid_t,
         )
 
     # ------------------------------------------------------------------ API
@@ -214,8 +219,10 @@ class EmbedCache:
         grid_thw: Sequence[Sequence[int]],
         modality: str,
         writer: str | None = None,
+        seconds_per_grid_t: float | None = None,
     ) -> EmbeddingRef:
-        """Store ``tensor`` [tokens, hidden] under ``key`` and return its EmbeddingRef.
+        """Store ``tensor`` [tokens, hidden] under ``key`` and return its EmbeddingRef
+        (``seconds_per_grid_t``: a video's seconds per temporal patch, kept in the header).
 
         Entries are immutable: when ``key`` is already cached (another writer won) the existing
         entry stays and its ref is returned. Evicts least recently used entries to stay within
@@ -236,7 +243,14 @@ class EmbedCache:
         writer = (writer or self.writer)[:MAX_WRITER]
         rows, cols = int(tensor.shape[0]), int(tensor.shape[1])
         size = header_len_for(key, writer, len(grid)) + rows * cols * ITEMSIZE[dtype]
-        ref = EmbeddingRef(key=key, dtype=dtype, shape=(rows, cols), grid_thw=grid, modality=modality)
+        ref = EmbeddingRef(
+            key=key,
+            dtype=dtype,
+            shape=(rows, cols),
+            grid_thw=grid,
+            modality=modality,
+            seconds_per_grid_t=seconds_per_grid_t,
+        )
         if size > self.capacity_bytes:
             raise EntryTooLarge(f"put({key}): entry of {size} bytes exceeds capacity {self.capacity_bytes}")
         if path.exists():
@@ -254,6 +268,7 @@ class EmbedCache:
             writer=writer,
             created_ns=now,
             payload_crc=payload_crc(payload),
+            seconds_per_grid_t=seconds_per_grid_t,
         )
         fd, tmp = open_tmp(self._tmp_dir, key)
         try:

@@ -19,6 +19,9 @@ class EmbeddingRef:
     grid_thw: tuple[tuple[int, int, int], ...]  # one (t, h, w) in patches per image or video
     modality: str = "image"  # "image" | "video"
     url: str | None = None  # where to fetch the bytes when not in this node's cache
+    # Video: seconds of the clip per temporal patch (temporal_patch_size / the sampled frame rate);
+    # M-RoPE spaces a video's temporal positions by it. None for images.
+    seconds_per_grid_t: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -42,4 +45,7 @@ class EmbeddingRef:
             grid_thw=tuple((int(g[0]), int(g[1]), int(g[2])) for g in d["grid_thw"]),
             modality=str(d.get("modality", "image")),
             url=d.get("url"),
+            seconds_per_grid_t=None
+            if d.get("seconds_per_grid_t") is None
+            else float(d["seconds_per_grid_t"]),
         )

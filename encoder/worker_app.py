@@ -184,7 +184,7 @@ class EncoderWorker:
     async def _encode_miss(self, data: bytes, modality: str, key: str, item: str | None) -> EncodeOutcome:
         loop = asyncio.get_running_loop()
         timings: dict[str, float] = {}
-        patches = await loop.run_in_executor(
+        patches, seconds_per_grid_t = await loop.run_in_executor(
             self.pool, self._decode_preprocess, data, modality, item, timings
         )
         result = await self.batcher.encode_timed(patches)
@@ -192,7 +192,14 @@ class EncoderWorker:
         timings["forward"] = result.forward_ms
         try:
             ref = await loop.run_in_executor(
-                self.io_pool, self.cache.put, key, result.embedding, [patches.grid_thw], modality, self.writer
+                self.io_pool,
+                self.cache.put,
+                key,
+                result.embedding,
+                [patches.grid_thw],
+                modality,
+                self.writer,
+                seconds_per_grid_t,
             )
         except EntryTooLarge as e:
             raise MediaTooLarge(f"its embedding does not fit the node cache: {e}", item) from e
@@ -202,14 +209,22 @@ class EncoderWorker:
 
     def _decode_preprocess(
         self, data: bytes, modality: str, item: str | None, timings: dict[str, float]
-    ) -> Patches:
-        """Runs in the decode pool. Fills timings["decode"] and timings["preprocess"] (ms)."""
+    ) -> tuple[Patches, float | None]:
+        """Runs in the decode pool. Fills timings["decode"] and timings["preprocess"] (ms). Returns
+        the patches and, for a video, its seconds per temporal patch (M-RoPE's time spacing):
+        temporal_patch_size over the sampled frame rate, (sampled / total frames) x the stream's fps,
+        as transformers' Qwen2.5-VL processor computes ``second_per_grid_ts``."""
         cfg, limits = self.config, self.config.limits
         t0 = time.perf_counter()
+        seconds_per_grid_t = None
         if modality == "video":
             frames = decode_video(data, cfg.preprocess, limits, item=item, workers=cfg.video_decode_workers)
             t1 = time.perf_counter()
             patches = self.backend.video(frames.frames, item)
+            info = frames.info
+            if info.num_frames and info.fps > 0:
+                sampled_fps = len(frames.indices) / info.num_frames * info.fps
+                seconds_per_grid_t = cfg.preprocess.temporal_patch_size / sampled_fps
         else:
             # Bytes straight to patches: the backend decodes at the scale the target needs (JPEG
             # DCT scaling on the CPU, nvJPEG with DALI), so decode and preprocess are one step,
@@ -219,7 +234,7 @@ class EncoderWorker:
         t2 = time.perf_counter()
         timings["decode"] = (t1 - t0) * 1000.0
         timings["preprocess"] = (t2 - t1) * 1000.0
-        return patches
+        return patches, seconds_per_grid_t
 
     def _public(self, ref: EmbeddingRef) -> EmbeddingRef:
         if self.config.public_url:

@@ -1,4 +1,7 @@
-"""Load a MiMo-V2-Flash checkpoint directory (or the embedded default) into MiMoForCausalLM.
+"""Load a language model checkpoint directory (or the embedded default) into MiMoForCausalLM, the
+shared decoder. config.json's architecture picks the family (``llm_core.models``: MiMo-V2-Flash,
+the Qwen2.5-VL family), which parses the config, names the language model's tensors (a vision
+tower's shards are never opened) and gives the rotary position scheme. For MiMo-V2-Flash:
 
 Accepted layouts (config.json + weights):
 
@@ -25,8 +28,9 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -36,7 +40,9 @@ from torch import Tensor
 from epd_common.settings import default_checkpoint_dir, epd_home
 from llm_core.config import ConfigError, MiMoConfig
 from llm_core.model import MiMoForCausalLM
+from llm_core.models import UnknownArchitecture, family_for, mimo_v2_flash
 from llm_core.moe import TopKRouter
+from llm_core.positions import LinearPositions, PositionScheme
 
 DEFAULT_SEED = 20260101
 # Bump when the default's generation (init_random_weights, the tokenizer) changes: the directory
@@ -53,6 +59,8 @@ class LoadedLLM(NamedTuple):
     model: MiMoForCausalLM
     config: MiMoConfig
     model_dir: Path
+    positions: PositionScheme = LinearPositions()  # the family's rotary position scheme
+    architecture: str = "MiMoV2FlashForCausalLM"
 
 
 def default_llm_config() -> MiMoConfig:
@@ -87,14 +95,18 @@ def default_model_dir() -> Path:
 # ---- reading tensors -------------------------------------------------------------------------------
 
 
-def _weight_files(model_dir: Path) -> list[Path]:
+def _weight_files(model_dir: Path, wanted: Callable[[str], bool]) -> list[Path]:
+    """The safetensors files holding tensors ``wanted`` accepts: with an index, only the shards
+    that list one (a vision tower's shards are never opened by the LLM); without, every file."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as e:
             raise CheckpointError(f"{index}: not a safetensors index ({e})") from e
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        files = [model_dir / name for name in sorted({f for t, f in weight_map.items() if wanted(t)})]
+        if not files:
+            raise CheckpointError(f"{index} lists no language-model tensors")
     else:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -105,17 +117,24 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_state_dict(model_dir: Path) -> dict[str, Tensor]:
-    """All tensors of a checkpoint directory by their on-disk names (``model.mtp.*`` skipped)."""
+def read_state_dict(model_dir: Path, rename: Callable[[str], str | None] | None = None) -> dict[str, Tensor]:
+    """The checkpoint's tensors under their state-dict names. ``rename`` maps an on-disk name to
+    ours, or to None for a tensor that is not this role's (never read); by default the MiMo
+    family's (names kept, ``model.mtp.*`` skipped). Tensors are read through safetensors' memory
+    map, one at a time."""
+    rename = rename or mimo_v2_flash.tensor_name
     tensors: dict[str, Tensor] = {}
-    for path in _weight_files(model_dir):
+    for path in _weight_files(model_dir, lambda name: rename(name) is not None):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                if name.startswith("model.mtp."):
+            for disk_name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                name = rename(disk_name)
+                if name is None:
                     continue
                 if name in tensors:
-                    raise CheckpointError(f"tensor {name!r} appears in more than one shard")
-                tensors[name] = f.get_tensor(name)
+                    raise CheckpointError(
+                        f"tensor {disk_name!r} ({name}) appears more than once in {model_dir}"
+                    )
+                tensors[name] = f.get_tensor(disk_name)
     return tensors
 
 
@@ -186,11 +205,13 @@ def load_llm(
     model_dir = ensure_default_checkpoint() if path is None else Path(path)
     if not model_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {model_dir} does not exist")
+    raw = read_config_json(model_dir)
     try:
-        config = MiMoConfig.from_pretrained_dir(model_dir)
-    except ConfigError as e:
+        family = family_for(raw)
+        config = family.parse_config(raw)
+    except (ConfigError, UnknownArchitecture) as e:
         raise CheckpointError(f"{model_dir}/config.json: {e}") from e
-    quant = config.extra.get("quantization_config")
+    quant = config.extra.get("quantization_config") or raw.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
         raise CheckpointError(
@@ -203,13 +224,27 @@ def load_llm(
     for module in model.modules():
         if isinstance(module, TopKRouter):
             module.float()  # routing decisions are made in fp32, as in the reference
-    state = to_model_layout(read_state_dict(model_dir), config)
+    state = to_model_layout(read_state_dict(model_dir, family.tensor_name), config)
     load_state_dict_strict(model, state)
     model = model.to(device).eval()
     model.tie_weights()
     model.fuse_weights()
     model.requires_grad_(False)  # serving only; also lets inference-mode tensors mix with weights
-    return LoadedLLM(model, config, model_dir)
+    return LoadedLLM(model, config, model_dir, family.position_scheme(raw), str(family.ARCHITECTURES[0]))
+
+
+def read_config_json(model_dir: Path) -> dict[str, Any]:
+    """``model_dir/config.json`` as a dict; ``CheckpointError`` naming the file otherwise."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return raw
 
 
 # ---- the embedded default ------------------------------------------------------------------------

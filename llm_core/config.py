@@ -77,6 +77,9 @@ class MiMoConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 131072
     eos_token_id: int | None = None
+    # M-RoPE (Qwen2-VL family): rotary frequencies split into (temporal, height, width) sections,
+    # each driven by its own position axis; () = ordinary 1-D rotary. Sums to the rotary width / 2.
+    mrope_section: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -111,6 +114,15 @@ class MiMoConfig:
                 f"{kv_name}={kv} must divide num_attention_heads={self.num_attention_heads}",
             )
         need(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        if self.mrope_section:
+            need(len(self.mrope_section) == 3, f"mrope_section must have 3 entries, got {self.mrope_section}")
+            for i in range(n):
+                half = self.rotary_dim(i) // 2
+                need(
+                    sum(self.mrope_section) == half,
+                    f"mrope_section {list(self.mrope_section)} sums to {sum(self.mrope_section)}, "
+                    f"layer {i} rotates {half} frequency pairs",
+                )
         if "sparse" in self.mlp_layer_types:
             e, g = self.n_routed_experts, self.n_group
             need(e % g == 0, f"n_routed_experts={e} must be divisible by n_group={g}")

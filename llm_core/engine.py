@@ -36,6 +36,7 @@ from llm_core.engine_stats import EngineStats, ThroughputMeter
 from llm_core.kv_manager import KVManager
 from llm_core.kv_pool import DualKVCache, KVCacheConfig, KVLayout
 from llm_core.model_runner import CausalLM, ModelRunner, MultimodalInput
+from llm_core.positions import PositionScheme
 from llm_core.request_stream import RequestState, RequestStream, StepOutput
 from llm_core.request_stream import deliver as deliver_outputs
 from llm_core.sampling import Sampler, SamplingParams
@@ -75,7 +76,10 @@ class LLMEngine:
         config: EngineConfig | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        positions: PositionScheme | None = None,
     ) -> None:
+        """``positions``: the model family's rotary position scheme (``LoadedLLM.positions``);
+        None: token i at position i."""
         self.config = config or EngineConfig()
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -92,7 +96,9 @@ class LLMEngine:
         self.kv, self.scheduler = _build_kv_and_scheduler(
             model_config, self.config, self.max_model_len, self.device, dtype
         )
-        self.runner = ModelRunner(model, self.kv, Sampler(self.config.seed, self.device), self.device)
+        self.runner = ModelRunner(
+            model, self.kv, Sampler(self.config.seed, self.device), self.device, positions
+        )
         # Guards the scheduler and ``_requests`` between the event loop (add) and the step thread
         # (schedule/update). Never held during the forward, so adds do not wait for a step.
         self._lock = threading.Lock()
@@ -348,7 +354,8 @@ class LLMEngine:
         from llm_core.tokenizer import load_tokenizer
 
         loaded = load_llm(model_path, dtype=dtype, device=device)
-        return cls(loaded.model, loaded.config, load_tokenizer(loaded.model_dir), config, device, dtype)
+        tokenizer = load_tokenizer(loaded.model_dir)
+        return cls(loaded.model, loaded.config, tokenizer, config, device, dtype, loaded.positions)
 
 
 def _build_kv_and_scheduler(

@@ -234,7 +234,10 @@ class KVManager:
         """
         nb = seq.num_borrowed_pages
         if self.radix is not None and cache:
-            n = seq.num_computed_tokens // self.page_size
+            computed = seq.num_computed_tokens
+            if seq.cacheable_tokens is not None:
+                computed = min(computed, seq.cacheable_tokens)
+            n = computed // self.page_size
             key = seq.cache_keys[: n * self.page_size]
             res: InsertResult = self.radix.insert(key, seq.full_pages[:n], seq.swa_pages[:n])
             self.full_pool.free(res.full_to_free)

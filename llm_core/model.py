@@ -41,7 +41,7 @@ from llm_core.attention import masked_attention, paged_attention, write_kv
 from llm_core.attention_batch import AttentionBatch, PagedKV
 from llm_core.config import MiMoConfig
 from llm_core.moe import DenseMLP, GroupedExperts, SparseMoE
-from llm_core.rope import PartialRotary, apply_partial_rotary_
+from llm_core.rope import PartialRotary, apply_partial_rotary_, mrope_rows
 from llm_core.weight_layout import input_major
 
 # Rotary (cos, sin) tables of one step's positions, per (rope_dim, theta): gathered once per step
@@ -396,14 +396,16 @@ class MiMoForCausalLM(nn.Module):
         kv: PagedKV,
         input_embeds: Tensor | None = None,
     ) -> Tensor:
-        """Packed paged step: input_ids [T], positions [T] -> final-normed hidden [T, hidden].
+        """Packed paged step: input_ids [T], positions [T] (or [3, T] for an M-RoPE model: temporal,
+        height, width) -> final-normed hidden [T, hidden].
 
         Writes every layer's KV for the T new tokens at batch.full_slots / batch.swa_slots before
         attending, so a later step (or a later prefill chunk) reads them from the pools.
         ``input_embeds`` [T, hidden], when given, replaces the token embedding lookup.
         """
         x = self.embed(input_ids) if input_embeds is None else input_embeds
-        assert x.shape[0] == positions.shape[0] == batch.num_tokens, "tokens, positions, slots disagree"
+        assert x.shape[0] == positions.shape[-1] == batch.num_tokens, "tokens, positions, slots disagree"
+        assert positions.dim() == (2 if self.config.mrope_section else 1), "M-RoPE takes [3, T] positions"
         rope = self.rope_tables(positions, x.dtype)
         kernel_weights = self._layer_kernel_weights(x)
         if kernel_weights is not None:
@@ -438,7 +440,8 @@ class MiMoForCausalLM(nn.Module):
     def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> RopeTables:
         """This step's (cos, sin) [T, width] for every rotary configuration of the model: rows of
         per-position tables, computed by ``PartialRotary.cos_sin`` for positions 0 .. n - 1 when a
-        position first reaches n (n doubling), then gathered."""
+        position first reaches n (n doubling), then gathered. With M-RoPE, ``positions`` is [3, T]
+        and each column takes the row of its section's axis (``mrope_rows``)."""
         need = int(positions.max()) + 1 if positions.numel() else 1
         tables: RopeTables = {}
         for layer in self.model.decoder_layers():
@@ -453,7 +456,17 @@ class MiMoForCausalLM(nn.Module):
                     torch.arange(n, device=positions.device), torch.float32
                 )
             cos, sin = cached
-            tables[key] = cos.index_select(0, positions).to(dtype), sin.index_select(0, positions).to(dtype)
+            if positions.dim() == 2:
+                section = self.config.mrope_section
+                tables[key] = (
+                    mrope_rows(cos, positions, section).to(dtype),
+                    mrope_rows(sin, positions, section).to(dtype),
+                )
+            else:
+                tables[key] = (
+                    cos.index_select(0, positions).to(dtype),
+                    sin.index_select(0, positions).to(dtype),
+                )
         return tables
 
     def _final_norm(self, x: Tensor, residual: Tensor | None) -> Tensor:

@@ -1,7 +1,8 @@
 """Model runner: one scheduled batch in, one sampled token per finished-prefill sequence out.
 
     ScheduledBatch(seqs, num_new_tokens)
-        -> input_ids [T], positions [T], AttentionBatch, input_embeds [T, hidden] (media only)
+        -> input_ids [T], positions [T] (or [3, T]: the model's PositionScheme), AttentionBatch,
+           input_embeds [T, hidden] (media only)
         -> model.forward -> hidden [T, hidden]
         -> hidden at each sampling sequence's last new token [S, hidden] -> logits [S, vocab]
         -> Sampler -> token id, or None for sequences whose prefill chunk did not reach the end
@@ -23,6 +24,7 @@ from torch import Tensor
 from encoder.embedding_ref import EmbeddingRef
 from llm_core.attention_batch import AttentionBatch
 from llm_core.kv_pool import DualKVCache
+from llm_core.positions import LinearPositions, PositionScheme
 from llm_core.sampling import Sampler, SamplingParams
 from llm_core.sequence import Sequence, build_page_tables
 
@@ -58,7 +60,7 @@ class StepInputs(NamedTuple):
     """Everything one forward needs, on the model's device."""
 
     input_ids: Tensor  # int64 [T]
-    positions: Tensor  # int64 [T]
+    positions: Tensor  # int64 [T], or [3, T] with M-RoPE (``positions.MRopePositions``)
     batch: AttentionBatch
     input_embeds: Tensor | None  # [T, hidden] when any new token is a media placeholder
     sample_rows: Tensor  # int64 [S] packed row of each sampling sequence's last new token
@@ -74,8 +76,10 @@ class ModelRunner:
         kv: DualKVCache,
         sampler: Sampler,
         device: torch.device | str = "cpu",
+        positions: PositionScheme | None = None,
     ) -> None:
         self.model = model
+        self.position_scheme: PositionScheme = positions or LinearPositions()
         self.kv = kv
         self.page_size = kv.page_size
         self.sampler = sampler
@@ -116,9 +120,19 @@ class ModelRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         embeds = self._media_embeds(seqs, num_new_tokens, input_ids) if has_media else None
+        if self.position_scheme.dims == 1:  # token i at position i (the common case, kept cheap)
+            positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        else:
+            positions = torch.cat(
+                [
+                    self.position_scheme.positions(s, s.num_computed_tokens, s.num_computed_tokens + n)
+                    for s, n in zip(seqs, num_new_tokens, strict=True)
+                ],
+                dim=1,
+            ).to(dev)  # [3, T]
         return StepInputs(
             input_ids=input_ids,
-            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+            positions=positions,
             batch=batch,
             input_embeds=embeds,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
@@ -171,5 +185,6 @@ class ModelRunner:
         return out
 
     def release(self, seq_id: int | str) -> None:
-        """Forget a finished or aborted sequence's generator."""
+        """Forget a finished or aborted sequence's generator and positions."""
         self._generators.pop(seq_id, None)
+        self.position_scheme.release(seq_id)

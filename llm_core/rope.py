@@ -73,3 +73,20 @@ def apply_partial_rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1.mul_(c).sub_(x2s)
     x2.mul_(c).add_(x1s)
     return x
+
+
+def mrope_rows(table: Tensor, positions: Tensor, section: tuple[int, ...]) -> Tensor:
+    """M-RoPE rows: table [N, width] (cos or sin per position, halves repeated), positions [3, T]
+    (temporal, height, width) -> [T, width], where frequency j takes the row of its section's axis.
+
+    The width / 2 frequencies are split into ``section`` = (s_t, s_h, s_w) consecutive runs, and
+    the second half of the columns repeats the first::
+
+        columns   [ t: s_t | h: s_h | w: s_w | t: s_t | h: s_h | w: s_w ]
+    """
+    width = table.shape[1]
+    assert sum(section) * 2 == width and positions.dim() == 2 and positions.shape[0] == len(section)
+    axis = torch.cat([torch.full((n,), a, dtype=torch.int64) for a, n in enumerate(section)])  # [width / 2]
+    axis = torch.cat([axis, axis]).to(table.device)  # [width]
+    rows = table.index_select(0, positions.reshape(-1)).view(len(section), positions.shape[1], width)
+    return rows.gather(0, axis.view(1, 1, width).expand(1, positions.shape[1], width))[0]  # [T, width]

@@ -126,6 +126,10 @@ class Sequence:
     num_swa_released: int = 0  # leading logical SWA pages already dropped (NOT_RESIDENT unless pinned)
     swa_pin_end: int = 0  # keep the SWA window before this position until release (heals a branch point)
     prefix_lock: Any = None  # radix_cache.PrefixLock while holding a prefix-cache hit
+    # Leading tokens whose KV a later prompt with the same cache keys would compute identically
+    # (None: all). The model's position scheme lowers it when generated tokens sit at positions a
+    # prompt would not give them (``positions.MRopePositions``); only that much enters the cache.
+    cacheable_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

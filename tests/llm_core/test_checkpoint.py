@@ -113,8 +113,17 @@ def test_unexpected_tensor_is_named(tiny_mimo_dir: Path, tmp_path: Path) -> None
 def test_bad_directory_and_config(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="does not exist"):
         load_llm(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match=r"config\.json not found"):
+        load_llm(tmp_path)
     (tmp_path / "config.json").write_text("{")
-    with pytest.raises(CheckpointError, match="invalid JSON"):
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_llm(tmp_path)
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(
+        CheckpointError,
+        match="architecture LlamaForCausalLM is not supported; supported: MiMoV2FlashForCausalLM, "
+        "Qwen2_5_VLForConditionalGeneration",
+    ):
         load_llm(tmp_path)
 
 

@@ -1,0 +1,167 @@
+"""Rotary positions of a sequence's tokens: what a model family's position scheme computes.
+
+Two schemes:
+
+- ``LinearPositions`` (MiMo-V2-Flash and every 1-D rotary model): token ``i`` is at position ``i``.
+- ``MRopePositions`` (the Qwen2-VL family's M-RoPE): three position axes (temporal, height, width).
+  Text advances all three together; a media item's placeholder run takes a 3-D grid. Transformers'
+  ``Qwen2_5_VLModel.get_rope_index`` is the reference; with ``cur`` the next text position::
+
+      text run of n tokens     (cur .. cur + n - 1) on every axis;         cur += n
+      media (t, h, w) patches  gh = h / merge, gw = w / merge, gt = t:
+                               temporal  cur + floor(k * interval), k < gt  (interval: 1 for an
+                                         image; tokens_per_second * seconds per temporal grid for a
+                                         video, in float32 as the reference computes it)
+                               height    cur + r, r < gh;  width  cur + c, c < gw
+                               (row-major over (k, r, c): the encoder's merged token order)
+                               cur += max(gh, gw)
+      generated token i        i + delta on every axis, delta = max(prompt positions) + 1 - prompt length
+
+Prefix-cache rule: the positions of a prompt token depend only on the tokens and media before
+it, which its cache key names (each media run's key is its MediaKey, and a MediaKey fixes the
+grid), so a cached prompt prefix holds KV at exactly the positions a new prompt would compute.
+A generated token's KV is reusable by a later prompt only if that prompt would put it at
+``i + delta`` too: true when ``delta`` continues the prompt's text (``cur - prompt length``).
+A video whose temporal positions pass ``cur`` breaks that (the max exceeds ``cur - 1``); then
+only the prompt's KV enters the prefix cache (``Sequence.cacheable_tokens``).
+
+The schemes read a sequence and never change its tokens; ``MRopePositions`` keeps the prompt's
+positions per sequence (computed at the first step) until ``release``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+
+from llm_core.sequence import Sequence
+
+
+class PositionScheme(Protocol):
+    """How a model turns token indices into rotary positions."""
+
+    dims: int  # 1: positions [T]; 3: positions [3, T] (M-RoPE)
+
+    def positions(self, seq: Sequence, start: int, end: int) -> Tensor:
+        """int64 [dims, end - start]: the positions of tokens start .. end - 1 of ``seq``."""
+        ...
+
+    def release(self, seq_id: int | str) -> None:
+        """Forget what was kept for a sequence (it finished or was aborted)."""
+        ...
+
+
+class LinearPositions:
+    """Token i at position i."""
+
+    dims = 1
+
+    def positions(self, seq: Sequence, start: int, end: int) -> Tensor:
+        return torch.arange(start, end, dtype=torch.int64)[None]  # [1, n]
+
+    def release(self, seq_id: int | str) -> None:
+        return None
+
+
+class MediaGrid(NamedTuple):
+    """One placeholder run for M-RoPE: where it is, its patch grid, and its temporal spacing."""
+
+    start: int
+    length: int
+    grid_thw: tuple[int, int, int]  # in patches, before the spatial merge
+    seconds_per_grid_t: float | None  # video: seconds per temporal patch; None for an image
+
+
+class PromptPositions(NamedTuple):
+    positions: Tensor  # int64 [3, prompt length]
+    delta: int  # generated token i is at i + delta
+    next_text: int  # where text after the prompt would continue (``cur``)
+
+
+def mrope_prompt_positions(
+    num_tokens: int, grids: Seq[MediaGrid], spatial_merge_size: int, tokens_per_second: float
+) -> PromptPositions:
+    """The M-RoPE positions of a prompt of ``num_tokens`` whose placeholder runs are ``grids`` (in
+    prompt order); see the module docstring for the rule."""
+    pos = torch.empty(3, num_tokens, dtype=torch.int64)
+    cur, i = 0, 0
+    for g in grids:
+        assert i <= g.start and g.start + g.length <= num_tokens, (g, i, num_tokens)
+        n_text = g.start - i
+        pos[:, i : g.start] = torch.arange(cur, cur + n_text)
+        cur += n_text
+        t, h, w = g.grid_thw
+        gh, gw = h // spatial_merge_size, w // spatial_merge_size
+        if t * gh * gw != g.length:
+            raise ValueError(
+                f"media run at {g.start} has {g.length} placeholders but its grid {g.grid_thw} "
+                f"merges to {t * gh * gw} tokens"
+            )
+        if g.seconds_per_grid_t is None:
+            temporal = torch.zeros(t, dtype=torch.int64)
+        else:
+            # float32, as the reference multiplies an int64 range by a float32 tensor, then truncates
+            interval = torch.tensor(tokens_per_second, dtype=torch.float32) * torch.tensor(
+                g.seconds_per_grid_t, dtype=torch.float32
+            )
+            temporal = (torch.arange(t, dtype=torch.int64) * interval).long()
+        tt, hh, ww = torch.meshgrid(temporal, torch.arange(gh), torch.arange(gw), indexing="ij")
+        pos[:, g.start : g.start + g.length] = torch.stack([tt, hh, ww]).reshape(3, -1) + cur
+        cur += max(gh, gw)
+        i = g.start + g.length
+    pos[:, i:] = torch.arange(cur, cur + num_tokens - i)
+    cur += num_tokens - i
+    delta = int(pos.max()) + 1 - num_tokens if num_tokens else 0
+    return PromptPositions(pos, delta, cur)
+
+
+class MRopePositions:
+    """M-RoPE positions from a sequence's media runs and the grids of its embeddings.
+
+    Each of ``seq.mm_items`` must carry ``.ref`` with ``grid_thw`` (one (t, h, w)), ``modality``
+    and, for a video, ``seconds_per_grid_t`` (EmbeddingRef)."""
+
+    dims = 3
+
+    def __init__(self, spatial_merge_size: int, tokens_per_second: float) -> None:
+        self.spatial_merge_size = spatial_merge_size
+        self.tokens_per_second = tokens_per_second
+        self._prompts: dict[int | str, PromptPositions] = {}
+
+    def prompt(self, seq: Sequence) -> PromptPositions:
+        """The prompt's positions (computed once per sequence); also sets how much of the
+        sequence's KV the prefix cache may keep (see the module docstring)."""
+        got = self._prompts.get(seq.seq_id)
+        if got is None:
+            grids = []
+            for span, item in zip(seq.media, seq.mm_items, strict=True):
+                ref = item.ref
+                (grid,) = ref.grid_thw
+                seconds = ref.seconds_per_grid_t if ref.modality == "video" else None
+                if ref.modality == "video" and seconds is None:
+                    seconds = 1.0  # what the reference assumes when it is not told
+                grids.append(MediaGrid(span.start, span.length, grid, seconds))
+            got = mrope_prompt_positions(
+                seq.num_prompt_tokens, grids, self.spatial_merge_size, self.tokens_per_second
+            )
+            self._prompts[seq.seq_id] = got
+            continues = got.delta == got.next_text - seq.num_prompt_tokens
+            seq.cacheable_tokens = None if continues else seq.num_prompt_tokens
+        return got
+
+    def positions(self, seq: Sequence, start: int, end: int) -> Tensor:
+        p = self.prompt(seq)
+        n_prompt = seq.num_prompt_tokens
+        parts = []
+        if start < n_prompt:
+            parts.append(p.positions[:, start : min(end, n_prompt)])
+        if end > n_prompt:
+            gen = torch.arange(max(start, n_prompt), end, dtype=torch.int64) + p.delta
+            parts.append(gen[None].expand(3, -1))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def release(self, seq_id: int | str) -> None:
+        self._prompts.pop(seq_id, None)
