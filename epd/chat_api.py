@@ -22,7 +22,8 @@ from epd.encode_api import read_json
 from epd.ingress import Ingress
 from epd.media_pipeline import EncodedItem
 from epd.media_request import chat_prompt
-from epd_common.errors import APIError, error_body, overloaded, unprocessable
+from epd.prompt_format import ChatTemplateError
+from epd_common.errors import APIError, bad_request, error_body, overloaded, unprocessable
 
 # Sampling fields forwarded to the engine unchanged; the engine validates their values.
 _SAMPLING_FIELDS = (
@@ -61,6 +62,10 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
     if not isinstance(body, dict):
         raise unprocessable("the body must be a JSON object", "body")
     prompt = chat_prompt(body.get("messages"), ingress.config.max_items)
+    try:
+        ingress.prompt_format.check_parts(prompt.messages)  # before any media is fetched
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), exc.param) from exc
     sampling = _sampling(body)
     stream = bool(body.get("stream", False))
     include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
@@ -74,19 +79,13 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
         items = await ingress.pipeline.resolve_all(prompt.media) if prompt.media else []
     finally:
         ingress.chats_inflight -= 1
-    messages = [
-        {
-            "role": m["role"],
-            "content": [
-                {"type": p["type"], "num_tokens": items[p["index"]].ref.num_tokens} if "index" in p else p
-                for p in m["content"]
-            ],
-        }
-        for m in prompt.messages
-    ]
-    text = ingress.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    counts = [items[p["index"]].ref.num_tokens for m in prompt.messages for p in m["content"] if "index" in p]
+    try:
+        prompt_ids = ingress.prompt_format.prompt_ids(prompt.messages, counts)
+    except ChatTemplateError as exc:  # the checkpoint's template refused these messages
+        raise bad_request(str(exc), exc.param) from exc
     engine_body = {
-        "prompt": ingress.tokenizer.encode(text),
+        "prompt": prompt_ids,
         "multimodal": [it.ref.to_json() for it in items],
         **sampling,
     }

@@ -18,6 +18,7 @@ from epd.encoder_client import EncoderClient
 from epd.engine_client import EngineClient
 from epd.media_pipeline import MediaPipeline
 from epd.metrics import IngressMetrics
+from epd.prompt_format import PromptFormat
 from epd_common.errors import APIError
 from llm_core.tokenizer import Tokenizer, load_tokenizer
 from media_io.fetch import Fetcher
@@ -51,6 +52,7 @@ class Ingress:
             rise_after=1,
         )
         self.tokenizer: Tokenizer = load_tokenizer(config.llm_model_dir)
+        self.prompt_format = PromptFormat.load(config.llm_model_dir, self.tokenizer)
         self.chats_inflight = 0
 
     # -- lifecycle -------------------------------------------------------------------------------

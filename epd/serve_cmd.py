@@ -29,6 +29,7 @@ from epd.config import IngressConfig
 from epd.config_cli import add_dataclass_args, dataclass_from_args, dataclass_to_argv
 from epd.encoder_cmd import worker_child
 from epd.supervisor import ChildFailed, ChildSpec, Supervisor, python_argv
+from llm_core.chat_template import TemplateFileError
 from llm_core.server_config import LLMServerConfig
 from llm_core.tokenizer import TokenizerError
 
@@ -155,8 +156,8 @@ async def serve(cfg: ServeConfig) -> int:
 
     p = plan(cfg)
     try:
-        app = build_app(p.ingress)  # loads the tokenizer: a broken one stops us before any child
-    except TokenizerError as exc:
+        app = build_app(p.ingress)  # tokenizer, chat template: a broken one stops us before any child
+    except (TokenizerError, TemplateFileError) as exc:
         print(f"epd serve: {exc}", file=sys.stderr)
         return 1
     ingress = app.state.ingress

@@ -250,9 +250,18 @@ def plan_pools(layout: KVLayout, cfg: KVCacheConfig) -> PoolPlan:
         )
         frac = balanced_swa_fraction(layout, cfg.balance_context_len, cfg.page_size)
         swa_budget = headroom + int((cfg.memory_budget_bytes - headroom) * frac)
+    if swa_page == 0 or full_page == 0:  # one layer type only: the other pool's pages hold no bytes
+        swa_budget = 0 if swa_page == 0 else cfg.memory_budget_bytes
     full_budget = cfg.memory_budget_bytes - swa_budget
     n_full = full_budget // full_page if full_page else 0
     n_swa = swa_budget // swa_page if swa_page else 0
+    # A pool of zero-byte pages (no layer of its type, e.g. an all-full-attention Qwen2) gets as
+    # many pages as the other: the KV manager keeps one page per logical page in both pools, and
+    # those pages cost nothing.
+    if swa_page == 0:
+        n_swa = n_full
+    elif full_page == 0:
+        n_full = n_swa
     return PoolPlan(int(n_full), int(n_swa), full_page, swa_page)
 
 

@@ -218,9 +218,10 @@ class MiMoAttention(nn.Module):
         )  # [T, H, Dv]
         return self.o_proj(out.reshape(x.shape[0], -1))
 
-    def forward_dense(self, x: Tensor, positions: Tensor) -> Tensor:
-        """Reference: one sequence x [S, hidden] at ``positions`` [S], no cache -> [S, hidden]."""
-        q, k, v = self._qkv(x, positions)
+    def forward_dense(self, x: Tensor, positions: Tensor, rope: RopeTables | None = None) -> Tensor:
+        """Reference: one sequence x [S, hidden] at ``positions`` [S], no cache -> [S, hidden]
+        (``rope``: this sequence's cos/sin when they are not its 1-D positions', e.g. M-RoPE)."""
+        q, k, v = self._qkv(x, positions, rope)
         out = masked_attention(q, k, v, positions, positions, self.scale, self.window, self.sinks)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
@@ -259,7 +260,7 @@ class MiMoDecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
         if batch is None:
-            h = self.self_attn.forward_dense(h, positions)
+            h = self.self_attn.forward_dense(h, positions, rope)
         else:
             assert kv is not None
             h = self.self_attn(h, positions, batch, kv, rope, backend)
@@ -479,13 +480,19 @@ class MiMoForCausalLM(nn.Module):
         return F.linear(hidden, self.lm_head.weight).float()
 
     @torch.inference_mode()
-    def forward_dense(self, input_ids: Tensor, input_embeds: Tensor | None = None) -> Tensor:
-        """Reference path without paging: input_ids [1, S] -> logits [1, S, vocab] (fp32)."""
+    def forward_dense(
+        self, input_ids: Tensor, input_embeds: Tensor | None = None, rope_positions: Tensor | None = None
+    ) -> Tensor:
+        """Reference path without paging: input_ids [1, S] -> logits [1, S, vocab] (fp32).
+        ``rope_positions`` [3, S]: M-RoPE positions (default: token i at i on every axis)."""
         assert input_ids.dim() == 2 and input_ids.shape[0] == 1, "forward_dense takes one sequence [1, S]"
         ids = input_ids[0]
         x = self.embed(ids) if input_embeds is None else input_embeds.reshape(ids.shape[0], -1)
         positions = torch.arange(ids.shape[0], device=ids.device)
+        if rope_positions is None and self.config.mrope_section:
+            rope_positions = positions[None].expand(3, -1)
+        rope = None if rope_positions is None else self.rope_tables(rope_positions, x.dtype)
         residual = None
         for layer in self.model.layers:
-            x, residual = layer(x, residual, positions, None, None)
+            x, residual = layer(x, residual, positions, None, None, rope)
         return self.compute_logits(self._final_norm(x, residual))[None]

@@ -15,15 +15,17 @@ Two schemes:
                                height    cur + r, r < gh;  width  cur + c, c < gw
                                (row-major over (k, r, c): the encoder's merged token order)
                                cur += max(gh, gw)
-      generated token i        i + delta on every axis, delta = max(prompt positions) + 1 - prompt length
+      generated token k        the last prompt position + 1 + k, per axis (what ``generate`` does:
+                               it extends the position ids from their last column)
 
 Prefix-cache rule: the positions of a prompt token depend only on the tokens and media before
 it, which its cache key names (each media run's key is its MediaKey, and a MediaKey fixes the
 grid), so a cached prompt prefix holds KV at exactly the positions a new prompt would compute.
-A generated token's KV is reusable by a later prompt only if that prompt would put it at
-``i + delta`` too: true when ``delta`` continues the prompt's text (``cur - prompt length``).
-A video whose temporal positions pass ``cur`` breaks that (the max exceeds ``cur - 1``); then
-only the prompt's KV enters the prefix cache (``Sequence.cacheable_tokens``).
+A generated token's KV is reusable by a later prompt only if that prompt would give it the same
+position: true when the prompt ends in text (every axis at ``cur - 1``, so generation continues
+the text), which every chat prompt does (it ends with the assistant header). A prompt that ends
+inside a media run leaves its axes apart; then only the prompt's KV enters the prefix cache
+(``Sequence.cacheable_tokens``).
 
 The schemes read a sequence and never change its tokens; ``MRopePositions`` keeps the prompt's
 positions per sequence (computed at the first step) until ``release``.
@@ -77,8 +79,14 @@ class MediaGrid(NamedTuple):
 
 class PromptPositions(NamedTuple):
     positions: Tensor  # int64 [3, prompt length]
-    delta: int  # generated token i is at i + delta
+    delta: int  # get_rope_index's rope delta: max position + 1 - prompt length (reported, not used)
     next_text: int  # where text after the prompt would continue (``cur``)
+
+    @property
+    def continues_text(self) -> bool:
+        """Whether generation continues at ``next_text`` on every axis (the prompt ends in text)."""
+        n = self.positions.shape[1]
+        return n == 0 or bool((self.positions[:, -1] == self.next_text - 1).all())
 
 
 def mrope_prompt_positions(
@@ -148,8 +156,7 @@ class MRopePositions:
                 seq.num_prompt_tokens, grids, self.spatial_merge_size, self.tokens_per_second
             )
             self._prompts[seq.seq_id] = got
-            continues = got.delta == got.next_text - seq.num_prompt_tokens
-            seq.cacheable_tokens = None if continues else seq.num_prompt_tokens
+            seq.cacheable_tokens = None if got.continues_text else seq.num_prompt_tokens
         return got
 
     def positions(self, seq: Sequence, start: int, end: int) -> Tensor:
@@ -159,8 +166,9 @@ class MRopePositions:
         if start < n_prompt:
             parts.append(p.positions[:, start : min(end, n_prompt)])
         if end > n_prompt:
-            gen = torch.arange(max(start, n_prompt), end, dtype=torch.int64) + p.delta
-            parts.append(gen[None].expand(3, -1))
+            k = torch.arange(max(start, n_prompt) - n_prompt, end - n_prompt, dtype=torch.int64)
+            last = p.positions[:, -1:] if n_prompt else torch.full((3, 1), -1, dtype=torch.int64)
+            parts.append(last + 1 + k[None])  # [3, n]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def release(self, seq_id: int | str) -> None:

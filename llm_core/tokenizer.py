@@ -26,6 +26,8 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from llm_core.chat_template import ChatTemplateError  # defined there; still importable from here
+
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -48,14 +50,6 @@ TOKENIZER_FILE = "tokenizer.json"
 
 class TokenizerError(ValueError):
     """A checkpoint's tokenizer that is missing or does not fit its model; names the file."""
-
-
-class ChatTemplateError(ValueError):
-    """A chat message that cannot be rendered (unknown role or content part); names the message."""
-
-    def __init__(self, message: str, param: str) -> None:
-        self.param = param
-        super().__init__(f"{param}: {message}")
 
 
 def _byte_symbols() -> list[str]:

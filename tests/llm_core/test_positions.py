@@ -130,21 +130,29 @@ def test_sequence_positions_across_chunks_and_decode(hf_model: Any, case: str) -
     whole = scheme.positions(seq, 0, n + 3)
     chunks = torch.cat([scheme.positions(seq, a, min(a + 5, n + 3)) for a in range(0, n + 3, 5)], dim=1)
     assert torch.equal(whole, chunks)  # chunked prefill sees the same positions
-    ref, delta = _reference(hf_model, *_prompt(CASES[case]))
+    ref, _ = _reference(hf_model, *_prompt(CASES[case]))
     assert torch.equal(whole[:, :n], ref)
-    # generated tokens: index + delta on every axis (what generate does with rope_deltas)
-    assert torch.equal(whole[:, n:], (torch.arange(n, n + 3) + delta).expand(3, -1))
+    # generated tokens: the last prompt position + 1 + k per axis, as generate extends position ids
+    assert torch.equal(whole[:, n:], ref[:, -1:] + 1 + torch.arange(3))
+    assert seq.cacheable_tokens is None  # the prompt ends in text: generation continues it
 
 
-def test_prefix_cache_limit_when_video_outruns_text() -> None:
+def test_prefix_cache_limit_when_the_prompt_ends_in_media() -> None:
+    ids, grids = _prompt([("text", 3), ("image", ((1, 4, 6), None))])
+    ids = ids[:-1]  # drop the vision end: the prompt's last token is a pad
+    seq = Sequence(
+        seq_id="tail",
+        prompt_ids=ids,
+        media=[MediaSpan(grids[0].start, grids[0].length, "k")],
+        mm_items=[_item(grids[0].grid_thw, None)],
+    )
     scheme = MRopePositions(MERGE, TPS)
-    image, slow = _sequence("image"), _sequence("slow video")
-    scheme.positions(image, 0, 1)
-    scheme.positions(slow, 0, 1)
-    assert image.cacheable_tokens is None  # decode continues the text: everything is reusable
-    assert slow.cacheable_tokens == slow.num_prompt_tokens  # outputs sit past where text would go
-    scheme.release(slow.seq_id)
-    assert slow.seq_id not in scheme._prompts
+    last = scheme.positions(seq, len(ids) - 1, len(ids))[:, 0]
+    assert len(set(last.tolist())) > 1  # the axes end apart
+    assert torch.equal(scheme.positions(seq, len(ids), len(ids) + 1)[:, 0], last + 1)
+    assert seq.cacheable_tokens == len(ids)  # generated KV stays out of the prefix cache
+    scheme.release(seq.seq_id)
+    assert seq.seq_id not in scheme._prompts
 
 
 def test_linear_positions() -> None:
