@@ -130,7 +130,7 @@ def build_app(preprocess: PreprocessConfig = PreprocessConfig()) -> Starlette:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    parser = argparse.ArgumentParser(description="the baseline (before) encode service")
+    parser = argparse.ArgumentParser(allow_abbrev=False, description="the baseline (before) encode service")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
     args = parser.parse_args(argv)

@@ -207,7 +207,7 @@ def print_hit_rates(args: argparse.Namespace, sims: list[SimResult], a: Attribut
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     add_common_args(parser)
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--media", type=int, default=10000, help="distinct media items")

@@ -8,7 +8,7 @@ Typical use::
 
     from bench.common import add_common_args, machine_info, percentiles, print_table, write_json
 
-    parser = argparse.ArgumentParser(description="...")
+    parser = argparse.ArgumentParser(allow_abbrev=False, description="...")
     add_common_args(parser)                     # --json PATH, --quick, --seed
     args = parser.parse_args()
     lat = timed_runs(lambda: work(), repeats=20)    # seconds per call

@@ -131,7 +131,7 @@ def estimate(layout: KVLayout, context: int, swa_aware: bool) -> float:
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_common_args(parser)
     parser.add_argument(

@@ -131,7 +131,7 @@ def run_hf_sequential(model: Any, prompts: list[list[int]], max_tokens: int) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     add_common_args(parser)
     parser.add_argument("--model", default=None, help="checkpoint dir (default: the embedded default)")
     parser.add_argument("--requests", type=int, default=32)

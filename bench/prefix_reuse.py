@@ -147,7 +147,7 @@ def run_trace(layout: KVLayout, budget: int, trace: TraceConfig, swa_aware: bool
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_common_args(parser)
     parser.add_argument("--budget-gib", type=float, nargs="+", default=[16.0, 32.0, 64.0, 128.0])

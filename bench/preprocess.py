@@ -307,7 +307,9 @@ def run(sizes: list[tuple[int, int]], repeats: int, seed: int) -> tuple[list[dic
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__.splitlines()[0] if __doc__ else None
+    )
     add_common_args(parser)
     parser.add_argument(
         "--repeats", type=int, default=20, help="timed single-image calls per method and size"

@@ -317,7 +317,7 @@ class Variant:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=(__doc__ or "").split("\n")[0])
     add_common_args(parser)
     parser.add_argument(
         "--minutes", type=float, default=None, help="clip length (default 10, 1 with --quick)"

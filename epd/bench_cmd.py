@@ -17,6 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "encoder",
         help="encode QPS and latency: our service vs the baseline, cold and hot cache, video",
         description=(encoder_qps.__doc__ or "").split("\n", 1)[0],
+        allow_abbrev=False,
     )
     encoder_qps.add_arguments(p)
     p.set_defaults(_bench_run=encoder_qps.run)

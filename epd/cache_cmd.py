@@ -38,24 +38,33 @@ _SORTS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    common = argparse.ArgumentParser(add_help=False)
+    common = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
     common.add_argument("--namespace", default="default", help="cache namespace (default: %(default)s)")
     common.add_argument("--root", type=Path, default=None, help="cache directory (default: /dev/shm/epd-NS)")
     common.add_argument("--json", action="store_true", help="print JSON instead of tables")
     sub = parser.add_subparsers(dest="cache_command", required=True)
-    sub.add_parser("stats", parents=[common], help="capacity, used bytes, entries, hit rate, evictions")
-    ls = sub.add_parser("ls", parents=[common], help="list entries")
+    sub.add_parser(
+        "stats",
+        parents=[common],
+        allow_abbrev=False,
+        help="capacity, used bytes, entries, hit rate, evictions",
+    )
+    ls = sub.add_parser("ls", parents=[common], allow_abbrev=False, help="list entries")
     ls.add_argument("--sort", choices=sorted(_SORTS), default="recent")
     ls.add_argument("--limit", type=int, default=50, help="at most this many rows (0: all)")
-    show = sub.add_parser("show", parents=[common], help="one entry: metadata, checks, first values")
+    show = sub.add_parser(
+        "show", parents=[common], allow_abbrev=False, help="one entry: metadata, checks, first values"
+    )
     show.add_argument("key")
     show.add_argument("--values", type=int, default=8, help="how many leading values to print")
-    sub.add_parser("verify", parents=[common], help="checksum every entry (exit 1 on failure)")
-    evict = sub.add_parser("evict", parents=[common], help="remove one entry")
+    sub.add_parser(
+        "verify", parents=[common], allow_abbrev=False, help="checksum every entry (exit 1 on failure)"
+    )
+    evict = sub.add_parser("evict", parents=[common], allow_abbrev=False, help="remove one entry")
     evict.add_argument("key")
-    clear = sub.add_parser("clear", parents=[common], help="remove every entry")
+    clear = sub.add_parser("clear", parents=[common], allow_abbrev=False, help="remove every entry")
     clear.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    watch = sub.add_parser("watch", parents=[common], help="live statistics")
+    watch = sub.add_parser("watch", parents=[common], allow_abbrev=False, help="live statistics")
     watch.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     watch.add_argument("--count", type=int, default=0, help="stop after this many refreshes (0: never)")
 

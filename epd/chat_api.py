@@ -35,6 +35,7 @@ _SAMPLING_FIELDS = (
     "stop",
     "stop_token_ids",
     "ignore_eos",
+    "return_token_ids",  # extension: the choice carries prompt_token_ids and token_ids
 )
 
 
@@ -107,6 +108,7 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
                         "index": 0,
                         "message": {"role": "assistant", "content": choice.get("text", "")},
                         "finish_reason": choice.get("finish_reason"),
+                        **{k: choice[k] for k in ("prompt_token_ids", "token_ids") if k in choice},
                     }
                 ],
                 "usage": usage,

@@ -21,10 +21,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The full parser, or with ``only`` set, one whose other subcommands are listed but not
     imported (``epd cache stats`` need not import the model code of ``epd serve``)."""
-    parser = argparse.ArgumentParser(prog="epd", description="epd multimodal inference service")
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, prog="epd", description="epd multimodal inference service"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         if only is None or name == only:
             module = importlib.import_module(module_name)
             module.add_arguments(p)

@@ -32,6 +32,7 @@ from epd.supervisor import ChildFailed, ChildSpec, Supervisor, python_argv
 from llm_core.chat_template import TemplateFileError
 from llm_core.server_config import LLMServerConfig
 from llm_core.tokenizer import TokenizerError
+from media_io.processor_config import ProcessorConfigError, preprocess_config_from_dir
 
 if TYPE_CHECKING:
     from epd.ingress import Ingress
@@ -74,8 +75,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--encoder-workers", type=int, default=1, help="local CPU encoder workers; default: 1"
     )
-    parser.add_argument("--encoder-model", dest="encoder_model_path", help="encoder checkpoint dir (alias)")
-    parser.add_argument("--llm-model", dest="llm_model_path", help="LLM checkpoint dir (alias)")
+    parser.add_argument(
+        "--model",
+        dest="model_dir",
+        metavar="DIR",
+        help="one Hugging Face checkpoint directory for every role: the encoders load its vision tower "
+        "and processor settings, the engine its language model, the ingress its tokenizer and chat template",
+    )
+    parser.add_argument(
+        "--encoder-model", dest="encoder_model_path", help="encoder checkpoint dir (split set-ups)"
+    )
+    parser.add_argument("--llm-model", dest="llm_model_path", help="LLM checkpoint dir (split set-ups)")
     parser.add_argument(
         "--encoder-url",
         dest="remote_encoders",
@@ -88,10 +98,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    ingress = dataclass_from_args(IngressConfig, args)
+    encoder = dataclass_from_args(WorkerConfig, args, prefix="encoder_")
+    llm = dataclass_from_args(LLMServerConfig, args, prefix="llm_")
+    if args.model_dir:
+        if encoder.model_path or llm.model_path:
+            raise SystemExit("epd serve: give --model DIR, or --encoder-model / --llm-model, not both")
+        # The checkpoint's processor settings are the preprocessing of every role (and enter the
+        # MediaKey), over the --preprocess-* defaults.
+        ingress = dataclasses.replace(
+            ingress, preprocess=preprocess_config_from_dir(args.model_dir, ingress.preprocess)
+        )
+        encoder = dataclasses.replace(encoder, model_path=args.model_dir)
+        llm = dataclasses.replace(llm, model_path=args.model_dir)
     return ServeConfig(
-        ingress=dataclass_from_args(IngressConfig, args),
-        encoder=dataclass_from_args(WorkerConfig, args, prefix="encoder_"),
-        llm=dataclass_from_args(LLMServerConfig, args, prefix="llm_"),
+        ingress=ingress,
+        encoder=encoder,
+        llm=llm,
         encoder_workers=args.encoder_workers,
         remote_encoders=tuple(args.remote_encoders),
         start_llm=args.start_llm,
@@ -229,7 +252,11 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
+    try:
+        cfg = config_from_args(args)
+    except ProcessorConfigError as exc:
+        print(f"epd serve: {exc}", file=sys.stderr)
+        return 1
     signal.signal(signal.SIGTERM, _on_sigterm)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(serve(cfg))
