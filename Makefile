@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.epd-installed
 
-.PHONY: setup serve test lint typecheck pytest bench clean
+.PHONY: setup serve test lint typecheck pytest bench clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -30,3 +30,19 @@ test: lint typecheck pytest
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+
+# The checks that need a CUDA device, in one command (under 8 minutes): the CUDA-marked tests, the
+# Triton kernels for real, the encoder and LLM forwards on CUDA vs transformers, a short encoder QPS
+# run; a summary table, and JSON + log in $OUT or build/gpu-check/. It uses the machine's own
+# Python (GPU_PYTHON: torch, Triton and transformers installed; no venv is built) and installs the
+# wheels `make gpu-wheels` put in .gpu-wheels/. Without a CUDA device it says so and exits 0.
+# GPU_CHECK_ARGS=--plan prints the steps; --dry-run runs what needs no GPU.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py $(GPU_CHECK_ARGS)
+
+# Wheels (cp312 manylinux x86_64) of the few dependencies the GPU machine's Python lacks, downloaded
+# here with pip into .gpu-wheels/ (git-ignored: a device call carries it); prints their sizes.
+WHEEL_PYTHON ?= python3
+gpu-wheels:
+	PYTHON=$(WHEEL_PYTHON) bash scripts/gpu_wheels.sh

@@ -28,6 +28,7 @@ from encoder.worker import WorkerConfig, plan_workers
 from epd.config import IngressConfig
 from epd.config_cli import add_dataclass_args, dataclass_from_args, dataclass_to_argv
 from epd.encoder_cmd import worker_child
+from epd.model_check import ModelDirError, check_model_dir
 from epd.supervisor import ChildFailed, ChildSpec, Supervisor, python_argv
 from llm_core.chat_template import TemplateFileError
 from llm_core.server_config import LLMServerConfig
@@ -49,6 +50,7 @@ class ServeConfig:
     remote_encoders: tuple[str, ...] = ()  # --encoder-url: workers on other hosts, added to the ring
     start_llm: bool = True
     log_level: str = "info"
+    model_dir: str | None = None  # --model: one checkpoint directory for every role
 
 
 # Fields that `epd serve` derives itself instead of taking from flags.
@@ -119,6 +121,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         remote_encoders=tuple(args.remote_encoders),
         start_llm=args.start_llm,
         log_level=args.log_level,
+        model_dir=args.model_dir,
     )
 
 
@@ -254,7 +257,9 @@ def _on_sigterm(signum: int, frame: object) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
-    except ProcessorConfigError as exc:
+        if cfg.model_dir:  # before any role starts: a broken directory never half-starts the service
+            print(check_model_dir(cfg.model_dir).describe(), flush=True)
+    except (ProcessorConfigError, ModelDirError) as exc:
         print(f"epd serve: {exc}", file=sys.stderr)
         return 1
     signal.signal(signal.SIGTERM, _on_sigterm)

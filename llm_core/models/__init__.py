@@ -31,10 +31,11 @@ def supported() -> list[str]:
 
 
 def family_for(raw: dict[str, Any]) -> LLMFamily:
-    """The family of a config.json dict, by ``architectures`` first, then ``model_type``."""
+    """The family of a config.json dict, by ``architectures``, or ``model_type`` when it names none."""
     names = [str(a) for a in raw.get("architectures") or []]
     model_type = raw.get("model_type")
-    for name in [*names, *([str(model_type)] if model_type else [])]:
+    # model_type only when no architecture is named: a named one we do not serve is an error
+    for name in names or ([str(model_type)] if model_type else []):
         if name in FAMILIES:
             return cast(LLMFamily, importlib.import_module(FAMILIES[name]))
     asked = names or [repr(model_type)]

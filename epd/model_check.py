@@ -1,0 +1,142 @@
+"""``epd serve --model DIR``: check the directory before any role starts, and say what it holds.
+
+Every role loads its own part of the directory in its own process, so a broken directory would
+otherwise surface as one child failing while the others run (a half-started service). This check
+runs in the serve process first and reads only metadata (config.json, the safetensors headers,
+the tokenizer, the chat template, the processor files):
+
+    config.json             parses; its architecture is one the engine serves (the list if not)
+    tokenizer.json          present and within the embedding rows
+    chat template           compiles
+    processor files         parse
+    vision tower            config present; its tensors are in the weights; its output width
+                            (``vision_config.out_hidden_size``) is the language model's hidden size
+
+Each failure is a ``ModelDirError`` naming the file, field or tensor. ``ModelSummary.describe``
+is the start banner's line: architecture, parameters, dtype and bytes per role.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import NamedTuple
+
+from safetensors import safe_open
+
+from encoder.checkpoint import CheckpointError as EncoderCheckpointError
+from encoder.checkpoint import read_vision_config
+from llm_core.chat_template import TemplateFileError, load_chat_template
+from llm_core.checkpoint import CheckpointError, read_config_json
+from llm_core.config import ConfigError
+from llm_core.models import UnknownArchitecture, family_for
+from llm_core.tokenizer import TokenizerError, load_tokenizer
+from media_io.processor_config import ProcessorConfigError, preprocess_config_from_dir
+
+_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4}
+_VISION_ANCHORS = ("visual.patch_embed.proj.weight", "model.visual.patch_embed.proj.weight")
+
+
+class ModelDirError(ValueError):
+    """A checkpoint directory that cannot serve every role; names what is wrong and where."""
+
+
+class RoleWeights(NamedTuple):
+    params: int
+    bytes: int
+    dtype: str  # the most common stored dtype ("BF16", "F32", ...)
+
+
+class ModelSummary(NamedTuple):
+    path: Path
+    architecture: str
+    vision: RoleWeights
+    language: RoleWeights
+
+    def describe(self) -> str:
+        def role(name: str, w: RoleWeights) -> str:
+            return f"{name} {w.params / 1e6:.1f}M params ({w.dtype}, {w.bytes / 2**20:.1f} MiB)"
+
+        return (
+            f"model {self.path}: {self.architecture}; {role('vision tower', self.vision)}, "
+            f"{role('language model', self.language)}"
+        )
+
+
+def check_model_dir(path: str | Path) -> ModelSummary:
+    """Check ``path`` serves every role (see the module docstring); raises ``ModelDirError``."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ModelDirError(f"{root}: not a checkpoint directory")
+    try:
+        raw = read_config_json(root)
+        family = family_for(raw)
+        llm_config = family.parse_config(raw)
+        load_tokenizer(root)
+        load_chat_template(root)
+        preprocess_config_from_dir(root)
+        vision_config = read_vision_config(root)
+    except (
+        CheckpointError,
+        EncoderCheckpointError,
+        UnknownArchitecture,
+        ConfigError,
+        TokenizerError,
+        TemplateFileError,
+        ProcessorConfigError,
+    ) as e:
+        raise ModelDirError(str(e)) from e
+    if vision_config.out_hidden_size != llm_config.hidden_size:
+        raise ModelDirError(
+            f"{root / 'config.json'}: vision_config.out_hidden_size={vision_config.out_hidden_size} differs "
+            f"from the language model's hidden_size={llm_config.hidden_size}: the tower's embeddings "
+            "cannot stand in for its tokens"
+        )
+    shapes = _tensor_headers(root)
+    if not any(a in shapes for a in _VISION_ANCHORS):
+        raise ModelDirError(
+            f"{root}: no vision tower tensors in the weights (looked for {list(_VISION_ANCHORS)})"
+        )
+    vision = {n: s for n, s in shapes.items() if n.startswith(("visual.", "model.visual."))}
+    language = {n: s for n, s in shapes.items() if family.tensor_name(n) is not None and n not in vision}
+    if not language:
+        raise ModelDirError(f"{root}: no language-model tensors in the weights")
+    architecture = str((raw.get("architectures") or [family.ARCHITECTURES[0]])[0])
+    return ModelSummary(root, architecture, _role(vision), _role(language))
+
+
+def _role(headers: dict[str, tuple[int, str]]) -> RoleWeights:
+    params = sum(n for n, _ in headers.values())
+    size = sum(n * _DTYPE_BYTES.get(d, 4) for n, d in headers.values())
+    dtypes = Counter(d for _, d in headers.values())
+    return RoleWeights(params, size, dtypes.most_common(1)[0][0] if dtypes else "-")
+
+
+def _tensor_headers(root: Path) -> dict[str, tuple[int, str]]:
+    """name -> (elements, stored dtype) from every weight file's header (no tensor is read)."""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted({root / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelDirError(f"{index}: not a safetensors index ({e})") from e
+    else:
+        files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ModelDirError(f"{root}: no *.safetensors weights")
+    out: dict[str, tuple[int, str]] = {}
+    for f in files:
+        if not f.is_file():
+            raise ModelDirError(f"weight shard {f} listed in the index is missing")
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                    tensor_slice = handle.get_slice(name)
+                    n = 1
+                    for dim in tensor_slice.get_shape():
+                        n *= int(dim)
+                    out[name] = (n, str(tensor_slice.get_dtype()))
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise ModelDirError(f"{f}: unreadable safetensors file ({e})") from e
+    return out
