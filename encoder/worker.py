@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from epd_common.runtime import DTYPES, check_dtype, resolve_device
+from epd_common.runtime import check_dtype, resolve_device, resolve_dtype
 from media_io.config import MediaLimits, PreprocessConfig
 
 
@@ -47,7 +47,7 @@ class WorkerConfig:
     uds: str | None = None
     public_url: str | None = None
     model_path: str | None = None  # None: the embedded default checkpoint
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto": the checkpoint's (config.json), float32 for the embedded default
     device: str = "auto"  # "auto": cuda when available, else cpu
     torch_threads: int | None = None
     forward_streams: int | None = None
@@ -81,7 +81,8 @@ class WorkerConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """The compute dtype: ``dtype``, or with "auto" the checkpoint's (``resolve_dtype``)."""
+        return resolve_dtype(self.dtype, self.model_path)
 
     def resolve_device(self) -> torch.device:
         return resolve_device(self.device)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
+
+AUTO_DTYPE = "auto"  # the checkpoint's own dtype (config.json), float32 when it names none
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -13,8 +18,29 @@ DTYPES: dict[str, torch.dtype] = {
 
 def check_dtype(owner: str, name: str) -> None:
     """Raise ValueError naming ``owner`` (e.g. "WorkerConfig.dtype") when ``name`` is not a known dtype."""
-    if name not in DTYPES:
-        raise ValueError(f"{owner} must be one of {sorted(DTYPES)}, got {name!r}")
+    if name != AUTO_DTYPE and name not in DTYPES:
+        raise ValueError(f"{owner} must be {AUTO_DTYPE!r} or one of {sorted(DTYPES)}, got {name!r}")
+
+
+def resolve_dtype(name: str, model_dir: str | Path | None) -> torch.dtype:
+    """``name`` as a torch dtype; "auto" reads ``dtype`` / ``torch_dtype`` from the checkpoint's
+    config.json (top level, else ``text_config``): a bf16 release stays bf16 unless told otherwise.
+    The embedded defaults (no directory) and configs that name no float dtype get float32."""
+    if name != AUTO_DTYPE:
+        return DTYPES[name]
+    if model_dir is None:
+        return torch.float32
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return torch.float32  # the loader reports a missing or broken config.json itself
+    for scope in (raw, raw.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            value = scope.get(key) if isinstance(scope, dict) else None
+            if isinstance(value, str) and value.removeprefix("torch.") in DTYPES:
+                return DTYPES[value.removeprefix("torch.")]
+    return torch.float32
 
 
 def resolve_device(name: str) -> torch.device:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from epd_common.runtime import DTYPES, check_dtype, resolve_device
+from epd_common.runtime import check_dtype, resolve_device, resolve_dtype
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class LLMServerConfig:
     uds: str | None = None
     model_path: str | None = None  # None: the embedded default checkpoint
     served_model_name: str = "epd-llm"
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto": the checkpoint's (config.json), float32 for the embedded default
     device: str = "auto"  # "auto": cuda when available, else cpu
     engine: EngineConfig = field(default_factory=EngineConfig)
     cache_namespace: str = "default"  # node embedding cache to read multimodal embeddings from
@@ -67,7 +67,8 @@ class LLMServerConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """The compute dtype: ``dtype``, or with "auto" the checkpoint's (``resolve_dtype``)."""
+        return resolve_dtype(self.dtype, self.model_path)
 
     def resolve_device(self) -> torch.device:
         return resolve_device(self.device)
