@@ -29,12 +29,10 @@ from safetensors.torch import save_file
 
 from encoder.config import VisionConfig
 from encoder.model import VisionTransformer
+from encoder.models import UnknownVisionModel, family_for
 from encoder.rope import rope_inv_freq
 from epd_common.settings import default_checkpoint_dir, epd_home
 
-FULL_MODEL_TYPE = "qwen2_5_vl"
-VISION_MODEL_TYPE = "qwen2_5_vl_vision"
-_PREFIXES = ("model.visual.", "visual.", "")
 _ANCHOR = "patch_embed.proj.weight"
 
 # The embedded default: shaped like the real tower (window + full blocks, 2x2 merge, SwiGLU, head
@@ -78,18 +76,13 @@ def read_vision_config(path: Path) -> VisionConfig:
         raw: dict[str, Any] = json.loads(cfg_file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{cfg_file}: unreadable config ({e})") from e
-    model_type = raw.get("model_type")
-    if model_type == FULL_MODEL_TYPE:
-        vision = raw.get("vision_config")
-        if not isinstance(vision, dict):
-            raise CheckpointError(f"{cfg_file}: model_type {model_type!r} without a vision_config")
-    elif model_type == VISION_MODEL_TYPE:
-        vision = raw
-    else:
-        raise CheckpointError(
-            f"{cfg_file}: model_type {model_type!r} is not supported "
-            f"(expected {FULL_MODEL_TYPE!r} or {VISION_MODEL_TYPE!r})"
-        )
+    try:
+        family = family_for(raw)
+    except UnknownVisionModel as e:
+        raise CheckpointError(f"{cfg_file}: {e}") from e
+    vision = family.vision_config(raw)
+    if vision is None:
+        raise CheckpointError(f"{cfg_file}: model_type {raw.get('model_type')!r} without a vision_config")
     try:
         return VisionConfig.from_hf_dict(vision)
     except (TypeError, ValueError) as e:
@@ -135,10 +128,11 @@ def _expected_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
 def _read_tensors(path: Path, cfg: VisionConfig) -> dict[str, torch.Tensor]:
     """The tower's tensors (names without the prefix), after strict key, shape and dtype checks."""
     weight_map = _weight_map(path)
-    prefix = next((p for p in _PREFIXES if p + _ANCHOR in weight_map), None)
+    prefixes = family_for(json.loads((path / "config.json").read_text())).TENSOR_PREFIXES
+    prefix = next((p for p in prefixes if p + _ANCHOR in weight_map), None)
     if prefix is None:
         raise CheckpointError(
-            f"{path}: no vision tower weights (looked for {[p + _ANCHOR for p in _PREFIXES]})"
+            f"{path}: no vision tower weights (looked for {[p + _ANCHOR for p in prefixes]})"
         )
     expected = _expected_shapes(cfg)
     ours = {name[len(prefix) :]: f for name, f in weight_map.items() if name.startswith(prefix)}
