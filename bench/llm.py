@@ -17,15 +17,18 @@ with eos ignored, all in one run:
 Prompts are random token ids below the tokenizer's first added (special) token, text only: no
 chat-template or media placeholder ids. Transformers runs with the attention implementation its
 users would pick for speed: every one the class supports ("eager", and "sdpa" where transformers
-has it) is timed on probe prompts of a seed no round uses, and the faster runs the rounds
-(``summary.transformers_attention``, probe times in ``transformers_attention_probe_s``).
+has it) is timed on probe prompts of a seed no round uses (``--requests`` of them, 16 new tokens,
+best of two alternating runs each), and the faster runs the rounds
+(``summary.transformers_attention``, probe times in ``transformers_attention_probe_s``). For
+MiMo-V2-Flash transformers has eager only; for Qwen2.5-VL sdpa is the faster on CPU (and
+transformers' default).
 
 ``summary.speedup_vs_transformers`` is against the batched baseline (the stronger one); the
-sequential ratio is reported too. The target depends on the architecture (``TARGETS``:
-``summary.architecture``, ``summary.target_speedup``). Also: TTFT and inter-token latency percentiles of the engine,
-how many engine outputs equal the batched transformers outputs token for token, and process CPU
-seconds per output token (``summary.cpu_speedup_vs_transformers``), which other load on a shared
-machine distorts far less than wall time. ``--rounds N`` alternates engine and batched runs and
+sequential ratio is reported too. The target depends on the architecture (``TARGETS``; the run's
+is ``summary.target_speedup`` for ``summary.architecture``). Also: TTFT and inter-token latency
+percentiles of the engine, how many engine outputs equal the batched transformers outputs token for
+token, and process CPU seconds per output token (``summary.cpu_speedup_vs_transformers``), which
+other load on a shared machine distorts far less than wall time. ``--rounds N`` alternates engine and batched runs and
 reports the median round; each round draws fresh prompts (seed + round, same length range, the
 same for both paths), so no round finds an earlier round's prompts in the engine's prefix cache;
 the warm-up uses prompts of a seed no round uses, and ``summary.engine_cached_prompt_tokens_per_round``

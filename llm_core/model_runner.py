@@ -94,23 +94,25 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list[int] = []
         seq_lens: list[int] = []
+        cu_seqlens = [0]
+        linear = self.position_scheme.dims == 1
         has_media = False
         for b, (s, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
             start, end = s.num_computed_tokens, s.num_computed_tokens + n
             assert n > 0 and end <= s.num_tokens, (s.seq_id, start, n, s.num_tokens)
             ids.extend(s.token_slice(start, end))
-            pos.extend(range(start, end))
+            if linear:
+                pos.extend(range(start, end))
             seq_lens.append(end)
+            cu_seqlens.append(cu_seqlens[-1] + n)
             if end == s.num_tokens:  # the chunk reaches the last known token: its logits are next
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(b)
             has_media = has_media or any(m.start < end and m.start + m.length > start for m in s.media)
         tables = build_page_tables(list(seqs), list(num_new_tokens), self.page_size)
-        cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(list(num_new_tokens), dtype=torch.int32), 0)
         dev = self.device
         batch = AttentionBatch(
-            cu_seqlens_q=cu.to(dev),
+            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             full_page_table=tables.full_page_table.to(dev),
             swa_page_table=tables.swa_page_table.to(dev),
@@ -120,16 +122,10 @@ class ModelRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         embeds = self._media_embeds(seqs, num_new_tokens, input_ids) if has_media else None
-        if self.position_scheme.dims == 1:  # token i at position i (the common case, kept cheap)
+        if linear:  # token i at position i (the common case, kept cheap)
             positions = torch.tensor(pos, dtype=torch.int64, device=dev)
         else:
-            positions = torch.cat(
-                [
-                    self.position_scheme.positions(s, s.num_computed_tokens, s.num_computed_tokens + n)
-                    for s, n in zip(seqs, num_new_tokens, strict=True)
-                ],
-                dim=1,
-            ).to(dev)  # [3, T]
+            positions = torch.tensor(self._positions_nd(seqs, num_new_tokens), dtype=torch.int64, device=dev)
         return StepInputs(
             input_ids=input_ids,
             positions=positions,
@@ -138,6 +134,22 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
             sample_seqs=sample_seqs,
         )
+
+    def _positions_nd(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> list[list[int]]:
+        """[dims][T] positions of a multi-axis scheme (M-RoPE) as Python rows: offsets per axis where
+        the scheme has them (decode steps, text-only prompts), its position tensor elsewhere."""
+        scheme = self.position_scheme
+        rows: list[list[int]] = [[] for _ in range(scheme.dims)]
+        for s, n in zip(seqs, num_new_tokens, strict=True):
+            start = s.num_computed_tokens
+            offsets = scheme.linear_offsets(s, start)
+            if offsets is None:
+                for row, part in zip(rows, scheme.positions(s, start, start + n).tolist(), strict=True):
+                    row.extend(part)
+            else:
+                for row, o in zip(rows, offsets, strict=True):
+                    row.extend(range(start + o, start + n + o))
+        return rows
 
     def _media_embeds(self, seqs: Seq[Sequence], num_new_tokens: Seq[int], input_ids: Tensor) -> Tensor:
         """Token embeddings with media rows written over the placeholder positions.

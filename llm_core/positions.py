@@ -51,6 +51,13 @@ class PositionScheme(Protocol):
         """int64 [dims, end - start]: the positions of tokens start .. end - 1 of ``seq``."""
         ...
 
+    def linear_offsets(self, seq: Sequence, start: int) -> tuple[int, ...] | None:
+        """Per-axis offsets ``o`` (``dims`` of them) with token ``i`` at position ``i + o[a]`` on
+        axis ``a`` for every ``i >= start``, when such offsets exist; None otherwise (then the
+        caller asks ``positions``). A cheap path for decode steps, where ``positions`` would build
+        a tensor per sequence."""
+        ...
+
     def release(self, seq_id: int | str) -> None:
         """Forget what was kept for a sequence (it finished or was aborted)."""
         ...
@@ -63,6 +70,9 @@ class LinearPositions:
 
     def positions(self, seq: Sequence, start: int, end: int) -> Tensor:
         return torch.arange(start, end, dtype=torch.int64)[None]  # [1, n]
+
+    def linear_offsets(self, seq: Sequence, start: int) -> tuple[int, ...]:
+        return (0,)
 
     def release(self, seq_id: int | str) -> None:
         return None
@@ -138,6 +148,8 @@ class MRopePositions:
         self.spatial_merge_size = spatial_merge_size
         self.tokens_per_second = tokens_per_second
         self._prompts: dict[int | str, PromptPositions] = {}
+        # per sequence: where generated token k sits, minus its index (n_prompt + k), per axis
+        self._generated_offsets: dict[int | str, tuple[int, int, int]] = {}
 
     def prompt(self, seq: Sequence) -> PromptPositions:
         """The prompt's positions (computed once per sequence); also sets how much of the
@@ -171,5 +183,18 @@ class MRopePositions:
             parts.append(last + 1 + k[None])  # [3, n]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
+    def linear_offsets(self, seq: Sequence, start: int) -> tuple[int, int, int] | None:
+        """Past the prompt, generated token ``n_prompt + k`` is at the last prompt position + 1 + k
+        on each axis: offset last + 1 - n_prompt. A prompt without media is at i on every axis,
+        and so are its generated tokens (offsets 0). A start inside a prompt with media: None."""
+        offsets = self._generated_offsets.get(seq.seq_id)
+        if offsets is None:
+            n_prompt = seq.num_prompt_tokens
+            last = self.prompt(seq).positions[:, -1].tolist() if n_prompt else [-1, -1, -1]
+            t, h, w = (int(v) + 1 - n_prompt for v in last)
+            offsets = self._generated_offsets[seq.seq_id] = (t, h, w)
+        return offsets if start >= seq.num_prompt_tokens or not seq.media else None
+
     def release(self, seq_id: int | str) -> None:
         self._prompts.pop(seq_id, None)
+        self._generated_offsets.pop(seq_id, None)

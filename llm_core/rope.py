@@ -13,6 +13,8 @@ Only the leading ``width`` dims of each q/k head rotate; the rest pass through u
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 
@@ -86,7 +88,14 @@ def mrope_rows(table: Tensor, positions: Tensor, section: tuple[int, ...]) -> Te
     """
     width = table.shape[1]
     assert sum(section) * 2 == width and positions.dim() == 2 and positions.shape[0] == len(section)
-    axis = torch.cat([torch.full((n,), a, dtype=torch.int64) for a, n in enumerate(section)])  # [width / 2]
-    axis = torch.cat([axis, axis]).to(table.device)  # [width]
-    rows = table.index_select(0, positions.reshape(-1)).view(len(section), positions.shape[1], width)
-    return rows.gather(0, axis.view(1, 1, width).expand(1, positions.shape[1], width))[0]  # [T, width]
+    # the position column j reads, per token: positions[axis[j], t] -> [T, width]
+    index = positions.index_select(0, _mrope_axis(section, positions.device)).t()
+    return table.gather(0, index)  # out[t, j] = table[index[t, j], j]
+
+
+@functools.lru_cache(maxsize=16)
+def _mrope_axis(section: tuple[int, ...], device: torch.device) -> Tensor:
+    """int64 [width]: the position axis of each rotary column (built once per section and device)."""
+    with torch.inference_mode(False):  # a plain tensor, usable inside and outside inference mode
+        axis = torch.cat([torch.full((n,), a, dtype=torch.int64) for a, n in enumerate(section)])
+        return torch.cat([axis, axis]).to(device)  # [width]

@@ -262,6 +262,30 @@ def test_page_tables_follow_attention_batch_semantics() -> None:
     assert tables.full_slots.dtype == torch.int64
 
 
+def test_page_table_slots_of_chunks_across_pages() -> None:
+    """Write slots of chunks that start mid-page and span several pages equal the per-position
+    definition (``Sequence.full_slot`` / ``swa_slot``)."""
+    kv = make_manager(64, 64, 64)
+    shadow = Shadow(kv)
+    a, b = Sequence("a", list(range(23))), Sequence("b", list(range(100, 111)))
+    for s, first in ((a, 6), (b, 2)):
+        kv.match_prefix(s)
+        assert run_step(kv, shadow, s, first)  # computed up to mid-page
+    counts = [a.num_tokens - a.num_computed_tokens, b.num_tokens - b.num_computed_tokens]
+    for s, n in zip((a, b), counts, strict=True):
+        assert kv.allocate(s, n)
+    tables = build_page_tables([a, b], counts, P)
+    want_full, want_swa = [], []
+    for s, n in zip((a, b), counts, strict=True):
+        for pos in range(s.num_computed_tokens, s.num_computed_tokens + n):
+            want_full.append(s.full_slot(pos, P))
+            want_swa.append(s.swa_slot(pos, P))
+    assert tables.full_slots.tolist() == want_full and tables.swa_slots.tolist() == want_swa
+    assert tables.full_slots.dtype == tables.swa_slots.dtype == torch.int64
+    assert tables.full_page_table.shape == (2, len(a.full_pages))
+    assert tables.full_page_table[1].tolist() == b.full_pages + [0] * (len(a.full_pages) - len(b.full_pages))
+
+
 def test_branch_point_window_is_pinned_and_heals_the_tree() -> None:
     window = 9  # 2 pages of SWA before a boundary
     kv = make_manager(64, 64, window)

@@ -155,6 +155,55 @@ def test_prefix_cache_limit_when_the_prompt_ends_in_media() -> None:
     assert seq.seq_id not in scheme._prompts
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_linear_offsets_agree_with_positions(case: str) -> None:
+    """Past the prompt, the offsets give what ``positions`` gives (the runner's decode path); inside
+    a prompt with media there are none."""
+    seq = _sequence(case, outputs=4)
+    scheme = MRopePositions(MERGE, TPS)
+    n = seq.num_prompt_tokens
+    for start in range(n, n + 4):
+        offsets = scheme.linear_offsets(seq, start)
+        assert offsets is not None
+        want = scheme.positions(seq, start, n + 4)
+        assert want.tolist() == [list(range(start + o, n + 4 + o)) for o in offsets]
+    assert scheme.linear_offsets(seq, 0) is None and scheme.linear_offsets(seq, n - 1) is None
+    scheme.release(seq.seq_id)
+    assert seq.seq_id not in scheme._generated_offsets
+
+
+def test_linear_offsets_of_a_text_prompt_are_zero() -> None:
+    seq = Sequence(seq_id="text", prompt_ids=[5, 6, 7, 8])
+    seq.output_ids = [9, 10]
+    scheme = MRopePositions(MERGE, TPS)
+    assert scheme.linear_offsets(seq, 0) == scheme.linear_offsets(seq, 5) == (0, 0, 0)
+    assert torch.equal(scheme.positions(seq, 0, 6), torch.arange(6).expand(3, -1))
+    assert LinearPositions().linear_offsets(seq, 3) == (0,)
+
+
+def test_runner_positions_equal_the_scheme_per_sequence() -> None:
+    """A batch mixing a prefill chunk inside a prompt with media, a decode token and a text prompt:
+    the runner's [3, T] rows equal the scheme's positions, sequence after sequence."""
+    from llm_core.model_runner import ModelRunner
+
+    scheme = MRopePositions(MERGE, TPS)
+    runner = ModelRunner.__new__(ModelRunner)  # only the position scheme is used
+    runner.position_scheme = scheme
+    chunked, decoding = _sequence("two images"), _sequence("slow video", outputs=2)
+    text = Sequence(seq_id="text", prompt_ids=[5, 6, 7])
+    chunked.num_computed_tokens = 3
+    decoding.num_computed_tokens = decoding.num_tokens - 1
+    seqs, counts = [chunked, decoding, text], [9, 1, 3]
+    want = torch.cat(
+        [
+            scheme.positions(s, s.num_computed_tokens, s.num_computed_tokens + c)
+            for s, c in zip(seqs, counts, strict=True)
+        ],
+        dim=1,
+    )
+    assert runner._positions_nd(seqs, counts) == want.tolist()
+
+
 def test_linear_positions() -> None:
     seq = Sequence(seq_id=1, prompt_ids=[1, 2, 3])
     assert LinearPositions().positions(seq, 1, 3).tolist() == [[1, 2]]
