@@ -147,3 +147,18 @@ def dataclass_to_argv(cfg: Any, *, prefix: str = "", flatten: tuple[str, ...] = 
         elif isinstance(value, int | float | str):
             out += [flag, str(value)]
     return out
+
+
+def add_model_dir_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--model DIR`` (dest ``model_dir``): a Hugging Face checkpoint directory; ``what`` says
+    which parts of it this command uses."""
+    parser.add_argument(
+        "--model", dest="model_dir", metavar="DIR", help=f"a Hugging Face checkpoint directory: {what}"
+    )
+
+
+def model_path_from(command: str, model_dir: str | None, model_path: str | None) -> str | None:
+    """The checkpoint a role loads: ``--model`` or ``--model-path``, refusing both at once."""
+    if model_dir and model_path:
+        raise SystemExit(f"epd {command}: give --model or --model-path, not both")
+    return model_dir or model_path

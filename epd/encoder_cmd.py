@@ -12,7 +12,13 @@ import contextlib
 import dataclasses
 
 from encoder.worker import WorkerConfig, plan_workers, serve_worker
-from epd.config_cli import add_dataclass_args, dataclass_from_args, dataclass_to_argv
+from epd.config_cli import (
+    add_dataclass_args,
+    add_model_dir_argument,
+    dataclass_from_args,
+    dataclass_to_argv,
+    model_path_from,
+)
 from epd.supervisor import ChildSpec, Supervisor, python_argv
 from media_io.processor_config import preprocess_config_from_dir
 
@@ -20,22 +26,17 @@ from media_io.processor_config import preprocess_config_from_dir
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(parser, WorkerConfig)
     parser.add_argument("--workers", type=int, default=1, help="CPU worker processes (GPU: one per device)")
-    parser.add_argument(
-        "--model",
-        dest="model_dir",
-        metavar="DIR",
-        help="a Hugging Face checkpoint directory: its vision tower and its processor settings",
-    )
+    add_model_dir_argument(parser, "its vision tower and its processor settings")
 
 
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
     """The flags' WorkerConfig; ``--model DIR`` sets the checkpoint and its preprocessing."""
     base = dataclass_from_args(WorkerConfig, args)
+    path = model_path_from("encoder", args.model_dir, base.model_path)
     if args.model_dir:
-        if base.model_path:
-            raise SystemExit("epd encoder: give --model or --model-path, not both")
-        preprocess = preprocess_config_from_dir(args.model_dir, base.preprocess)
-        base = dataclasses.replace(base, model_path=args.model_dir, preprocess=preprocess)
+        base = dataclasses.replace(
+            base, model_path=path, preprocess=preprocess_config_from_dir(args.model_dir, base.preprocess)
+        )
     return base
 
 

@@ -305,3 +305,18 @@ def epd_server(media: Media) -> Iterator[ServeProcess]:
         code = stop_serve(server)
         assert code == 0, f"epd serve exited with {code}:\n{server.tail()}"
         assert not server.shm_dir.exists(), f"{server.shm_dir} was left behind"
+
+
+def serve_fails_at_start(args: Sequence[str]) -> str:
+    """Run ``epd serve *args`` (on a free port), which must exit 1 before announcing itself or
+    starting any role; returns its stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "epd.cli", "serve", "--port", str(free_port()), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "epd serving on" not in proc.stdout  # nothing was announced, no child was started
+    return proc.stderr

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import io
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,14 +25,13 @@ from PIL import Image
 
 from tests.encoder.hf_fixtures import hf_vision_model, save_hf_full_model
 from tests.epd.conftest import (
-    REPO,
     ServeProcess,
     embedding_of,
-    free_port,
     http_json,
     image_bytes,
     photo,
     rel_err,
+    serve_fails_at_start,
     start_serve,
     stop_serve,
     upload,
@@ -165,13 +162,5 @@ def test_checkpoint_without_tokenizer_fails_at_start(checkpoints: tuple[Path, Pa
     _, mimo_dir = checkpoints
     bare = tmp_path / "no-tokenizer"
     shutil.copytree(mimo_dir, bare, ignore=shutil.ignore_patterns("tokenizer.json"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "epd.cli", "serve", "--port", str(free_port()), "--llm-model", str(bare)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert f"epd serve: {bare / 'tokenizer.json'} not found" in proc.stderr
-    assert "epd serving on" not in proc.stdout  # nothing was announced, no child was started
+    stderr = serve_fails_at_start(["--llm-model", str(bare)])
+    assert f"epd serve: {bare / 'tokenizer.json'} not found" in stderr

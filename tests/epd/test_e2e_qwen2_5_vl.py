@@ -25,7 +25,6 @@ from PIL import Image
 from tests.epd.conftest import ServeProcess, http_json, start_serve, stop_serve
 from tests.fixtures.qwen2_5_vl import (
     SCENARIOS,
-    build_tiny_qwen2_5_vl,
     make_image,
     prepare_inputs,
     reference_generate,
@@ -33,16 +32,6 @@ from tests.fixtures.qwen2_5_vl import (
 )
 
 NEW_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen_e2e"))
-
-
-@pytest.fixture(scope="module")
-def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("qwen_e2e_media")
 
 
 def _serve(qwen_dir: Path, *extra: str) -> Iterator[ServeProcess]:

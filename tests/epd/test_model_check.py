@@ -15,13 +15,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from epd.model_check import ModelDirError, check_model_dir
-from tests.epd.conftest import REPO, free_port
-from tests.fixtures.qwen2_5_vl import build_tiny_qwen2_5_vl
+from tests.epd.conftest import REPO, serve_fails_at_start
 
 
-@pytest.fixture(scope="module")
-def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen_check"))
+@pytest.fixture
+def good(qwen_dir: Path) -> Path:
+    return qwen_dir  # read only: the broken cases edit copies
 
 
 def _copy(good: Path, tmp_path: Path) -> Path:
@@ -84,16 +83,8 @@ def test_broken_directory_is_named(good: Path, tmp_path: Path, case: str) -> Non
 def test_serve_does_not_half_start(good: Path, tmp_path: Path) -> None:
     d = _copy(good, tmp_path)
     _edit_config(d, lambda c: c["vision_config"].update(out_hidden_size=64))
-    proc = subprocess.run(
-        [sys.executable, "-m", "epd.cli", "serve", "--port", str(free_port()), "--model", str(d)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "epd serve: " in proc.stderr and "out_hidden_size=64" in proc.stderr
-    assert "epd serving on" not in proc.stdout
+    stderr = serve_fails_at_start(["--model", str(d)])
+    assert "epd serve: " in stderr and "out_hidden_size=64" in stderr
 
 
 def test_model_and_split_flags_are_exclusive(good: Path) -> None:

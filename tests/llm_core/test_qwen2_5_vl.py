@@ -33,7 +33,6 @@ from llm_core.server_config import EngineConfig
 from llm_core.tokenizer import load_tokenizer
 from tests.fixtures.qwen2_5_vl import (
     SCENARIOS,
-    build_tiny_qwen2_5_vl,
     prepare_inputs,
     reference_generate,
     reference_prefill_logits,
@@ -41,16 +40,6 @@ from tests.fixtures.qwen2_5_vl import (
 )
 
 NEW_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
-
-
-@pytest.fixture(scope="module")
-def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("qwen_media")
 
 
 @pytest.fixture(scope="module")
