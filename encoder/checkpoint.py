@@ -30,10 +30,12 @@ from safetensors.torch import save_file
 from encoder.config import VisionConfig
 from encoder.model import VisionTransformer
 from encoder.models import UnknownVisionModel, family_for
+from encoder.models.family import VisionFamily
 from encoder.rope import rope_inv_freq
 from epd_common.settings import default_checkpoint_dir, epd_home
 
-_ANCHOR = "patch_embed.proj.weight"
+# The tensor every tower has (the patch embedding), under its family's prefix: finds the prefix.
+VISION_ANCHOR = "patch_embed.proj.weight"
 
 # The embedded default: shaped like the real tower (window + full blocks, 2x2 merge, SwiGLU, head
 # dim 32) but small, so that a 448x448 image (1024 patches, ~1.1 GFLOP, half of it in the two
@@ -69,6 +71,11 @@ def default_model_dir() -> Path:
 
 def read_vision_config(path: Path) -> VisionConfig:
     """The VisionConfig of the checkpoint directory ``path`` (full or vision-only)."""
+    return _read_vision_family(path)[0]
+
+
+def _read_vision_family(path: Path) -> tuple[VisionConfig, VisionFamily]:
+    """The tower's config and its family (which knows the tensor prefixes), from one config.json read."""
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{cfg_file}: missing config.json")
@@ -84,7 +91,7 @@ def read_vision_config(path: Path) -> VisionConfig:
     if vision is None:
         raise CheckpointError(f"{cfg_file}: model_type {raw.get('model_type')!r} without a vision_config")
     try:
-        return VisionConfig.from_hf_dict(vision)
+        return VisionConfig.from_hf_dict(vision), family
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{cfg_file}: bad vision config: {e}") from e
 
@@ -115,7 +122,7 @@ def _expected_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
         model = VisionTransformer(cfg)
     shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     # Stored as transformers' Conv3d weight: [C, in_channels, temporal, patch, patch].
-    shapes[_ANCHOR] = (
+    shapes[VISION_ANCHOR] = (
         cfg.hidden_size,
         cfg.in_channels,
         cfg.temporal_patch_size,
@@ -125,14 +132,13 @@ def _expected_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _read_tensors(path: Path, cfg: VisionConfig) -> dict[str, torch.Tensor]:
+def _read_tensors(path: Path, cfg: VisionConfig, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """The tower's tensors (names without the prefix), after strict key, shape and dtype checks."""
     weight_map = _weight_map(path)
-    prefixes = family_for(json.loads((path / "config.json").read_text())).TENSOR_PREFIXES
-    prefix = next((p for p in prefixes if p + _ANCHOR in weight_map), None)
+    prefix = next((p for p in prefixes if p + VISION_ANCHOR in weight_map), None)
     if prefix is None:
         raise CheckpointError(
-            f"{path}: no vision tower weights (looked for {[p + _ANCHOR for p in prefixes]})"
+            f"{path}: no vision tower weights (looked for {[p + VISION_ANCHOR for p in prefixes]})"
         )
     expected = _expected_shapes(cfg)
     ours = {name[len(prefix) :]: f for name, f in weight_map.items() if name.startswith(prefix)}
@@ -191,11 +197,11 @@ def load_checkpoint_dir(
         raise CheckpointError(f"{path}: not a checkpoint directory")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise CheckpointError(f"dtype {dtype} is not supported (float32, bfloat16, float16)")
-    cfg = read_vision_config(path)
-    tensors = _read_tensors(path, cfg)
+    cfg, family = _read_vision_family(path)
+    tensors = _read_tensors(path, cfg, family.TENSOR_PREFIXES)
     fp = fingerprint(cfg, tensors, dtype)
     state = {name: t.to(dtype) for name, t in tensors.items()}
-    state[_ANCHOR] = state[_ANCHOR].reshape(cfg.hidden_size, cfg.patch_dim)
+    state[VISION_ANCHOR] = state[VISION_ANCHOR].reshape(cfg.hidden_size, cfg.patch_dim)
     with torch.device("meta"):
         model = VisionTransformer(cfg)
     model.load_state_dict(state, strict=True, assign=True)
@@ -210,8 +216,8 @@ def save_vision_checkpoint(model: VisionTransformer, path: str | Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    state[_ANCHOR] = (
-        state[_ANCHOR]
+    state[VISION_ANCHOR] = (
+        state[VISION_ANCHOR]
         .reshape(cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
         .contiguous()
     )

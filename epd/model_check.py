@@ -18,24 +18,23 @@ is the start banner's line: architecture, parameters, dtype and bytes per role.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
 from safetensors import safe_open
 
+from encoder.checkpoint import VISION_ANCHOR, read_vision_config
 from encoder.checkpoint import CheckpointError as EncoderCheckpointError
-from encoder.checkpoint import read_vision_config
+from encoder.models import family_for as vision_family_for
 from llm_core.chat_template import TemplateFileError, load_chat_template
-from llm_core.checkpoint import CheckpointError, read_config_json
+from llm_core.checkpoint import CheckpointError, read_config_json, weight_files
 from llm_core.config import ConfigError
 from llm_core.models import UnknownArchitecture, family_for
 from llm_core.tokenizer import TokenizerError, load_tokenizer
 from media_io.processor_config import ProcessorConfigError, preprocess_config_from_dir
 
 _DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4}
-_VISION_ANCHORS = ("visual.patch_embed.proj.weight", "model.visual.patch_embed.proj.weight")
 
 
 class ModelDirError(ValueError):
@@ -94,11 +93,12 @@ def check_model_dir(path: str | Path) -> ModelSummary:
             "cannot stand in for its tokens"
         )
     shapes = _tensor_headers(root)
-    if not any(a in shapes for a in _VISION_ANCHORS):
-        raise ModelDirError(
-            f"{root}: no vision tower tensors in the weights (looked for {list(_VISION_ANCHORS)})"
-        )
-    vision = {n: s for n, s in shapes.items() if n.startswith(("visual.", "model.visual."))}
+    # A full checkpoint keeps the tower under a prefix of its family ("" is a tower-only checkpoint).
+    prefixes = tuple(p for p in vision_family_for(raw).TENSOR_PREFIXES if p)
+    anchors = [p + VISION_ANCHOR for p in prefixes]
+    if not any(a in shapes for a in anchors):
+        raise ModelDirError(f"{root}: no vision tower tensors in the weights (looked for {anchors})")
+    vision = {n: s for n, s in shapes.items() if n.startswith(prefixes)}
     language = {n: s for n, s in shapes.items() if family.tensor_name(n) is not None and n not in vision}
     if not language:
         raise ModelDirError(f"{root}: no language-model tensors in the weights")
@@ -115,20 +115,12 @@ def _role(headers: dict[str, tuple[int, str]]) -> RoleWeights:
 
 def _tensor_headers(root: Path) -> dict[str, tuple[int, str]]:
     """name -> (elements, stored dtype) from every weight file's header (no tensor is read)."""
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            files = sorted({root / f for f in json.loads(index.read_text())["weight_map"].values()})
-        except (OSError, ValueError, KeyError) as e:
-            raise ModelDirError(f"{index}: not a safetensors index ({e})") from e
-    else:
-        files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise ModelDirError(f"{root}: no *.safetensors weights")
+    try:
+        files = weight_files(root, lambda _: True)
+    except CheckpointError as e:
+        raise ModelDirError(str(e)) from e
     out: dict[str, tuple[int, str]] = {}
     for f in files:
-        if not f.is_file():
-            raise ModelDirError(f"weight shard {f} listed in the index is missing")
         try:
             with safe_open(str(f), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)

@@ -19,7 +19,6 @@ tokenizer's image pad), videos ``video_token_id``; audio never.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,9 @@ from llm_core.chat_template import (
     check_message_parts,
     expand_media_placeholders,
     load_chat_template,
+    supported_part_types,
 )
+from llm_core.checkpoint import CheckpointError, read_config_json
 from llm_core.tokenizer import Tokenizer
 
 
@@ -48,12 +49,9 @@ class PromptFormat:
         self.template = template
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
-        parts = {"text"}
-        if image_token_id is not None:
-            parts.add("image")
-        if video_token_id is not None:
-            parts.add("video")
-        self.supported = frozenset(parts)
+        self.supported = supported_part_types(
+            {"image_token_id": image_token_id, "video_token_id": video_token_id}
+        )
 
     @classmethod
     def load(cls, model_dir: str | Path | None, tokenizer: Tokenizer) -> PromptFormat:
@@ -107,14 +105,10 @@ def _template_part(part: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _config(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / "config.json"
-    if not path.is_file():
-        return {}
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}  # the engine's loader reports a broken config.json with its path
-    return raw if isinstance(raw, dict) else {}
+        return read_config_json(model_dir)
+    except CheckpointError:
+        return {}  # the engine's loader reports a missing or broken config.json with its path
 
 
 __all__ = ["ChatTemplateError", "PromptFormat"]

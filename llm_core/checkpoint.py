@@ -95,7 +95,7 @@ def default_model_dir() -> Path:
 # ---- reading tensors -------------------------------------------------------------------------------
 
 
-def _weight_files(model_dir: Path, wanted: Callable[[str], bool]) -> list[Path]:
+def weight_files(model_dir: Path, wanted: Callable[[str], bool]) -> list[Path]:
     """The safetensors files holding tensors ``wanted`` accepts: with an index, only the shards
     that list one (a vision tower's shards are never opened by the LLM); without, every file."""
     index = model_dir / "model.safetensors.index.json"
@@ -106,7 +106,7 @@ def _weight_files(model_dir: Path, wanted: Callable[[str], bool]) -> list[Path]:
             raise CheckpointError(f"{index}: not a safetensors index ({e})") from e
         files = [model_dir / name for name in sorted({f for t, f in weight_map.items() if wanted(t)})]
         if not files:
-            raise CheckpointError(f"{index} lists no language-model tensors")
+            raise CheckpointError(f"{index} lists none of the tensors this role reads")
     else:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -124,7 +124,7 @@ def read_state_dict(model_dir: Path, rename: Callable[[str], str | None] | None 
     map, one at a time."""
     rename = rename or mimo_v2_flash.tensor_name
     tensors: dict[str, Tensor] = {}
-    for path in _weight_files(model_dir, lambda name: rename(name) is not None):
+    for path in weight_files(model_dir, lambda name: rename(name) is not None):
         with safe_open(str(path), framework="pt") as f:
             for disk_name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 name = rename(disk_name)
