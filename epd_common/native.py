@@ -116,3 +116,9 @@ def fallback_reason(name: str) -> str | None:
     if status.state in ("built", "unverified"):
         return None
     return f"{name} {status.state}: {status.detail}"
+
+
+def unavailable_reason(name: str) -> str:
+    """Why a wrapper runs without ``name``: the load's reason, or that it was not loaded (it loaded
+    but the wrapper could not use it, or nothing imported it)."""
+    return fallback_reason(name) or f"{name} was not loaded"

@@ -56,10 +56,11 @@ def llm_paths(device: torch.device, dtype: torch.dtype) -> list[ActivePath]:
 
 
 def _kernel_path(
-    step: str, available: bool, extension: str, fast: str, slow: str, unbound: str = "not loaded"
+    step: str, available: bool, extension: str, fast: str, slow: str, unbound: str | None = None
 ) -> ActivePath:
     """``fast`` when the wrapper has its kernel, else ``slow`` with the load's reason (or
     ``unbound`` when the extension loaded but the wrapper could not use it)."""
     if available:
         return ActivePath(step, fast)
-    return ActivePath(step, slow, native.fallback_reason(extension) or unbound)
+    why = native.fallback_reason(extension) or unbound or native.unavailable_reason(extension)
+    return ActivePath(step, slow, why)

@@ -21,8 +21,8 @@ def media_paths(backend: str) -> list[ActivePath]:
     from media_io.jpeg import JPEG_KERNEL_AVAILABLE
     from media_io.preprocess.patchify import C_KERNEL_AVAILABLE
 
-    jpeg_why = None if JPEG_KERNEL_AVAILABLE else _why("media_io._jpeg")
-    patchify_why = None if C_KERNEL_AVAILABLE else _why("media_io.preprocess._patchify")
+    jpeg_why = None if JPEG_KERNEL_AVAILABLE else native.unavailable_reason("media_io._jpeg")
+    patchify_why = None if C_KERNEL_AVAILABLE else native.unavailable_reason("media_io.preprocess._patchify")
     paths = [
         ActivePath("preprocess_backend", backend),
         ActivePath(
@@ -37,10 +37,6 @@ def media_paths(backend: str) -> list[ActivePath]:
         _dali_path(required=backend == "dali"),
     ]
     return paths
-
-
-def _why(extension: str) -> str:
-    return native.fallback_reason(extension) or f"{extension} was not loaded"
 
 
 def _resize_path() -> ActivePath:
