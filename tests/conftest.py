@@ -1,11 +1,14 @@
 """Fixtures shared across the test packages: the tiny Qwen2.5-VL checkpoint (built once per session,
-only when a test asks for it) and a folder for the media its scenarios write."""
+only when a test asks for it), a folder for the media its scenarios write, and fp32 without TF32
+for the CUDA parity tests."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.fixtures.qwen2_5_vl import build_tiny_qwen2_5_vl
 
@@ -20,3 +23,13 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where the scenarios write their media files (``scenario_messages``)."""
     return tmp_path_factory.mktemp("qwen_media")
+
+
+@pytest.fixture
+def no_tf32() -> Iterator[None]:
+    """fp32 means fp32 on both sides for the duration of a test (CUDA matmuls default to TF32)."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before

@@ -10,7 +10,7 @@ which would change transformers' Conv3d patch embedding), so the bar is the CPU 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +25,8 @@ from tests.encoder.test_model import GRIDS, make_inputs, rel_err
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.usefixtures("no_tf32"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def no_tf32() -> Iterator[None]:
-    """fp32 means fp32 on both sides for the duration of a test."""
-    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ machine without CUDA (``make gpu-check`` runs them on one).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +25,10 @@ from tests.llm_core.test_model import PagedSeq, free_lists, make_kv, prompt, rel
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.usefixtures("no_tf32"),
 ]
 
 REL_TOL = 1e-4  # the CPU parity bar: fp32 on both sides
-
-
-@pytest.fixture(autouse=True)
-def no_tf32() -> Iterator[None]:
-    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 @pytest.fixture(scope="module")
