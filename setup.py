@@ -5,13 +5,13 @@ succeeds and media_io uses its pure-Python paths, which give the same results:
 
 - ``media_io.preprocess._patchify``: normalize + patchify in one pass (else: the numpy path, same bits);
 - ``media_io._jpeg``: JPEG decode through libjpeg into reused buffers (else: Pillow's decoder);
-- ``llm_core._paged_attention``: CPU paged attention over the KV pools (else: the torch path,
+- ``llm_core.kernels._paged_attention``: CPU paged attention over the KV pools (else: the torch path,
   same results to float32 rounding);
-- ``llm_core._moe``: CPU MoE experts and routing in one call each (else: the torch paths, same
+- ``llm_core.kernels._moe``: CPU MoE experts and routing in one call each (else: the torch paths, same
   results to float32 rounding);
-- ``llm_core._rms_norm``: CPU RMSNorm fused with the residual add (else: torch's, same results to
+- ``llm_core.kernels._rms_norm``: CPU RMSNorm fused with the residual add (else: torch's, same results to
   float32 rounding);
-- ``llm_core._decoder_layer``: a whole CPU decoder layer in one call, from the three above and
+- ``llm_core.kernels._decoder_layer``: a whole CPU decoder layer in one call, from the three above and
   torch's own sgemm (else: the model's modules, the same bits for MoE layers).
 """
 
@@ -48,11 +48,11 @@ setup(
     ext_modules=[
         extension("media_io.preprocess._patchify", extra_compile_args=["-O3"]),
         # no implicit FMA: the rotary products must round like torch's (explicit FMAs stay)
-        extension("llm_core._paged_attention", extra_compile_args=["-O3", "-ffp-contract=off"]),
-        extension("llm_core._moe", extra_compile_args=["-O3"]),
-        extension("llm_core._rms_norm", extra_compile_args=["-O3"]),
+        extension("llm_core.kernels._paged_attention", extra_compile_args=["-O3", "-ffp-contract=off"]),
+        extension("llm_core.kernels._moe", extra_compile_args=["-O3"]),
+        extension("llm_core.kernels._rms_norm", extra_compile_args=["-O3"]),
         extension(
-            "llm_core._decoder_layer",
+            "llm_core.kernels._decoder_layer",
             libraries=["dl"],  # dlopen/dlsym (part of libc from glibc 2.34 on)
             extra_compile_args=["-O3", "-ffp-contract=off"],
         ),

@@ -6,7 +6,7 @@ What a straightforward first version does per request, one request after another
 
 No embedding cache, no cross-request batching, no overlap of one request's download with another's
 compute: a lock serialises whole requests, and the CPU stages run on the event loop itself. It
-loads the same embedded default encoder (``encoder.checkpoint.load_encoder(None)``) as the service
+loads the same embedded default encoder (``encoder.models.checkpoint.load_encoder(None)``) as the service
 and speaks the same request shape (``POST /v1/encode`` with JSON ``{"items": [{"url": ...}]}``), so
 the load generator drives both identically. Images only.
 
@@ -34,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from encoder.checkpoint import load_encoder
+from encoder.models.checkpoint import load_encoder
 from epd.allocator import keep_freed_memory
 from media_io.config import PreprocessConfig
 

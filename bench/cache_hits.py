@@ -69,8 +69,8 @@ from bench.common import (
     timed_runs,
     write_json,
 )
-from encoder.embed_cache import EmbedCache
-from encoder.router import EncoderRouter, WorkerSpec
+from encoder.caches.embed_cache import EmbedCache
+from encoder.serving.router import EncoderRouter, WorkerSpec
 
 __all__ = ["item_tokens", "main", "zipf_stream"]  # the stream helpers moved to cache_sim.py
 

@@ -31,8 +31,8 @@ from PIL import Image
 from bench.cache_sim import FINGERPRINT, WORKERS, CacheSet, Workload, fake_embedding, media_body, node_of
 from bench.common import Percentiles, percentiles
 from bench.service_proc import ServiceProcess, free_port
-from encoder.embed_cache import EmbedCache
-from encoder.router import EncoderRouter, WorkerSpec
+from encoder.caches.embed_cache import EmbedCache
+from encoder.serving.router import EncoderRouter, WorkerSpec
 from epd.encoder_client import EncoderClient, EncodeReply
 from epd.media_pipeline import MediaPipeline
 from epd.media_request import MediaSource

@@ -15,8 +15,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from encoder.embed_cache import EmbedCache
-from encoder.media_key import media_key
+from encoder.caches.embed_cache import EmbedCache
+from encoder.caches.media_key import media_key
 from media_io.config import PreprocessConfig
 
 HIDDEN = 128  # float16 embeddings: 256 B per token

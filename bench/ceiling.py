@@ -27,8 +27,8 @@ from typing import NamedTuple
 
 import torch
 
-from encoder.checkpoint import load_encoder
-from encoder.model import VisionTransformer
+from encoder.models.checkpoint import load_encoder
+from encoder.models.tower import VisionTransformer
 from media_io.config import MediaLimits, PreprocessConfig
 from media_io.preprocess import Patches, get_backend
 

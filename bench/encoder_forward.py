@@ -33,9 +33,9 @@ from bench.common import (
     timed_runs,
     write_json,
 )
-from encoder.batcher import EncodeBatcher
-from encoder.checkpoint import load_encoder
-from encoder.model import VisionTransformer
+from encoder.models.checkpoint import load_encoder
+from encoder.models.tower import VisionTransformer
+from encoder.serving.batcher import EncodeBatcher
 from media_io.preprocess import Patches
 
 

@@ -28,9 +28,9 @@ import math
 import time
 
 from bench.common import add_common_args, format_machine, machine_info, print_table, write_json
-from llm_core.kv_manager import KVManager
-from llm_core.kv_pool import KVCacheConfig, KVLayout, PagePool, plan_pools, swa_pages_per_sequence
-from llm_core.sequence import Sequence
+from llm_core.caches.kv_manager import KVManager
+from llm_core.caches.kv_pool import KVCacheConfig, KVLayout, PagePool, plan_pools, swa_pages_per_sequence
+from llm_core.serving.sequence import Sequence
 
 GIB = 1 << 30
 PAGE = 16

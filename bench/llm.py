@@ -71,12 +71,12 @@ from bench.common import (
     write_json,
 )
 from epd.allocator import keep_freed_memory
-from llm_core.active_paths import llm_paths
-from llm_core.checkpoint import load_llm
-from llm_core.engine import LLMEngine
-from llm_core.sampling import SamplingParams
-from llm_core.server_config import EngineConfig
-from llm_core.tokenizer import TOKENIZER_FILE, load_tokenizer
+from llm_core.kernels.active_paths import llm_paths
+from llm_core.models.checkpoint import load_llm
+from llm_core.prompts.tokenizer import TOKENIZER_FILE, load_tokenizer
+from llm_core.serving.engine import LLMEngine
+from llm_core.serving.sampling import SamplingParams
+from llm_core.serving.server_config import EngineConfig
 
 # The project's goal for output tokens/s with 32 concurrent requests, as a ratio to transformers'
 # batched generate, by the checkpoint's architecture (config.json "architectures").
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # The same intra-op thread count for both paths; by default one per usable core, so each side
     # has the whole machine (transformers' ops and MKL calls, the engine's C layer kernel: see
-    # llm_core.cpu_layer.set_threads). --threads 1 compares what each does on one core.
+    # llm_core.kernels.cpu_layer.set_threads). --threads 1 compares what each does on one core.
     parser.add_argument(
         "--threads", type=int, default=0, help="torch intra-op threads, both paths (0: one per usable core)"
     )

@@ -33,7 +33,7 @@ from bench.media_corpus import (
 from bench.media_server import MediaServer
 from bench.qps_summary import interleaved_ceiling, summarize
 from bench.service_proc import ServiceProcess, free_port
-from encoder.worker import WorkerConfig, usable_cores
+from encoder.serving.worker import WorkerConfig, usable_cores
 
 ENCODE_PATH = "/v1/encode"
 

@@ -1,5 +1,6 @@
-"""The vision encoder side: a Qwen2.5-VL-compatible ViT, checkpoint loading, the cross-request
-batcher, the worker process, the node-shared embedding cache and the consistent-hash router.
+"""The vision encoder side (the E role): ``models`` (the tower families and checkpoint loading),
+``kernels`` (varlen attention), ``caches`` (the node-shared embedding cache and the names of what it
+holds) and ``serving`` (the cross-request batcher, the worker process, the consistent-hash router).
 
 It knows nothing of the language model or of the ingress's HTTP API.
 """

@@ -27,8 +27,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from encoder.cache_format import CorruptEntry, payload_crc
-from encoder.embed_cache import CacheError, CacheStats, EmbedCache, EntryMeta, InvalidKey, default_root
+from encoder.caches.cache_format import CorruptEntry, payload_crc
+from encoder.caches.embed_cache import CacheError, CacheStats, EmbedCache, EntryMeta, InvalidKey, default_root
 
 _SORTS = {
     "recent": lambda m: -m.last_access_ns,

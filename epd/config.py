@@ -1,5 +1,5 @@
 """Frozen configuration of the ingress role. The encoder worker and the LLM engine own their
-configs (``encoder.worker.WorkerConfig``, ``llm_core.server.LLMServerConfig``); ``epd serve``
+configs (``encoder.serving.worker.WorkerConfig``, ``llm_core.serving.server.LLMServerConfig``); ``epd serve``
 composes all three in ``epd.serve_cmd``, the one place the CLI maps onto fields."""
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from typing import Any
 import aiohttp
 from safetensors.torch import load as load_safetensors
 
-from encoder.embedding_ref import EmbeddingRef
-from encoder.router import WorkerUnavailable
+from encoder.caches.embedding_ref import EmbeddingRef
+from encoder.serving.router import WorkerUnavailable
 from epd_common.errors import APIError
 
 

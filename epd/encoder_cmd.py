@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 
-from encoder.worker import WorkerConfig, plan_workers, serve_worker
+from encoder.serving.worker import WorkerConfig, plan_workers, serve_worker
 from epd.config_cli import (
     add_dataclass_args,
     add_model_dir_argument,

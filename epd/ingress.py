@@ -11,8 +11,8 @@ from typing import Any
 
 import aiohttp
 
-from encoder.embed_cache import EmbedCache
-from encoder.router import EncoderRouter, WorkerSpec
+from encoder.caches.embed_cache import EmbedCache
+from encoder.serving.router import EncoderRouter, WorkerSpec
 from epd.config import IngressConfig
 from epd.encoder_client import EncoderClient
 from epd.engine_client import EngineClient
@@ -20,7 +20,7 @@ from epd.media_pipeline import MediaPipeline
 from epd.metrics import IngressMetrics
 from epd.prompt_format import PromptFormat
 from epd_common.errors import APIError
-from llm_core.tokenizer import Tokenizer, load_tokenizer
+from llm_core.prompts.tokenizer import Tokenizer, load_tokenizer
 from media_io.fetch import Fetcher
 
 log = logging.getLogger("epd.ingress")

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 
 from epd.config_cli import add_dataclass_args, add_model_dir_argument, dataclass_from_args, model_path_from
-from llm_core.server_config import LLMServerConfig
+from llm_core.serving.server_config import LLMServerConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from llm_core.server import serve_llm  # heavy import (torch, model) only when the command runs
+    from llm_core.serving.server import serve_llm  # heavy import (torch, model) only when the command runs
 
     config = dataclass_from_args(LLMServerConfig, args)
     config = dataclasses.replace(config, model_path=model_path_from("llm", args.model_dir, config.model_path))

@@ -17,10 +17,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from encoder.embed_cache import EmbedCache
-from encoder.embedding_ref import EmbeddingRef
-from encoder.media_key import media_key_async
-from encoder.router import AllAttemptsFailed, EncoderRouter, NoWorkerAvailable
+from encoder.caches.embed_cache import EmbedCache
+from encoder.caches.embedding_ref import EmbeddingRef
+from encoder.caches.media_key import media_key_async
+from encoder.serving.router import AllAttemptsFailed, EncoderRouter, NoWorkerAvailable
 from epd.encoder_client import EncoderClient
 from epd.media_request import MediaSource
 from epd.metrics import IngressMetrics

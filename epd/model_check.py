@@ -24,14 +24,14 @@ from typing import NamedTuple
 
 from safetensors import safe_open
 
-from encoder.checkpoint import VISION_ANCHOR, read_vision_config
-from encoder.checkpoint import CheckpointError as EncoderCheckpointError
 from encoder.models import family_for as vision_family_for
-from llm_core.chat_template import TemplateFileError, load_chat_template
-from llm_core.checkpoint import CheckpointError, read_config_json, weight_files
-from llm_core.config import ConfigError
+from encoder.models.checkpoint import VISION_ANCHOR, read_vision_config
+from encoder.models.checkpoint import CheckpointError as EncoderCheckpointError
 from llm_core.models import UnknownArchitecture, family_for
-from llm_core.tokenizer import TokenizerError, load_tokenizer
+from llm_core.models.checkpoint import CheckpointError, read_config_json, weight_files
+from llm_core.models.config import ConfigError
+from llm_core.prompts.chat_template import TemplateFileError, load_chat_template
+from llm_core.prompts.tokenizer import TokenizerError, load_tokenizer
 from media_io.processor_config import ProcessorConfigError, preprocess_config_from_dir
 
 _DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4}

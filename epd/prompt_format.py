@@ -6,7 +6,7 @@
 
 Two renderers, chosen once at start from the LLM's checkpoint directory:
 
-- the checkpoint's own chat template (``llm_core.chat_template``: jinja2 as transformers renders
+- the checkpoint's own chat template (``llm_core.prompts.chat_template``: jinja2 as transformers renders
   it), then the pads it writes (one ``<|image_pad|>`` / ``<|video_pad|>`` per item, with the ids
   from config.json's ``image_token_id`` / ``video_token_id``) expanded to the encoder's counts, as
   the model's own processor does;
@@ -23,7 +23,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from llm_core.chat_template import (
+from llm_core.models.checkpoint import CheckpointError, read_config_json
+from llm_core.prompts.chat_template import (
     ChatTemplate,
     ChatTemplateError,
     check_message_parts,
@@ -31,8 +32,7 @@ from llm_core.chat_template import (
     load_chat_template,
     supported_part_types,
 )
-from llm_core.checkpoint import CheckpointError, read_config_json
-from llm_core.tokenizer import Tokenizer
+from llm_core.prompts.tokenizer import Tokenizer
 
 
 class PromptFormat:

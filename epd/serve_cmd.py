@@ -23,16 +23,16 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from encoder.embed_cache import default_root
-from encoder.worker import WorkerConfig, plan_workers
+from encoder.caches.embed_cache import default_root
+from encoder.serving.worker import WorkerConfig, plan_workers
 from epd.config import IngressConfig
 from epd.config_cli import add_dataclass_args, dataclass_from_args, dataclass_to_argv
 from epd.encoder_cmd import worker_child
 from epd.model_check import ModelDirError, check_model_dir
 from epd.supervisor import ChildFailed, ChildSpec, Supervisor, python_argv
-from llm_core.chat_template import TemplateFileError
-from llm_core.server_config import LLMServerConfig
-from llm_core.tokenizer import TokenizerError
+from llm_core.prompts.chat_template import TemplateFileError
+from llm_core.prompts.tokenizer import TokenizerError
+from llm_core.serving.server_config import LLMServerConfig
 from media_io.processor_config import ProcessorConfigError, preprocess_config_from_dir
 
 if TYPE_CHECKING:

@@ -28,23 +28,36 @@ log = logging.getLogger("epd.native")
 
 ROOT = Path(__file__).resolve().parents[1]  # the source tree (this file's package is top level)
 
-_LLM_COMMON = ("llm_core/_kernels.h",)
+_LLM_COMMON = ("llm_core/kernels/_kernels.h",)
 
 # extension module -> the files it is compiled from (sources first, then the headers it includes)
 EXTENSIONS: dict[str, tuple[str, ...]] = {
     "media_io.preprocess._patchify": ("media_io/preprocess/_patchify.c",),
     "media_io._jpeg": ("media_io/_jpeg.c",),
-    "llm_core._paged_attention": ("llm_core/_paged_attention.c", *_LLM_COMMON, "llm_core/_paged_attention.h"),
-    "llm_core._moe": ("llm_core/_moe.c", *_LLM_COMMON, "llm_core/_gemm.h", "llm_core/_moe.h"),
-    "llm_core._rms_norm": ("llm_core/_rms_norm.c", *_LLM_COMMON, "llm_core/_rms_norm.h"),
-    "llm_core._decoder_layer": (
-        "llm_core/_decoder_layer.c",
+    "llm_core.kernels._paged_attention": (
+        "llm_core/kernels/_paged_attention.c",
         *_LLM_COMMON,
-        "llm_core/_gemm.h",
-        "llm_core/_paged_attention.h",
-        "llm_core/_moe.h",
-        "llm_core/_pool.h",
-        "llm_core/_rms_norm.h",
+        "llm_core/kernels/_paged_attention.h",
+    ),
+    "llm_core.kernels._moe": (
+        "llm_core/kernels/_moe.c",
+        *_LLM_COMMON,
+        "llm_core/kernels/_gemm.h",
+        "llm_core/kernels/_moe.h",
+    ),
+    "llm_core.kernels._rms_norm": (
+        "llm_core/kernels/_rms_norm.c",
+        *_LLM_COMMON,
+        "llm_core/kernels/_rms_norm.h",
+    ),
+    "llm_core.kernels._decoder_layer": (
+        "llm_core/kernels/_decoder_layer.c",
+        *_LLM_COMMON,
+        "llm_core/kernels/_gemm.h",
+        "llm_core/kernels/_paged_attention.h",
+        "llm_core/kernels/_moe.h",
+        "llm_core/kernels/_pool.h",
+        "llm_core/kernels/_rms_norm.h",
     ),
 }
 

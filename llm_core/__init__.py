@@ -1,4 +1,7 @@
-"""The hybrid-SWA MoE language model core (MiMo-V2-Flash compatible): model, dual-pool paged KV
-cache, SWA-aware radix prefix cache, scheduler, model runner, sampling, tokenizer and the engine
-process. It consumes embeddings by EmbeddingRef and knows nothing of media decoding.
+"""The language-model core (the P and D roles): ``models`` (the family registry and the shared
+hybrid-SWA MoE decoder), ``caches`` (dual-pool paged KV, the SWA-aware radix prefix cache),
+``kernels`` (paged attention and the CPU / Triton paths under the decoder), ``prompts`` (tokenizer,
+chat template) and ``serving`` (scheduler, model runner, sampling, the engine and its process).
+
+It consumes embeddings by EmbeddingRef and knows nothing of media decoding.
 """

@@ -67,9 +67,9 @@ CARRIED_MODULES: dict[str, str] = {
     "av": "av",
 }
 # the new parity tests have steps of their own; cuda-tests takes every other gpu-marked file
-ENCODER_VS_HF = "tests/encoder/test_model_cuda.py"
-LLM_VS_HF = "tests/llm_core/test_model_cuda.py"
-TRITON_FILES = ("tests/encoder/test_triton_varlen.py", "tests/llm_core/test_attention.py")
+ENCODER_VS_HF = "tests/encoder/models/test_tower_cuda.py"
+LLM_VS_HF = "tests/llm_core/models/test_decoder_cuda.py"
+TRITON_FILES = ("tests/encoder/kernels/test_triton_varlen.py", "tests/llm_core/kernels/test_attention.py")
 DALI_FILES = ("tests/media_io/test_preprocess_parity.py",)
 DALI_NOT_CHECKED = "DALI not installed on this machine: its GPU path was not checked"
 STEP_NAMES = (

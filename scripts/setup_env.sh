@@ -43,7 +43,7 @@ fi
 "$VENV/bin/python" -c "import PIL; print('setup: PIL', PIL.__version__)"
 "$VENV/bin/python" -c "import media_io.preprocess._patchify" 2>/dev/null \
     || echo "setup: WARNING the C patchify kernel did not build (no C compiler?); preprocessing uses the slower numpy path" >&2
-"$VENV/bin/python" -c "import llm_core._paged_attention, llm_core._moe, llm_core._rms_norm, llm_core._decoder_layer" 2>/dev/null \
+"$VENV/bin/python" -c "import llm_core.kernels._paged_attention, llm_core.kernels._moe, llm_core.kernels._rms_norm, llm_core.kernels._decoder_layer" 2>/dev/null \
     || echo "setup: WARNING the LLM's C kernels (attention, MoE, RMSNorm, decoder layer) did not build (no C compiler?); its CPU path uses the slower torch ops" >&2
 "$VENV/bin/python" -c "import media_io._jpeg" 2>/dev/null \
     || echo "setup: WARNING the libjpeg decoder did not build (no libjpeg headers? apt install libjpeg-dev); JPEGs decode through Pillow" >&2

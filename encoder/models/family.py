@@ -1,7 +1,7 @@
 """The interface every vision-tower family implements (one module per family in this package).
 
 A family says where a checkpoint's config.json keeps the tower's hyper-parameters and under which
-name prefixes its tensors are stored; the shared loader (``encoder.checkpoint``) does the strict
+name prefixes its tensors are stored; the shared loader (``encoder.models.checkpoint``) does the strict
 key, shape and dtype checks and never names a model.
 """
 

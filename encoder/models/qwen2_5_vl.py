@@ -1,5 +1,5 @@
 """The Qwen2.5-VL vision tower (Qwen2.5-VL 3B/7B/72B, MiMo-VL-7B): window + full attention blocks,
-2-D rotary, 2x2 patch merger (``encoder.model.VisionTransformer``).
+2-D rotary, 2x2 patch merger (``encoder.models.tower.VisionTransformer``).
 
     full model   model_type "qwen2_5_vl", its ``vision_config``; tensors "visual.*" (transformers 5's
                  save_pretrained and the original releases) or "model.visual.*" (transformers 4.5x)

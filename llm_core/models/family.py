@@ -1,6 +1,6 @@
 """The interface every LLM model family implements (one module per family in this package).
 
-A family turns a checkpoint's config.json into the decoder's ``MiMoConfig`` (the shared decoder:
+A family turns a checkpoint's config.json into the decoder's ``DecoderConfig`` (the shared decoder:
 full and sliding-window attention layers, dense or MoE MLPs, optional q/k/v biases, sinks and
 M-RoPE), names which of the checkpoint's tensors are the language model's and what they are called
 in our module tree, and says how token indices become rotary positions. Shared code (the loader,
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from llm_core.config import MiMoConfig
-from llm_core.positions import PositionScheme
+from llm_core.models.config import DecoderConfig
+from llm_core.models.positions import PositionScheme
 
 
 class LLMFamily(Protocol):
@@ -21,7 +21,7 @@ class LLMFamily(Protocol):
     ARCHITECTURES: tuple[str, ...]  # config.json "architectures" values this family serves
     MODEL_TYPES: tuple[str, ...]  # config.json "model_type" values (used when architectures is absent)
 
-    def parse_config(self, raw: dict[str, Any]) -> MiMoConfig:
+    def parse_config(self, raw: dict[str, Any]) -> DecoderConfig:
         """config.json -> the decoder config; ``ConfigError`` naming the field on a bad value."""
         ...
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from llm_core.config import FULL, ConfigError, MiMoConfig
-from llm_core.positions import MRopePositions, PositionScheme
+from llm_core.models.config import FULL, ConfigError, DecoderConfig
+from llm_core.models.positions import MRopePositions, PositionScheme
 
 ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
 MODEL_TYPES = ("qwen2_5_vl",)
@@ -34,7 +34,7 @@ def _text(raw: dict[str, Any]) -> dict[str, Any]:
     return {**raw, **text}
 
 
-def parse_config(raw: dict[str, Any]) -> MiMoConfig:
+def parse_config(raw: dict[str, Any]) -> DecoderConfig:
     d = _text(raw)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if key not in d:
@@ -56,7 +56,7 @@ def parse_config(raw: dict[str, Any]) -> MiMoConfig:
     tie = raw.get("tie_word_embeddings", d.get("tie_word_embeddings", False))
     kv = int(d.get("num_key_value_heads") or heads)
     max_pos = int(d.get("max_position_embeddings") or 32768)
-    return MiMoConfig(
+    return DecoderConfig(
         vocab_size=int(d["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(d["intermediate_size"]),

@@ -231,8 +231,8 @@ def test_summary_ratios_come_from_the_matching_runs() -> None:
 def test_ceiling_streams_share_the_corpus_and_restore_threads() -> None:
     import torch
 
-    from encoder.checkpoint import random_encoder
-    from encoder.config import VisionConfig
+    from encoder.models.checkpoint import random_encoder
+    from encoder.models.config import VisionConfig
     from media_io.preprocess import Patches
 
     cfg = VisionConfig(

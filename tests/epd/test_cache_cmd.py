@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from encoder.cache_format import PAGE
-from encoder.embed_cache import EmbedCache
+from encoder.caches.cache_format import PAGE
+from encoder.caches.embed_cache import EmbedCache
 from epd.cli import build_parser, main
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from encoder.checkpoint import load_encoder
+from encoder.models.checkpoint import load_encoder
 from media_io.config import PreprocessConfig
 from media_io.image import decode_image
 from media_io.preprocess import get_backend

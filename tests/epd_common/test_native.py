@@ -11,7 +11,7 @@ import pytest
 from epd_common import native
 
 # Importing the wrappers loads every extension through native.load.
-import llm_core.active_paths  # noqa: F401  # isort: skip  (cpu_layer, cpu_attention, cpu_moe, cpu_norm)
+import llm_core.kernels.active_paths  # noqa: F401  # isort: skip  (cpu_layer, cpu_attention, cpu_moe, cpu_norm)
 import media_io.active_paths  # isort: skip
 import media_io.jpeg  # isort: skip
 import media_io.preprocess.patchify  # noqa: F401  # isort: skip
@@ -34,7 +34,7 @@ def test_every_extension_is_built_from_this_tree() -> None:
 
 
 def test_source_hash_covers_every_listed_file(tmp_path: Path) -> None:
-    name = "llm_core._rms_norm"
+    name = "llm_core.kernels._rms_norm"
     for rel in native.EXTENSIONS[name]:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(native.ROOT / rel, tmp_path / rel)
@@ -66,9 +66,9 @@ def test_a_stale_build_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 @pytest.mark.usefixtures("restore_statuses")
 def test_sources_absent_means_unverified(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native, "ROOT", tmp_path)  # an installed wheel: no sources beside it
-    assert native.load("llm_core._moe") is not None
-    assert native.statuses()["llm_core._moe"].state == "unverified"
-    assert native.fallback_reason("llm_core._moe") is None
+    assert native.load("llm_core.kernels._moe") is not None
+    assert native.statuses()["llm_core.kernels._moe"].state == "unverified"
+    assert native.fallback_reason("llm_core.kernels._moe") is None
 
 
 def test_missing_extension() -> None:

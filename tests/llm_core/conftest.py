@@ -25,8 +25,8 @@ from typing import Any, Protocol
 import pytest
 import torch
 
-from llm_core.checkpoint import LoadedLLM, load_llm
-from llm_core.tokenizer import save_default_tokenizer
+from llm_core.models.checkpoint import LoadedLLM, load_llm
+from llm_core.prompts.tokenizer import save_default_tokenizer
 
 # Tiny matmuls gain nothing from intra-op threads, and on a loaded machine the thread hand-off costs
 # ~100x the work itself; one thread keeps these tests fast and their timing stable.

@@ -1,0 +1,1 @@
+"""Attention over packed variable-length segments: the torch path and the Triton kernel."""

@@ -1,0 +1,278 @@
+"""Load a Qwen2.5-VL vision tower from a Hugging Face directory, or the embedded default.
+
+Accepted layouts (config.json + model.safetensors, or sharded via model.safetensors.index.json):
+
+    full model   model_type "qwen2_5_vl", weights "visual.*" (what transformers 5 save_pretrained
+                 and the original Qwen releases write) or "model.visual.*" (transformers 4.5x)
+    vision only  model_type "qwen2_5_vl_vision", weights at the top level ("blocks.0...")
+
+Only the vision tensors are read (shards holding only LLM weights are never opened). Key sets and
+shapes are checked strictly; every problem raises ``CheckpointError`` naming the file, tensor or
+model_type. The fingerprint (sha256 over the canonical config, each tensor's name, shape, stored
+dtype and bytes digest, and the compute dtype) identifies the embedding function: it feeds the
+MediaKey so that a different checkpoint never reuses cached embeddings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from encoder.models import UnknownVisionModel, family_for
+from encoder.models.config import VisionConfig
+from encoder.models.family import VisionFamily
+from encoder.models.rope import rope_inv_freq
+from encoder.models.tower import VisionTransformer
+from epd_common.settings import default_checkpoint_dir, epd_home
+
+# The tensor every tower has (the patch embedding), under its family's prefix: finds the prefix.
+VISION_ANCHOR = "patch_embed.proj.weight"
+
+# The embedded default: shaped like the real tower (window + full blocks, 2x2 merge, SwiGLU, head
+# dim 32) but small, so that a 448x448 image (1024 patches, ~1.1 GFLOP, half of it in the two
+# full-attention blocks) takes tens of milliseconds on one CPU core.
+DEFAULT_CONFIG = VisionConfig(
+    depth=4,
+    hidden_size=64,
+    intermediate_size=192,
+    num_heads=2,
+    out_hidden_size=256,
+    window_size=112,
+    fullatt_block_indexes=(1, 3),
+)
+DEFAULT_SEED = 20250101
+# Bump when random_encoder's generation changes: the default's directory name hashes this too.
+DEFAULT_RECIPE_VERSION = 1
+
+
+class CheckpointError(Exception):
+    """A checkpoint directory that cannot be loaded; the message names what is wrong and where."""
+
+
+class LoadedEncoder(NamedTuple):
+    model: VisionTransformer
+    config: VisionConfig
+    fingerprint: str  # hex sha256
+
+
+def default_model_dir() -> Path:
+    """Where embedded defaults live: $EPD_HOME, else ~/.cache/epd."""
+    return epd_home()
+
+
+def read_vision_config(path: Path) -> VisionConfig:
+    """The VisionConfig of the checkpoint directory ``path`` (full or vision-only)."""
+    return _read_vision_family(path)[0]
+
+
+def _read_vision_family(path: Path) -> tuple[VisionConfig, VisionFamily]:
+    """The tower's config and its family (which knows the tensor prefixes), from one config.json read."""
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file}: missing config.json")
+    try:
+        raw: dict[str, Any] = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{cfg_file}: unreadable config ({e})") from e
+    try:
+        family = family_for(raw)
+    except UnknownVisionModel as e:
+        raise CheckpointError(f"{cfg_file}: {e}") from e
+    vision = family.vision_config(raw)
+    if vision is None:
+        raise CheckpointError(f"{cfg_file}: model_type {raw.get('model_type')!r} without a vision_config")
+    try:
+        return VisionConfig.from_hf_dict(vision), family
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{cfg_file}: bad vision config: {e}") from e
+
+
+def _weight_map(path: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file, from the index or the single file."""
+    index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if index.is_file():
+        try:
+            mapping = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: unreadable shard index ({e})") from e
+        return {str(k): path / str(v) for k, v in mapping.items()}
+    if single.is_file():
+        try:
+            with safe_open(str(single), framework="pt") as f:
+                return dict.fromkeys(f.keys(), single)
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(f"{single}: unreadable safetensors file ({e})") from e
+    raise CheckpointError(
+        f"{path}: missing weights (neither model.safetensors nor model.safetensors.index.json)"
+    )
+
+
+def _expected_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = VisionTransformer(cfg)
+    shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    # Stored as transformers' Conv3d weight: [C, in_channels, temporal, patch, patch].
+    shapes[VISION_ANCHOR] = (
+        cfg.hidden_size,
+        cfg.in_channels,
+        cfg.temporal_patch_size,
+        cfg.patch_size,
+        cfg.patch_size,
+    )
+    return shapes
+
+
+def _read_tensors(path: Path, cfg: VisionConfig, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The tower's tensors (names without the prefix), after strict key, shape and dtype checks."""
+    weight_map = _weight_map(path)
+    prefix = next((p for p in prefixes if p + VISION_ANCHOR in weight_map), None)
+    if prefix is None:
+        raise CheckpointError(
+            f"{path}: no vision tower weights (looked for {[p + VISION_ANCHOR for p in prefixes]})"
+        )
+    expected = _expected_shapes(cfg)
+    ours = {name[len(prefix) :]: f for name, f in weight_map.items() if name.startswith(prefix)}
+    if prefix == "":  # vision-only: everything at top level must belong to the tower
+        ours = dict(weight_map)
+    missing = sorted(set(expected) - set(ours))
+    if missing:
+        raise CheckpointError(f"{path}: missing tensor(s) {[prefix + m for m in missing[:8]]}")
+    unexpected = sorted(set(ours) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{path}: unexpected tensor(s) {[prefix + u for u in unexpected[:8]]}")
+    tensors: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, f in ours.items():
+        by_file.setdefault(f, []).append(name)
+    for f, names in sorted(by_file.items()):
+        if not f.is_file():
+            raise CheckpointError(
+                f"{f}: missing weight file (holds {prefix + names[0]} and {len(names) - 1} more)"
+            )
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in names:
+                    tensors[name] = handle.get_tensor(prefix + name)
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from e
+    for name, t in tensors.items():
+        if tuple(t.shape) != expected[name]:
+            raise CheckpointError(
+                f"{ours[name]}: tensor {prefix + name} has shape {tuple(t.shape)}, expected {expected[name]}"
+            )
+        if not t.is_floating_point():
+            raise CheckpointError(f"{ours[name]}: tensor {prefix + name} has non-float dtype {t.dtype}")
+    return tensors
+
+
+def fingerprint(cfg: VisionConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
+    """sha256 over the canonical config, every tensor's (name, shape, dtype, bytes digest) and the
+    compute dtype (bf16 and fp32 runs of one checkpoint give different embeddings)."""
+    h = hashlib.sha256()
+    h.update(json.dumps(cfg.to_dict(), sort_keys=True, separators=(",", ":")).encode())
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        digest = hashlib.sha256(t.view(torch.uint8).reshape(-1).numpy().data).hexdigest()
+        h.update(f"\n{name}|{list(t.shape)}|{str(t.dtype).removeprefix('torch.')}|{digest}".encode())
+    h.update(f"\ncompute_dtype={str(dtype).removeprefix('torch.')}".encode())
+    return h.hexdigest()
+
+
+def load_checkpoint_dir(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> LoadedEncoder:
+    """Load the vision tower from a Hugging Face checkpoint directory."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint directory")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise CheckpointError(f"dtype {dtype} is not supported (float32, bfloat16, float16)")
+    cfg, family = _read_vision_family(path)
+    tensors = _read_tensors(path, cfg, family.TENSOR_PREFIXES)
+    fp = fingerprint(cfg, tensors, dtype)
+    state = {name: t.to(dtype) for name, t in tensors.items()}
+    state[VISION_ANCHOR] = state[VISION_ANCHOR].reshape(cfg.hidden_size, cfg.patch_dim)
+    with torch.device("meta"):
+        model = VisionTransformer(cfg)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)  # non-persistent buffer, not in files
+    model = model.to(device).eval().requires_grad_(False)
+    return LoadedEncoder(model, cfg, fp)
+
+
+def save_vision_checkpoint(model: VisionTransformer, path: str | Path) -> None:
+    """Write ``model`` as a vision-only transformers checkpoint (config.json + model.safetensors)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state[VISION_ANCHOR] = (
+        state[VISION_ANCHOR]
+        .reshape(cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        .contiguous()
+    )
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    hf = cfg.to_hf_dict()
+    hf["dtype"] = str(model.dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+
+
+def random_encoder(cfg: VisionConfig, seed: int) -> VisionTransformer:
+    """A tower with weights drawn from a fixed seed: N(0, 1/fan_in) matrices, zero biases, unit norms.
+    Same seed and config give the same bytes on every CPU."""
+    model = VisionTransformer(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm1.weight") or name.endswith("norm2.weight") or "ln_q" in name:
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    return model.eval()
+
+
+def ensure_default_checkpoint(root: Path | None = None) -> Path:
+    """Create the embedded default checkpoint under ``root/encoder-<recipe hash>`` once; return it.
+
+    The directory name hashes the config, seed and recipe version, so changing the default never
+    loads a checkpoint an older release generated. Written into a temporary sibling directory and renamed into place, so concurrent workers see
+    either no checkpoint or a complete one; the loser of a race discards its copy.
+    """
+    target = default_checkpoint_dir(
+        root or default_model_dir(), "encoder", (DEFAULT_CONFIG, DEFAULT_SEED, DEFAULT_RECIPE_VERSION)
+    )
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".encoder-tmp-", dir=target.parent))
+    try:
+        save_vision_checkpoint(random_encoder(DEFAULT_CONFIG, DEFAULT_SEED), tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_encoder(
+    path: str | Path | None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> LoadedEncoder:
+    """Load a checkpoint directory; ``None`` means the embedded default under default_model_dir()."""
+    if path is None:
+        path = ensure_default_checkpoint()
+    return load_checkpoint_dir(path, dtype=dtype, device=device)

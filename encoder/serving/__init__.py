@@ -1,0 +1,1 @@
+"""The encoder worker process and its HTTP app, the cross-request batcher and the consistent-hash router."""

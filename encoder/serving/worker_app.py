@@ -1,0 +1,385 @@
+"""The encoder worker's HTTP app (starlette): bytes in, EmbeddingRef out.
+
+    POST /encode?modality=image|video&item=NAME   body: raw compressed media
+        sniff ─▶ MediaKey ─▶ node cache hit? ──yes──▶ ref (cache_hit: true)
+                               │ no (one in-flight encode per key in this process)
+                               ▼
+        decode + preprocess (thread pool) ─▶ EncodeBatcher (forward thread) ─▶ cache.put ─▶ ref
+    GET /embeddings/{key}   safetensors body: tensor "embedding", metadata grid_thw/modality
+    GET /health             {"status": "ok", "fingerprint", "queue_depth", ..., "paths": what decodes
+                            and preprocesses, "fallbacks": stand-ins in use and why}
+    GET /metrics            prometheus text
+
+The event loop only awaits: hashing, decoding, preprocessing and cache I/O run in the decode
+pool, the forward in the batcher's thread, so the next items are decoded while a forward runs.
+Admission is bounded (``max_inflight`` items past the cache check, ``max_queue_patches`` in the
+batcher): beyond it the answer is 503 with Retry-After. A bad item fails alone with the status
+of its MediaError and a JSON body naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from safetensors.torch import save as save_safetensors
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from encoder.caches.embed_cache import EmbedCache, EntryTooLarge, InvalidKey
+from encoder.caches.embedding_ref import EmbeddingRef
+from encoder.caches.media_key import media_key
+from encoder.models.checkpoint import LoadedEncoder, load_encoder
+from encoder.serving.batcher import EncodeBatcher, QueueFull
+from encoder.serving.worker import WorkerConfig
+from epd_common.active_paths import report
+from media_io.active_paths import media_paths
+from media_io.errors import BadMedia, MediaError, MediaTooLarge
+from media_io.preprocess import Patches, PreprocessBackend, get_backend
+from media_io.sniff import sniff
+from media_io.video import decode_video
+
+log = logging.getLogger("epd.encoder.worker")
+STAGES = ("decode", "preprocess", "queue", "forward")
+
+
+class Overloaded(Exception):
+    """More work admitted than the worker may hold; the client should retry (503)."""
+
+
+class EncodeOutcome(NamedTuple):
+    ref: EmbeddingRef
+    cache_hit: bool
+    timings_ms: dict[str, float]
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("epd_encoder_requests", "POST /encode by outcome", ["outcome"], registry=r)
+        self.stage = Histogram(
+            "epd_encoder_stage_seconds",
+            "Per-item time in each stage",
+            ["stage"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=r,
+        )
+        self.inflight = Gauge("epd_encoder_inflight_items", "Items past the cache check", registry=r)
+        self.queue_items = Gauge("epd_encoder_queue_items", "Items waiting for a forward", registry=r)
+        self.batches = Gauge("epd_encoder_batches", "Forwards run since start", registry=r)
+        self.last_batch = Gauge("epd_encoder_last_batch_items", "Items in the last forward", registry=r)
+        self.forward_s = Gauge(
+            "epd_encoder_forward_seconds", "Time spent in forwards since start", registry=r
+        )
+
+
+def serving_fingerprint(checkpoint_fingerprint: str, backend: str) -> str:
+    """What every MediaKey of this worker folds in: the checkpoint and the preprocessing backend.
+
+    The cpu and dali backends agree with the reference within tolerance, not bit for bit, so
+    workers with different backends must not share cache entries. The ingress learns this value
+    from /health, so its keys match the workers'.
+    """
+    return hashlib.sha256(f"{checkpoint_fingerprint}|preprocess={backend}".encode()).hexdigest()
+
+
+class EncoderWorker:
+    """The state behind the routes: model, batcher, node cache, preprocessing backend, pools."""
+
+    def __init__(self, config: WorkerConfig, loaded: LoadedEncoder, cache: EmbedCache) -> None:
+        self.config = config
+        self.loaded = loaded
+        self.cache = cache
+        self.backend: PreprocessBackend = get_backend(config.preprocess_backend, config.preprocess)  # type: ignore[arg-type]
+        self.paths = report(media_paths(config.preprocess_backend))  # for /health
+        self.batcher = EncodeBatcher(
+            loaded.model,
+            patch_budget=config.batch_budget(),
+            max_wait_ms=config.max_wait_ms,
+            max_queue_patches=config.max_queue_patches,
+            forward_streams=config.forward_streams or 1,
+        )
+        self.pool = ThreadPoolExecutor(
+            max_workers=config.decode_threads, thread_name_prefix="epd-encoder-decode"
+        )
+        # Hashing and cache I/O get their own threads so that cache hits never queue behind decodes.
+        self.io_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="epd-encoder-io")
+        self.metrics = _Metrics()
+        self.writer = f"encoder:{os.getpid()}"
+        self._inflight: dict[str, asyncio.Task[EncodeOutcome]] = {}
+        self._admitted = 0
+
+    @property
+    def fingerprint(self) -> str:
+        return serving_fingerprint(self.loaded.fingerprint, self.backend.name)
+
+    async def start(self) -> None:
+        await self.batcher.start()
+
+    async def stop(self) -> None:
+        for task in list(self._inflight.values()):
+            task.cancel()
+        await asyncio.gather(*self._inflight.values(), return_exceptions=True)
+        await self.batcher.stop()
+        self.pool.shutdown(wait=True)
+        self.io_pool.shutdown(wait=True)
+        self.cache.close()
+
+    # -- encode ------------------------------------------------------------------------------------
+    async def encode(self, data: bytes, modality: str | None, item: str | None) -> EncodeOutcome:
+        """Encode one item's bytes (or find it in the node cache)."""
+        if len(data) > self.config.limits.max_bytes:
+            raise MediaTooLarge(f"body of {len(data)} bytes exceeds {self.config.limits.max_bytes}", item)
+        kind = sniff(data)
+        if modality is not None and modality != kind.modality:
+            raise BadMedia(f"sent as {modality} but its bytes are {kind.modality} ({kind.format})", item)
+        loop = asyncio.get_running_loop()
+        key = await loop.run_in_executor(
+            self.io_pool, media_key, data, kind.modality, self.config.preprocess, self.fingerprint
+        )
+        hit = await loop.run_in_executor(self.io_pool, self.cache.get, key)
+        if hit is not None:
+            self.metrics.requests.labels(outcome="hit").inc()
+            return EncodeOutcome(self._public(hit.ref), True, dict.fromkeys(STAGES, 0.0))
+        task = self._inflight.get(key)
+        shared = task is not None
+        if task is None:
+            if self._admitted >= self.config.max_inflight:
+                raise Overloaded(f"{self._admitted} items in flight (limit {self.config.max_inflight})")
+            # A task of its own: if this request goes away, the encode still lands in the cache, and
+            # concurrent requests for the same media (other ingresses) share it.
+            task = asyncio.create_task(self._encode_miss(data, kind.modality, key, item))
+            self._inflight[key] = task
+            self._admitted += 1
+            self.metrics.inflight.set(self._admitted)
+            task.add_done_callback(lambda t: self._finished(key, t))
+        outcome = await asyncio.shield(task)
+        if shared:  # computed for another request: nothing was spent on this one
+            self.metrics.requests.labels(outcome="shared").inc()
+            return outcome._replace(cache_hit=True, timings_ms=dict.fromkeys(STAGES, 0.0))
+        self.metrics.requests.labels(outcome="miss").inc()
+        return outcome
+
+    def _finished(self, key: str, task: asyncio.Task[EncodeOutcome]) -> None:
+        self._admitted -= 1
+        self.metrics.inflight.set(self._admitted)
+        del self._inflight[key]
+        if not task.cancelled():
+            task.exception()  # retrieved here: the awaiting requests re-raise it
+
+    async def _encode_miss(self, data: bytes, modality: str, key: str, item: str | None) -> EncodeOutcome:
+        loop = asyncio.get_running_loop()
+        timings: dict[str, float] = {}
+        patches, seconds_per_grid_t = await loop.run_in_executor(
+            self.pool, self._decode_preprocess, data, modality, item, timings
+        )
+        result = await self.batcher.encode_timed(patches)
+        timings["queue"] = result.queue_ms
+        timings["forward"] = result.forward_ms
+        try:
+            ref = await loop.run_in_executor(
+                self.io_pool,
+                self.cache.put,
+                key,
+                result.embedding,
+                [patches.grid_thw],
+                modality,
+                self.writer,
+                seconds_per_grid_t,
+            )
+        except EntryTooLarge as e:
+            raise MediaTooLarge(f"its embedding does not fit the node cache: {e}", item) from e
+        for stage, ms in timings.items():
+            self.metrics.stage.labels(stage=stage).observe(ms / 1000.0)
+        return EncodeOutcome(self._public(ref), False, timings)
+
+    def _decode_preprocess(
+        self, data: bytes, modality: str, item: str | None, timings: dict[str, float]
+    ) -> tuple[Patches, float | None]:
+        """Runs in the decode pool. Fills timings["decode"] and timings["preprocess"] (ms). Returns
+        the patches and, for a video, its seconds per temporal patch (M-RoPE's time spacing):
+        temporal_patch_size over the sampled frame rate, (sampled / total frames) x the stream's fps,
+        as transformers' Qwen2.5-VL processor computes ``second_per_grid_ts``."""
+        cfg, limits = self.config, self.config.limits
+        t0 = time.perf_counter()
+        seconds_per_grid_t = None
+        if modality == "video":
+            frames = decode_video(data, cfg.preprocess, limits, item=item, workers=cfg.video_decode_workers)
+            t1 = time.perf_counter()
+            patches = self.backend.video(frames.frames, item)
+            info = frames.info
+            if info.num_frames and info.fps > 0:
+                sampled_fps = len(frames.indices) / info.num_frames * info.fps
+                seconds_per_grid_t = cfg.preprocess.temporal_patch_size / sampled_fps
+        else:
+            # Bytes straight to patches: the backend decodes at the scale the target needs (JPEG
+            # DCT scaling on the CPU, nvJPEG with DALI), so decode and preprocess are one step,
+            # reported as "decode".
+            patches = self.backend.image_bytes(data, limits, item)
+            t1 = time.perf_counter()
+        t2 = time.perf_counter()
+        timings["decode"] = (t1 - t0) * 1000.0
+        timings["preprocess"] = (t2 - t1) * 1000.0
+        return patches, seconds_per_grid_t
+
+    def _public(self, ref: EmbeddingRef) -> EmbeddingRef:
+        if self.config.public_url:
+            return dataclasses.replace(ref, url=f"{self.config.public_url.rstrip('/')}/embeddings/{ref.key}")
+        return ref
+
+    # -- reads -------------------------------------------------------------------------------------
+    def embedding_body(self, key: str) -> bytes | None:
+        """The safetensors body for GET /embeddings/{key}, or None when not cached."""
+        hit = self.cache.get(key)
+        if hit is None:
+            return None
+        metadata = {
+            "key": key,
+            "grid_thw": json.dumps([list(g) for g in hit.ref.grid_thw]),
+            "modality": hit.ref.modality,
+            "fingerprint": self.fingerprint,
+        }
+        return save_safetensors({"embedding": hit.tensor.contiguous()}, metadata=metadata)
+
+    def health(self) -> dict[str, Any]:
+        s = self.batcher.stats()
+        cfg = self.loaded.config
+        return {
+            "status": "ok",
+            "fingerprint": self.fingerprint,
+            "queue_depth": s.queue_items,
+            "queue_patches": s.queue_patches,
+            "inflight": self._admitted,
+            "last_batch_items": s.last_batch_items,
+            "batches": s.batches,
+            "device": str(self.loaded.model.device),
+            "dtype": str(self.loaded.model.dtype).removeprefix("torch."),
+            "torch_threads": torch.get_num_threads(),
+            "forward_streams": self.batcher.forward_streams,
+            "out_hidden_size": cfg.out_hidden_size,
+            "patch_budget": self.batcher.patch_budget,
+            "cache_namespace": self.cache.namespace,
+            "pid": os.getpid(),
+            **self.paths,
+        }
+
+    def metrics_text(self) -> bytes:
+        s = self.batcher.stats()
+        m = self.metrics
+        m.queue_items.set(s.queue_items)
+        m.batches.set(s.batches)
+        m.last_batch.set(s.last_batch_items)
+        m.forward_s.set(s.forward_s)
+        return generate_latest(m.registry)
+
+
+def _warm_up(loaded: LoadedEncoder) -> None:
+    """One small forward before serving: the first call pays for kernel selection and allocator
+    growth (seconds on a busy CPU), which should not land on the first request."""
+    patch_dim = loaded.config.patch_dim
+    with torch.inference_mode():
+        loaded.model(torch.zeros(256, patch_dim), torch.tensor([[1, 16, 16]]))
+
+
+def _error(
+    status: int, kind: str, message: str, param: str | None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    body = {"error": {"type": kind, "message": message, "param": param}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def build_app(config: WorkerConfig, loaded: LoadedEncoder | None = None) -> Starlette:
+    """The worker app. The model (unless ``loaded`` is given) loads and the cache opens at start-up."""
+    state: dict[str, EncoderWorker] = {}
+
+    def worker() -> EncoderWorker:
+        return state["worker"]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        def open_all() -> EncoderWorker:
+            enc = loaded or load_encoder(config.model_path, config.torch_dtype, config.resolve_device())
+            _warm_up(enc)
+            cache = EmbedCache(config.cache_namespace, config.cache_capacity_bytes, config.cache_root)
+            return EncoderWorker(config, enc, cache)
+
+        w = await asyncio.get_running_loop().run_in_executor(None, open_all)
+        await w.start()
+        state["worker"] = w
+        log.info("encoder worker ready: fingerprint %s on %s", w.fingerprint[:16], w.loaded.model.device)
+        try:
+            yield
+        finally:
+            await w.stop()
+
+    async def encode(request: Request) -> Response:
+        item = request.query_params.get("item")
+        modality = request.query_params.get("modality")
+        if modality not in (None, "image", "video"):
+            return _error(
+                400, "invalid_request", f"modality must be 'image' or 'video', got {modality!r}", "modality"
+            )
+        w = worker()
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > config.limits.max_bytes:
+            msg = f"body of {declared} bytes exceeds {config.limits.max_bytes}"
+            return _error(413, MediaTooLarge.kind, msg, item)
+        data = await request.body()
+        try:
+            outcome = await w.encode(data, modality, item)
+        except MediaError as e:
+            w.metrics.requests.labels(outcome="error").inc()
+            return _error(e.status, e.kind, e.message, item)
+        except (QueueFull, Overloaded) as e:
+            w.metrics.requests.labels(outcome="overloaded").inc()
+            return _error(503, "overloaded", str(e), item, headers={"Retry-After": "1"})
+        except ValueError as e:  # patches the model cannot take (a preprocessing bug or odd input)
+            w.metrics.requests.labels(outcome="error").inc()
+            return _error(400, "bad_media", str(e), item)
+        except Exception as e:
+            log.exception("encode failed for %s", item)
+            w.metrics.requests.labels(outcome="error").inc()
+            return _error(500, "internal_error", f"{type(e).__name__}: {e}", item)
+        return JSONResponse(
+            {"ref": outcome.ref.to_json(), "cache_hit": outcome.cache_hit, "timings_ms": outcome.timings_ms}
+        )
+
+    async def embedding(request: Request) -> Response:
+        key = request.path_params["key"]
+        try:
+            body = await asyncio.get_running_loop().run_in_executor(
+                worker().pool, worker().embedding_body, key
+            )
+        except InvalidKey as e:
+            return _error(400, "invalid_request", str(e), "key")
+        if body is None:
+            return _error(404, "not_found", f"no embedding {key} in this node's cache", "key")
+        return Response(body, media_type="application/octet-stream")
+
+    async def health(request: Request) -> Response:
+        return JSONResponse(worker().health())
+
+    async def metrics(request: Request) -> Response:
+        return Response(worker().metrics_text(), media_type="text/plain; version=0.0.4")
+
+    routes = [
+        Route("/encode", encode, methods=["POST"]),
+        Route("/embeddings/{key}", embedding, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)

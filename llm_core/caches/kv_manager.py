@@ -1,0 +1,303 @@
+"""KV manager: page tables of running sequences over the two pools, with the radix prefix cache.
+
+Life of a sequence's KV (all through this class; the scheduler decides *when*):
+
+    admit    match_prefix(seq)      hit pages borrowed from the tree (locked), num_computed = hit
+    step     allocate(seq, n)       pages for positions [c, c+n) in both pools (evicting cache if short)
+    after    commit(seq, n)         num_computed += n; SWA pages no future query can see are dropped
+    finish   release(seq)           computed whole pages inserted into the tree, then unlocked
+
+The SWA pool holds only what some future query can read. After ``c`` tokens are computed the
+next query is at position c and reads keys from c-W+1; pages below the window of the last page
+boundary ``b = c // page * page`` are dropped (so a request resuming at ``b`` from the prefix
+cache still finds its window)::
+
+    positions  0 ......... b-W+1 ...... b .. c      (W = sliding_window, counts the query)
+    SWA pages  [ dropped  |  resident: window     ] a step computing [c, c+n) also needs [c, c+n)
+
+Branch points: when a new sequence matches the tree further (full KV) than it can use (the SWA
+window before that point was dropped), it recomputes up to there anyway. It then keeps
+(*pins*) the SWA pages of the window before that point until it finishes, so its insert heals
+the tombstone and the next sequence through the same branch point gets the hit. This is what
+makes a shared system prompt hittable: the first sequence moved on past it, the second one
+pins it. A pin is dropped when the sequence's own allocation would not fit otherwise.
+
+The manager knows nothing of scheduling policy or of tensors; ``check_integrity`` proves that
+every used page has exactly one owner (the tree, or one sequence) and that lock counts match the
+sequences holding hits.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from llm_core.caches.kv_pool import PagePool, swa_pages_per_sequence
+from llm_core.caches.radix_cache import InsertResult, RadixCache
+from llm_core.serving.sequence import NOT_RESIDENT, Sequence
+
+
+class PageNeed(NamedTuple):
+    full: int
+    swa: int
+
+
+class KVManager:
+    """Allocation for sequences over the full and SWA pools, with an optional prefix cache.
+
+    ``swa_aware=False`` keeps every SWA page of a sequence (a cache that must keep all SWA KV):
+    the baseline for ``bench.prefix_reuse`` and ``bench.kv_capacity``.
+    """
+
+    def __init__(
+        self,
+        full_pool: PagePool,
+        swa_pool: PagePool,
+        sliding_window: int,
+        *,
+        enable_prefix_cache: bool = True,
+        swa_aware: bool = True,
+    ) -> None:
+        assert full_pool.page_size == swa_pool.page_size
+        self.full_pool = full_pool
+        self.swa_pool = swa_pool
+        self.page_size = full_pool.page_size
+        self.sliding_window = sliding_window
+        self.swa_aware = swa_aware
+        self.radix: RadixCache | None = None
+        self._peeks: weakref.WeakKeyDictionary[Sequence, tuple[tuple[int, int], int]] = (
+            weakref.WeakKeyDictionary()
+        )
+        if enable_prefix_cache:
+            self.radix = RadixCache(
+                self.page_size, sliding_window, full_pool.free, swa_pool.free, swa_aware=swa_aware
+            )
+
+    # ---- geometry ------------------------------------------------------------------------
+    def first_live_swa_page(self, num_computed: int) -> int:
+        """Lowest logical SWA page any query at position >= ``num_computed`` can read."""
+        if not self.swa_aware:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.page_size
+
+    def pages_needed(self, seq: Sequence, n: int) -> PageNeed:
+        """New pages of each pool that computing the next ``n`` tokens of ``seq`` takes.
+
+        Both rows always have one entry per logical page, and every SWA entry from the window start
+        on is resident (``check_integrity`` verifies it), so both pools need one page per new
+        logical page.
+        """
+        new = max(0, math.ceil((seq.num_computed_tokens + n) / self.page_size) - len(seq.full_pages))
+        return PageNeed(new, new)
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def peek_prefix(self, seq: Sequence) -> int:
+        """Tokens a prefix match would give ``seq`` now (no lock, no LRU touch).
+
+        Cached per sequence until the tree changes: the scheduler asks for every waiting sequence
+        on every step it can admit.
+        """
+        if self.radix is None:
+            return 0
+        stamp = (self.radix.version, seq.num_tokens)
+        cached = self._peeks.get(seq)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        hit = self.radix.match_prefix(seq.cache_keys, seq.num_tokens - 1, touch=False).length
+        self._peeks[seq] = (stamp, hit)
+        return hit
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Borrow (and lock) the cached prefix for a sequence that holds no pages yet; returns its length.
+
+        At least one token is always left to compute: the step that computes it makes the logits.
+        """
+        assert not seq.full_pages and seq.prefix_lock is None and seq.num_computed_tokens == 0
+        if self.radix is None:
+            return 0
+        hit = self.radix.match_prefix(seq.cache_keys, seq.num_tokens - 1)
+        seq.prefix_lock = self.radix.lock(hit.node)
+        seq.full_pages = list(hit.full_pages)
+        seq.swa_pages = list(hit.swa_pages)
+        seq.num_borrowed_pages = len(hit.full_pages)
+        seq.num_swa_released = self.first_live_swa_page(hit.length)
+        seq.num_computed_tokens = hit.length
+        seq.num_cached_tokens = hit.length
+        if self.swa_aware and hit.key_length > hit.length and self._can_pin():
+            seq.swa_pin_end = hit.key_length
+        return hit.length
+
+    def _can_pin(self) -> bool:
+        # Pinning holds up to one extra window per sequence; only where the pool has room to spare
+        # (allocate() drops a sequence's pin anyway when its own pages would not fit).
+        return self.swa_pool.num_pages >= 4 * swa_pages_per_sequence(self.sliding_window, self.page_size)
+
+    # ---- allocation ----------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, n: int) -> bool:
+        need = self.pages_needed(seq, n)
+        return self._available(need)
+
+    def _available(self, need: PageNeed) -> bool:
+        full_ok = need.full <= self.full_pool.num_free
+        swa_ok = need.swa <= self.swa_pool.num_free
+        if full_ok and swa_ok:
+            return True
+        if self.radix is None:
+            return False
+        # Evicting full KV from the tree also frees the SWA KV of those nodes, but not the other way
+        # round; the SWA bound below counts what SWA eviction alone can free.
+        full_ok = full_ok or need.full <= self.full_pool.num_free + self.radix.evictable_full_pages()
+        swa_ok = swa_ok or need.swa <= self.swa_pool.num_free + self.radix.evictable_swa_pages()
+        return full_ok and swa_ok
+
+    def allocate(self, seq: Sequence, n: int) -> bool:
+        """Give ``seq`` pages for positions [c, c+n); evicts cached KV when a pool is short.
+
+        Returns False, taking nothing, when the pools cannot hold it even after eviction.
+        """
+        need = self.pages_needed(seq, n)
+        if not self._available(need) and not (self.unpin(seq) and self._available(need)):
+            return False
+        if self.radix is not None:
+            if need.full > self.full_pool.num_free:
+                self.radix.evict_full(need.full - self.full_pool.num_free)
+            if need.swa > self.swa_pool.num_free:
+                self.radix.evict_swa(need.swa - self.swa_pool.num_free)
+        full = self.full_pool.alloc(need.full)
+        swa = self.swa_pool.alloc(need.swa)
+        if full is None or swa is None:  # pragma: no cover - _available() guarantees room
+            self.full_pool.free(full or [])
+            self.swa_pool.free(swa or [])
+            return False
+        seq.full_pages.extend(full)
+        seq.swa_pages.extend(swa)
+        return True
+
+    def commit(self, seq: Sequence, n: int) -> None:
+        """Record that ``n`` more tokens of ``seq`` have KV; drop SWA pages that left every window."""
+        seq.num_computed_tokens += n
+        assert seq.num_computed_tokens <= len(seq.full_pages) * self.page_size
+        self.free_out_of_window(seq)
+
+    def free_out_of_window(self, seq: Sequence) -> int:
+        """Drop SWA pages below the window of the last page boundary; returns how many were freed.
+
+        The window kept is that of ``b = c // page * page`` rather than of ``c`` itself: ``b`` is
+        where a later request can resume from this sequence's cached pages, and its window
+        [b-W+1, b) reaches at most one page below c's. It costs nothing at the peak: a decode step
+        still holds at most ``swa_pages_per_sequence`` pages (the next page is not needed until
+        c reaches it, and then b moves with it).
+        """
+        lo = self.first_live_swa_page(seq.num_computed_tokens // self.page_size * self.page_size)
+        pin_lo, pin_hi = self._pinned_pages(seq)
+        freed: list[int] = []
+        for i in range(seq.num_swa_released, min(lo, len(seq.swa_pages))):
+            if pin_lo <= i < pin_hi:
+                continue
+            page = seq.swa_pages[i]
+            if page != NOT_RESIDENT and i >= seq.num_borrowed_pages:
+                freed.append(page)  # borrowed pages belong to the tree: just stop referencing them
+            seq.swa_pages[i] = NOT_RESIDENT
+        seq.num_swa_released = max(seq.num_swa_released, lo)
+        self.swa_pool.free(freed)
+        return len(freed)
+
+    def _pinned_pages(self, seq: Sequence) -> tuple[int, int]:
+        """Logical SWA pages [lo, hi) kept for the branch point ``seq.swa_pin_end`` (empty when none)."""
+        if not seq.swa_pin_end:
+            return 0, 0
+        return self.first_live_swa_page(seq.swa_pin_end), seq.swa_pin_end // self.page_size
+
+    def unpin(self, seq: Sequence) -> bool:
+        """Drop ``seq``'s pinned branch-point window (pages it already moved past); True if any."""
+        if not seq.swa_pin_end:
+            return False
+        pin_lo, pin_hi = self._pinned_pages(seq)
+        seq.swa_pin_end = 0
+        upto = min(pin_hi, seq.num_swa_released)
+        freed = []
+        for i in range(pin_lo, upto):
+            page = seq.swa_pages[i]
+            if page != NOT_RESIDENT and i >= seq.num_borrowed_pages:
+                freed.append(page)
+            seq.swa_pages[i] = NOT_RESIDENT
+        self.swa_pool.free(freed)
+        return bool(freed) or upto > pin_lo
+
+    # ---- release -------------------------------------------------------------------------
+    def release(self, seq: Sequence, cache: bool = True) -> None:
+        """Give back all of ``seq``'s KV: computed whole pages into the prefix cache, the rest freed.
+
+        Used at finish, abort and preemption; afterwards ``seq`` holds no pages and no lock.
+        """
+        nb = seq.num_borrowed_pages
+        if self.radix is not None and cache:
+            computed = seq.num_computed_tokens
+            if seq.cacheable_tokens is not None:
+                computed = min(computed, seq.cacheable_tokens)
+            n = computed // self.page_size
+            key = seq.cache_keys[: n * self.page_size]
+            res: InsertResult = self.radix.insert(key, seq.full_pages[:n], seq.swa_pages[:n])
+            self.full_pool.free(res.full_to_free)
+            self.swa_pool.free(res.swa_to_free)
+            self.full_pool.free(seq.full_pages[n:])
+            self.swa_pool.free(seq.swa_pages[n:])
+        else:
+            self.full_pool.free(seq.full_pages[nb:])
+            self.swa_pool.free(seq.swa_pages[nb:])
+        if seq.prefix_lock is not None:
+            assert self.radix is not None
+            self.radix.unlock(seq.prefix_lock)
+        seq.full_pages = []
+        seq.swa_pages = []
+        seq.num_borrowed_pages = 0
+        seq.num_swa_released = 0
+        seq.swa_pin_end = 0
+        seq.prefix_lock = None
+
+    # ---- accounting ----------------------------------------------------------------------
+    def evictable_pages(self) -> PageNeed:
+        if self.radix is None:
+            return PageNeed(0, 0)
+        return PageNeed(self.radix.evictable_full_pages(), self.radix.evictable_swa_pages())
+
+    def check_integrity(self, seqs: Iterable[Sequence]) -> None:
+        """Raise AssertionError unless every used page has exactly one owner and locks match holders.
+
+        ``seqs`` must be every sequence that holds pages (running ones).
+        """
+        self.full_pool.check_integrity()
+        self.swa_pool.check_integrity()
+        seqs = list(seqs)
+        full_owned: list[int] = []
+        swa_owned: list[int] = []
+        tree_full: set[int] = set()
+        tree_swa: set[int] = set()
+        if self.radix is not None:
+            self.radix.check_integrity([s.prefix_lock for s in seqs if s.prefix_lock is not None])
+            full_owned.extend(self.radix.full_pages_held())
+            swa_owned.extend(self.radix.swa_pages_held())
+            tree_full, tree_swa = set(full_owned), set(swa_owned)
+        for s in seqs:
+            nb = s.num_borrowed_pages
+            if len(s.full_pages) < math.ceil(s.num_computed_tokens / self.page_size):
+                raise AssertionError(f"seq {s.seq_id}: computed tokens without full pages")
+            borrowed_swa = [p for p in s.swa_pages[:nb] if p != NOT_RESIDENT]
+            if not tree_full.issuperset(s.full_pages[:nb]) or not tree_swa.issuperset(borrowed_swa):
+                raise AssertionError(f"seq {s.seq_id}: borrowed pages are not in the prefix cache")
+            full_owned.extend(s.full_pages[nb:])
+            swa_owned.extend(p for p in s.swa_pages[nb:] if p != NOT_RESIDENT)
+            if len(s.swa_pages) != len(s.full_pages):
+                raise AssertionError(f"seq {s.seq_id}: page rows of different lengths")
+            lo = self.first_live_swa_page(s.num_computed_tokens)
+            if NOT_RESIDENT in s.swa_pages[lo:]:
+                raise AssertionError(f"seq {s.seq_id}: a SWA page of the live window is missing")
+        for name, owned, pool in (("full", full_owned, self.full_pool), ("swa", swa_owned, self.swa_pool)):
+            if len(owned) != len(set(owned)):
+                raise AssertionError(f"{name}: a page has two owners")
+            if set(owned) != pool.used_pages():
+                raise AssertionError(
+                    f"{name}: owned pages ({len(owned)}) differ from used pages ({pool.num_used}): leak or stray"
+                )

@@ -1,0 +1,328 @@
+"""Dual-pool paged KV storage: page allocators, the per-layer KV tensors and their sizing.
+
+Hybrid SWA models keep two kinds of KV. Full-attention layers need every token's KV for the life
+of the sequence; sliding-window layers only ever read the last ``sliding_window`` tokens. So the
+cache is two independent pools of fixed-size pages:
+
+    full pool  [Nf pages]  one page = page_size tokens x (all full layers)   every token of a sequence
+    SWA pool   [Ns pages]  one page = page_size tokens x (all SWA layers)    only the live window
+
+A page index means the same token slots in every layer of its pool, so one page table row per
+pool serves all layers of that type. This module knows nothing of sequences or prefix caching:
+``PagePool`` hands out page ids and takes them back; who owns a page is the KV manager's business.
+
+``PagePool`` has no tensors, so the same allocator runs in a metadata-only mode (capacity
+benchmarks of a 70-layer plan on a laptop); ``DualKVCache`` adds the tensors on top.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+_DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float8_e4m3fn: 1}
+
+
+class PagePool:
+    """A free-list allocator of ``num_pages`` pages of ``page_size`` tokens.
+
+    Invariants (checked by ``check_integrity``): every page id is either free or used, never both;
+    ``num_free + num_used == num_pages``; the free list has no duplicates. Freeing a page that is
+    not in use is a bug in the caller and fails loudly instead of corrupting the free list.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, name: str = "pool") -> None:
+        if num_pages < 0 or page_size <= 0:
+            raise ValueError(f"{name}: need num_pages >= 0 and page_size > 0, got {num_pages}, {page_size}")
+        self.name = name
+        self.num_pages = num_pages
+        self.page_size = page_size
+        # Pop from the end: low page ids are handed out first, which keeps small tests readable.
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._in_use = bytearray(num_pages)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def can_alloc(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` distinct free pages, or None (and nothing taken) when fewer than ``n`` are free."""
+        assert n >= 0, n
+        if n > len(self._free):
+            return None
+        if n == 0:
+            return []
+        pages = self._free[-n:]
+        del self._free[-n:]
+        for p in pages:
+            self._in_use[p] = 1
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Return pages to the pool. Each must be in use; ``-1`` entries are not pages and are skipped."""
+        for p in pages:
+            if p < 0:
+                continue
+            if not self._in_use[p]:
+                raise AssertionError(f"{self.name}: double free of page {p}")
+            self._in_use[p] = 0
+            self._free.append(p)
+
+    def is_used(self, page: int) -> bool:
+        return bool(self._in_use[page])
+
+    def used_pages(self) -> set[int]:
+        return {p for p in range(self.num_pages) if self._in_use[p]}
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError when the free list and the in-use map disagree."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError(f"{self.name}: duplicate pages in the free list")
+        if any(self._in_use[p] for p in free):
+            raise AssertionError(f"{self.name}: a page is both free and in use")
+        if len(free) + sum(self._in_use) != self.num_pages:
+            raise AssertionError(
+                f"{self.name}: free {len(free)} + used {sum(self._in_use)} != total {self.num_pages}"
+            )
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What the KV cache needs to know about a model: layer types, KV shapes and the window.
+
+    Kept independent of the model config class so capacity planning works for any layer plan
+    (e.g. a 70-layer model that is never instantiated). ``layer_is_swa[i]`` says whether model
+    layer ``i`` is a sliding-window layer; ``sliding_window`` counts the query token.
+    """
+
+    layer_is_swa: tuple[bool, ...]
+    full_kv_heads: int
+    swa_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    sliding_window: int
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        assert self.sliding_window >= 1, self.sliding_window
+        assert self.layer_is_swa, "a model has at least one layer"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_is_swa)
+
+    @property
+    def num_swa_layers(self) -> int:
+        return sum(self.layer_is_swa)
+
+    @property
+    def num_full_layers(self) -> int:
+        return self.num_layers - self.num_swa_layers
+
+    @property
+    def full_bytes_per_token(self) -> int:
+        """K and V bytes of one token summed over all full-attention layers."""
+        return (
+            self.num_full_layers * self.full_kv_heads * (self.head_dim + self.v_head_dim) * self.dtype_bytes
+        )
+
+    @property
+    def swa_bytes_per_token(self) -> int:
+        """K and V bytes of one token summed over all sliding-window layers."""
+        return self.num_swa_layers * self.swa_kv_heads * (self.head_dim + self.v_head_dim) * self.dtype_bytes
+
+    @classmethod
+    def from_model_config(cls, cfg: Any, dtype: torch.dtype = torch.bfloat16) -> KVLayout:
+        """Layout of a MiMo-style config (llm_core.models.config.DecoderConfig or transformers' config).
+
+        Reads ``layer_types`` ("sliding_attention" / "full_attention") when present, else the
+        agreed rule (layer ``i`` is full iff ``i == 0 or (i + 1) % 6 == 0``). SWA layers have
+        ``swa_num_key_value_heads`` KV heads when the config names them, else twice the full count
+        (MiMo-V2-Flash).
+        """
+        n = int(cfg.num_hidden_layers)
+        types = getattr(cfg, "layer_types", None)
+        if types:
+            is_swa = tuple(str(t).startswith("sliding") for t in types)
+        else:
+            is_swa = tuple(not (i == 0 or (i + 1) % 6 == 0) for i in range(n))
+        full_heads = int(cfg.num_key_value_heads)
+        swa_heads = getattr(cfg, "swa_num_key_value_heads", None) or 2 * full_heads
+        return cls(
+            layer_is_swa=is_swa,
+            full_kv_heads=full_heads,
+            swa_kv_heads=int(swa_heads),
+            head_dim=int(cfg.head_dim),
+            v_head_dim=int(getattr(cfg, "v_head_dim", None) or cfg.head_dim),
+            sliding_window=int(cfg.sliding_window),
+            dtype_bytes=_DTYPE_BYTES[dtype],
+        )
+
+
+def swa_pages_per_sequence(sliding_window: int, page_size: int) -> int:
+    """SWA pages one decoding sequence keeps resident: the window before the next query, plus its page.
+
+    The next query at position p reads keys [p-W+1, p]: W tokens, which touch at most
+    ceil((W-1)/page) + 1 pages when they start at the last slot of a page::
+
+        W = 20, page = 8:   p-W+1 = 8k+7, p = 8k+26
+        page:   |   k   |  k+1  |  k+2  |  k+3  |
+        keys:          [x ......................x]        -> 4 pages = ceil(19/8) + 1
+    """
+    return math.ceil((sliding_window - 1) / page_size) + 1
+
+
+class PoolPlan(NamedTuple):
+    """How a byte budget was split: pages per pool and bytes per page of each pool."""
+
+    num_full_pages: int
+    num_swa_pages: int
+    full_page_bytes: int
+    swa_page_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_full_pages * self.full_page_bytes + self.num_swa_pages * self.swa_page_bytes
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """Memory budget and the SWA/full split.
+
+    ``swa_fraction`` is the share of ``memory_budget_bytes`` given to the SWA pool. None picks the
+    split that makes both pools run out together for sequences of ``balance_context_len`` tokens
+    (see ``balanced_swa_fraction``), after setting aside ``swa_headroom_tokens`` of SWA pool for the
+    prefill in flight: a step computing T prefill tokens holds their SWA KV on top of the windows
+    (until they leave the window), so the step's token budget is the natural value.
+    """
+
+    memory_budget_bytes: int
+    page_size: int = 16
+    swa_fraction: float | None = None
+    balance_context_len: int = 8192
+    swa_headroom_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.memory_budget_bytes <= 0 or self.page_size <= 0:
+            raise ValueError(f"need a positive budget and page size, got {self}")
+        if self.swa_fraction is not None and not 0.0 < self.swa_fraction < 1.0:
+            raise ValueError(f"swa_fraction must be in (0, 1), got {self.swa_fraction}")
+
+
+def balanced_swa_fraction(layout: KVLayout, context_len: int, page_size: int) -> float:
+    """SWA share of the budget at which full and SWA pages run out together for ``context_len``.
+
+    One sequence of ``context_len`` tokens holds ceil(L/page) full pages and (between steps) the
+    window's pages in the SWA pool; the split is the ratio of their bytes.
+    """
+    full_pages = math.ceil(context_len / page_size)
+    full = full_pages * page_size * layout.full_bytes_per_token
+    swa = min(swa_pages_per_sequence(layout.sliding_window, page_size), full_pages) * page_size
+    swa *= layout.swa_bytes_per_token
+    if full == 0:
+        return 1.0 - 1e-9
+    if swa == 0:
+        return 1e-9
+    return swa / (full + swa)
+
+
+def plan_pools(layout: KVLayout, cfg: KVCacheConfig) -> PoolPlan:
+    """Split ``cfg.memory_budget_bytes`` into whole pages of each pool (no tensors are made)."""
+    full_page = cfg.page_size * layout.full_bytes_per_token
+    swa_page = cfg.page_size * layout.swa_bytes_per_token
+    if cfg.swa_fraction is not None:
+        swa_budget = int(cfg.memory_budget_bytes * cfg.swa_fraction)
+    else:
+        headroom = min(
+            math.ceil(cfg.swa_headroom_tokens / cfg.page_size) * swa_page, cfg.memory_budget_bytes // 2
+        )
+        frac = balanced_swa_fraction(layout, cfg.balance_context_len, cfg.page_size)
+        swa_budget = headroom + int((cfg.memory_budget_bytes - headroom) * frac)
+    if swa_page == 0 or full_page == 0:  # one layer type only: the other pool's pages hold no bytes
+        swa_budget = 0 if swa_page == 0 else cfg.memory_budget_bytes
+    full_budget = cfg.memory_budget_bytes - swa_budget
+    n_full = full_budget // full_page if full_page else 0
+    n_swa = swa_budget // swa_page if swa_page else 0
+    # A pool of zero-byte pages (no layer of its type, e.g. an all-full-attention Qwen2) gets as
+    # many pages as the other: the KV manager keeps one page per logical page in both pools, and
+    # those pages cost nothing.
+    if swa_page == 0:
+        n_swa = n_full
+    elif full_page == 0:
+        n_full = n_swa
+    return PoolPlan(int(n_full), int(n_swa), full_page, swa_page)
+
+
+class LayerKV(NamedTuple):
+    """One layer's paged KV: k [N, page, Hkv, head_dim], v [N, page, Hkv, v_head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    is_swa: bool
+
+
+class DualKVCache:
+    """The KV tensors of every layer plus the two page pools that index them.
+
+    Full layer i: k [Nf, page, Hkv_full, head_dim], v [Nf, page, Hkv_full, v_head_dim].
+    SWA layer i:  k [Ns, page, Hkv_swa, head_dim],  v [Ns, page, Hkv_swa, v_head_dim].
+    A flat slot ``page * page_size + offset`` addresses ``k.view(-1, H, D)[slot]``.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_full_pages: int,
+        num_swa_pages: int,
+        page_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.layout = layout
+        self.page_size = page_size
+        self.full_pages = PagePool(num_full_pages, page_size, "full")
+        self.swa_pages = PagePool(num_swa_pages, page_size, "swa")
+        self._layers: list[LayerKV] = []
+        for is_swa in layout.layer_is_swa:
+            n = num_swa_pages if is_swa else num_full_pages
+            h = layout.swa_kv_heads if is_swa else layout.full_kv_heads
+            k = torch.zeros(n, page_size, h, layout.head_dim, dtype=dtype, device=device)
+            v = torch.zeros(n, page_size, h, layout.v_head_dim, dtype=dtype, device=device)
+            self._layers.append(LayerKV(k, v, is_swa))
+
+    @classmethod
+    def from_budget(
+        cls,
+        layout: KVLayout,
+        cfg: KVCacheConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> DualKVCache:
+        """Pools sized from a byte budget (bytes counted at ``dtype``'s width)."""
+        sized = KVLayout(**{**layout.__dict__, "dtype_bytes": _DTYPE_BYTES[dtype]})
+        plan = plan_pools(sized, cfg)
+        return cls(layout, plan.num_full_pages, plan.num_swa_pages, cfg.page_size, dtype, device)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    def layer(self, i: int) -> LayerKV:
+        """KV of model layer ``i`` (full or SWA pool according to the layer's type)."""
+        return self._layers[i]
+
+    def check_integrity(self) -> None:
+        self.full_pages.check_integrity()
+        self.swa_pages.check_integrity()

@@ -1,0 +1,263 @@
+/*
+ * The MoE kernels (see _moe.c for what they compute and the layouts), without their Python entry
+ * points, so that the decoder-layer kernel (_decoder_layer.c) runs the same code. Include after
+ * Python.h and _kernels.h. Each extension that includes it has its own copy of the SIMD dispatch
+ * (moe_use_avx2).
+ */
+#ifndef LLM_CORE_MOE_H
+#define LLM_CORE_MOE_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "_gemm.h"
+
+/* h[i] = silu(h[i]) * h[I + i] for i < I: the SwiGLU activation over one [gate | up] row. */
+typedef void (*swiglu_fn)(float *h, Py_ssize_t I);
+
+static void swiglu_scalar(float *h, Py_ssize_t I) {
+    for (Py_ssize_t i = 0; i < I; i++) h[i] = h[i] / (1.0f + expf(-h[i])) * h[I + i];
+}
+
+#ifdef HAVE_AVX2_PATH
+static AVX2 void swiglu_avx2(float *h, Py_ssize_t I) {
+    Py_ssize_t i = 0;
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= I; i += 8) {
+        const __m256 g = _mm256_loadu_ps(h + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)); /* e^-g, clamped for |g| > 87 */
+        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(h + i, _mm256_mul_ps(silu, _mm256_loadu_ps(h + I + i)));
+    }
+    for (; i < I; i++) h[i] = h[i] / (1.0f + expf(-h[i])) * h[I + i];
+}
+
+#endif
+
+static swiglu_fn swiglu = swiglu_scalar;
+
+typedef struct {
+    const float *x, *weights, *gate_up, *down;
+    const int64_t *experts;
+    float *out;
+    Py_ssize_t T, K, E, H, I;
+} MoeProblem;
+
+/* Where each expert's assignments are: assignment a = t * K + k; order lists them grouped by
+ * expert, in (t, k) order within each, expert e's at order[start[e] .. start[e + 1]). */
+typedef struct {
+    Py_ssize_t *start, *order;
+    Py_ssize_t most; /* the largest expert's assignments */
+} MoePlan;
+
+static void moe_plan_free(MoePlan *plan) {
+    free(plan->start);
+    free(plan->order);
+    plan->start = plan->order = NULL;
+}
+
+/* Fills plan (free it with moe_plan_free, also after an error); NULL or a static error message. */
+static const char *moe_plan(const MoeProblem *pb, MoePlan *plan) {
+    const Py_ssize_t n = pb->T * pb->K;
+    plan->start = calloc((size_t)pb->E + 1, sizeof(Py_ssize_t));
+    plan->order = malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t));
+    Py_ssize_t *fill = malloc((size_t)pb->E * sizeof(Py_ssize_t));
+    const char *err = NULL;
+    if (plan->start == NULL || plan->order == NULL || fill == NULL) {
+        err = "moe_experts: out of memory";
+        goto done;
+    }
+    for (Py_ssize_t a = 0; a < n; a++) {
+        const int64_t e = pb->experts[a];
+        if (e < 0 || e >= pb->E) {
+            err = "moe_experts: an expert id is out of range";
+            goto done;
+        }
+        plan->start[e + 1]++;
+    }
+    for (Py_ssize_t e = 0; e < pb->E; e++) plan->start[e + 1] += plan->start[e];
+    memcpy(fill, plan->start, (size_t)pb->E * sizeof(Py_ssize_t));
+    for (Py_ssize_t a = 0; a < n; a++) plan->order[fill[pb->experts[a]]++] = a; /* (t, k) order per expert */
+    plan->most = 1;
+    for (Py_ssize_t e = 0; e < pb->E; e++) {
+        const Py_ssize_t c = plan->start[e + 1] - plan->start[e];
+        plan->most = c > plan->most ? c : plan->most;
+    }
+done:
+    free(fill);
+    return err;
+}
+
+/* Experts e0 .. e1 - 1 over their assignments. Each weighted output row w * y is added to its
+ * token's row of pb->out (experts in order: the sum of a token's rows in expert order), or, with
+ * contrib non-NULL, stored at contrib [T * K, H] row a instead (ranges may then run at the same
+ * time; moe_sum_contrib adds them up in the same order). NULL or a static error message. */
+static const char *moe_experts_range(const MoeProblem *pb, const MoePlan *plan, Py_ssize_t e0, Py_ssize_t e1,
+                                     float *contrib) {
+    const Py_ssize_t H = pb->H, I = pb->I, most = plan->most;
+    /* scratch, for the largest expert's assignments: their rows of x, then gate|up [C, 2I]
+     * (activated in place), then down outputs [C, H] */
+    const float **rows = malloc((size_t)most * sizeof(float *));
+    float *scratch = malloc((size_t)(most * (2 * I + H)) * sizeof(float));
+    if (rows == NULL || scratch == NULL) {
+        free(rows);
+        free(scratch);
+        return "moe_experts: out of memory";
+    }
+    float *hidden = scratch, *y = scratch + most * 2 * I;
+    const Strips gate_up_rows = {16, 2 * I}, down_rows = {16, H}; /* row-major [in, out] */
+    for (Py_ssize_t e = e0; e < e1; e++) {
+        const Py_ssize_t c = plan->start[e + 1] - plan->start[e];
+        if (c == 0) continue;
+        Py_ssize_t e2 = e + 1; /* the next expert with tokens: its weights are fetched meanwhile */
+        while (e2 < e1 && plan->start[e2 + 1] == plan->start[e2]) e2++;
+        const float *next_gate_up = e2 < e1 ? pb->gate_up + e2 * H * 2 * I : NULL;
+        const float *next_down = e2 < e1 ? pb->down + e2 * I * H : NULL;
+        const Py_ssize_t *mine = plan->order + plan->start[e];
+        for (Py_ssize_t r = 0; r < c; r++) rows[r] = pb->x + (mine[r] / pb->K) * H;
+        gemm_rows(rows, c, pb->gate_up + e * H * 2 * I, H, 2 * I, hidden, 2 * I, next_gate_up, &gate_up_rows); /* [C, 2I] */
+        for (Py_ssize_t r = 0; r < c; r++) {
+            swiglu(hidden + r * 2 * I, I); /* over the gate half */
+            rows[r] = hidden + r * 2 * I;
+        }
+        gemm_rows(rows, c, pb->down + e * I * H, I, H, y, H, next_down, &down_rows); /* [C, H] */
+        for (Py_ssize_t r = 0; r < c; r++) {
+            const float w = pb->weights[mine[r]], *yr = y + r * H;
+            if (contrib != NULL) {
+                float *o = contrib + mine[r] * H;
+                for (Py_ssize_t d = 0; d < H; d++) o[d] = w * yr[d];
+            } else {
+                float *o = pb->out + (mine[r] / pb->K) * H;
+                for (Py_ssize_t d = 0; d < H; d++) o[d] += w * yr[d];
+            }
+        }
+    }
+    free(rows);
+    free(scratch);
+    return NULL;
+}
+
+/* out rows t0 .. t1 - 1 = the sum of each token's contrib rows, in expert order from 0 (the order
+ * moe_experts_range adds them in): the same bits as the one-range path. */
+static inline void moe_sum_contrib(const MoeProblem *pb, const float *contrib, Py_ssize_t t0, Py_ssize_t t1) {
+    const Py_ssize_t K = pb->K, H = pb->H;
+    for (Py_ssize_t t = t0; t < t1; t++) {
+        float *o = pb->out + t * H;
+        memset(o, 0, (size_t)H * sizeof(float));
+        int64_t last = -1;
+        for (Py_ssize_t i = 0; i < K; i++) { /* the next larger expert id among the token's K */
+            Py_ssize_t pick = -1;
+            for (Py_ssize_t k = 0; k < K; k++) {
+                const int64_t e = pb->experts[t * K + k];
+                if (e > last && (pick < 0 || e < pb->experts[t * K + pick])) pick = k;
+            }
+            if (pick < 0) break;
+            last = pb->experts[t * K + pick];
+            const float *c = contrib + (t * K + pick) * H;
+            for (Py_ssize_t d = 0; d < H; d++) o[d] += c[d];
+        }
+    }
+}
+
+/* Returns NULL or a static error message. Called without the GIL. */
+static const char *moe_run(const MoeProblem *pb) {
+    MoePlan plan = {0};
+    const char *err = moe_plan(pb, &plan);
+    if (err == NULL) {
+        memset(pb->out, 0, (size_t)(pb->T * pb->H) * sizeof(float));
+        err = moe_experts_range(pb, &plan, 0, pb->E, NULL);
+    }
+    moe_plan_free(&plan);
+    return err;
+}
+
+/* ---- routing ------------------------------------------------------------------------------- */
+
+/* Index of the largest of v[0 .. n) not yet taken (ties: the lowest index, as a stable sort would),
+ * or -1 when all are taken. */
+static Py_ssize_t argmax_free(const float *v, const unsigned char *taken, Py_ssize_t n) {
+    Py_ssize_t best = -1;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
+    return best;
+}
+
+typedef struct {
+    const float *x, *w, *bias;
+    int64_t *experts;
+    float *weights;
+    Py_ssize_t T, H, E, K, n_group, topk_group;
+    int norm;
+    float scaling;
+} Route;
+
+#define ROUTE_SIZES_ERROR "route: invalid sizes (experts, groups and top-k must be consistent)"
+
+/* Whether the expert, group and top-k counts are consistent (route_token needs it). */
+static int route_sizes_valid(const Route *rt) {
+    return rt->T >= 0 && rt->H >= 1 && rt->E >= 1 && rt->K >= 1 && rt->n_group >= 1 && rt->E % rt->n_group == 0 &&
+           rt->topk_group >= 1 && rt->topk_group <= rt->n_group && rt->K <= rt->topk_group * (rt->E / rt->n_group);
+}
+
+/* Bytes of the work buffer route_token takes. */
+static size_t route_work_bytes(const Route *rt) { return (size_t)(4 * rt->E + rt->n_group) * sizeof(float); }
+
+/* One token: scores = sigmoid(x W^T), selection by score + bias within the best groups, weights
+ * from the scores (module doc of llm_core/models/moe.py). work: 3E floats + E bytes. */
+static void route_token(const Route *rt, Py_ssize_t t, float *work) {
+    const Py_ssize_t E = rt->E, H = rt->H, K = rt->K, per = E / rt->n_group; /* all >= 1 (checked) */
+    float *score = work, *choice = work + E, *group = work + 2 * E;
+    unsigned char *taken = (unsigned char *)(work + 3 * E);
+    const float *x = rt->x + t * H;
+    for (Py_ssize_t e = 0; e < E; e++) {
+        const float z = dot8(x, rt->w + e * H, H);
+        score[e] = 1.0f / (1.0f + expf(-z));
+        choice[e] = score[e] + rt->bias[e];
+    }
+    if (rt->topk_group < rt->n_group) { /* a group scores the sum of its best two choices */
+        for (Py_ssize_t g = 0; g < rt->n_group; g++) {
+            for (Py_ssize_t e = 0; e < per; e++) taken[e] = 0;
+            const Py_ssize_t a = argmax_free(choice + g * per, taken, per);
+            taken[a] = 1;
+            const Py_ssize_t b = argmax_free(choice + g * per, taken, per);
+            group[g] = b < 0 ? choice[g * per + a] : choice[g * per + a] + choice[g * per + b];
+        }
+        for (Py_ssize_t g = 0; g < rt->n_group; g++) taken[g] = 0;
+        for (Py_ssize_t i = 0; i < rt->topk_group; i++) taken[argmax_free(group, taken, rt->n_group)] = 1;
+        for (Py_ssize_t g = 0; g < rt->n_group; g++)
+            if (!taken[g])
+                for (Py_ssize_t e = 0; e < per; e++) choice[g * per + e] = -INFINITY;
+    }
+    for (Py_ssize_t e = 0; e < E; e++) taken[e] = 0;
+    int64_t *ex = rt->experts + t * K;
+    float *wt = rt->weights + t * K, sum = 0.0f;
+    for (Py_ssize_t k = 0; k < K; k++) {
+        const Py_ssize_t e = argmax_free(choice, taken, E);
+        taken[e] = 1;
+        ex[k] = e;
+        wt[k] = score[e];
+        sum += score[e];
+    }
+    for (Py_ssize_t k = 0; k < K; k++) {
+        if (rt->norm) wt[k] = wt[k] / (sum + 1e-20f);
+        if (rt->scaling != 1.0f) wt[k] = wt[k] * rt->scaling;
+    }
+}
+
+/* The products in use: the AVX2 + FMA ones (where the CPU has them) or the scalar ones. */
+static int moe_use_avx2(int on) {
+#ifdef HAVE_AVX2_PATH
+    if (on && cpu_has_avx2()) {
+        gemm_use_avx2(1), swiglu = swiglu_avx2;
+        return 1;
+    }
+#endif
+    gemm_use_avx2(0), swiglu = swiglu_scalar;
+    return !on;
+}
+
+static inline int moe_uses_avx2(void) { return gemm_rows != gemm_rows_scalar; }
+
+#endif

@@ -1,0 +1,229 @@
+"""A whole decoder layer per C call on CPU (``_decoder_layer.c``), for the model's paged forward.
+
+    residual += x;  h = norm1(residual)
+    residual += attention(h) @ Wo          (qkv projection, rotary, KV store, paged attention)
+    x = mlp(norm2(residual))               (dense SwiGLU, or router + routed experts)
+
+``x`` and ``residual`` are updated in place, so a forward keeps two [T, hidden] buffers for all its
+layers. Why: in a decode step of a small model the Python and torch work between the per-op
+kernels (module calls, argument checks and buffer exports, small allocations: ~15 operations per
+layer) costs as much as some kernels. The pieces are the per-op kernels' code (``cpu_attention``,
+``cpu_moe``, ``cpu_norm``). Projections of more than ``PACKED_MAX_ROWS`` rows (prefill) call the
+BLAS routine torch's own CPU linear calls (``sgemm_`` from libtorch_cpu) the same way, so a MoE
+layer then gives the same bits as the per-op path; smaller batches (decode) multiply by
+strip-packed copies of the attention and dense-MLP projection weights (``pack_strips``; BLAS
+repacks a weight on every call, which at 32 rows costs about as much as the product), which agree
+to float32 rounding. The dense layer's activation is the MoE kernel's SwiGLU (float32 rounding
+from torch's silu). The packed copies add the attention and dense-MLP projections' size in memory
+once more; the routed experts (most of a MoE model) are not copied.
+
+With several threads (``set_threads``; the model passes torch's intra-op thread count) a layer's
+attention is split by sequence, its routed experts by expert and its decode-sized projections by
+column strip, with the same bits for any count.
+
+fp32 CPU only, projection weights input-major (``weight_layout``). ``AVAILABLE`` is False when the
+extension was not built or torch's sgemm could not be bound; the model then runs its modules.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from llm_core.kernels import c_kernel
+from llm_core.kernels.attention_batch import AttentionBatch, LayerKVLike
+from llm_core.kernels.c_kernel import buffer as _buf
+from llm_core.kernels.weight_layout import in_out_view
+
+_kernel = c_kernel.load("llm_core.kernels._decoder_layer")
+
+
+def _bind_sgemm() -> bool:
+    """Give the kernel torch's sgemm (the library is loaded with torch)."""
+    if _kernel is None:
+        return False
+    try:
+        _kernel.bind_sgemm(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    except OSError:  # pragma: no cover - a torch build without BLAS symbols
+        return False
+    return True
+
+
+AVAILABLE = _bind_sgemm()
+
+# Batches of at most this many rows use the strip-packed weight copies (``pack_strips``), larger
+# ones torch's sgemm (whose results the modules give bit for bit).
+PACKED_MAX_ROWS: int = _kernel.PACKED_MAX_ROWS if _kernel is not None else 0
+
+
+def set_threads(n: int) -> int:
+    """Split each layer's attention (by sequence), routed experts (by expert) and decode-sized
+    projections (by column strip) over n threads, the caller included; returns the count in use.
+    Every count gives the same bits. The model sets torch's intra-op thread count per forward."""
+    assert _kernel is not None
+    return int(_kernel.set_threads(n))
+
+
+class LayerWeights(NamedTuple):
+    """One layer's weights as the kernel takes them (``layer_weights``)."""
+
+    args: tuple[object, ...]  # everything after the step and pool arguments
+    source: Tensor  # the fused qkv weight they were taken from: a new one means they are stale
+
+
+class MlpArgs(NamedTuple):
+    """A layer's MLP as the kernel takes it (``dense_mlp_args`` / ``moe_args``)."""
+
+    args: tuple[object, ...]
+    packed: tuple[object, object]  # strip-packed gate_up and down (dense only), or empty
+
+
+def _in_out(w: Tensor) -> Tensor | None:
+    """The [..., in, out] memory of an input-major fp32 CPU weight, or None."""
+    if w.device.type != "cpu" or w.dtype != torch.float32:
+        return None
+    return in_out_view(w.detach())
+
+
+def pack_strips(w: Tensor) -> object:
+    """A copy of an [in, out] weight as 16-column strips, [out / 16, in, 16] contiguous: what the
+    kernel multiplies small batches (decode) by; empty when out is not a multiple of 16."""
+    k, n = w.shape
+    if n % 16:
+        return b""
+    return w.reshape(k, n // 16, 16).permute(1, 0, 2).contiguous().numpy()
+
+
+def dense_mlp_args(gate_up: Tensor, down: Tensor) -> MlpArgs | None:
+    """The MLP arguments of a dense SwiGLU layer: gate_up [2I, hidden] (gate rows first) and down
+    [hidden, I], both input-major; None when they are not."""
+    gu, dn = _in_out(gate_up), _in_out(down)
+    if gu is None or dn is None:
+        return None
+    return MlpArgs(
+        (gu.numpy(), dn.numpy(), b"", b"", 0, down.shape[1], 0, 1, 1, False, 1.0),
+        (pack_strips(gu), pack_strips(dn)),
+    )
+
+
+def moe_args(
+    router: Tensor,
+    bias: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> MlpArgs | None:
+    """The MLP arguments of a MoE layer: router [E, hidden] and its selection bias [E] (fp32),
+    experts gate_up [E, 2I, hidden] and down [E, hidden, I] input-major; None when not so."""
+    gu, dn = _in_out(gate_up), _in_out(down)
+    if gu is None or dn is None or router.dtype != torch.float32 or router.device.type != "cpu":
+        return None
+    args = (
+        gu.numpy(),
+        dn.numpy(),
+        _buf(router),
+        _buf(bias.to(torch.float32)),
+        gate_up.shape[0],
+        down.shape[2],
+        top_k,
+        n_group,
+        topk_group,
+        norm_topk_prob,
+        float(scaling),
+    )
+    return MlpArgs(args, (b"", b""))
+
+
+def layer_weights(
+    ln1: Tensor,
+    ln2: Tensor,
+    eps: float,
+    qkv_weight: Tensor,
+    qkv_bias: Tensor | None,
+    o_weight: Tensor,
+    sinks: Tensor | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    v_head_dim: int,
+    window: int | None,
+    scale: float,
+    v_scale: float,
+    mlp: MlpArgs,
+) -> LayerWeights | None:
+    """A layer's arguments (norm weights, fused qkv [(H + 2 Hkv') * ., hidden] and o [hidden, H * Dv]
+    projections input-major, attention sizes, and ``dense_mlp_args`` / ``moe_args``), with
+    strip-packed copies of the projections for small batches; None when the kernel cannot run them."""
+    qkv, o = _in_out(qkv_weight), _in_out(o_weight)
+    if not AVAILABLE or qkv is None or o is None or ln1.dtype != torch.float32 or ln2.dtype != torch.float32:
+        return None
+    args = (
+        _buf(ln1),
+        _buf(ln2),
+        float(eps),
+        qkv.numpy(),
+        b"" if qkv_bias is None else _buf(qkv_bias.to(torch.float32)),
+        o.numpy(),
+        b"" if sinks is None else _buf(sinks.to(torch.float32)),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        v_head_dim,
+        0 if window is None else int(window),
+        float(scale),
+        float(v_scale),
+        *mlp.args,
+        pack_strips(qkv),
+        pack_strips(o),
+        *mlp.packed,
+    )
+    return LayerWeights(args, qkv_weight)
+
+
+class StepArgs:
+    """One forward's attention metadata as kernel buffers, per pool type (made once, used by all layers)."""
+
+    def __init__(self, batch: AttentionBatch) -> None:
+        cu, lens = _buf(batch.cu_seqlens_q.to(torch.int32)), _buf(batch.seq_lens.to(torch.int32))
+
+        def pool(slots: Tensor, table: Tensor) -> tuple[object, ...]:
+            return _buf(slots.to(torch.int64)), _buf(table.to(torch.int32)), cu, lens
+
+        self.full = pool(batch.full_slots, batch.full_page_table)
+        self.swa = pool(batch.swa_slots, batch.swa_page_table)
+
+
+def decoder_layer_cpu(
+    weights: LayerWeights,
+    step: StepArgs,
+    kv: LayerKVLike,
+    cos: Tensor,
+    sin: Tensor,
+    x: Tensor,
+    residual: Tensor,
+    first: bool,
+) -> None:
+    """Run one layer in place on x and residual [T, hidden] (contiguous fp32; module doc). ``first``:
+    the residual stream starts here (residual = x). cos/sin [T, rotary width] of this layer's
+    rotary. Raises ValueError for inconsistent sizes, a write slot outside the pool or a page a
+    query reads that is not in it (x and residual are then partly updated)."""
+    assert _kernel is not None
+    _kernel.decoder_layer(
+        x.numpy(),
+        residual.numpy(),
+        first,
+        _buf(cos),
+        _buf(sin),
+        *(step.swa if kv.is_swa else step.full),
+        kv.k.numpy(),
+        kv.v.numpy(),
+        kv.k.shape[1],
+        *weights.args,
+    )

@@ -1,0 +1,128 @@
+"""CPU MoE through the C kernel (``_moe.c``): every routed expert of a layer in one call, and the
+router before it in another (``route``: what ``moe.TopKRouter`` computes).
+
+    x [T, H], Routing(experts [T, K], weights [T, K]), gate_up [E, 2I, H], down [E, H, I]
+    -> out [T, H] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t])
+
+The kernel reads the weights as [E, in, out] row-major, which is how
+``GroupedExperts.fuse_weights`` lays them out in memory (``supports`` checks it). Why a kernel:
+with a few tokens per expert (decode), the torch path is small batched GEMMs over padded rows plus
+a dozen gather, activation and scatter ops per layer; the kernel streams each expert's weights
+once per call (fetching the next routed expert's meanwhile) and fuses the rest. fp32 only;
+``AVAILABLE`` is False when the extension was not built, and ``GroupedExperts`` keeps its torch
+path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from llm_core.kernels import c_kernel
+from llm_core.kernels.c_kernel import buffer as _buf
+from llm_core.kernels.weight_layout import in_out_view as _in_out
+
+_kernel = c_kernel.load("llm_core.kernels._moe")
+
+AVAILABLE = _kernel is not None
+
+
+def simd() -> str | None:
+    """'avx2' or 'scalar' (the kernel in use), None when not built."""
+    return c_kernel.simd(_kernel)
+
+
+def set_simd(name: str) -> None:
+    """Use the 'avx2' or the 'scalar' kernel from now on (see ``c_kernel.set_simd``)."""
+    c_kernel.set_simd(_kernel, name)
+
+
+def supports(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
+    """True when the kernel can run these tensors: built, CPU fp32, weights laid out [E, in, out]."""
+    return (
+        _kernel is not None
+        and x.device.type == gate_up.device.type == down.device.type == "cpu"
+        and x.dtype == gate_up.dtype == down.dtype == torch.float32
+        and _in_out(gate_up) is not None
+        and _in_out(down) is not None
+    )
+
+
+def moe_experts_cpu(x: Tensor, experts: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """x [T, H] routed to ``experts`` [T, K] with ``weights`` [T, K] -> [T, H] fp32 (module doc).
+
+    gate_up [E, 2I, H] and down [E, H, I] as ``GroupedExperts`` holds them after ``fuse_weights``.
+    Raises RuntimeError when the kernel cannot run them, ValueError for an expert id out of range."""
+    if _kernel is None or not supports(x, gate_up, down):
+        raise RuntimeError(
+            "moe_experts_cpu needs the built kernel, fp32 CPU tensors and [E, in, out] weights"
+        )
+    gu, dn = _in_out(gate_up), _in_out(down)
+    assert gu is not None and dn is not None
+    num_tokens, hidden = x.shape
+    top_k = experts.shape[1]
+    num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    assert down.shape == (num_experts, hidden, inter), (gate_up.shape, down.shape)
+    out = x.new_empty(num_tokens, hidden)
+    _kernel.moe_experts(
+        _buf(x),
+        _buf(experts.to(torch.int64)),
+        _buf(weights.to(torch.float32)),
+        _buf(gu),
+        _buf(dn),
+        out.numpy(),
+        num_tokens,
+        top_k,
+        num_experts,
+        hidden,
+        inter,
+    )
+    return out
+
+
+def supports_route(x: Tensor, weight: Tensor) -> bool:
+    """True when ``route`` can run these tensors (built, CPU, fp32)."""
+    return (
+        _kernel is not None
+        and x.device.type == weight.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+    )
+
+
+def route(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[Tensor, Tensor]:
+    """Sigmoid routing of x [T, H] by the router weight [E, H] -> (experts int64 [T, K], weights fp32 [T, K]).
+
+    What ``moe.TopKRouter`` computes (scores, selection bias, group-limited top-k, normalised and
+    scaled weights) in one call; experts come in descending order of score + bias, ties to the
+    lower expert id. Raises ValueError for inconsistent sizes."""
+    if _kernel is None or not supports_route(x, weight):
+        raise RuntimeError("route needs the built kernel and fp32 CPU tensors")
+    num_tokens, hidden = x.shape
+    num_experts = weight.shape[0]
+    experts = torch.empty(num_tokens, top_k, dtype=torch.int64)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32)
+    _kernel.route(
+        _buf(x),
+        _buf(weight),
+        _buf(bias.to(torch.float32)),
+        experts.numpy(),
+        weights.numpy(),
+        num_tokens,
+        hidden,
+        num_experts,
+        top_k,
+        n_group,
+        topk_group,
+        norm_topk_prob,
+        float(scaling),
+    )
+    return experts, weights

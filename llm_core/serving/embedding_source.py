@@ -1,0 +1,111 @@
+"""Where the engine process gets multimodal embeddings: the node cache, else the encoder's URL.
+
+An ``EmbeddingRef`` names the tensor by MediaKey. On the encoder's node the bytes are in the
+shared-memory embedding cache and are read zero-copy; from another node the engine fetches
+``ref.url`` (a safetensors body with tensor ``embedding``). Either way the tensor must have the
+shape the ref announces, or the request fails with a 400 naming the item.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+import torch
+from safetensors.torch import load as load_safetensors
+
+from encoder.caches.embedding_ref import EmbeddingRef
+from epd_common.errors import APIError, bad_request
+from llm_core.serving.model_runner import MultimodalInput
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddingSource:
+    """Resolves EmbeddingRefs to tensors. ``cache`` is an ``encoder.caches.embed_cache.EmbedCache`` or None."""
+
+    def __init__(
+        self, cache: Any | None, hidden_size: int, timeout_s: float = 30.0, owns_cache: bool = False
+    ) -> None:
+        self.cache = cache
+        self.owns_cache = owns_cache  # close() closes the cache only when open() made it
+        self.hidden_size = hidden_size
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
+        self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def open(cls, namespace: str, hidden_size: int, timeout_s: float = 30.0) -> EmbeddingSource:
+        """Attach to the node cache of ``namespace`` (created when absent: encoders may start later)."""
+        from encoder.caches.embed_cache import CacheError, EmbedCache
+
+        cache = None
+        try:
+            cache = EmbedCache(namespace=namespace, writer=f"llm:{namespace}")
+        except (CacheError, OSError) as e:  # no usable node cache here: remote URLs only
+            log.warning("embedding cache %r unavailable (%s); only ref URLs will be fetched", namespace, e)
+        return cls(cache, hidden_size, timeout_s, owns_cache=cache is not None)
+
+    async def resolve(self, refs: Sequence[EmbeddingRef]) -> list[MultimodalInput]:
+        """One MultimodalInput per ref, in order; APIError (400) naming ``multimodal[i]`` on failure."""
+        out = []
+        for i, ref in enumerate(refs):
+            param = f"multimodal[{i}]"
+            tensor = self._local(ref, param)
+            if tensor is None:
+                tensor = await self._fetch(ref, param)
+            self._check(ref, tensor, param)
+            out.append(MultimodalInput(ref, tensor))
+        return out
+
+    def _local(self, ref: EmbeddingRef, param: str) -> torch.Tensor | None:
+        if self.cache is None:
+            return None
+        from encoder.caches.embed_cache import InvalidKey
+
+        try:
+            hit = self.cache.get(ref.key)
+        except InvalidKey as e:
+            raise bad_request(str(e), param) from e
+        return None if hit is None else hit.tensor
+
+    async def _fetch(self, ref: EmbeddingRef, param: str) -> torch.Tensor:
+        if not ref.url:
+            raise bad_request(
+                f"embedding {ref.key[:16]}... is not in this node's cache and the ref has no url", param
+            )
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        try:
+            async with self._session.get(ref.url) as resp:
+                if resp.status != 200:
+                    raise bad_request(f"fetching {ref.url} answered HTTP {resp.status}", param)
+                body = await resp.read()
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            raise APIError(
+                502, f"fetching {ref.url} failed: {type(e).__name__}: {e}", type="upstream_error", param=param
+            ) from e
+        try:
+            tensors = load_safetensors(body)
+        except Exception as e:  # safetensors raises its own error types for corrupt bodies
+            raise bad_request(f"{ref.url} is not a safetensors body: {e}", param) from e
+        if "embedding" not in tensors:
+            raise bad_request(f"{ref.url} has no tensor 'embedding' (has {sorted(tensors)})", param)
+        return tensors["embedding"]
+
+    def _check(self, ref: EmbeddingRef, tensor: torch.Tensor, param: str) -> None:
+        if tensor.dim() != 2 or tuple(tensor.shape) != tuple(ref.shape):
+            raise bad_request(f"embedding shape {tuple(tensor.shape)} != ref shape {tuple(ref.shape)}", param)
+        if tensor.shape[1] != self.hidden_size:
+            raise bad_request(
+                f"embedding hidden size {tensor.shape[1]} != the LLM's hidden size {self.hidden_size}", param
+            )
+
+    async def close(self) -> None:
+        if self.cache is not None and self.owns_cache:
+            self.cache.close()
+        self.cache = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -1,0 +1,386 @@
+"""LLMEngine: continuous batching on a dedicated thread, streamed to asyncio callers.
+
+    event loop (server)                              engine thread
+    ───────────────────                              ─────────────
+    submit(): validate, build Sequence,              loop:  [lock] drain aborts, schedule
+              [lock] scheduler.add ─────────────▶           runner.execute (no lock: the forward)
+    abort():  abort deque ──────────────────────▶           [lock] scheduler.update, StepOutputs
+    RequestStream ◀── asyncio.Queue ◀── call_soon_threadsafe (one hop per loop per step)
+
+The thread alone runs the model and touches the KV tensors. The scheduler is shared with
+``submit`` under one lock that is never held during the forward, so a submit waits for at most a
+schedule or update, never a whole step; torch releases the GIL inside kernels, so the event loop
+stays responsive while a step runs. Admission is bounded: with ``max_waiting`` requests waiting,
+``submit`` raises ``EngineOverloaded`` (the server answers 503 with Retry-After) instead of
+queueing more, and requests that can never fit raise ``EngineRequestError`` before any streaming.
+
+Detokenization, stop strings and the thread-to-loop hand-off live in ``request_stream.py``. The
+engine knows nothing of HTTP; it speaks token ids, ``SamplingParams`` and ``MultimodalInput``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import torch
+
+from llm_core.caches.kv_manager import KVManager
+from llm_core.caches.kv_pool import DualKVCache, KVCacheConfig, KVLayout
+from llm_core.models.config import DecoderConfig
+from llm_core.models.positions import PositionScheme
+from llm_core.prompts.tokenizer import Tokenizer
+from llm_core.serving.engine_stats import EngineStats, ThroughputMeter
+from llm_core.serving.model_runner import CausalLM, ModelRunner, MultimodalInput
+from llm_core.serving.request_stream import RequestState, RequestStream, StepOutput
+from llm_core.serving.request_stream import deliver as deliver_outputs
+from llm_core.serving.sampling import Sampler, SamplingParams
+from llm_core.serving.scheduler import QueueFull, Scheduler, SchedulerConfig, SchedulerError
+from llm_core.serving.sequence import MediaSpanError, media_spans
+from llm_core.serving.sequence import Sequence as Seq
+from llm_core.serving.server_config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+class EngineRequestError(ValueError):
+    """A request the engine cannot run (bad media alignment, too long); ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        self.param = param
+        super().__init__(message)
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full; retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
+
+
+class LLMEngine:
+    """Owns the scheduler, the KV cache and the model runner; serves many concurrent requests."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        model_config: DecoderConfig,
+        tokenizer: Tokenizer,
+        config: EngineConfig | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        positions: PositionScheme | None = None,
+    ) -> None:
+        """``positions``: the model family's rotary position scheme (``LoadedLLM.positions``);
+        None: token i at position i."""
+        self.config = config or EngineConfig()
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_model_len = self.config.max_model_len or model_config.max_position_embeddings
+        # End of generation: the model's eos, the tokenizer's, and ChatML's end of turn (as in
+        # Qwen-style generation configs), unless a request sets ignore_eos.
+        self.eos_token_ids: frozenset[int] = frozenset(
+            t
+            for t in (model_config.eos_token_id, tokenizer.eos_token_id, tokenizer.im_end_token_id)
+            if t is not None
+        )
+        self.kv, self.scheduler = _build_kv_and_scheduler(
+            model_config, self.config, self.max_model_len, self.device, dtype
+        )
+        self.runner = ModelRunner(
+            model, self.kv, Sampler(self.config.seed, self.device), self.device, positions
+        )
+        # Guards the scheduler and ``_requests`` between the event loop (add) and the step thread
+        # (schedule/update). Never held during the forward, so adds do not wait for a step.
+        self._lock = threading.Lock()
+        self._aborts: collections.deque[str] = collections.deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._requests: dict[str, RequestState] = {}
+        self._meter = ThroughputMeter()
+        self._prompt_tokens_total = 0
+        self._cached_tokens_total = 0
+        self._steps = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the step thread (idempotent)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the step thread; unfinished requests end with finish_reason "abort"."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    # ---- requests (called from the event loop) -----------------------------------------------
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        mm: Sequence[MultimodalInput] = (),
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Queue a request and return its output stream.
+
+        Raises ``EngineRequestError`` (bad request) or ``EngineOverloaded`` (queue full) right away,
+        so the server can answer with a status before any streaming starts. Must be called from a
+        running event loop; outputs flow once ``start()`` has been called.
+        """
+        loop = asyncio.get_running_loop()
+        rid = request_id or uuid.uuid4().hex
+        seq = self._build_sequence(rid, list(prompt_ids), sampling, mm)
+        req = RequestState.create(seq, sampling, self.tokenizer, loop)
+        with self._lock:
+            if self.scheduler.num_waiting >= self.config.max_waiting:
+                raise EngineOverloaded(
+                    f"{self.scheduler.num_waiting} requests are waiting for the LLM engine", retry_after_s=1.0
+                )
+            try:
+                self.scheduler.add(seq)
+            except QueueFull as e:
+                raise EngineOverloaded(str(e), retry_after_s=1.0) from e
+            except SchedulerError as e:
+                raise EngineRequestError(str(e), "prompt") from e
+            self._requests[rid] = req
+            self._prompt_tokens_total += seq.num_prompt_tokens
+        self._wake.set()
+        return RequestStream(rid, req.queue, self.abort)
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        mm: Sequence[MultimodalInput] = (),
+        request_id: str | None = None,
+    ) -> AsyncIterator[StepOutput]:
+        """``submit`` as an async generator; leaving the loop early aborts the request."""
+        stream = self.submit(prompt_ids, sampling, mm, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (thread-safe; unknown or finished ids are ignored)."""
+        self._aborts.append(request_id)
+        self._wake.set()
+
+    def _build_sequence(
+        self, rid: str, prompt_ids: list[int], sampling: SamplingParams, mm: Sequence[MultimodalInput]
+    ) -> Seq:
+        if not prompt_ids:
+            raise EngineRequestError("the prompt is empty", "prompt")
+        if len(prompt_ids) + sampling.max_tokens > self.max_model_len:
+            raise EngineRequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
+                f"max_model_len={self.max_model_len}",
+                "max_tokens",
+            )
+        tok = self.tokenizer
+        try:
+            pads = [t for t in (tok.image_token_id, tok.video_token_id) if t is not None]
+            spans = media_spans(prompt_ids, pads, [m.ref.key for m in mm])
+        except MediaSpanError as e:
+            raise EngineRequestError(str(e), "multimodal") from e
+        hidden = self.model_config.hidden_size
+        for i, (span, item) in enumerate(zip(spans, mm, strict=True)):
+            rows, width = item.embedding.shape
+            want_pad = tok.video_token_id if item.ref.modality == "video" else tok.image_token_id
+            if prompt_ids[span.start] != want_pad:
+                raise EngineRequestError(
+                    f"placeholder run {i} at token {span.start} does not match modality {item.ref.modality!r}",
+                    f"multimodal[{i}]",
+                )
+            if rows != span.length:
+                raise EngineRequestError(
+                    f"placeholder run {i} has {span.length} tokens but the embedding has {rows} rows",
+                    f"multimodal[{i}]",
+                )
+            if width != hidden:
+                raise EngineRequestError(
+                    f"embedding hidden size {width} != model hidden size {hidden}", f"multimodal[{i}]"
+                )
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        return Seq(
+            seq_id=rid,
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            max_new_tokens=sampling.max_tokens,
+            stop_token_ids=frozenset(stop_ids),
+            media=spans,
+            mm_items=list(mm),
+        )
+
+    # ---- engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()  # a submit or abort after this point makes the wait below return
+            try:
+                busy = self._step()
+            except Exception:
+                # The scheduler's state can no longer be trusted for the requests it holds: end
+                # them all with an error rather than leave their clients waiting forever.
+                log.exception("engine step failed outside the forward; failing every request")
+                with self._lock:
+                    self._fail([r.seq for r in self._requests.values()])
+                busy = True
+            if not busy:
+                self._wake.wait(0.05)  # idle, or nothing fits in KV until a sequence finishes
+        with self._lock:
+            for rid in list(self._requests):
+                self.scheduler.abort(rid)
+                self._finish(self._requests[rid], "abort", [])
+
+    def _step(self) -> bool:
+        """Schedule, run and publish one step; False when there was nothing to run."""
+        with self._lock:
+            self._drain_aborts()
+            batch = self.scheduler.schedule() if self.scheduler.has_work() else None
+        if batch is None:
+            return False
+        try:
+            sampled = self.runner.execute(batch.seqs, batch.num_new_tokens)
+        except Exception:
+            log.exception("forward failed; failing the requests of the batch")
+            with self._lock:
+                self._fail(batch.seqs)
+            return True
+        with self._lock:
+            finished = self.scheduler.update(batch, sampled)
+            self._steps += 1
+            outs = self._publish(batch.seqs, sampled, finished)
+        deliver_outputs(outs)
+        return True
+
+    def _drain_aborts(self) -> None:
+        while self._aborts:
+            rid = self._aborts.popleft()
+            req = self._requests.get(rid)
+            if req is not None:
+                self.scheduler.abort(rid)
+                self._finish(req, "abort", [])
+
+    def _publish(
+        self, seqs: list[Seq], sampled: list[int | None], finished: list[Seq]
+    ) -> list[tuple[RequestState, StepOutput]]:
+        """Turn the step's sampled tokens into StepOutputs; finish sequences a stop string ended."""
+        done_ids = {id(s) for s in finished}
+        outs: list[tuple[RequestState, StepOutput]] = []
+        n_tokens = 0
+        for s, tok in zip(seqs, sampled, strict=True):
+            req = self._requests.get(str(s.seq_id))
+            if req is None or req.done or tok is None:
+                continue
+            n_tokens += 1
+            done = id(s) in done_ids
+            if req.add_token(tok, render=tok not in s.stop_token_ids, last=done):
+                if not done:
+                    self.scheduler.finish(s.seq_id, "stop")
+                outs.append((req, self._finish(req, "stop", [tok], deliver=False)))
+            elif done:
+                outs.append((req, self._finish(req, s.finish_reason or "stop", [tok], deliver=False)))
+            else:
+                outs.append((req, req.output([tok], finished=False, reason=None)))
+        self._meter.add(n_tokens)
+        return outs
+
+    def _finish(self, req: RequestState, reason: str, ids: list[int], deliver: bool = True) -> StepOutput:
+        self._requests.pop(str(req.seq.seq_id), None)
+        self.runner.release(req.seq.seq_id)
+        self._cached_tokens_total += req.seq.num_cached_tokens
+        out = req.output(ids, finished=True, reason=reason)
+        if deliver:
+            deliver_outputs([(req, out)])
+        return out
+
+    def _fail(self, seqs: list[Seq]) -> None:
+        for s in seqs:
+            req = self._requests.get(str(s.seq_id))
+            if req is not None:
+                with contextlib.suppress(Exception):  # best effort: the state may be inconsistent
+                    self.scheduler.abort(s.seq_id)
+                self._finish(req, "error", [])
+
+    # ---- observability -----------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """A snapshot for /health and /metrics (read without locks: values may be one step old)."""
+        full, swa = self.kv.full_pages, self.kv.swa_pages
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_full_usage=full.num_used / max(1, full.num_pages),
+            kv_swa_usage=swa.num_used / max(1, swa.num_pages),
+            generation_tokens_total=self._meter.total,
+            prompt_tokens_total=self._prompt_tokens_total,
+            cached_prompt_tokens_total=self._cached_tokens_total,
+            tokens_per_s=self._meter.rate(),
+            steps_total=self._steps,
+            max_waiting=self.config.max_waiting,
+        )
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        model_path: str | Path | None,
+        config: EngineConfig | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> LLMEngine:
+        """Load a checkpoint (None: the embedded default) with its tokenizer and build an engine."""
+        from llm_core.models.checkpoint import load_llm
+        from llm_core.prompts.tokenizer import load_tokenizer
+
+        loaded = load_llm(model_path, dtype=dtype, device=device)
+        tokenizer = load_tokenizer(loaded.model_dir)
+        return cls(loaded.model, loaded.config, tokenizer, config, device, dtype, loaded.positions)
+
+
+def _build_kv_and_scheduler(
+    cfg: DecoderConfig, ec: EngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype
+) -> tuple[DualKVCache, Scheduler]:
+    """KV pools sized from the byte budget, the KV manager over them and the scheduler."""
+    layout = KVLayout.from_model_config(cfg, dtype)
+    kv_cfg = KVCacheConfig(
+        memory_budget_bytes=ec.kv_memory_bytes,
+        page_size=ec.page_size,
+        swa_fraction=ec.swa_fraction,
+        # Split so that both pools run out together for sequences as long as the model allows.
+        balance_context_len=min(max_model_len, 8192),
+        # Room for one prefill chunk beyond the window in the SWA pool.
+        swa_headroom_tokens=min(ec.max_num_batched_tokens, max_model_len),
+    )
+    kv = DualKVCache.from_budget(layout, kv_cfg, dtype, device)
+    manager = KVManager(
+        kv.full_pages, kv.swa_pages, cfg.sliding_window, enable_prefix_cache=ec.enable_prefix_cache
+    )
+    sched_cfg = SchedulerConfig(
+        max_num_seqs=ec.max_num_seqs,
+        max_num_batched_tokens=ec.max_num_batched_tokens,
+        max_prefill_chunk=ec.max_prefill_chunk,
+        max_model_len=max_model_len,
+        max_waiting=ec.max_waiting,
+    )
+    return kv, Scheduler(sched_cfg, manager)

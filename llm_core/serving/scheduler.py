@@ -1,0 +1,285 @@
+"""Continuous-batching scheduler: decode first, then chunked prefill shared fairly by length bucket.
+
+One ``schedule()`` call plans one model step under a token budget:
+
+1. Every running decode sequence gets 1 token (oldest first). When KV runs out, the newest
+   running sequence not yet in this step is preempted by recompute (its KV goes back to the
+   prefix cache, it returns to the waiting queue with ``num_computed_tokens = 0``); if there is
+   none, the sequence itself waits a step. Never a crash.
+2. The rest of the budget goes to prefill, split max-min fairly between length buckets that have
+   prefill work (waiting_queue.py). Within a bucket, sequences already prefilling continue first,
+   then waiting ones are admitted in priority order (cache hit, uncached tokens, waiting time).
+   A chunk is cut to the bucket's share, ``max_prefill_chunk`` and what the pools can hold; it
+   may be smaller than the window. Admission never preempts.
+
+``update()`` commits the step (KV manager frees SWA pages that left the window), appends sampled
+tokens and finishes sequences on a stop token or length. The scheduler owns the waiting queue
+and the KV manager's policy calls; it knows nothing of tensors, sampling or tokenization.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from llm_core.caches.kv_manager import KVManager
+from llm_core.caches.kv_pool import swa_pages_per_sequence
+from llm_core.serving.sequence import Sequence, SequenceStatus
+from llm_core.serving.waiting_queue import PriorityWeights, WaitingQueue, fair_split
+
+
+class SchedulerError(Exception):
+    """A request the scheduler refuses; ``status`` is the HTTP status the server maps it to."""
+
+    status = 400
+
+
+class RequestTooLarge(SchedulerError):
+    """The request can never fit: over the model length or the KV pools (400)."""
+
+
+class QueueFull(SchedulerError):
+    """The waiting queue is at capacity; retry later (503)."""
+
+    status = 503
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192  # tokens computed per step, decode + prefill
+    max_prefill_chunk: int | None = None  # per-sequence cap on one step's prefill chunk
+    max_model_len: int = 1 << 20
+    max_waiting: int = 4096
+    bucket_bounds: tuple[int, ...] = (64 * 1024, 256 * 1024, 1024 * 1024)
+    hit_weight: float = 0.5
+    wait_tokens_per_s: float = 1024.0
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError(f"need max_num_seqs >= 1 and max_num_batched_tokens >= 1: {self}")
+        if not self.bucket_bounds or list(self.bucket_bounds) != sorted(self.bucket_bounds):
+            raise ValueError(f"bucket_bounds must be non-empty and ascending: {self.bucket_bounds}")
+
+
+class ScheduledBatch(NamedTuple):
+    """One step: compute tokens [num_computed, num_computed + num_new_tokens[i]) of ``seqs[i]``."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVManager, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.clock = clock
+        self.waiting = WaitingQueue(
+            config.bucket_bounds, PriorityWeights(config.hit_weight, config.wait_tokens_per_s)
+        )
+        self.running: list[Sequence] = []  # admission order: oldest first
+        self._by_id: dict[int | str, Sequence] = {}
+        self._rr = 0
+        self.num_preemptions = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; RequestTooLarge if it can never run, QueueFull when saturated."""
+        total = seq.num_tokens + seq.max_new_tokens
+        if total > self.config.max_model_len:
+            raise RequestTooLarge(
+                f"request {seq.seq_id!r}: {seq.num_tokens} prompt + {seq.max_new_tokens} new tokens "
+                f"exceed max_model_len {self.config.max_model_len}"
+            )
+        p = self.kv.page_size
+        full_need = math.ceil(total / p)
+        swa_need = (
+            full_need
+            if not self.kv.swa_aware
+            else min(full_need, swa_pages_per_sequence(self.kv.sliding_window, p))
+        )
+        if full_need > self.kv.full_pool.num_pages or swa_need > self.kv.swa_pool.num_pages:
+            raise RequestTooLarge(
+                f"request {seq.seq_id!r}: needs {full_need} full and {swa_need} SWA KV pages, the pools "
+                f"hold {self.kv.full_pool.num_pages} and {self.kv.swa_pool.num_pages}"
+            )
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFull(f"waiting queue is full ({self.config.max_waiting} requests)")
+        if seq.seq_id in self._by_id:
+            raise SchedulerError(f"duplicate sequence id {seq.seq_id!r}")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.add(seq)
+        self._by_id[seq.seq_id] = seq
+
+    def has_work(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def abort(self, seq_id: int | str) -> Sequence | None:
+        """Cancel a sequence wherever it is; its KV is released. None when unknown or done."""
+        return self._stop(seq_id, SequenceStatus.ABORTED, "abort")
+
+    def finish(self, seq_id: int | str, reason: str = "stop") -> Sequence | None:
+        """Finish a sequence the engine decided to stop (e.g. a stop string matched)."""
+        return self._stop(seq_id, SequenceStatus.FINISHED, reason)
+
+    def _stop(self, seq_id: int | str, status: SequenceStatus, reason: str) -> Sequence | None:
+        seq = self._by_id.pop(seq_id, None)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.kv.release(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = status
+        seq.finish_reason = reason
+        return seq
+
+    # ---- planning ------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        """Plan one step (pages allocated); None when there is nothing to compute."""
+        budget = self.config.max_num_batched_tokens
+        plan: dict[int, int] = {}  # id(seq) -> tokens this step
+        seqs: list[Sequence] = []
+
+        def take(seq: Sequence, n: int) -> None:
+            plan[id(seq)] = n
+            seqs.append(seq)
+
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.in_prefill or seq.status is not SequenceStatus.RUNNING:
+                continue
+            if self._allocate_or_preempt(seq, 1, plan):
+                take(seq, 1)
+                budget -= 1
+
+        by_bucket = [self._prefill_demand(b, plan) for b in range(self.waiting.num_buckets)]
+        grants = fair_split(by_bucket, budget, start=self._rr)
+        self._rr += 1
+        for b, grant in enumerate(grants):
+            if grant:
+                self._fill_bucket(b, grant, plan, take)
+        if not seqs:
+            return None
+        return ScheduledBatch(seqs, [plan[id(s)] for s in seqs])
+
+    def _prefill_demand(self, b: int, plan: dict[int, int]) -> int:
+        running = sum(
+            s.num_uncomputed_tokens
+            for s in self.running
+            if s.in_prefill and id(s) not in plan and self.waiting.bucket_of(s.num_tokens) == b
+        )
+        return running + sum(s.num_uncomputed_tokens for s in self.waiting.bucket(b))
+
+    def _chunk_cap(self) -> int:
+        return self.config.max_prefill_chunk or self.config.max_num_batched_tokens
+
+    def _fill_bucket(
+        self, b: int, grant: int, plan: dict[int, int], take: Callable[[Sequence, int], None]
+    ) -> None:
+        left = grant
+        for seq in list(self.running):
+            if left == 0:
+                return
+            if not seq.in_prefill or id(seq) in plan or self.waiting.bucket_of(seq.num_tokens) != b:
+                continue
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = self._fit(seq, min(seq.num_uncomputed_tokens, left, self._chunk_cap()))
+            if n == 0:
+                if not self._allocate_or_preempt(seq, 1, plan):
+                    continue  # wait a step; planned sequences will free KV as they finish
+                n = 1
+            else:
+                ok = self.kv.allocate(seq, n)  # _fit() checked it fits
+                assert ok
+            take(seq, n)
+            left -= n
+        if left == 0 or len(self.running) >= self.config.max_num_seqs or not self.waiting.bucket(b):
+            return
+        now = self.clock()
+        for seq in self.waiting.ordered(b, now, self.kv.peek_prefix):
+            if left == 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            self.kv.match_prefix(seq)
+            n = self._fit(seq, min(seq.num_uncomputed_tokens, left, self._chunk_cap()))
+            if n == 0:
+                self.kv.release(seq, cache=False)
+                seq.num_computed_tokens = 0
+                seq.num_cached_tokens = 0
+                return  # KV is full: admit nothing more this step (admission never preempts)
+            ok = self.kv.allocate(seq, n)
+            assert ok
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            take(seq, n)
+            left -= n
+
+    def _fit(self, seq: Sequence, n: int) -> int:
+        """Largest chunk <= ``n`` whose pages the pools can provide (halving), 0 if not even 1 token."""
+        n = max(n, 1)
+        while n > 1 and not self.kv.can_allocate(seq, n):
+            n //= 2
+        return n if self.kv.can_allocate(seq, n) else 0
+
+    def _allocate_or_preempt(self, seq: Sequence, n: int, plan: dict[int, int]) -> bool:
+        """Allocate ``n`` tokens for a running ``seq``, preempting newer unplanned sequences if needed."""
+        while not self.kv.allocate(seq, n):
+            newer = self.running[self.running.index(seq) + 1 :]
+            victim = next((s for s in reversed(newer) if id(s) not in plan), None)
+            if victim is None:
+                return False
+            self._preempt(victim)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: KV back to the prefix cache, progress reset, back in the waiting queue."""
+        self.running.remove(seq)
+        self.kv.release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.add(seq)
+        self.num_preemptions += 1
+
+    # ---- results -------------------------------------------------------------------------
+    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+        """Commit a computed step; ``sampled[i]`` is the token sampled for ``seqs[i]`` (None mid-prefill).
+
+        Returns the sequences that finished in this step (their KV already released).
+        """
+        finished: list[Sequence] = []
+        for seq, n, tok in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            self.kv.commit(seq, n)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk: no token yet
+            assert tok is not None, f"seq {seq.seq_id}: step completed its tokens but no token was sampled"
+            seq.output_ids.append(tok)
+            reason = None
+            if tok in seq.stop_token_ids:
+                reason = "stop"
+            elif len(seq.output_ids) >= seq.max_new_tokens or seq.num_tokens >= self.config.max_model_len:
+                reason = "length"
+            if reason is not None:
+                self._stop(seq.seq_id, SequenceStatus.FINISHED, reason)
+                finished.append(seq)
+        return finished
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

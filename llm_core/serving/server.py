@@ -1,0 +1,251 @@
+"""The LLM engine process: an OpenAI-compatible completions server over ``LLMEngine``.
+
+Routes:
+    POST /v1/completions   prompt (text or token ids) -> completion, JSON or SSE (``stream``)
+    GET  /v1/models        the one served model
+    GET  /health           {"status": "ok", running/waiting counts, KV usage, ..., "paths": what runs
+                           the layers, "fallbacks": stand-ins in use and why}
+    GET  /metrics          prometheus text
+
+Every request error is answered before the first byte of a stream goes out, as JSON
+``{"error": {"type", "message", "param"}}`` with its status (400 bad field, 503 + Retry-After
+when the engine's waiting queue is full). A client that disconnects aborts its request, which
+frees its KV pages at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from epd_common.active_paths import report
+from epd_common.errors import APIError, bad_request, error_body, error_response, overloaded
+from llm_core.kernels.active_paths import llm_paths
+from llm_core.serving.completion_request import (
+    CompletionRequest,
+    chunk_body,
+    completion_body,
+    parse_completion_request,
+    usage,
+)
+from llm_core.serving.embedding_source import EmbeddingSource
+from llm_core.serving.engine import EngineOverloaded, EngineRequestError, LLMEngine, RequestStream
+from llm_core.serving.server_config import LLMServerConfig
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class _Metrics:
+    """Prometheus view of ``LLMEngine.stats()``, refreshed on each scrape."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("epd_llm_requests", "Completion requests by status", ["status"], registry=r)
+        self.running = Gauge("epd_llm_running_requests", "Requests being decoded", registry=r)
+        self.waiting = Gauge("epd_llm_waiting_requests", "Requests waiting for admission", registry=r)
+        self.kv_usage = Gauge("epd_llm_kv_usage", "KV pool usage (0..1)", ["pool"], registry=r)
+        self.tokens_per_s = Gauge("epd_llm_generation_tokens_per_second", "Recent output rate", registry=r)
+        self.gen_tokens = Gauge("epd_llm_generation_tokens_total", "Generated tokens", registry=r)
+        self.prompt_tokens = Gauge("epd_llm_prompt_tokens_total", "Prompt tokens received", registry=r)
+        self.cached_tokens = Gauge(
+            "epd_llm_cached_prompt_tokens_total", "Prompt tokens served by the prefix cache", registry=r
+        )
+
+    def render(self, engine: LLMEngine) -> bytes:
+        s = engine.stats()
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.kv_usage.labels(pool="full").set(s.kv_full_usage)
+        self.kv_usage.labels(pool="swa").set(s.kv_swa_usage)
+        self.tokens_per_s.set(s.tokens_per_s)
+        self.gen_tokens.set(s.generation_tokens_total)
+        self.prompt_tokens.set(s.prompt_tokens_total)
+        self.cached_tokens.set(s.cached_prompt_tokens_total)
+        return generate_latest(self.registry)
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+def create_app(
+    engine: LLMEngine,
+    config: LLMServerConfig | None = None,
+    embeddings: EmbeddingSource | None = None,
+) -> Starlette:
+    """The starlette app over a constructed engine (started on app startup, stopped on shutdown)."""
+    config = config or LLMServerConfig()
+    metrics = _Metrics()
+    model_name = config.served_model_name
+    paths = report(llm_paths(engine.device, engine.dtype))  # fixed once the process has started
+
+    def guarded(fn: Handler) -> Handler:
+        async def handler(request: Request) -> Response:
+            try:
+                resp = await fn(request)
+            except Exception as exc:
+                if not isinstance(exc, APIError):
+                    log.exception("unhandled error in %s", request.url.path)
+                resp = error_response(exc)
+            metrics.requests.labels(status=str(resp.status_code)).inc()
+            return resp
+
+        return handler
+
+    async def read_request(request: Request) -> CompletionRequest:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad_request(f"the body is not valid JSON: {e}", None) from e
+        return parse_completion_request(
+            body, engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size
+        )
+
+    async def submit(req: CompletionRequest) -> RequestStream:
+        mm = []
+        if req.refs:
+            if embeddings is None:
+                raise bad_request("this engine has no embedding source for multimodal requests", "multimodal")
+            mm = await embeddings.resolve(req.refs)
+        try:
+            return engine.submit(req.prompt_ids, req.sampling, mm, request_id=req.request_id)
+        except EngineRequestError as e:
+            raise bad_request(str(e), e.param) from e
+        except EngineOverloaded as e:
+            raise overloaded(str(e), retry_after_s=e.retry_after_s) from e
+
+    async def completions(request: Request) -> Response:
+        req = await read_request(request)
+        stream = await submit(req)
+        if req.stream:
+            return StreamingResponse(
+                _events(req, stream), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        return await _collect(req, stream, request)
+
+    async def _collect(req: CompletionRequest, stream: RequestStream, request: Request) -> Response:
+        """Wait for the whole completion; abort it if the client goes away meanwhile."""
+        text: list[str] = []
+        ids: list[int] = []
+        reason: str | None = None
+
+        async def consume() -> None:
+            nonlocal reason
+            async for out in stream:
+                text.append(out.text)
+                ids.extend(out.token_ids)
+                reason = out.finish_reason
+
+        task = asyncio.ensure_future(consume())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.5)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    stream.close()
+                    return Response(status_code=499)
+            task.result()
+        finally:
+            stream.close()
+        if reason == "error":
+            raise APIError(500, "the engine failed while running this request", type="internal_error")
+        return JSONResponse(completion_body(req, model_name, "".join(text), ids, reason))
+
+    async def _events(req: CompletionRequest, stream: RequestStream) -> AsyncIterator[bytes]:
+        first = True
+        n_out = 0
+        try:
+            async for out in stream:
+                n_out = out.num_output_tokens
+                if out.finish_reason == "error":
+                    yield _sse(error_body(500, "internal_error", "the engine failed on this request", None))
+                    break
+                if out.text or out.finished or req.return_token_ids:
+                    yield _sse(chunk_body(req, model_name, out.text, out.token_ids, out.finish_reason, first))
+                    first = False
+            if req.include_usage:
+                final = chunk_body(req, model_name, "", [], None, False)
+                final["choices"] = []
+                final["usage"] = usage(len(req.prompt_ids), n_out)
+                yield _sse(final)
+            yield b"data: [DONE]\n\n"
+        finally:
+            stream.close()  # no-op when finished; aborts on disconnect (generator closed early)
+
+    async def models(request: Request) -> Response:
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model_name,
+                        "object": "model",
+                        "owned_by": "epd",
+                        "max_model_len": engine.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    async def health(request: Request) -> Response:
+        s = engine.stats()
+        return JSONResponse({"status": "ok", "model": model_name, **s._asdict(), **paths})
+
+    async def metrics_route(request: Request) -> Response:
+        return Response(metrics.render(engine), media_type="text/plain; version=0.0.4")
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+            if embeddings is not None:
+                await embeddings.close()
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", guarded(completions), methods=["POST"]),
+            Route("/v1/models", guarded(models), methods=["GET"]),
+            Route("/health", guarded(health), methods=["GET"]),
+            Route("/metrics", guarded(metrics_route), methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+
+
+def build_app(config: LLMServerConfig) -> Starlette:
+    """Load the checkpoint named by ``config`` and wire engine, embedding source and app."""
+    device = config.resolve_device()
+    engine = LLMEngine.from_checkpoint(config.model_path, config.engine, device, config.torch_dtype)
+    embeddings = EmbeddingSource.open(
+        config.cache_namespace, engine.model_config.hidden_size, config.fetch_timeout_s
+    )
+    return create_app(engine, config, embeddings)
+
+
+def serve_llm(config: LLMServerConfig) -> None:
+    """Run the engine process until interrupted (``epd llm``)."""
+    import torch
+    import uvicorn
+
+    if config.torch_threads is not None:
+        torch.set_num_threads(config.torch_threads)  # the process's own: the engine thread reads it
+    app = build_app(config)
+    if config.uds:
+        uvicorn.run(app, uds=config.uds, log_level=config.log_level)
+    else:
+        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)

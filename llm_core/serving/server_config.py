@@ -1,0 +1,78 @@
+"""Configuration of the LLM engine process (``epd llm``): frozen dataclasses, one per concern.
+
+``EngineConfig`` is what the engine itself needs (KV budget, batching limits, queue bound);
+``LLMServerConfig`` adds where to listen, which checkpoint to load and where to read embeddings.
+The CLI maps its flags onto these fields in one place (``epd/llm_cmd.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from epd_common.runtime import check_dtype, resolve_device, resolve_dtype
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Limits of one engine instance.
+
+    ``max_num_batched_tokens`` bounds the tokens of one forward (prefill is chunked to fit);
+    ``max_num_seqs`` the sequences decoded together; ``max_waiting`` the requests queued before the
+    server answers 503. ``kv_memory_bytes`` is split into the full and SWA pools.
+    """
+
+    kv_memory_bytes: int = 64 * 1024 * 1024
+    page_size: int = 16
+    swa_fraction: float | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: int | None = None  # per-sequence cap on one step's prefill chunk
+    max_waiting: int = 256
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    enable_prefix_cache: bool = True
+    seed: int | None = None  # of the shared generator used by unseeded sampled requests
+
+    def __post_init__(self) -> None:
+        for name in ("kv_memory_bytes", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class LLMServerConfig:
+    """Everything ``serve_llm`` needs. ``uds`` (a unix socket path) wins over host/port."""
+
+    host: str = "127.0.0.1"
+    port: int = 8002
+    uds: str | None = None
+    model_path: str | None = None  # None: the embedded default checkpoint
+    served_model_name: str = "epd-llm"
+    dtype: str = "auto"  # "auto": the checkpoint's (config.json), float32 for the embedded default
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    cache_namespace: str = "default"  # node embedding cache to read multimodal embeddings from
+    fetch_timeout_s: float = 30.0  # for embeddings fetched from a remote encoder's URL
+    log_level: str = "warning"
+    # torch intra-op threads of the engine process: torch ops, BLAS and the CPU decoder-layer
+    # kernel (llm_core.kernels.cpu_layer); None: torch's default (one per core)
+    torch_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        check_dtype("LLMServerConfig.dtype", self.dtype)
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"LLMServerConfig.torch_threads must be >= 1, got {self.torch_threads}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The compute dtype: ``dtype``, or with "auto" the checkpoint's (``resolve_dtype``)."""
+        return resolve_dtype(self.dtype, self.model_path)
+
+    def resolve_device(self) -> torch.device:
+        return resolve_device(self.device)
+
+    @property
+    def model_dir(self) -> Path | None:
+        return None if self.model_path is None else Path(self.model_path)

@@ -1,0 +1,241 @@
+"""The encoder worker served by uvicorn on a unix socket: encode, cache hits, errors, reads, health."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+import uvicorn
+from PIL import Image
+from safetensors.torch import load as load_safetensors
+
+from bench.video_factory import make_clip
+from encoder.caches.embed_cache import EmbedCache
+from encoder.caches.media_key import media_key
+from encoder.models.checkpoint import load_encoder, random_encoder, save_vision_checkpoint
+from encoder.models.config import VisionConfig
+from encoder.serving.worker import WorkerConfig, plan_workers
+from encoder.serving.worker_app import build_app, serving_fingerprint
+from media_io.config import MediaLimits
+from media_io.image import decode_image
+from media_io.preprocess import get_backend
+from media_io.video import decode_video
+
+CFG = VisionConfig(
+    depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=16,
+    window_size=56, fullatt_block_indexes=(1,),
+)  # fmt: skip
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    base = np.linspace(0, 255, width, dtype=np.float32)[None, :, None] * np.ones((height, 1, 3), np.float32)
+    pixels = np.clip(base + rng.normal(0, 20, (height, width, 3)), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+class Served:
+    def __init__(self, config: WorkerConfig, sock: str) -> None:
+        self.config = config
+        self.sock = sock
+
+    def request(
+        self, method: str, path: str, data: bytes | None = None, **params: str
+    ) -> tuple[int, Any, dict]:
+        async def go() -> tuple[int, Any, dict]:
+            async with (
+                aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self.sock)) as s,
+                s.request(method, f"http://worker{path}", data=data, params=params) as r,
+            ):
+                body = await r.read()
+                ctype = r.headers.get("content-type", "")
+                return r.status, json.loads(body) if "json" in ctype else body, dict(r.headers)
+
+        return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("worker")
+    save_vision_checkpoint(random_encoder(CFG, seed=21), root / "ckpt")
+    sock = str(root / "w.sock")
+    config = WorkerConfig(
+        uds=sock,
+        model_path=str(root / "ckpt"),
+        cache_root=str(root / "cache"),
+        cache_namespace="test",
+        public_url="http://encoder-7:8001",
+        max_wait_ms=20.0,
+        patch_budget=4096,
+        limits=MediaLimits(max_bytes=1 << 20),
+    )
+    server = uvicorn.Server(uvicorn.Config(build_app(config), uds=sock, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "worker did not start"
+        time.sleep(0.02)
+    yield Served(config, sock)
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def direct_embedding(served: Served, patches: Any) -> torch.Tensor:
+    model = load_encoder(served.config.model_path).model
+    with torch.inference_mode():
+        return model(patches.pixel_values, torch.tensor([patches.grid_thw]))
+
+
+def test_image_miss_then_hit_matches_direct_pipeline(served: Served) -> None:
+    data = png(168, 112, seed=1)
+    status, body, _ = served.request("POST", "/encode", data, modality="image", item="photo.png")
+    assert status == 200, body
+    ref = body["ref"]
+    fingerprint = serving_fingerprint(load_encoder(served.config.model_path).fingerprint, "cpu")
+    assert ref["key"] == media_key(data, "image", served.config.preprocess, fingerprint)
+    assert ref["grid_thw"] == [[1, 8, 12]] and ref["shape"] == [24, 16] and ref["modality"] == "image"
+    assert ref["url"] == f"http://encoder-7:8001/embeddings/{ref['key']}"
+    assert body["cache_hit"] is False
+    assert set(body["timings_ms"]) == {"decode", "preprocess", "queue", "forward"}
+    assert body["timings_ms"]["forward"] > 0
+
+    status, again, _ = served.request("POST", "/encode", data)  # modality sniffed
+    assert status == 200 and again["cache_hit"] is True and again["ref"] == ref
+
+    cache = EmbedCache("test", root=served.config.cache_root)
+    cached = cache.get(ref["key"])
+    assert cached is not None and cached.ref.grid_thw == ((1, 8, 12),)
+    patches = get_backend("cpu").image(decode_image(data))
+    expected = direct_embedding(served, patches)
+    torch.testing.assert_close(cached.tensor, expected, rtol=1e-5, atol=1e-6)
+
+    status, raw, _ = served.request("GET", f"/embeddings/{ref['key']}")
+    assert status == 200
+    torch.testing.assert_close(load_safetensors(raw)["embedding"], cached.tensor, rtol=0, atol=0)
+
+
+def test_video_item(served: Served) -> None:
+    data = make_clip(width=64, height=48, fps=4.0, seconds=2.0)
+    status, body, _ = served.request("POST", "/encode", data, modality="video", item="clip.mp4")
+    assert status == 200, body
+    t, h, w = body["ref"]["grid_thw"][0]
+    assert t >= 2 and body["ref"]["modality"] == "video" and body["ref"]["shape"] == [t * h * w // 4, 16]
+    frames = decode_video(data, served.config.preprocess, workers=1)
+    expected = direct_embedding(served, get_backend("cpu").video(frames.frames))
+    cached = EmbedCache("test", root=served.config.cache_root).get(body["ref"]["key"])
+    assert cached is not None
+    torch.testing.assert_close(cached.tensor, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_concurrent_items_batch_and_stay_correct(served: Served) -> None:
+    items = [png(112 + 28 * i, 84, seed=10 + i) for i in range(4)]
+
+    async def go() -> list[dict]:
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=served.sock)) as s:
+
+            async def one(i: int, data: bytes) -> dict:
+                async with s.post("http://worker/encode", data=data, params={"item": f"img{i}"}) as r:
+                    assert r.status == 200
+                    return await r.json()
+
+            return await asyncio.gather(*(one(i, d) for i, d in enumerate(items)))
+
+    bodies = asyncio.run(go())
+    cache = EmbedCache("test", root=served.config.cache_root)
+    for data, body in zip(items, bodies, strict=True):
+        expected = direct_embedding(served, get_backend("cpu").image(decode_image(data)))
+        cached = cache.get(body["ref"]["key"])
+        assert cached is not None
+        torch.testing.assert_close(cached.tensor, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("data", "params", "status", "kind", "text"),
+    [
+        (b"<!doctype html><html>nope</html>", {"item": "page.html"}, 415, "unsupported_media_type", ""),
+        (b"", {"item": "empty"}, 400, "bad_media", "empty"),
+        (b"\x89PNG\r\n\x1a\n" + b"\x00" * 64, {"item": "trunc.png"}, 400, "bad_media", ""),
+        (b"\x89PNG\r\n\x1a\n", {"item": "x", "modality": "video"}, 400, "bad_media", "sent as video"),
+        (b"\x89PNG\r\n\x1a\n", {"item": "x", "modality": "audio"}, 400, "invalid_request", "modality"),
+    ],
+)
+def test_bad_media_fails_alone_with_named_error(
+    served: Served, data: bytes, params: dict, status: int, kind: str, text: str
+) -> None:
+    got, body, _ = served.request("POST", "/encode", data, **params)
+    assert got == status, body
+    assert body["error"]["type"] == kind
+    assert text in body["error"]["message"]
+    assert body["error"]["param"] in (params.get("item"), "modality")
+    ok, _, _ = served.request("POST", "/encode", png(56, 56, seed=99))  # the worker still serves
+    assert ok == 200
+
+
+def test_oversized_body_refused(served: Served) -> None:
+    status, body, _ = served.request(
+        "POST", "/encode", b"\x89PNG\r\n\x1a\n" + bytes(2 << 20), item="huge.png"
+    )
+    assert status == 413 and body["error"]["type"] == "media_too_large"
+    assert str(2 << 20) in body["error"]["message"] or "exceeds" in body["error"]["message"]
+
+
+def test_embeddings_route_errors(served: Served) -> None:
+    status, body, _ = served.request("GET", "/embeddings/" + "0" * 64)
+    assert status == 404 and body["error"]["type"] == "not_found"
+    status, body, _ = served.request("GET", "/embeddings/bad.key")
+    assert status == 400 and body["error"]["param"] == "key"
+
+
+def test_health_and_metrics(served: Served) -> None:
+    status, health, _ = served.request("GET", "/health")
+    assert status == 200 and health["status"] == "ok"
+    assert health["fingerprint"] == serving_fingerprint(
+        load_encoder(served.config.model_path).fingerprint, "cpu"
+    )
+    assert health["queue_depth"] == 0 and health["out_hidden_size"] == 16
+    served.request("POST", "/encode", png(56, 84, seed=5))
+    status, text, _ = served.request("GET", "/metrics")
+    assert status == 200
+    metrics = text.decode()
+    assert 'epd_encoder_requests_total{outcome="miss"}' in metrics
+    assert 'epd_encoder_stage_seconds_bucket{le="0.001",stage="forward"}' in metrics
+
+
+def test_plan_workers_divides_cpu_cores() -> None:
+    base = WorkerConfig(port=9000, device="cpu")
+    plans = plan_workers(base, cpu_workers=2)
+    assert [p.port for p in plans] == [9000, 9001]
+    assert all(p.torch_threads and p.torch_threads >= 1 for p in plans)
+    assert all(p.forward_streams and p.forward_streams >= 1 for p in plans)
+    socks = plan_workers(WorkerConfig(uds="/tmp/w.sock", device="cpu"), cpu_workers=2)
+    assert [p.uds for p in socks] == ["/tmp/w.sock.0", "/tmp/w.sock.1"]
+    with pytest.raises(ValueError, match="dtype"):
+        WorkerConfig(dtype="int8")
+
+
+def test_plan_workers_cpu_spends_cores_on_single_threaded_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("encoder.serving.worker.usable_cores", lambda: 8)
+    (one,) = plan_workers(WorkerConfig(device="cpu"))
+    assert (one.forward_streams, one.torch_threads) == (8, 1)
+    halves = plan_workers(WorkerConfig(device="cpu"), cpu_workers=2)
+    assert [(p.forward_streams, p.torch_threads) for p in halves] == [(4, 1), (4, 1)]
+    (wide,) = plan_workers(WorkerConfig(device="cpu", torch_threads=4))
+    assert (wide.forward_streams, wide.torch_threads) == (2, 4)
+    (fixed,) = plan_workers(WorkerConfig(device="cpu", forward_streams=2))
+    assert (fixed.forward_streams, fixed.torch_threads) == (2, 4)
+    assert WorkerConfig(device="cpu").batch_budget() == 4096
+    assert WorkerConfig(device="cpu", patch_budget=100).batch_budget() == 100
+    with pytest.raises(ValueError, match="forward_streams"):
+        WorkerConfig(forward_streams=0)

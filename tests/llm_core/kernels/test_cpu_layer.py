@@ -1,0 +1,224 @@
+"""The one-call CPU decoder layer (``cpu_layer`` / ``_decoder_layer.c``) against the module path.
+
+Each layer of the tiny checkpoint's model runs both ways on the same input and a copy of the same
+pools: the MoE layers must give the same bits (same kernels, same BLAS call), the dense first layer
+the same to float32 rounding (its activation is the C SwiGLU, not torch's silu), and both must
+store the same KV. Then the whole paged forward both ways, when the model falls back to its
+modules, and the errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm_core.caches.kv_pool import DualKVCache
+from llm_core.kernels import cpu_layer
+from llm_core.kernels.attention_batch import AttentionBatch, build_attention_batch
+from llm_core.models.checkpoint import LoadedLLM
+from llm_core.models.config import DecoderConfig
+from llm_core.models.decoder import DecoderForCausalLM
+from llm_core.models.moe import SparseMoE
+from tests.llm_core.models.test_decoder import (
+    PAGE,
+    PagedSeq,
+    free_lists,
+    make_kv,
+    model_with_qkv_bias,
+    prompt,
+    rel_err,
+    step,
+)
+
+pytestmark = pytest.mark.skipif(
+    not cpu_layer.AVAILABLE, reason="llm_core.kernels._decoder_layer is not built"
+)
+
+
+def zeroed_kv(config: DecoderConfig, num_pages: int) -> DualKVCache:
+    kv = make_kv(config, num_pages)  # NaN-poisoned; zero it so that pools compare with torch.equal
+    for i in range(kv.num_layers):
+        kv.layer(i).k.zero_()
+        kv.layer(i).v.zero_()
+    return kv
+
+
+def prefill_then_decode_batch(lens: list[int], news: list[int]) -> AttentionBatch:
+    """Two sequences, pages from shuffled free lists (a decode step after a prefill when news < lens)."""
+    full, swa = free_lists(16, seed=3)
+    pages = [[full.pop() for _ in range(-(-n // PAGE))] for n in lens]
+    swa_pages: list[list[int | None]] = [[swa.pop() for _ in range(-(-n // PAGE))] for n in lens]
+    return build_attention_batch(lens, news, pages, swa_pages, PAGE)
+
+
+def run_layer_both_ways(
+    model: DecoderForCausalLM, i: int, batch: AttentionBatch, seed: int
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(x, residual, k pool, v pool) after layer i through the modules and through the kernel."""
+    layer, config = model.model.layers[i], model.config
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch.num_tokens, config.hidden_size, generator=g)
+    residual = torch.randn(batch.num_tokens, config.hidden_size, generator=g)
+    positions = batch.positions()
+    first = i == 0
+    kv_modules, kv_kernel = zeroed_kv(config, 16), zeroed_kv(config, 16)
+    out, res = layer(x, None if first else residual, positions, batch, kv_modules, {}, "cpu")
+    weights = layer.kernel_weights()
+    assert weights is not None
+    xk, rk = x.clone(), residual.clone()
+    cos, sin = layer.self_attn._cos_sin(positions, torch.float32, {})
+    cpu_layer.decoder_layer_cpu(
+        weights, cpu_layer.StepArgs(batch), kv_kernel.layer(i), cos, sin, xk, rk, first
+    )
+    return (
+        (out, res, kv_modules.layer(i).k, kv_modules.layer(i).v),
+        (xk, rk, kv_kernel.layer(i).k, kv_kernel.layer(i).v),
+    )
+
+
+def test_each_layer_equals_the_modules_in_prefill(loaded: LoadedLLM) -> None:
+    """More rows than PACKED_MAX_ROWS: every projection goes through torch's sgemm, as in the modules."""
+    batch = prefill_then_decode_batch([40, 33], [40, 33])
+    assert batch.num_tokens > cpu_layer.PACKED_MAX_ROWS
+    for i, layer in enumerate(loaded.model.model.layers):
+        (out, res, k, v), (xk, rk, kk, vk) = run_layer_both_ways(loaded.model, i, batch, seed=i)
+        assert torch.equal(rk, res), f"layer {i}: residual"
+        assert torch.equal(kk, k) and torch.equal(vk, v), f"layer {i}: stored KV"
+        if isinstance(layer.mlp, SparseMoE):
+            assert torch.equal(xk, out), f"layer {i}: MoE output"
+        else:
+            assert rel_err(xk, out) <= 1e-6, f"layer {i}: dense MLP output"
+
+
+def test_each_layer_equals_the_modules_in_decode(loaded: LoadedLLM) -> None:
+    """A decode step: the projections multiply by the strip-packed copies (their own summation
+    order), so everything agrees to float32 rounding."""
+    batch = prefill_then_decode_batch([40, 33], [1, 1])
+    for i in range(len(loaded.model.model.layers)):
+        (out, res, k, v), (xk, rk, kk, vk) = run_layer_both_ways(loaded.model, i, batch, seed=i)
+        for name, a, b in (("residual", rk, res), ("output", xk, out), ("k", kk, k), ("v", vk, v)):
+            assert rel_err(a, b) <= 1e-6, f"layer {i}: {name}"
+
+
+@pytest.mark.parametrize(("lens", "news"), [([40, 33, 21], [40, 33, 21]), ([40, 33, 21], [1, 1, 1])])
+def test_threads_give_the_same_bits(loaded: LoadedLLM, lens: list[int], news: list[int]) -> None:
+    """Attention split by sequence, experts by expert, projections by strip: 3 threads = 1 thread."""
+    batch = prefill_then_decode_batch(lens, news)
+    layers = loaded.model.model.decoder_layers()
+    outs = []
+    try:
+        for threads in (1, 3):
+            assert cpu_layer.set_threads(threads) == threads
+            outs.append([run_layer_both_ways(loaded.model, i, batch, seed=i)[1] for i in range(len(layers))])
+    finally:
+        cpu_layer.set_threads(1)
+    for i, (one, three) in enumerate(zip(*outs, strict=True)):
+        for a, b in zip(one, three, strict=True):
+            assert torch.equal(a, b), f"layer {i}"
+
+
+def test_thread_counts_change_between_calls(loaded: LoadedLLM) -> None:
+    """Many short regions while the thread count changes call to call (workers created on first
+    need must join the very next region): the same results every time, and no call hangs."""
+    batch = prefill_then_decode_batch([40, 33, 21], [1, 1, 1])
+    try:
+        cpu_layer.set_threads(1)
+        want = run_layer_both_ways(loaded.model, 3, batch, seed=9)[1]
+        for i in range(60):
+            cpu_layer.set_threads(1 + i % 4)
+            got = run_layer_both_ways(loaded.model, 3, batch, seed=9)[1]
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), i
+    finally:
+        cpu_layer.set_threads(1)
+
+
+def test_packed_strips_are_the_weight_by_column_blocks() -> None:
+    w = torch.randn(5, 48)
+    packed = torch.from_numpy(cpu_layer.pack_strips(w))  # type: ignore[arg-type]
+    assert packed.shape == (3, 5, 16)
+    assert torch.equal(torch.cat(list(packed), dim=1), w)
+    assert cpu_layer.pack_strips(torch.randn(5, 40)) == b""  # not whole strips: no copy
+
+
+def test_layer_with_qkv_bias_equals_the_modules(tiny_mimo_dir: Path) -> None:
+    """Attention biases (which the tiny checkpoint lacks) are added like torch's linear adds them."""
+    model = model_with_qkv_bias(tiny_mimo_dir, seed=31)
+    batch = prefill_then_decode_batch([40, 33], [40, 33])  # BLAS: the modules' bits
+    (out, res, k, v), (xk, rk, kk, vk) = run_layer_both_ways(model, 1, batch, seed=5)
+    assert torch.equal(xk, out) and torch.equal(rk, res)
+    assert torch.equal(kk, k) and torch.equal(vk, v)
+    batch = prefill_then_decode_batch([40, 33], [1, 1])  # the packed copies, bias added after
+    (out, res, k, v), (xk, rk, kk, vk) = run_layer_both_ways(model, 1, batch, seed=6)
+    for a, b in ((xk, out), (rk, res), (kk, k), (vk, v)):
+        assert rel_err(a, b) <= 1e-6
+
+
+def test_paged_forward_equals_the_modules(loaded: LoadedLLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill chunk then two decode steps of two sequences, with and without the layer kernel."""
+    model, config = loaded.model, loaded.config
+    assert model._layer_kernel_weights(torch.zeros(1, config.hidden_size)) is not None
+    ids = [prompt(29, seed=8), prompt(13, seed=9)]
+    outs = []
+    for on in (True, False):
+        monkeypatch.setattr(model, "layer_kernel", on)
+        kv = make_kv(config, 16)
+        full_free, swa_free = free_lists(16, seed=2)
+        seqs = [PagedSeq(full_free, swa_free) for _ in range(2)]
+        hidden = [step(model, kv, seqs, [ids[0][:27], ids[1][:11]])]
+        for t in (27, 28):
+            hidden.append(step(model, kv, seqs, [ids[0][t : t + 1], ids[1][t - 16 : t - 15]]))
+        outs.append(torch.cat(hidden))
+    assert rel_err(outs[0], outs[1]) <= 1e-6
+
+
+def test_model_falls_back_to_the_modules(tiny_mimo_dir: Path, loaded: LoadedLLM) -> None:
+    model = loaded.model
+    x = torch.zeros(2, loaded.config.hidden_size)
+    assert model._layer_kernel_weights(x) is not None
+    assert model._layer_kernel_weights(x.double()) is None  # not fp32
+    unfused = DecoderForCausalLM(loaded.config)
+    assert unfused._kernel_weights is None and unfused._layer_kernel_weights(x) is None
+    model.attention_backend = "torch"
+    try:
+        assert model._layer_kernel_weights(x) is None
+    finally:
+        model.attention_backend = None
+    attn = model.model.layers[3].self_attn
+    fused = attn.qkv_weight
+    attn.qkv_weight = fused.clone()  # a weight replaced after fuse_weights: the kernel's copy is stale
+    try:
+        assert model._layer_kernel_weights(x) is None
+    finally:
+        attn.qkv_weight = fused
+    assert model._layer_kernel_weights(x) is not None
+
+
+def test_errors_are_value_errors(loaded: LoadedLLM) -> None:
+    layer = loaded.model.model.layers[2]
+    weights = layer.kernel_weights()
+    assert weights is not None
+    batch = prefill_then_decode_batch([12], [12])
+    kv = zeroed_kv(loaded.config, 16)
+    positions = batch.positions()
+    cos, sin = layer.self_attn._cos_sin(positions, torch.float32, {})
+    x = torch.randn(12, loaded.config.hidden_size)
+    with pytest.raises(ValueError, match="x has"):
+        cpu_layer.decoder_layer_cpu(
+            weights, cpu_layer.StepArgs(batch), kv.layer(2), cos, sin, x[:11].clone(), x.clone(), False
+        )
+    bad = dataclasses.replace(batch, swa_slots=batch.swa_slots + 10**6, full_slots=batch.full_slots + 10**6)
+    before = kv.layer(2).k.clone()
+    with pytest.raises(ValueError, match="outside the pool"):
+        cpu_layer.decoder_layer_cpu(
+            weights, cpu_layer.StepArgs(bad), kv.layer(2), cos, sin, x.clone(), x.clone(), False
+        )
+    assert torch.equal(kv.layer(2).k, before)  # checked before anything is written
+    missing = dataclasses.replace(batch, swa_page_table=torch.full_like(batch.swa_page_table, -1))
+    missing = dataclasses.replace(missing, full_page_table=torch.full_like(batch.full_page_table, -1))
+    with pytest.raises(ValueError, match="not in the pool"):
+        cpu_layer.decoder_layer_cpu(
+            weights, cpu_layer.StepArgs(missing), kv.layer(2), cos, sin, x.clone(), x.clone(), False
+        )

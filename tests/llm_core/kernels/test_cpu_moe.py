@@ -1,0 +1,115 @@
+"""The C MoE kernel (cpu_moe) against the per-token reference and the torch paths, through both
+its AVX2 and its scalar kernels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from llm_core.kernels import cpu_moe
+from llm_core.models.moe import Routing, SparseMoE, TopKRouter
+from tests.llm_core.conftest import simd_fixture
+from tests.llm_core.models.test_decoder_moe import moe_config, per_token_reference
+
+pytestmark = pytest.mark.skipif(not cpu_moe.AVAILABLE, reason="llm_core.kernels._moe is not built")
+
+
+simd = simd_fixture(cpu_moe)
+
+
+def random_moe(seed: int, **kw: int) -> SparseMoE:
+    moe = SparseMoE(moe_config(**kw))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    moe.experts.fuse_weights()  # the [E, in, out] layout the kernel reads
+    return moe
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 3, 37, 300])
+@pytest.mark.parametrize(
+    ("hidden", "inter", "top_k"),
+    [(24, 8, 3), (32, 16, 2), (40, 24, 1)],  # widths that are and are not multiples of 16 / 8
+)
+def test_matches_per_token_reference(simd: str, num_tokens: int, hidden: int, inter: int, top_k: int) -> None:
+    moe = random_moe(1, hidden_size=hidden, moe_intermediate_size=inter, num_experts_per_tok=top_k)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(2))
+    routing = moe.gate(x)
+    assert cpu_moe.supports(x, moe.experts.gate_up_proj, moe.experts.down_proj)
+    out = moe.experts(x, routing)
+    torch.testing.assert_close(out, per_token_reference(moe.experts, x, routing), rtol=1e-5, atol=1e-5)
+    if num_tokens > 5:  # a token's output does not depend on its batch
+        torch.testing.assert_close(
+            moe.experts(x[5:6], Routing(routing.experts[5:6], routing.weights[5:6])), out[5:6]
+        )
+
+
+def test_agrees_with_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    moe = random_moe(3)
+    x = torch.randn(50, 24, generator=torch.Generator().manual_seed(4))
+    out = moe(x)
+    monkeypatch.setattr(cpu_moe, "_kernel", None)
+    torch.testing.assert_close(out, moe(x), rtol=1e-5, atol=1e-6)
+
+
+def test_needs_the_fused_layout_and_fp32() -> None:
+    moe = SparseMoE(moe_config())
+    x = torch.randn(4, 24)
+    assert not cpu_moe.supports(x, moe.experts.gate_up_proj, moe.experts.down_proj)  # checkpoint layout
+    moe.experts.fuse_weights()
+    assert cpu_moe.supports(x, moe.experts.gate_up_proj, moe.experts.down_proj)
+    assert not cpu_moe.supports(x.double(), moe.experts.gate_up_proj, moe.experts.down_proj)
+
+
+def test_an_expert_id_out_of_range_is_an_error() -> None:
+    moe = random_moe(5)
+    x = torch.randn(3, 24)
+    routing = moe.gate(x)
+    bad = routing.experts.clone()
+    bad[1, 0] = 8  # 8 experts: ids 0..7
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_moe.moe_experts_cpu(x, bad, routing.weights, moe.experts.gate_up_proj, moe.experts.down_proj)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},  # 8 experts in 4 groups, top-2 groups, top-3 experts, normalised, scaled by 2.5
+        {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 2, "norm_topk_prob": False},
+        {"n_routed_experts": 16, "n_group": 4, "topk_group": 1, "num_experts_per_tok": 4,
+         "routed_scaling_factor": 1.0},
+        {"hidden_size": 21},  # not a multiple of 8
+    ],
+)  # fmt: skip
+def test_route_matches_the_torch_router(kw: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same experts in the same order (descending score + bias) and the same weights as the torch
+    TopKRouter, for 300 tokens with a selection bias large enough to change choices."""
+    router = TopKRouter(moe_config(**kw))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(router.num_experts, generator=g) * 0.3)
+    x = torch.randn(300, router.weight.shape[1], generator=g)
+    fast = router(x)
+    monkeypatch.setattr(cpu_moe, "_kernel", None)
+    ref = router(x)
+    assert torch.equal(fast.experts, ref.experts)
+    # The router logits are dot products summed in another order than torch's GEMM (which takes
+    # AVX-512 kernels on CPUs that have them): a few float32 ulps of each logit, no more.
+    torch.testing.assert_close(fast.weights, ref.weights, rtol=4e-6, atol=4e-7)
+    assert fast.experts.dtype == torch.int64 and fast.weights.dtype == torch.float32
+
+
+def test_route_rejects_inconsistent_sizes() -> None:
+    x, w, bias = torch.randn(3, 8), torch.randn(6, 8), torch.zeros(6)
+    with pytest.raises(ValueError, match="route"):  # 6 experts do not split into 4 groups
+        cpu_moe.route(x, w, bias, top_k=2, n_group=4, topk_group=1, norm_topk_prob=True, scaling=1.0)
+    with pytest.raises(ValueError, match="route"):  # top-4 of the 3 experts in one group of 3
+        cpu_moe.route(x, w, bias, top_k=4, n_group=2, topk_group=1, norm_topk_prob=True, scaling=1.0)
+    with pytest.raises(ValueError, match="bias"):
+        cpu_moe.route(
+            x, w, torch.zeros(5), top_k=2, n_group=1, topk_group=1, norm_topk_prob=True, scaling=1.0
+        )

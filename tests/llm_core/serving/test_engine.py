@@ -1,0 +1,245 @@
+"""LLMEngine behaviour: multimodal injection parity, seeded sampling, stops, abort, admission."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from encoder.caches.embedding_ref import EmbeddingRef
+from llm_core.prompts.tokenizer import VISION_END, VISION_START, load_tokenizer
+from llm_core.serving.engine import EngineOverloaded, EngineRequestError, LLMEngine, StepOutput
+from llm_core.serving.model_runner import MultimodalInput
+from llm_core.serving.sampling import SamplingParams
+from llm_core.serving.server_config import EngineConfig
+
+
+def make_engine(loaded: Any, start: bool = True, **kw: Any) -> LLMEngine:
+    cfg = EngineConfig(**{"kv_memory_bytes": 4 << 20, "max_model_len": 512, **kw})
+    engine = LLMEngine(loaded.model, loaded.config, load_tokenizer(loaded.model_dir), cfg)
+    if start:
+        engine.start()
+    return engine
+
+
+async def collect(engine: LLMEngine, prompt: list[int], sp: SamplingParams, mm: Any = ()) -> list[StepOutput]:
+    return [o async for o in engine.generate(prompt, sp, mm)]
+
+
+def ids_of(outs: list[StepOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def media_ref(key: str, rows: int, hidden: int, modality: str = "image") -> EmbeddingRef:
+    return EmbeddingRef(
+        key=key, dtype="float32", shape=(rows, hidden), grid_thw=((1, 2, rows * 2),), modality=modality
+    )
+
+
+def dense_greedy(model: Any, prompt: list[int], spans: list[tuple[int, torch.Tensor]], n: int) -> list[int]:
+    """Reference: full recompute with forward_dense each step, media rows written into the embeddings."""
+    ids = list(prompt)
+    out = []
+    for _ in range(n):
+        t = torch.tensor(ids)
+        with torch.inference_mode():
+            emb = model.embed(t).clone()  # [S, hidden]
+            for start, rows in spans:
+                emb[start : start + rows.shape[0]] = rows
+            logits = model.forward_dense(t[None], input_embeds=emb)  # [1, S, vocab]
+        tok = int(logits[0, -1].argmax())
+        out.append(tok)
+        ids.append(tok)
+    return out
+
+
+def test_multimodal_embeddings_match_dense_reference(loaded: Any) -> None:
+    tok = load_tokenizer(loaded.model_dir)
+    hidden = loaded.config.hidden_size
+    g = torch.Generator().manual_seed(3)
+    img = torch.randn(6, hidden, generator=g) * 0.5  # [6, hidden]
+    vid = torch.randn(4, hidden, generator=g) * 0.5  # [4, hidden]
+    prompt = (
+        prompt_of(11, 1)
+        + tok.encode(VISION_START)
+        + [tok.image_token_id] * 6
+        + tok.encode(VISION_END + "and")
+        + tok.encode(VISION_START)
+        + [tok.video_token_id] * 4
+        + tok.encode(VISION_END)
+        + prompt_of(5, 2)
+    )
+    img_at, vid_at = prompt.index(tok.image_token_id), prompt.index(tok.video_token_id)
+    expected = dense_greedy(loaded.model, prompt, [(img_at, img), (vid_at, vid)], 12)
+    # The media must matter, or the test could not catch rows written to the wrong place.
+    assert expected != dense_greedy(loaded.model, prompt, [], 12)
+
+    mm = [
+        MultimodalInput(media_ref("img", 6, hidden), img),
+        MultimodalInput(media_ref("vid", 4, hidden, "video"), vid),
+    ]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    # Whole prompt in one step, then 4-token chunks that cut both media spans.
+    for kw in ({}, {"max_num_batched_tokens": 4}):
+        engine = make_engine(loaded, **kw)
+        try:
+            assert ids_of(asyncio.run(collect(engine, prompt, sp, mm))) == expected, kw
+        finally:
+            engine.stop()
+
+
+def test_multimodal_alignment_errors_name_the_item(loaded: Any) -> None:
+    tok = load_tokenizer(loaded.model_dir)
+    hidden = loaded.config.hidden_size
+    engine = make_engine(loaded, start=False)
+    prompt = [*b"look: ", *[tok.image_token_id] * 3, *b"!"]
+    sp = SamplingParams(max_tokens=4)
+    cases = [
+        ([], "multimodal"),  # a run without media
+        (
+            [MultimodalInput(media_ref("a", 4, hidden), torch.zeros(4, hidden))],
+            "multimodal[0]",
+        ),  # 3 != 4 rows
+        ([MultimodalInput(media_ref("a", 3, 8), torch.zeros(3, 8))], "multimodal[0]"),  # hidden size
+        ([MultimodalInput(media_ref("a", 3, hidden, "video"), torch.zeros(3, hidden))], "multimodal[0]"),
+    ]
+
+    async def submit(mm: list[MultimodalInput]) -> None:
+        engine.submit(prompt, sp, mm)
+
+    for mm, param in cases:
+        with pytest.raises(EngineRequestError) as ei:
+            asyncio.run(submit(mm))
+        assert ei.value.param == param, str(ei.value)
+
+
+def test_seeded_sampling_is_independent_of_the_batch(loaded: Any) -> None:
+    sp = SamplingParams(temperature=1.0, top_k=50, seed=77, max_tokens=16, ignore_eos=True)
+    prompt = prompt_of(20, 4)
+    engine = make_engine(loaded)
+    try:
+        alone = ids_of(asyncio.run(collect(engine, prompt, sp)))
+
+        async def crowd() -> list[list[StepOutput]]:
+            others = [
+                collect(
+                    engine, prompt_of(9 + i, 10 + i), SamplingParams(temperature=0.8, max_tokens=20, seed=i)
+                )
+                for i in range(3)
+            ]
+            return list(await asyncio.gather(collect(engine, prompt, sp), *others))
+
+        together = ids_of(asyncio.run(crowd())[0])
+        assert together == alone
+        greedy = ids_of(asyncio.run(collect(engine, prompt, SamplingParams(temperature=0.0, max_tokens=16))))
+        assert alone != greedy  # it really sampled
+    finally:
+        engine.stop()
+
+
+def test_stop_strings_stop_ids_and_streamed_text(loaded: Any) -> None:
+    tok = load_tokenizer(loaded.model_dir)
+    prompt = [*b"The quick brown fox jumps over"]
+    engine = make_engine(loaded)
+    try:
+        base = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        ref = asyncio.run(collect(engine, prompt, base))
+        ref_ids = ids_of(ref)
+        ref_text = "".join(o.text for o in ref)
+        assert ref_text == tok.decode(ref_ids)  # streamed deltas add up to the decoded output
+
+        # Stop id: the output ends at its first occurrence; the id is returned but not rendered.
+        stop_id = next(t for t in ref_ids[5:] if t < 256)
+        cut = ref_ids.index(stop_id)
+        outs = asyncio.run(
+            collect(engine, prompt, SamplingParams(**{**base.__dict__, "stop_token_ids": (stop_id,)}))
+        )
+        assert ids_of(outs) == ref_ids[: cut + 1]
+        assert outs[-1].finish_reason == "stop"
+        assert "".join(o.text for o in outs) == tok.decode(ref_ids[:cut])
+
+        # Stop string taken from the middle of the reference text: the output is cut before it.
+        mid = len(ref_text) // 2
+        stop = ref_text[mid : mid + 2]
+        expected = ref_text[: ref_text.find(stop)]
+        outs = asyncio.run(
+            collect(engine, prompt, SamplingParams(**{**base.__dict__, "stop": ("\x00never", stop)}))
+        )
+        assert outs[-1].finish_reason == "stop"
+        assert "".join(o.text for o in outs) == expected
+        assert len(ids_of(outs)) < len(ref_ids)
+        engine.scheduler.kv.check_integrity([])
+    finally:
+        engine.stop()
+
+
+def test_abort_on_early_exit_frees_kv(loaded: Any) -> None:
+    engine = make_engine(loaded)
+    try:
+
+        async def leave_early() -> int:
+            n = 0
+            async for _ in engine.generate(prompt_of(30, 6), SamplingParams(max_tokens=300, ignore_eos=True)):
+                n += 1
+                if n == 3:
+                    break  # closing the generator aborts the request
+            return n
+
+        assert asyncio.run(leave_early()) == 3
+        deadline = time.monotonic() + 5
+        while engine.scheduler.num_running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.scheduler.num_running == 0
+        engine.scheduler.kv.check_integrity([])
+        assert engine.stats().num_running == 0
+    finally:
+        engine.stop()
+
+
+def test_admission_is_bounded(loaded: Any) -> None:
+    engine = make_engine(loaded, start=False, max_waiting=2)  # not started: requests stay waiting
+    sp = SamplingParams(max_tokens=4)
+
+    async def fill() -> None:
+        engine.submit([1, 2, 3], sp)
+        engine.submit([1, 2, 3], sp)
+        with pytest.raises(EngineOverloaded) as ei:
+            engine.submit([1, 2, 3], sp)
+        assert ei.value.retry_after_s > 0
+        with pytest.raises(EngineRequestError) as e2:
+            engine.submit([1] * 500, SamplingParams(max_tokens=100))
+        assert e2.value.param == "max_tokens"
+
+    asyncio.run(fill())
+    assert engine.stats().num_waiting == 2
+
+
+def test_failed_forward_fails_only_that_batch(loaded: Any) -> None:
+    engine = make_engine(loaded, start=False)
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(*args: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return real(*args)
+
+    engine.runner.execute = flaky  # type: ignore[method-assign]
+    engine.start()
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        failed = asyncio.run(collect(engine, prompt_of(12, 7), sp))
+        assert failed[-1].finished and failed[-1].finish_reason == "error"
+        engine.scheduler.kv.check_integrity([])
+        ok = asyncio.run(collect(engine, prompt_of(12, 7), sp))  # the engine keeps serving
+        assert ok[-1].finish_reason == "length" and len(ids_of(ok)) == 4
+    finally:
+        engine.stop()
