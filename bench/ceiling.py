@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from encoder.models.checkpoint import load_encoder
-from encoder.models.tower import VisionTransformer
+from encoder.models.family import VisionTower
 from media_io.config import MediaLimits, PreprocessConfig
 from media_io.preprocess import Patches, get_backend
 
@@ -65,7 +65,7 @@ def pack(sizes: Sequence[int], patch_budget: int) -> list[list[int]]:
     return batches
 
 
-def _forward(model: VisionTransformer, items: Sequence[Patches]) -> torch.Tensor:
+def _forward(model: VisionTower, items: Sequence[Patches]) -> torch.Tensor:
     pixels = torch.cat([p.pixel_values for p in items])  # [sum N, 1176]
     grid = torch.tensor([p.grid_thw for p in items], dtype=torch.long)  # [K, 3]
     return model(pixels, grid)  # [sum N // 4, out_hidden]
@@ -80,7 +80,7 @@ def preprocess_corpus(
 
 
 def measure(
-    model: VisionTransformer,
+    model: VisionTower,
     patches: Sequence[Patches],
     *,
     patch_budget: int,

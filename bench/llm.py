@@ -43,7 +43,10 @@ The process runs with the allocator setting every epd process starts with
 the engine and transformers alike, and the table caption says whether it was in effect.
 
     python -m bench.llm [--model DIR | --tiny-qwen] [--requests 32] [--max-tokens 64] [--threads 0]
-                        [--rounds 1] [--hf-attn auto] [--json out.json]
+                        [--rounds 1] [--hf-attn auto] [--phases] [--json out.json]
+
+``--phases`` (profiling) also prints, per round, the wall time the engine thread spent in each
+phase of its steps (``PhaseTimes``: the engine's methods wrapped with timers; off by default).
 """
 
 from __future__ import annotations
@@ -83,6 +86,11 @@ from llm_core.serving.server_config import EngineConfig
 TARGETS: dict[str, float] = {
     "MiMoV2FlashForCausalLM": 5.0,  # the embedded default: 8 layers, sliding windows, MoE
     "Qwen2_5_VLForConditionalGeneration": 3.0,  # the tiny Qwen2.5-VL language model, text only
+}
+# Served architectures this benchmark cannot compare: no transformers class to run as the baseline.
+NO_BASELINE: dict[str, str] = {
+    "MiMoV2ForCausalLM": "transformers has no MiMoV2ForCausalLM (the release ships its own modeling code); "
+    "its decoder is MiMoV2FlashForCausalLM's, benchmarked on the embedded default",
 }
 # Attention implementations the baseline may run with, where the transformers class supports them.
 HF_ATTENTIONS: tuple[str, ...] = ("eager", "sdpa")
@@ -167,6 +175,62 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
         "ttft": percentiles(ttft),
         "itl": percentiles(itl) if itl else None,
     }
+
+
+class PhaseTimes:
+    """``--phases``: wall-clock time the engine thread spends in each phase of its steps, by wrapping
+    the engine's own methods (an instance attribute over each; off by default, so nothing else
+    measured here is touched). ``take()`` returns the totals since the last call, in seconds."""
+
+    PHASES = (
+        ("step", "", "_step"),
+        ("schedule", "scheduler", "schedule"),
+        ("prepare", "runner", "prepare"),
+        ("forward", "runner.model", "forward"),
+        ("rope tables", "runner.model", "rope_tables"),
+        ("layers", "runner.model", "_forward_kernel"),
+        ("logits", "runner", "_logits"),
+        ("sampler", "runner", "sampler"),
+        ("update", "scheduler", "update"),
+        ("publish", "", "_publish"),
+    )
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.totals: dict[str, float] = {name: 0.0 for name, _, _ in self.PHASES}
+        self.totals["between steps"] = 0.0  # from the end of a busy step to the start of the next
+        self.steps = 0
+        self._last_end: float | None = None
+        for name, owner_path, attr in self.PHASES:
+            owner: Any = engine
+            for part in filter(None, owner_path.split(".")):
+                owner = getattr(owner, part)
+            if hasattr(owner, attr):
+                setattr(owner, attr, self._timed(name, getattr(owner, attr)))
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            busy = True
+            try:
+                busy = fn(*args, **kwargs)
+                return busy
+            finally:
+                t1 = time.perf_counter()
+                self.totals[name] += t1 - t0
+                if name == "step":
+                    if self._last_end is not None:
+                        self.totals["between steps"] += t0 - self._last_end
+                    self._last_end = t1 if busy else None
+                    self.steps += bool(busy)
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out = {**self.totals, "steps": float(self.steps)}
+        self.totals = dict.fromkeys(self.totals, 0.0)
+        self.steps = 0
+        self._last_end = None
+        return out
 
 
 def run_hf_batched(model: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
@@ -264,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=0, help="torch intra-op threads, both paths (0: one per usable core)"
     )
     parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="profile: print the engine thread's time per step phase (schedule, prepare, forward, ...) "
+        "for each round",
+    )
+    parser.add_argument(
         "--hf-attn",
         choices=("auto", *HF_ATTENTIONS),
         default="auto",
@@ -279,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
 
     loaded = load_llm(tiny_qwen_dir() if args.tiny_qwen else args.model)
     architecture = loaded.architecture
+    if architecture in NO_BASELINE:
+        raise SystemExit(f"bench.llm: {architecture} has no baseline here: {NO_BASELINE[architecture]}")
     if architecture not in TARGETS:
         raise SystemExit(f"bench.llm: no target for {architecture}; known: {sorted(TARGETS)}")
     target = TARGETS[architecture]
@@ -305,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         positions=loaded.positions,
     )
     paths = llm_paths(torch.device("cpu"), torch.float32)
+    phases = PhaseTimes(engine) if args.phases else None
     engine.start()
     try:
         # Warm-up both paths (allocator, lazy inits) on prompts from a seed no round uses: the
@@ -315,11 +388,16 @@ def main(argv: list[str] | None = None) -> int:
         run_hf_batched(hf, warm, 4)
         rounds = []
         cached_per_round: list[int] = []
+        phases_per_round: list[dict[str, float]] = []
         for r in range(n_rounds):
             # Fresh prompts per round: repeated ones would be prefix-cache hits for the engine only.
             ps = prompts if r == 0 else prompts_of(args.seed + r)
             cached_before = engine.stats().cached_prompt_tokens_total
+            if phases is not None:
+                phases.take()
             eng_r = run_engine(engine, ps, args.max_tokens)
+            if phases is not None:
+                phases_per_round.append(phases.take())
             cached_per_round.append(engine.stats().cached_prompt_tokens_total - cached_before)
             rounds.append((eng_r, run_hf_batched(hf, ps, args.max_tokens)))
     finally:
@@ -397,6 +475,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"CPU time per output token, transformers batched / engine: {cpu_speedup:.2f}x")
     print(f"engine prompt tokens served from its prefix cache, per round: {cached_per_round}")
+    if phases_per_round:
+        names = [*(name for name, _, _ in PhaseTimes.PHASES), "between steps"]
+        print_table(
+            "engine thread time per round, ms (--phases; wall clock, nested phases included in their parents)",
+            ["round", "steps", *names],
+            [[r, int(p["steps"]), *(p[n] * 1e3 for n in names)] for r, p in enumerate(phases_per_round)],
+        )
     threads = torch.get_num_threads()
     print(
         f"target >= {target:g}x for {architecture} (both sides ran with {threads} torch thread(s)): "

@@ -22,7 +22,7 @@ from epd.encode_api import read_json
 from epd.ingress import Ingress
 from epd.media_pipeline import EncodedItem
 from epd.media_request import chat_prompt
-from epd.prompt_format import ChatTemplateError
+from epd.prompt_format import ChatTemplateError, UnservedModality, media_item
 from epd_common.errors import APIError, bad_request, error_body, overloaded, unprocessable
 
 # Sampling fields forwarded to the engine unchanged; the engine validates their values.
@@ -65,6 +65,8 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
     prompt = chat_prompt(body.get("messages"), ingress.config.max_items)
     try:
         ingress.prompt_format.check_parts(prompt.messages)  # before any media is fetched
+    except UnservedModality as exc:
+        raise APIError(415, str(exc), type="unsupported_media_type", param=exc.param) from exc
     except ChatTemplateError as exc:
         raise bad_request(str(exc), exc.param) from exc
     sampling = _sampling(body)
@@ -80,9 +82,9 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
         items = await ingress.pipeline.resolve_all(prompt.media) if prompt.media else []
     finally:
         ingress.chats_inflight -= 1
-    counts = [items[p["index"]].ref.num_tokens for m in prompt.messages for p in m["content"] if "index" in p]
+    media = [media_item(items[p["index"]].ref) for m in prompt.messages for p in m["content"] if "index" in p]
     try:
-        prompt_ids = ingress.prompt_format.prompt_ids(prompt.messages, counts)
+        prompt_ids = ingress.prompt_format.prompt_ids(prompt.messages, media)
     except ChatTemplateError as exc:  # the checkpoint's template refused these messages
         raise bad_request(str(exc), exc.param) from exc
     engine_body = {

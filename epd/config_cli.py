@@ -3,8 +3,9 @@ its dataclass. Field ``max_body_bytes`` becomes ``--max-body-bytes``; a nested d
 ``engine: EngineConfig`` contributes ``--engine-page-size`` and so on (with ``flatten`` the nested
 fields keep their own names). Defaults and types come from the dataclass.
 
-Supported field types: int, float, str, bool (``--flag`` / ``--no-flag``), ``X | None``, and
-``tuple[T, ...]`` (repeat the flag). Other field types are not exposed on the command line.
+Supported field types: int, float, str, a ``Literal`` of strings (the flag takes one of them), bool
+(``--flag`` / ``--no-flag``), ``X | None``, and ``tuple[T, ...]`` (repeat the flag). Other field
+types are not exposed on the command line.
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ def add_dataclass_args(
         elif tp in _SCALARS:
             parser.add_argument(
                 _flag(prefix, f.name), dest=dest, type=_SCALARS[tp], default=None, help=help_text
+            )
+        elif typing.get_origin(tp) is typing.Literal and all(isinstance(a, str) for a in typing.get_args(tp)):
+            parser.add_argument(
+                _flag(prefix, f.name), dest=dest, choices=typing.get_args(tp), default=None, help=help_text
             )
         elif typing.get_origin(tp) is tuple and typing.get_args(tp)[-1] is Ellipsis:
             item = typing.get_args(tp)[0]

@@ -168,9 +168,14 @@ def _content_parts(content: Any, where: str, media: list[MediaSource]) -> list[d
             url = _part_url(part.get(ptype), f"{pwhere}.{ptype}")
             parts.append({"type": modality, "index": len(media)})
             media.append(MediaSource(name=pwhere, url=url, modality_hint=modality))
+        elif ptype in ("input_audio", "audio"):
+            # Kept (never fetched) so the model's part check answers for it: 415 for a model that
+            # takes audio we cannot encode yet, 400 for one that takes none.
+            parts.append({"type": "audio"})
         else:
             raise unprocessable(
-                f"{pwhere}.type must be 'text', 'image_url' or 'video_url', got {ptype!r}", f"{pwhere}.type"
+                f"{pwhere}.type must be 'text', 'image_url', 'video_url' or 'input_audio', got {ptype!r}",
+                f"{pwhere}.type",
             )
     return parts
 

@@ -30,6 +30,7 @@ from encoder.models.checkpoint import CheckpointError as EncoderCheckpointError
 from llm_core.models import UnknownArchitecture, family_for
 from llm_core.models.checkpoint import CheckpointError, read_config_json, weight_files
 from llm_core.models.config import ConfigError
+from llm_core.models.fp8 import SCALE_SUFFIX
 from llm_core.prompts.chat_template import TemplateFileError, load_chat_template
 from llm_core.prompts.tokenizer import TokenizerError, load_tokenizer
 from media_io.processor_config import ProcessorConfigError, preprocess_config_from_dir
@@ -44,7 +45,7 @@ class ModelDirError(ValueError):
 class RoleWeights(NamedTuple):
     params: int
     bytes: int
-    dtype: str  # the most common stored dtype ("BF16", "F32", ...)
+    dtype: str  # the stored dtype of most parameters ("BF16", "F32", "F8_E4M3", ...)
 
 
 class ModelSummary(NamedTuple):
@@ -107,9 +108,15 @@ def check_model_dir(path: str | Path) -> ModelSummary:
 
 
 def _role(headers: dict[str, tuple[int, str]]) -> RoleWeights:
-    params = sum(n for n, _ in headers.values())
+    """Parameters, stored bytes and dtype of one role's tensors. Block-quantization scales
+    (``<weight>_scale_inv``) count in the bytes but are not parameters; the dtype is the one most
+    parameters are stored in (an FP8 checkpoint has about as many fp32 scale tensors as weights)."""
+    weights = {n: v for n, v in headers.items() if not n.endswith(SCALE_SUFFIX)}
+    params = sum(n for n, _ in weights.values())
     size = sum(n * _DTYPE_BYTES.get(d, 4) for n, d in headers.values())
-    dtypes = Counter(d for _, d in headers.values())
+    dtypes: Counter[str] = Counter()
+    for n, d in weights.values():
+        dtypes[d] += n
     return RoleWeights(params, size, dtypes.most_common(1)[0][0] if dtypes else "-")
 
 

@@ -1,20 +1,21 @@
 """How the ingress turns a chat into prompt ids for the served model.
 
     messages (parts: text | image | video) --check against what the model takes--> 4xx naming a part
-    media resolved to EmbeddingRefs (token counts)
-    --render--> text --tokenize--> ids --expand each pad into its item's token count--> prompt ids
+    media resolved to EmbeddingRefs (token counts, a video's temporal patches and their times)
+    --render--> text --tokenize--> ids --the family lays each item out--> prompt ids
 
 Two renderers, chosen once at start from the LLM's checkpoint directory:
 
-- the checkpoint's own chat template (``llm_core.prompts.chat_template``: jinja2 as transformers renders
-  it), then the pads it writes (one ``<|image_pad|>`` / ``<|video_pad|>`` per item, with the ids
-  from config.json's ``image_token_id`` / ``video_token_id``) expanded to the encoder's counts, as
-  the model's own processor does;
+- the checkpoint's own chat template (``llm_core.prompts.chat_template``: jinja2 as transformers
+  renders it), then the placeholder it writes per item laid out by the model family's
+  ``media_expansion`` (``llm_core.prompts.media_expansion``: pad runs at the encoder's counts for the
+  Qwen2-VL family; MiMo-V2.5 also writes each video's timestamps), as the model's own processor does;
 - without a template (the embedded default), the tokenizer's built-in ChatML, which writes the runs
   at their lengths itself.
 
 Which parts the model takes comes from config.json: images need ``image_token_id`` (or the
-tokenizer's image pad), videos ``video_token_id``; audio never.
+tokenizer's image pad), videos ``video_token_id``; audio is never encoded here (a model that
+declares it gets a 415 naming the part).
 """
 
 from __future__ import annotations
@@ -23,14 +24,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from encoder.caches.embedding_ref import EmbeddingRef
+from llm_core.models import family_for
 from llm_core.models.checkpoint import CheckpointError, read_config_json
-from llm_core.prompts.chat_template import (
-    ChatTemplate,
-    ChatTemplateError,
+from llm_core.models.family import media_expansion_of
+from llm_core.prompts.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from llm_core.prompts.media_expansion import MediaExpansion, MediaItem, PadRuns
+from llm_core.prompts.media_parts import (
+    UnservedModality,
     check_message_parts,
-    expand_media_placeholders,
-    load_chat_template,
     supported_part_types,
+    unserved_part_types,
 )
 from llm_core.prompts.tokenizer import Tokenizer
 
@@ -44,38 +48,75 @@ class PromptFormat:
         template: ChatTemplate | None,
         image_token_id: int | None,
         video_token_id: int | None,
+        expansion: MediaExpansion | None = None,
+        unserved: frozenset[str] = frozenset(),
+        placeholder_ids: Sequence[int] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.template = template
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
+        self.expansion = expansion or PadRuns(image_token_id, video_token_id)
         self.supported = supported_part_types(
             {"image_token_id": image_token_id, "video_token_id": video_token_id}
         )
+        self.unserved = unserved
+        self.placeholders = _placeholder_texts(tokenizer, placeholder_ids)
 
     @classmethod
     def load(cls, model_dir: str | Path | None, tokenizer: Tokenizer) -> PromptFormat:
         """The format of the checkpoint at ``model_dir`` (None: the embedded default's ChatML).
         Raises ``TemplateFileError`` (naming the file) for a template that does not compile."""
         if model_dir is None:
-            return cls(tokenizer, None, tokenizer.image_token_id, tokenizer.video_token_id)
+            pads = [t for t in (tokenizer.image_token_id, tokenizer.video_token_id) if t is not None]
+            return cls(
+                tokenizer, None, tokenizer.image_token_id, tokenizer.video_token_id, placeholder_ids=pads
+            )
         config = _config(Path(model_dir))
         image = config.get("image_token_id", tokenizer.image_token_id)
         video = config.get("video_token_id", tokenizer.video_token_id)
-        return cls(tokenizer, load_chat_template(model_dir), image, video)
+        expansion = media_expansion_of(family_for(config))(config, tokenizer.encode) if config else None
+        return cls(
+            tokenizer,
+            load_chat_template(model_dir),
+            image,
+            video,
+            expansion,
+            unserved_part_types(config),
+            _media_token_ids(config),
+        )
 
     def check_parts(self, messages: Sequence[Mapping[str, Any]]) -> None:
         """A 4xx (``ChatTemplateError`` with ``param`` ``messages[i].content[j]``) for a part the
         model cannot take; call before any media is fetched."""
-        check_message_parts(messages, self.supported)
+        check_message_parts(messages, self.supported, self.unserved)
+        for mi, message in enumerate(messages):
+            content = message.get("content")
+            texts = (
+                [(f"messages[{mi}].content", content)]
+                if isinstance(content, str)
+                else [
+                    (f"messages[{mi}].content[{pi}]", p.get("text"))
+                    for pi, p in enumerate(content or [])
+                    if isinstance(p, Mapping) and p.get("type") == "text"
+                ]
+            )
+            for param, text in texts:
+                spelled = next((t for t in self.placeholders if isinstance(text, str) and t in text), None)
+                if spelled is not None:
+                    raise ChatTemplateError(
+                        f"the text spells the media token {spelled!r}, which only the server may place "
+                        "(it would misalign the prompt with its media)",
+                        param,
+                    )
 
-    def prompt_ids(self, messages: Sequence[Mapping[str, Any]], counts: Sequence[int]) -> list[int]:
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]], media: Sequence[MediaItem]) -> list[int]:
         """Prompt ids of ``messages`` (content parts ``{"type": "text", "text"}`` or
-        ``{"type": "image" | "video"}``), the i-th media part taking ``counts[i]`` tokens."""
+        ``{"type": "image" | "video"}``), the i-th media part being ``media[i]``."""
         kinds = [p["type"] for m in messages for p in m["content"] if p["type"] != "text"]
-        assert len(kinds) == len(counts), (kinds, counts)
+        assert kinds == [it.kind for it in media], (kinds, media)
         if self.template is None:
-            it = iter(counts)
+            it = iter(item.num_tokens for item in media)
             with_counts = [
                 {
                     "role": m["role"],
@@ -92,10 +133,44 @@ class PromptFormat:
             [{"role": m["role"], "content": [_template_part(p) for p in m["content"]]} for m in messages],
             add_generation_prompt=True,
         )
-        ids = self.tokenizer.encode(text)
-        images = [n for k, n in zip(kinds, counts, strict=True) if k == "image"]
-        videos = [n for k, n in zip(kinds, counts, strict=True) if k == "video"]
-        return expand_media_placeholders(ids, images, videos, self.image_token_id, self.video_token_id)
+        return self.expansion.expand(self.tokenizer.encode(text), media)
+
+
+# config.json fields (top level or MiMo-V2.5's processor_config) naming the tokens media layouts use
+_MEDIA_TOKEN_FIELDS = (
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+    "video_start_token_id",
+    "video_end_token_id",
+    "audio_token_id",
+    "audio_start_token_id",
+    "audio_end_token_id",
+)
+
+
+def _media_token_ids(config: Mapping[str, Any]) -> list[int]:
+    nested = config.get("processor_config")
+    sources = [config, nested] if isinstance(nested, Mapping) else [config]
+    ids = {c.get(f) for c in sources for f in _MEDIA_TOKEN_FIELDS}
+    return sorted(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
+
+
+def _placeholder_texts(tokenizer: Tokenizer, ids: Sequence[int]) -> tuple[str, ...]:
+    """The text of each media token (a user spelling one would be read as that token)."""
+    texts = (tokenizer.decode([i], skip_special_tokens=False) for i in ids)
+    return tuple(t for t in texts if t)
+
+
+def media_item(ref: EmbeddingRef) -> MediaItem:
+    """What the prompt needs of an encoded item: its kind, rows, temporal patches and their times."""
+    return MediaItem(
+        kind=ref.modality,
+        num_tokens=ref.num_tokens,
+        grid_t=sum(g[0] for g in ref.grid_thw) if ref.modality == "video" else 1,
+        timestamps=ref.grid_t_timestamps,
+    )
 
 
 def _template_part(part: Mapping[str, Any]) -> dict[str, Any]:
@@ -111,4 +186,4 @@ def _config(model_dir: Path) -> dict[str, Any]:
         return {}  # the engine's loader reports a missing or broken config.json with its path
 
 
-__all__ = ["ChatTemplateError", "PromptFormat"]
+__all__ = ["ChatTemplateError", "PromptFormat", "UnservedModality", "media_item"]

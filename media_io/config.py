@@ -3,16 +3,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 # CLIP normalization used by Qwen2-VL's processor.
 CLIP_MEAN: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
 
+# Which frames of a video are sampled, at what size, and what time each temporal pair shows: one
+# rule per processor family, implemented in ``media_io.video_sampling`` (see there for each).
+# The processor files of a checkpoint choose it (``media_io.processor_config``).
+VideoSamplingRule = Literal["qwen2_vl", "mimo_v2"]
+VIDEO_SAMPLING_RULES: tuple[str, ...] = get_args(VideoSamplingRule)
+
 
 @dataclass(frozen=True)
 class PreprocessConfig:
-    """Qwen2-VL preprocessing parameters (the defaults match ``Qwen2VLImageProcessor``)."""
+    """Preprocessing parameters. The defaults are Qwen2-VL's (``Qwen2VLImageProcessor`` and
+    ``Qwen2VLVideoProcessor``); a checkpoint's processor files override them
+    (``media_io.processor_config``). Patch and merge size are parameters everywhere: MiMo-V2.5
+    has patch 16, merge 2 (factor 32, rows of 3 * 2 * 16 * 16 = 1536 values)."""
 
     patch_size: int = 14
     temporal_patch_size: int = 2
@@ -30,34 +41,64 @@ class PreprocessConfig:
     # Total pixel budget of one video's frames: 90% of 128000 tokens, the rule transformers'
     # Qwen2VLVideoProcessor applies with cap_pixels_per_frame=True (and qwen-vl-utils by default).
     video_total_pixels: int = int(128000 * 28 * 28 * 0.9)
+    # How the frame indices, the per-frame pixel cap and the pair timestamps are computed from
+    # the numbers above (``media_io.video_sampling``).
+    video_sampling: VideoSamplingRule = "qwen2_vl"
+
+    def __post_init__(self) -> None:
+        for name in (
+            "patch_size",
+            "temporal_patch_size",
+            "merge_size",
+            "min_pixels",
+            "max_pixels",
+            "min_frames",
+            "max_frames",
+            "video_min_pixels",
+            "video_max_pixels",
+            "video_total_pixels",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"PreprocessConfig.{name} must be a positive int, got {value!r}")
+        if isinstance(self.fps, bool) or not isinstance(self.fps, (int, float)) or not self.fps > 0:
+            raise ValueError(f"PreprocessConfig.fps must be a positive number, got {self.fps!r}")
+        # Canonical types, so that equal settings hash (and key) equally: 1 and 1.0 fps, lists
+        # and tuples of mean/std.
+        object.__setattr__(self, "fps", float(self.fps))
+        if self.video_sampling not in VIDEO_SAMPLING_RULES:
+            raise ValueError(
+                f"PreprocessConfig.video_sampling must be one of {list(VIDEO_SAMPLING_RULES)}, "
+                f"got {self.video_sampling!r}"
+            )
+        for name in ("image_mean", "image_std"):
+            values = tuple(float(x) for x in getattr(self, name))
+            if len(values) != 3:
+                raise ValueError(f"PreprocessConfig.{name} must have 3 values, got {list(values)}")
+            object.__setattr__(self, name, values)
+        if not all(s > 0 for s in self.image_std):
+            raise ValueError(f"PreprocessConfig.image_std must be positive, got {list(self.image_std)}")
 
     @property
     def factor(self) -> int:
-        """Side lengths are multiples of this (patch_size * merge_size = 28)."""
+        """Side lengths are multiples of this: patch_size * merge_size (Qwen2-VL 28, MiMo-V2.5 32)."""
         return self.patch_size * self.merge_size
 
     @property
     def row_size(self) -> int:
-        """Values in one pixel_values row: 3 * temporal_patch * patch * patch = 1176."""
+        """Values in one pixel_values row: 3 * temporal_patch * patch * patch (Qwen2-VL 1176,
+        MiMo-V2.5 1536)."""
         return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
 
     def key_params(self) -> dict[str, object]:
-        """The parameters that change the output, for the MediaKey digest."""
-        return {
-            "patch_size": self.patch_size,
-            "temporal_patch_size": self.temporal_patch_size,
-            "merge_size": self.merge_size,
-            "min_pixels": self.min_pixels,
-            "max_pixels": self.max_pixels,
-            "image_mean": list(self.image_mean),
-            "image_std": list(self.image_std),
-            "fps": self.fps,
-            "min_frames": self.min_frames,
-            "max_frames": self.max_frames,
-            "video_min_pixels": self.video_min_pixels,
-            "video_max_pixels": self.video_max_pixels,
-            "video_total_pixels": self.video_total_pixels,
-        }
+        """The parameters that change the output, for the MediaKey digest: every field (each one
+        changes the pixels, the grid or the sampled frames), so a new field enters the key by
+        being declared here."""
+        out: dict[str, object] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
-"""Video bytes -> the frames Qwen2-VL samples, RGB at the smart_resize target size.
+"""Video bytes -> the frames the model samples, RGB at the smart_resize target size.
 
     bytes ──probe──▶ VideoInfo + FrameTable      header caps checked first (413), then packets indexed
-          ──sample─▶ indices (2 fps rule)        exactly transformers' Qwen2VLVideoProcessor
+          ──sample─▶ indices, size, pair times   the rule cfg.video_sampling names (Qwen2-VL's 2 fps,
+                                                 MiMo-V2.5's 1 fps linspace; media_io.video_sampling)
           ──plan───▶ keyframe runs ─▶ segments    only the GOPs that hold sampled frames
           ──decode─▶ [T, H, W, 3] uint8           in-process, or pooled workers via shared memory
 
@@ -31,7 +32,7 @@ from media_io.video_decode import (
 )
 from media_io.video_plan import Run, plan_runs, split_segments
 from media_io.video_probe import VideoInfo, probe_video, scan_video
-from media_io.video_sampling import sample_frame_indices, target_size
+from media_io.video_sampling import pair_timestamps, sample_frame_indices, target_size
 
 __all__ = ["VideoFrames", "VideoInfo", "decode_video", "probe_video", "sample_frame_indices"]
 
@@ -44,8 +45,12 @@ class VideoFrames(NamedTuple):
 
     frames: np.ndarray  # [T, H, W, 3] uint8 RGB at the smart_resize target size
     indices: list[int]  # display-order index of each frame in the source
-    timestamps: list[float]  # seconds from the first frame, one per frame
+    timestamps: list[float]  # presentation time, seconds from the first frame, one per frame
     info: VideoInfo
+    # One per temporal pair (grid t = ceil(T / temporal_patch_size)): the seconds the sampling
+    # rule gives the pair, its first frame's index / average fps (MiMo-V2.5 writes them into the
+    # prompt as MM:SS). For a constant frame rate clip they match ``timestamps[::2]`` up to rounding.
+    pair_timestamps: tuple[float, ...]
 
 
 def decode_video(
@@ -57,7 +62,7 @@ def decode_video(
     workers: int | None = None,
     resize: ResizeMode = "exact",
 ) -> VideoFrames:
-    """Probe, sample at ``cfg.fps`` and decode the sampled frames of ``data``.
+    """Probe, sample by ``cfg``'s rule (``cfg.video_sampling``) and decode the sampled frames of ``data``.
 
     ``workers``: None picks the CPU count and decodes in-process when the work is too small for
     the pool to pay off; 1 always decodes in-process; >= 2 always uses a pool of that many.
@@ -92,7 +97,13 @@ def decode_video(
         raise BadMedia("a video decoder process died on this input", item) from e
     start = table.pts[0]
     timestamps = [table.seconds(int(table.pts[i] - start)) for i in indices]
-    return VideoFrames(frames=frames, indices=indices, timestamps=timestamps, info=info)
+    return VideoFrames(
+        frames=frames,
+        indices=indices,
+        timestamps=timestamps,
+        info=info,
+        pair_timestamps=pair_timestamps(indices, info.fps, cfg),
+    )
 
 
 def _decode_here(

@@ -1,6 +1,6 @@
-"""Fixtures shared across the test packages: the tiny Qwen2.5-VL checkpoint (built once per session,
-only when a test asks for it), a folder for the media its scenarios write, and fp32 without TF32
-for the CUDA parity tests."""
+"""Fixtures shared across the test packages: the tiny Qwen2.5-VL and MiMo-V2.5 checkpoints (each
+built once per session, only when a test asks for it), a folder for the media the scenarios write,
+and fp32 without TF32 for the CUDA parity tests."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.fixtures.mimo_v2 import write_tiny_mimo_v2
 from tests.fixtures.qwen2_5_vl import build_tiny_qwen2_5_vl
 
 
@@ -17,6 +18,13 @@ from tests.fixtures.qwen2_5_vl import build_tiny_qwen2_5_vl
 def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Qwen2.5-VL checkpoint (``tests.fixtures.qwen2_5_vl``); tests must not change it."""
     return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
+
+
+@pytest.fixture(scope="session")
+def mimo_v2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny MiMo-V2.5 checkpoint in the released layout, with its vision tower
+    (``tests.fixtures.mimo_v2``); tests must not change it."""
+    return write_tiny_mimo_v2(tmp_path_factory.mktemp("mimo_v2"))
 
 
 @pytest.fixture(scope="session")

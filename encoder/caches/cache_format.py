@@ -14,10 +14,12 @@
     40      8     created (unix ns)
     48      4     payload crc32
     52      4     header crc32: over [0, 52) and [64, var_end) (the slot block is excluded)
-    56      2     key length      58  2  writer length      60  2  grid count   62  2  reserved (0)
+    56      2     key length      58  2  writer length      60  2  grid count   62  2  timestamp count
     64      8     SLOT BLOCK: index slot (u32) + reserved; the only bytes written after publish
     72      ...   key (ascii) | writer (utf-8) | grid_thw as u32 triples | seconds_per_grid_t (f64,
-                  NaN for none: a video's seconds per temporal patch, which M-RoPE spaces by)
+                  NaN for none: a video's seconds per temporal patch, which M-RoPE spaces by) |
+                  grid_t_timestamps as f64 (a video's time of each temporal patch, for models
+                  that write timestamps into the prompt)
     ...     pad to header_len
     header_len    payload: the tensor, row-major, little endian
 
@@ -34,7 +36,8 @@ import zlib
 from typing import NamedTuple
 
 MAGIC = b"EPDEMBED"
-VERSION = 2  # 2: seconds_per_grid_t after the grid triples
+VERSION = 3  # 2: seconds_per_grid_t after the grid triples; 3: grid_t_timestamps after it
+MAX_TIMESTAMPS = 0xFFFF  # the count is a u16
 PAGE = 4096
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -69,15 +72,16 @@ class EntryHeader(NamedTuple):
     payload_len: int
     payload_crc: int
     seconds_per_grid_t: float | None = None
+    grid_t_timestamps: tuple[float, ...] = ()
 
     @property
     def file_len(self) -> int:
         return self.header_len + self.payload_len
 
 
-def header_len_for(key: str, writer: str, n_grid: int) -> int:
+def header_len_for(key: str, writer: str, n_grid: int, n_timestamps: int = 0) -> int:
     """Bytes before the payload: the variable part rounded up to a page."""
-    var = len(key.encode("ascii")) + len(writer.encode("utf-8")) + 12 * n_grid + 8
+    var = len(key.encode("ascii")) + len(writer.encode("utf-8")) + 12 * n_grid + 8 + 8 * n_timestamps
     return -(-(_VAR_OFFSET + var) // PAGE) * PAGE
 
 
@@ -92,13 +96,15 @@ def pack_header(
     created_ns: int,
     payload_crc: int,
     seconds_per_grid_t: float | None = None,
+    grid_t_timestamps: tuple[float, ...] = (),
 ) -> bytes:
     """The header bytes (``header_len`` long) for a payload of ``shape`` ``dtype`` values."""
     key_b, writer_b = key.encode("ascii"), writer.encode("utf-8")
     assert len(key_b) <= MAX_KEY and len(writer_b) <= MAX_WRITER, "key/writer length checked by the cache"
     assert dtype in DTYPES and modality in MODALITIES
+    assert len(grid_t_timestamps) <= MAX_TIMESTAMPS, "timestamp count checked by the cache"
     rows, cols = shape
-    header_len = header_len_for(key, writer, len(grid_thw))
+    header_len = header_len_for(key, writer, len(grid_thw), len(grid_t_timestamps))
     fixed = _FIXED.pack(
         MAGIC,
         VERSION,
@@ -114,10 +120,16 @@ def pack_header(
         len(key_b),
         len(writer_b),
         len(grid_thw),
-        0,
+        len(grid_t_timestamps),
     )
     seconds = math.nan if seconds_per_grid_t is None else float(seconds_per_grid_t)
-    var = key_b + writer_b + b"".join(struct.pack("<III", *g) for g in grid_thw) + struct.pack("<d", seconds)
+    var = (
+        key_b
+        + writer_b
+        + b"".join(struct.pack("<III", *g) for g in grid_thw)
+        + struct.pack("<d", seconds)
+        + struct.pack(f"<{len(grid_t_timestamps)}d", *grid_t_timestamps)
+    )
     crc = zlib.crc32(var, zlib.crc32(fixed[:_CRC_OFFSET]))
     out = bytearray(header_len)
     out[: _FIXED.size] = fixed
@@ -150,7 +162,7 @@ def parse_header(buf: bytes | memoryview, file_len: int) -> EntryHeader:
         klen,
         wlen,
         ngrid,
-        _,
+        nstamps,
     ) = _FIXED.unpack_from(buf, 0)
     if magic != MAGIC:
         raise CorruptEntry(f"bad magic {bytes(magic)!r}")
@@ -158,7 +170,7 @@ def parse_header(buf: bytes | memoryview, file_len: int) -> EntryHeader:
         raise CorruptEntry(f"unsupported version {version} (this build reads {VERSION})")
     if dtype_c >= len(DTYPES) or mod_c >= len(MODALITIES):
         raise CorruptEntry(f"bad dtype code {dtype_c} or modality code {mod_c}")
-    var_end = _VAR_OFFSET + klen + wlen + 12 * ngrid + 8
+    var_end = _VAR_OFFSET + klen + wlen + 12 * ngrid + 8 + 8 * nstamps
     if header_len % PAGE or var_end > header_len or len(buf) < var_end:
         raise CorruptEntry(f"header_len {header_len} does not hold the {var_end}-byte header")
     crc = zlib.crc32(bytes(buf[_VAR_OFFSET:var_end]), zlib.crc32(bytes(buf[:_CRC_OFFSET])))
@@ -176,6 +188,7 @@ def parse_header(buf: bytes | memoryview, file_len: int) -> EntryHeader:
     pos += wlen
     grid = tuple(struct.unpack_from("<III", buf, pos + 12 * i) for i in range(ngrid))
     (seconds,) = struct.unpack_from("<d", buf, pos + 12 * ngrid)
+    stamps = struct.unpack_from(f"<{nstamps}d", buf, pos + 12 * ngrid + 8)
     return EntryHeader(
         key=key,
         dtype=dtype,
@@ -188,6 +201,7 @@ def parse_header(buf: bytes | memoryview, file_len: int) -> EntryHeader:
         payload_len=payload_len,
         payload_crc=pcrc,
         seconds_per_grid_t=None if math.isnan(seconds) else seconds,
+        grid_t_timestamps=tuple(stamps),
     )
 
 

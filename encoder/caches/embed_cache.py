@@ -47,6 +47,7 @@ from encoder.caches.cache_files import (
 )
 from encoder.caches.cache_format import (
     ITEMSIZE,
+    MAX_TIMESTAMPS,
     MAX_WRITER,
     MODALITIES,
     SLOT_OFFSET,
@@ -209,6 +210,7 @@ class EmbedCache:
             grid_thw=hdr.grid_thw,
             modality=hdr.modality,
             seconds_per_grid_t=hdr.seconds_per_grid_t,
+            grid_t_timestamps=hdr.grid_t_timestamps,
         )
 
     # ------------------------------------------------------------------ API
@@ -220,9 +222,11 @@ class EmbedCache:
         modality: str,
         writer: str | None = None,
         seconds_per_grid_t: float | None = None,
+        grid_t_timestamps: Sequence[float] = (),
     ) -> EmbeddingRef:
         """Store ``tensor`` [tokens, hidden] under ``key`` and return its EmbeddingRef
-        (``seconds_per_grid_t``: a video's seconds per temporal patch, kept in the header).
+        (``seconds_per_grid_t``: a video's seconds per temporal patch; ``grid_t_timestamps``: the
+        time of each temporal patch; both kept in the header).
 
         Entries are immutable: when ``key`` is already cached (another writer won) the existing
         entry stays and its ref is returned. Evicts least recently used entries to stay within
@@ -240,9 +244,12 @@ class EmbedCache:
         if any(len(g) != 3 for g in grid_thw):
             raise CacheError(f"put({key}): grid_thw must be (t, h, w) triples, got {grid_thw!r}")
         grid = tuple((int(g[0]), int(g[1]), int(g[2])) for g in grid_thw)
+        stamps = tuple(float(x) for x in grid_t_timestamps)
+        if len(stamps) > MAX_TIMESTAMPS:
+            raise CacheError(f"put({key}): {len(stamps)} timestamps, at most {MAX_TIMESTAMPS}")
         writer = (writer or self.writer)[:MAX_WRITER]
         rows, cols = int(tensor.shape[0]), int(tensor.shape[1])
-        size = header_len_for(key, writer, len(grid)) + rows * cols * ITEMSIZE[dtype]
+        size = header_len_for(key, writer, len(grid), len(stamps)) + rows * cols * ITEMSIZE[dtype]
         ref = EmbeddingRef(
             key=key,
             dtype=dtype,
@@ -250,6 +257,7 @@ class EmbedCache:
             grid_thw=grid,
             modality=modality,
             seconds_per_grid_t=seconds_per_grid_t,
+            grid_t_timestamps=stamps,
         )
         if size > self.capacity_bytes:
             raise EntryTooLarge(f"put({key}): entry of {size} bytes exceeds capacity {self.capacity_bytes}")
@@ -269,6 +277,7 @@ class EmbedCache:
             created_ns=now,
             payload_crc=payload_crc(payload),
             seconds_per_grid_t=seconds_per_grid_t,
+            grid_t_timestamps=stamps,
         )
         fd, tmp = open_tmp(self._tmp_dir, key)
         try:

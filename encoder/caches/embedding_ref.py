@@ -22,6 +22,9 @@ class EmbeddingRef:
     # Video: seconds of the clip per temporal patch (temporal_patch_size / the sampled frame rate);
     # M-RoPE spaces a video's temporal positions by it. None for images.
     seconds_per_grid_t: float | None = None
+    # Video: the time in seconds of each temporal patch (its first frame), one per grid t, in
+    # order; a model that writes timestamps into the prompt (MiMo-V2.5) reads them. () otherwise.
+    grid_t_timestamps: tuple[float, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -31,6 +34,7 @@ class EmbeddingRef:
         d = asdict(self)
         d["shape"] = list(self.shape)
         d["grid_thw"] = [list(g) for g in self.grid_thw]
+        d["grid_t_timestamps"] = list(self.grid_t_timestamps)
         return d
 
     @classmethod
@@ -48,4 +52,5 @@ class EmbeddingRef:
             seconds_per_grid_t=None
             if d.get("seconds_per_grid_t") is None
             else float(d["seconds_per_grid_t"]),
+            grid_t_timestamps=tuple(float(x) for x in d.get("grid_t_timestamps") or ()),
         )

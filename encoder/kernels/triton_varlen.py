@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from encoder.kernels.triton_segments import segment_operands
+
 
 @triton.jit
 def _varlen_attn_kernel(  # type: ignore[no-untyped-def]  # params are typed by the Triton JIT
@@ -102,33 +104,8 @@ def varlen_attention_triton(
     ``cu_seqlens`` [S + 1] int32 on q's device; ``max_seqlen`` the longest segment (sizes the grid).
     """
     assert q.shape == k.shape == v.shape and q.dim() == 3, f"q/k/v shapes {q.shape} {k.shape} {v.shape}"
-    assert cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 2
-    n, heads, head_dim = q.shape
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    out = torch.empty_like(q)
-    if n == 0:
-        return out
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    grid = (cu_seqlens.numel() - 1, heads, triton.cdiv(max_seqlen, block_m))
-    _varlen_attn_kernel[grid](
-        q,
-        k,
-        v,
-        out,
-        cu_seqlens.to(torch.int32),
-        head_dim**-0.5,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
-        HEAD_DIM=head_dim,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )
-    return out
+    ops = segment_operands(q, k, v, cu_seqlens)
+    if q.shape[0] == 0:
+        return ops.out
+    _varlen_attn_kernel[ops.grid(max_seqlen, block_m)](*ops.args(), **ops.tile_constants(block_m, block_n))
+    return ops.out

@@ -16,6 +16,7 @@ from encoder.models.family import VisionFamily
 FAMILIES: dict[str, str] = {
     "qwen2_5_vl": "encoder.models.qwen2_5_vl",
     "qwen2_5_vl_vision": "encoder.models.qwen2_5_vl",
+    "mimo_v2": "encoder.models.mimo_v2",
 }
 
 

@@ -1,16 +1,15 @@
-"""Load a Qwen2.5-VL vision tower from a Hugging Face directory, or the embedded default.
+"""Load a vision tower from a Hugging Face checkpoint directory, or the embedded default.
 
-Accepted layouts (config.json + model.safetensors, or sharded via model.safetensors.index.json):
+The checkpoint's config.json names the tower family (``encoder.models.FAMILIES``, by model_type);
+the family parses its config, builds its tower and maps the tensors on disk to the tower's state
+dict (``encoder.models.family.VisionFamily``). Weights come as model.safetensors, or sharded via
+model.safetensors.index.json; the tower's tensors sit under one of the family's name prefixes.
 
-    full model   model_type "qwen2_5_vl", weights "visual.*" (what transformers 5 save_pretrained
-                 and the original Qwen releases write) or "model.visual.*" (transformers 4.5x)
-    vision only  model_type "qwen2_5_vl_vision", weights at the top level ("blocks.0...")
-
-Only the vision tensors are read (shards holding only LLM weights are never opened). Key sets and
-shapes are checked strictly; every problem raises ``CheckpointError`` naming the file, tensor or
-model_type. The fingerprint (sha256 over the canonical config, each tensor's name, shape, stored
-dtype and bytes digest, and the compute dtype) identifies the embedding function: it feeds the
-MediaKey so that a different checkpoint never reuses cached embeddings.
+Only the vision tensors are read (shards holding only LLM or audio weights are never opened). Key
+sets and shapes are checked strictly; every problem raises ``CheckpointError`` naming the file,
+tensor or model_type. The fingerprint (sha256 over the canonical config, each tensor's name, shape,
+stored dtype and bytes digest, and the compute dtype) identifies the embedding function: it feeds
+the MediaKey so that a different checkpoint never reuses cached embeddings.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from safetensors import safe_open
@@ -29,17 +28,16 @@ from safetensors.torch import save_file
 
 from encoder.models import UnknownVisionModel, family_for
 from encoder.models.config import VisionConfig
-from encoder.models.family import VisionFamily
-from encoder.models.rope import rope_inv_freq
-from encoder.models.tower import VisionTransformer
+from encoder.models.family import PATCH_EMBED, VisionFamily, VisionTower, VisionTowerConfig
 from epd_common.settings import default_checkpoint_dir, epd_home
 
 # The tensor every tower has (the patch embedding), under its family's prefix: finds the prefix.
-VISION_ANCHOR = "patch_embed.proj.weight"
+VISION_ANCHOR = PATCH_EMBED
 
-# The embedded default: shaped like the real tower (window + full blocks, 2x2 merge, SwiGLU, head
-# dim 32) but small, so that a 448x448 image (1024 patches, ~1.1 GFLOP, half of it in the two
-# full-attention blocks) takes tens of milliseconds on one CPU core.
+# The embedded default (a value, not a code path: it loads through its family like any checkpoint):
+# a small Qwen2.5-VL-shaped tower (window + full blocks, 2x2 merge, SwiGLU, head dim 32), so that a
+# 448x448 image (1024 patches, ~1.1 GFLOP, half of it in the two full-attention blocks) takes tens
+# of milliseconds on one CPU core.
 DEFAULT_CONFIG = VisionConfig(
     depth=4,
     hidden_size=64,
@@ -59,8 +57,8 @@ class CheckpointError(Exception):
 
 
 class LoadedEncoder(NamedTuple):
-    model: VisionTransformer
-    config: VisionConfig
+    model: VisionTower
+    config: VisionTowerConfig
     fingerprint: str  # hex sha256
 
 
@@ -69,12 +67,12 @@ def default_model_dir() -> Path:
     return epd_home()
 
 
-def read_vision_config(path: Path) -> VisionConfig:
-    """The VisionConfig of the checkpoint directory ``path`` (full or vision-only)."""
+def read_vision_config(path: Path) -> VisionTowerConfig:
+    """The tower config of the checkpoint directory ``path`` (full or vision-only)."""
     return _read_vision_family(path)[0]
 
 
-def _read_vision_family(path: Path) -> tuple[VisionConfig, VisionFamily]:
+def _read_vision_family(path: Path) -> tuple[VisionTowerConfig, VisionFamily]:
     """The tower's config and its family (which knows the tensor prefixes), from one config.json read."""
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -91,9 +89,14 @@ def _read_vision_family(path: Path) -> tuple[VisionConfig, VisionFamily]:
     if vision is None:
         raise CheckpointError(f"{cfg_file}: model_type {raw.get('model_type')!r} without a vision_config")
     try:
-        return VisionConfig.from_hf_dict(vision), family
+        return family.parse_vision_config(vision), family
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{cfg_file}: bad vision config: {e}") from e
+
+
+def _family_of(cfg: VisionTowerConfig) -> VisionFamily:
+    """The family a config belongs to (the one its own config.json body names)."""
+    return family_for(cfg.to_hf_dict())
 
 
 def _weight_map(path: Path) -> dict[str, Path]:
@@ -117,30 +120,16 @@ def _weight_map(path: Path) -> dict[str, Path]:
     )
 
 
-def _expected_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
-        model = VisionTransformer(cfg)
-    shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    # Stored as transformers' Conv3d weight: [C, in_channels, temporal, patch, patch].
-    shapes[VISION_ANCHOR] = (
-        cfg.hidden_size,
-        cfg.in_channels,
-        cfg.temporal_patch_size,
-        cfg.patch_size,
-        cfg.patch_size,
-    )
-    return shapes
-
-
-def _read_tensors(path: Path, cfg: VisionConfig, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def _read_tensors(path: Path, cfg: VisionTowerConfig, family: VisionFamily) -> dict[str, torch.Tensor]:
     """The tower's tensors (names without the prefix), after strict key, shape and dtype checks."""
     weight_map = _weight_map(path)
+    prefixes = family.TENSOR_PREFIXES
     prefix = next((p for p in prefixes if p + VISION_ANCHOR in weight_map), None)
     if prefix is None:
         raise CheckpointError(
             f"{path}: no vision tower weights (looked for {[p + VISION_ANCHOR for p in prefixes]})"
         )
-    expected = _expected_shapes(cfg)
+    expected = family.disk_shapes(cfg)
     ours = {name[len(prefix) :]: f for name, f in weight_map.items() if name.startswith(prefix)}
     if prefix == "":  # vision-only: everything at top level must belong to the tower
         ours = dict(weight_map)
@@ -175,7 +164,7 @@ def _read_tensors(path: Path, cfg: VisionConfig, prefixes: tuple[str, ...]) -> d
     return tensors
 
 
-def fingerprint(cfg: VisionConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
+def fingerprint(cfg: VisionTowerConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
     """sha256 over the canonical config, every tensor's (name, shape, dtype, bytes digest) and the
     compute dtype (bf16 and fp32 runs of one checkpoint give different embeddings)."""
     h = hashlib.sha256()
@@ -198,39 +187,37 @@ def load_checkpoint_dir(
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise CheckpointError(f"dtype {dtype} is not supported (float32, bfloat16, float16)")
     cfg, family = _read_vision_family(path)
-    tensors = _read_tensors(path, cfg, family.TENSOR_PREFIXES)
+    tensors = _read_tensors(path, cfg, family)
     fp = fingerprint(cfg, tensors, dtype)
-    state = {name: t.to(dtype) for name, t in tensors.items()}
-    state[VISION_ANCHOR] = state[VISION_ANCHOR].reshape(cfg.hidden_size, cfg.patch_dim)
-    with torch.device("meta"):
-        model = VisionTransformer(cfg)
+    state = family.to_module_state(cfg, {name: t.to(dtype) for name, t in tensors.items()})
+    with torch.device("meta"):  # no weights allocated twice: the checkpoint's tensors are assigned
+        model = family.build_tower(cfg)
     model.load_state_dict(state, strict=True, assign=True)
-    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)  # non-persistent buffer, not in files
     model = model.to(device).eval().requires_grad_(False)
-    return LoadedEncoder(model, cfg, fp)
+    return LoadedEncoder(cast(VisionTower, model), cfg, fp)
 
 
-def save_vision_checkpoint(model: VisionTransformer, path: str | Path) -> None:
-    """Write ``model`` as a vision-only transformers checkpoint (config.json + model.safetensors)."""
+def save_vision_checkpoint(model: VisionTower, path: str | Path) -> None:
+    """Write ``model`` as a checkpoint its family loads back (config.json + model.safetensors)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.config
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    state[VISION_ANCHOR] = (
-        state[VISION_ANCHOR]
-        .reshape(cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        .contiguous()
+    module = cast(torch.nn.Module, model)
+    state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+    save_file(
+        _family_of(cfg).to_disk_state(cfg, state), str(path / "model.safetensors"), metadata={"format": "pt"}
     )
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     hf = cfg.to_hf_dict()
     hf["dtype"] = str(model.dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
 
 
-def random_encoder(cfg: VisionConfig, seed: int) -> VisionTransformer:
-    """A tower with weights drawn from a fixed seed: N(0, 1/fan_in) matrices, zero biases, unit norms.
-    Same seed and config give the same bytes on every CPU."""
-    model = VisionTransformer(cfg)
+def random_encoder(cfg: VisionTowerConfig, seed: int) -> Any:
+    """A tower (of ``cfg``'s family) with weights drawn from a fixed seed: N(0, 1/fan_in) tensors,
+    zero biases, unit norms. Same seed and config give the same bytes on every CPU.
+
+    Typed ``Any``: callers get their family's concrete tower (a ``VisionTower`` and an nn.Module)."""
+    model = _family_of(cfg).build_tower(cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):

@@ -10,31 +10,23 @@ import logging
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from encoder.models.config_common import HF_BOOKKEEPING, PatchGeometry, read_known_keys
+
 log = logging.getLogger(__name__)
 
-# Keys older Qwen2.5-VL config.json files use for the same field.
-_ALIASES: dict[str, str] = {"in_chans": "in_channels", "num_attention_heads": "num_heads"}
-# Keys that say nothing about the tower's math (HF bookkeeping, text-side hints).
-_IGNORED: frozenset[str] = frozenset(
-    {
-        "model_type",
-        "architectures",
-        "dtype",
-        "torch_dtype",
-        "transformers_version",
-        "initializer_range",
-        "tokens_per_second",
-        "spatial_patch_size",
-        "rope_parameters",
-        "rope_theta",
-        "_name_or_path",
-        "num_hidden_layers",
-    }
-)
+# Keys that say nothing about the tower's math (HF bookkeeping, text-side hints), or that
+# from_hf_dict reads itself (rope_parameters, rope_theta).
+_IGNORED: frozenset[str] = HF_BOOKKEEPING | {
+    "tokens_per_second",
+    "spatial_patch_size",
+    "rope_parameters",
+    "rope_theta",
+    "num_hidden_layers",
+}
 
 
 @dataclass(frozen=True)
-class VisionConfig:
+class VisionConfig(PatchGeometry):
     """Qwen2.5-VL vision tower hyper-parameters (names as in transformers' ``Qwen2_5_VLVisionConfig``).
 
     Invariants (checked in ``__post_init__``): ``hidden_size`` divides by ``num_heads``; the head
@@ -77,16 +69,6 @@ class VisionConfig:
         return self.hidden_size // self.num_heads
 
     @property
-    def patch_dim(self) -> int:
-        """Values in one input row: in_channels * temporal_patch * patch * patch (1176)."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
-
-    @property
-    def merge_unit(self) -> int:
-        """Patches folded into one output token (4 for a 2x2 merge)."""
-        return self.spatial_merge_size * self.spatial_merge_size
-
-    @property
     def window_merged(self) -> int:
         """Window side in merged patches: window_size // spatial_merge_size // patch_size."""
         return self.window_size // self.spatial_merge_size // self.patch_size
@@ -117,20 +99,9 @@ class VisionConfig:
         Unknown keys are logged and ignored; values this tower cannot run (non-axial rope,
         non-square patches, inconsistent sizes) raise ``ValueError`` naming them.
         """
-        known = {f.name for f in fields(cls)}
-        kwargs: dict[str, Any] = {}
-        unknown: list[str] = []
-        for raw_key, value in d.items():
-            key = _ALIASES.get(raw_key, raw_key)
-            if key in known and key != "rope_theta":
-                kwargs[key] = value
-            elif raw_key not in _IGNORED:
-                unknown.append(raw_key)
-        if unknown:
-            # Older transformers wrote generic PretrainedConfig fields (return_dict, ...) into
-            # vision_config; refusing those would reject real checkpoints. A field that really
-            # changes the architecture also changes the tensors, which the loader checks strictly.
-            log.warning("ignoring unknown vision_config keys %s", sorted(unknown))
+        # rope_theta is read below, from rope_parameters first (transformers 5's layout).
+        accepted = {f.name for f in fields(cls)} - {"rope_theta"}
+        kwargs = read_known_keys(d, accepted, _IGNORED, log)
         rope = d.get("rope_parameters") or {}
         if rope.get("rope_type", "axial") not in ("axial", "default"):
             raise ValueError(

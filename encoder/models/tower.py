@@ -5,13 +5,14 @@ maps one to one, except ``patch_embed.proj``: transformers keeps a Conv3d whose 
 kernel, which on pre-cut 1176-value rows is exactly a Linear; the loader reshapes the Conv3d
 weight [C, 3, 2, 14, 14] to [C, 1176].
 
-This module knows nothing of files, batching or HTTP.
+The packing glue (device copies of the layout, the input check, the patch embedding) is
+``packed_tower.PackedTower``'s. This module knows nothing of files, batching or HTTP.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from torch import nn
 
 from encoder.kernels.attention import AttnBackend, varlen_attention
 from encoder.models.config import VisionConfig
+from encoder.models.packed_tower import PackedTower
 from encoder.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from encoder.models.windows import Grid, Segments, VisionLayout, vision_layout
 
@@ -54,10 +56,21 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class VisionMLP(nn.Module):
-    """Gated MLP: down(act(gate(x)) * up(x)), with biases."""
+class MLPConfig(Protocol):
+    """What the MLP reads from a tower config (Qwen2.5-VL's and MiMo ViT's both have it)."""
 
-    def __init__(self, cfg: VisionConfig) -> None:
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def hidden_act(self) -> str: ...  # a key of ACTIVATIONS
+
+
+class VisionMLP(nn.Module):
+    """Gated MLP (SwiGLU for silu): down(act(gate(x)) * up(x)), with biases."""
+
+    def __init__(self, cfg: MLPConfig) -> None:
         super().__init__()
         if cfg.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not one of {sorted(ACTIVATIONS)}")
@@ -122,16 +135,7 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.group_dim))  # [N // 4, out]
 
 
-class PatchEmbed(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        self.proj = nn.Linear(cfg.patch_dim, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x.to(self.proj.weight.dtype))
-
-
-class VisionTransformer(nn.Module):
+class VisionTransformer(PackedTower[VisionConfig, VisionLayout]):
     """Qwen2.5-VL vision encoder over packed items.
 
     ``forward(pixel_values [N, patch_dim], grid_thw [K, 3]) -> [N // merge_unit, out_hidden_size]``:
@@ -140,64 +144,19 @@ class VisionTransformer(nn.Module):
     """
 
     def __init__(self, cfg: VisionConfig, attn_backend: AttnBackend = "auto") -> None:
-        super().__init__()
-        self.config = cfg
-        self.attn_backend: AttnBackend = attn_backend
-        self.patch_embed = PatchEmbed(cfg)
+        super().__init__(cfg, attn_backend)  # config, attn_backend, patch_embed
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
         self.inv_freq: torch.Tensor
-        self._device_layouts: OrderedDict[tuple[tuple[tuple[int, ...], ...], str], VisionLayout] = (
-            OrderedDict()
-        )
 
-    @property
-    def device(self) -> torch.device:
-        return self.patch_embed.proj.weight.device
+    def cpu_layout(self, grids: Sequence[Grid]) -> VisionLayout:
+        return vision_layout(grids, self.config.spatial_merge_size, self.config.window_merged)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.patch_embed.proj.weight.dtype
-
-    def layout(self, grids: Sequence[Grid]) -> VisionLayout:
-        """The token layout of a batch with these grids, on the model's device.
-
-        Built on the CPU (cached per distinct grids) and, off the CPU, kept in a small per-model
-        cache of device copies so repeated batch shapes upload nothing.
-        """
+    def encode(self, x: torch.Tensor, layout: VisionLayout) -> torch.Tensor:
+        """Window order for the blocks, back to the input order after the merger."""
         cfg = self.config
-        cpu_layout = vision_layout(grids, cfg.spatial_merge_size, cfg.window_merged)
-        device = self.device
-        if device.type == "cpu":
-            return cpu_layout
-        key = (tuple(tuple(int(x) for x in g) for g in grids), str(device))
-        cached = self._device_layouts.get(key)
-        if cached is None:
-            cached = cpu_layout.to(device)
-            self._device_layouts[key] = cached
-            while len(self._device_layouts) > 64:
-                self._device_layouts.popitem(last=False)
-        else:
-            self._device_layouts.move_to_end(key)
-        return cached
-
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
-        return self.forward_layout(pixel_values, self.layout(grids))
-
-    def forward_layout(self, pixel_values: torch.Tensor, layout: VisionLayout) -> torch.Tensor:
-        """Forward with a precomputed layout (the batcher builds it off the hot path)."""
-        cfg = self.config
-        n = layout.positions.shape[0]
-        if pixel_values.dim() != 2 or pixel_values.shape != (n, cfg.patch_dim):
-            raise ValueError(
-                f"pixel_values has shape {tuple(pixel_values.shape)}, expected ({n}, {cfg.patch_dim}) "
-                "from grid_thw"
-            )
-        layout = layout.to(self.device)
-        unit = cfg.merge_unit
-        x = self.patch_embed(pixel_values.to(self.device, non_blocking=True))  # [N, C]
+        n, unit = x.shape[0], cfg.merge_unit
         x = x.view(n // unit, unit, -1)[layout.window_index].reshape(n, -1)  # window order
         cos, sin = rope_cos_sin(layout.positions, self.inv_freq)  # [N, D/2] each
         for i, block in enumerate(self.blocks):

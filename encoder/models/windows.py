@@ -20,7 +20,8 @@ restored after the merger. Example: one frame of 6x6 merged units, window side 4
 
 Edge windows are smaller (no padding tokens exist). Full-attention blocks attend within one frame
 (``t`` segments of h*w patches per item, as Qwen2.5-VL does); frames stay contiguous in window
-order because windows never cross a frame.
+order because windows never cross a frame. (``Segments`` themselves, shared with the MiMo layout,
+live in ``packed_layout``; they stay importable from here.)
 """
 
 from __future__ import annotations
@@ -31,36 +32,8 @@ from typing import NamedTuple
 
 import torch
 
-Grid = tuple[int, int, int]
-
-
-class LengthBucket(NamedTuple):
-    """The B segments of one length L. ``start`` is set when they are back to back in the sequence
-    (rows [start, start + B*L)), so the CPU path can use a view instead of a gather."""
-
-    length: int
-    positions: torch.Tensor  # [B, L] long, token positions of each segment
-    start: int | None
-
-
-class Segments(NamedTuple):
-    """Packed attention segments over the window-ordered token sequence.
-
-    ``buckets`` groups segments of equal length for the CPU path (one SDPA call per bucket).
-    """
-
-    cu_seqlens: torch.Tensor  # [S + 1] int32, cu_seqlens[0] = 0, cu_seqlens[-1] = N
-    lengths: tuple[int, ...]  # S segment lengths in tokens
-    max_len: int
-    buckets: tuple[LengthBucket, ...]
-
-    def to(self, device: torch.device) -> Segments:
-        return Segments(
-            self.cu_seqlens.to(device, non_blocking=True),
-            self.lengths,
-            self.max_len,
-            tuple(b._replace(positions=b.positions.to(device, non_blocking=True)) for b in self.buckets),
-        )
+from encoder.models.family import Grid
+from encoder.models.packed_layout import Segments, checked_grids, fields_to, make_segments
 
 
 class VisionLayout(NamedTuple):
@@ -73,33 +46,7 @@ class VisionLayout(NamedTuple):
     window: Segments  # one segment per window
 
     def to(self, device: torch.device) -> VisionLayout:
-        if self.positions.device == device:
-            return self
-        return VisionLayout(
-            self.positions.to(device, non_blocking=True),
-            self.window_index.to(device, non_blocking=True),
-            self.reverse_index.to(device, non_blocking=True),
-            self.full.to(device),
-            self.window.to(device),
-        )
-
-
-def make_segments(lengths: Sequence[int]) -> Segments:
-    """Segments from per-segment lengths (all > 0)."""
-    assert lengths and min(lengths) > 0, f"segment lengths must be positive, got {list(lengths)[:8]}"
-    lens = torch.tensor(list(lengths), dtype=torch.long)
-    starts = torch.cumsum(lens, 0) - lens  # [S]
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lens, 0).to(torch.int32)
-    buckets = []
-    for n in sorted(set(lengths)):
-        seg_starts = starts[lens == n]  # [B]
-        first = int(seg_starts[0])
-        back_to_back = torch.equal(seg_starts, first + n * torch.arange(len(seg_starts)))
-        buckets.append(
-            LengthBucket(n, seg_starts[:, None] + torch.arange(n), first if back_to_back else None)
-        )
-    return Segments(cu, tuple(int(n) for n in lengths), max(lengths), tuple(buckets))
+        return self if self.positions.device == device else VisionLayout(*fields_to(self, device))
 
 
 def _unit_positions(h_units: int, w_units: int, merge: int) -> torch.Tensor:
@@ -159,15 +106,4 @@ def vision_layout(grids: Sequence[Grid], spatial_merge_size: int, window_merged:
     ``window_merged`` is the window side in merged units (window_size // merge // patch).
     Raises ``ValueError`` naming the grid when h or w is not a multiple of the merge size.
     """
-    if not grids:
-        raise ValueError("empty batch: grid_thw has no items")
-    norm: list[Grid] = []
-    for g in grids:
-        t, h, w = (int(x) for x in g)
-        if t < 1 or h < 1 or w < 1 or h % spatial_merge_size or w % spatial_merge_size:
-            raise ValueError(
-                f"grid_thw {(t, h, w)} is invalid: t, h, w must be positive and h, w multiples of "
-                f"spatial_merge_size={spatial_merge_size}"
-            )
-        norm.append((t, h, w))
-    return _layout_cached(tuple(norm), spatial_merge_size, window_merged)
+    return _layout_cached(checked_grids(grids, spatial_merge_size), spatial_merge_size, window_merged)

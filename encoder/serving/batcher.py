@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import torch
 
-from encoder.models.tower import VisionTransformer
+from encoder.models.family import VisionTower
 from media_io.preprocess import Patches
 
 
@@ -102,7 +102,7 @@ class EncodeBatcher:
 
     def __init__(
         self,
-        model: VisionTransformer,
+        model: VisionTower,
         patch_budget: int = 16384,
         max_wait_ms: float = 5.0,
         max_queue_patches: int | None = None,

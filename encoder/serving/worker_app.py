@@ -56,6 +56,16 @@ log = logging.getLogger("epd.encoder.worker")
 STAGES = ("decode", "preprocess", "queue", "forward")
 
 
+class VideoTiming(NamedTuple):
+    """When a video's temporal patches happen, as the prompt and positions need it (images: none)."""
+
+    # temporal_patch_size over the sampled frame rate ((sampled / total frames) x the stream's fps),
+    # as transformers' Qwen2.5-VL processor computes ``second_per_grid_ts``: M-RoPE's time spacing
+    seconds_per_grid_t: float | None = None
+    # the time of each temporal patch's first frame (media_io's sampling rule): prompt timestamps
+    grid_t_timestamps: tuple[float, ...] = ()
+
+
 class Overloaded(Exception):
     """More work admitted than the worker may hold; the client should retry (503)."""
 
@@ -184,7 +194,7 @@ class EncoderWorker:
     async def _encode_miss(self, data: bytes, modality: str, key: str, item: str | None) -> EncodeOutcome:
         loop = asyncio.get_running_loop()
         timings: dict[str, float] = {}
-        patches, seconds_per_grid_t = await loop.run_in_executor(
+        patches, timing = await loop.run_in_executor(
             self.pool, self._decode_preprocess, data, modality, item, timings
         )
         result = await self.batcher.encode_timed(patches)
@@ -199,7 +209,8 @@ class EncoderWorker:
                 [patches.grid_thw],
                 modality,
                 self.writer,
-                seconds_per_grid_t,
+                timing.seconds_per_grid_t,
+                timing.grid_t_timestamps,
             )
         except EntryTooLarge as e:
             raise MediaTooLarge(f"its embedding does not fit the node cache: {e}", item) from e
@@ -209,22 +220,22 @@ class EncoderWorker:
 
     def _decode_preprocess(
         self, data: bytes, modality: str, item: str | None, timings: dict[str, float]
-    ) -> tuple[Patches, float | None]:
+    ) -> tuple[Patches, VideoTiming]:
         """Runs in the decode pool. Fills timings["decode"] and timings["preprocess"] (ms). Returns
-        the patches and, for a video, its seconds per temporal patch (M-RoPE's time spacing):
-        temporal_patch_size over the sampled frame rate, (sampled / total frames) x the stream's fps,
-        as transformers' Qwen2.5-VL processor computes ``second_per_grid_ts``."""
+        the patches and, for a video, its timing (``VideoTiming``)."""
         cfg, limits = self.config, self.config.limits
         t0 = time.perf_counter()
-        seconds_per_grid_t = None
+        timing = VideoTiming()
         if modality == "video":
             frames = decode_video(data, cfg.preprocess, limits, item=item, workers=cfg.video_decode_workers)
             t1 = time.perf_counter()
             patches = self.backend.video(frames.frames, item)
             info = frames.info
+            seconds_per_grid_t = None
             if info.num_frames and info.fps > 0:
                 sampled_fps = len(frames.indices) / info.num_frames * info.fps
                 seconds_per_grid_t = cfg.preprocess.temporal_patch_size / sampled_fps
+            timing = VideoTiming(seconds_per_grid_t, frames.pair_timestamps)
         else:
             # Bytes straight to patches: the backend decodes at the scale the target needs (JPEG
             # DCT scaling on the CPU, nvJPEG with DALI), so decode and preprocess are one step,
@@ -234,7 +245,7 @@ class EncoderWorker:
         t2 = time.perf_counter()
         timings["decode"] = (t1 - t0) * 1000.0
         timings["preprocess"] = (t2 - t1) * 1000.0
-        return patches, seconds_per_grid_t
+        return patches, timing
 
     def _public(self, ref: EmbeddingRef) -> EmbeddingRef:
         if self.config.public_url:

@@ -157,6 +157,8 @@ class KVManager:
 
         Returns False, taking nothing, when the pools cannot hold it even after eviction.
         """
+        if seq.num_computed_tokens + n <= len(seq.full_pages) * self.page_size:
+            return True  # the pages held already cover them (most decode steps): nothing to take
         need = self.pages_needed(seq, n)
         if not self._available(need) and not (self.unpin(seq) and self._available(need)):
             return False
@@ -191,6 +193,8 @@ class KVManager:
         c reaches it, and then b moves with it).
         """
         lo = self.first_live_swa_page(seq.num_computed_tokens // self.page_size * self.page_size)
+        if lo <= seq.num_swa_released:
+            return 0  # the window start did not pass a page since the last call (most steps)
         pin_lo, pin_hi = self._pinned_pages(seq)
         freed: list[int] = []
         for i in range(seq.num_swa_released, min(lo, len(seq.swa_pages))):

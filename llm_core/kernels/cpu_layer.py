@@ -187,17 +187,37 @@ def layer_weights(
     return LayerWeights(args, qkv_weight)
 
 
+def _view(t: Tensor, dtype: torch.dtype) -> object:
+    """A tensor's memory as a kernel buffer, converted to ``dtype`` and made contiguous only when it
+    is not already (``c_kernel.buffer`` pays for a detach and a no-op conversion every call)."""
+    if t.dtype is dtype and t.is_contiguous() and not t.requires_grad:
+        return t.numpy()
+    return _buf(t.to(dtype))
+
+
 class StepArgs:
-    """One forward's attention metadata as kernel buffers, per pool type (made once, used by all layers)."""
+    """One forward's attention metadata as kernel buffers, per pool type (made once, used by all
+    layers), and the buffers of the tensors its layers share (hidden state, rotary tables), each
+    exported once per step."""
 
     def __init__(self, batch: AttentionBatch) -> None:
-        cu, lens = _buf(batch.cu_seqlens_q.to(torch.int32)), _buf(batch.seq_lens.to(torch.int32))
+        cu, lens = _view(batch.cu_seqlens_q, torch.int32), _view(batch.seq_lens, torch.int32)
 
         def pool(slots: Tensor, table: Tensor) -> tuple[object, ...]:
-            return _buf(slots.to(torch.int64)), _buf(table.to(torch.int32)), cu, lens
+            return _view(slots, torch.int64), _view(table, torch.int32), cu, lens
 
         self.full = pool(batch.full_slots, batch.full_page_table)
         self.swa = pool(batch.swa_slots, batch.swa_page_table)
+        # tensor -> its buffer; holding the tensor keeps its memory (and identity) for the step
+        self._buffers: dict[Tensor, object] = {}
+
+    def buffer(self, t: Tensor, writable: bool = False) -> object:
+        """``t``'s kernel buffer (float32 contiguous), exported on first use in this step; ``writable``:
+        the kernel updates it in place, so it must be ``t``'s own memory (``numpy()``)."""
+        got = self._buffers.get(t)
+        if got is None:
+            got = self._buffers[t] = t.numpy() if writable else _view(t, torch.float32)
+        return got
 
 
 def decoder_layer_cpu(
@@ -216,11 +236,11 @@ def decoder_layer_cpu(
     query reads that is not in it (x and residual are then partly updated)."""
     assert _kernel is not None
     _kernel.decoder_layer(
-        x.numpy(),
-        residual.numpy(),
+        step.buffer(x, writable=True),
+        step.buffer(residual, writable=True),
         first,
-        _buf(cos),
-        _buf(sin),
+        step.buffer(cos),
+        step.buffer(sin),
         *(step.swa if kv.is_swa else step.full),
         kv.k.numpy(),
         kv.v.numpy(),

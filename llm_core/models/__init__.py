@@ -16,6 +16,8 @@ from llm_core.models.family import LLMFamily
 FAMILIES: dict[str, str] = {
     "MiMoV2FlashForCausalLM": "llm_core.models.mimo_v2_flash",
     "mimo_v2_flash": "llm_core.models.mimo_v2_flash",
+    "MiMoV2ForCausalLM": "llm_core.models.mimo_v2",
+    "mimo_v2": "llm_core.models.mimo_v2",
     "Qwen2_5_VLForConditionalGeneration": "llm_core.models.qwen2_5_vl",
     "qwen2_5_vl": "llm_core.models.qwen2_5_vl",
 }

@@ -1,7 +1,10 @@
 """Load a language model checkpoint directory (or the embedded default) into DecoderForCausalLM, the
 shared decoder. config.json's architecture picks the family (``llm_core.models``: MiMo-V2-Flash,
-the Qwen2.5-VL family), which parses the config, names the language model's tensors (a vision
-tower's shards are never opened) and gives the rotary position scheme. For MiMo-V2-Flash:
+MiMo-V2.5, the Qwen2.5-VL family), which parses the config, names the language model's tensors (a
+vision tower's shards are never opened), converts them into the decoder's layout (its
+``tensor_converter``: e.g. MiMo-V2.5's FP8 dequantization and fused q/k/v split) and gives the
+rotary position scheme. Tensors the family names under ``mtp.`` are loaded into ``mtp.MTPHeads``
+(``LoadedLLM.mtp``). For MiMo-V2-Flash:
 
 Accepted layouts (config.json + weights):
 
@@ -14,7 +17,8 @@ Accepted layouts (config.json + weights):
   be absent.
 
 Loading is strict: any missing or unexpected tensor, or a shape mismatch, raises CheckpointError
-naming the tensor. The router (``mlp.gate.*``) stays fp32 whatever ``dtype`` is asked for.
+naming the tensor; so does a truncated or corrupt shard (naming the file and the first tensor whose
+bytes are cut off). The router (``mlp.gate.*``) stays fp32 whatever ``dtype`` is asked for.
 
 The embedded default (``load_llm(None)``) is generated once from a fixed seed with the agreed small
 config and stored under ``default_model_dir()/llm-<hash of the recipe>``; it is written to a temporary directory and
@@ -35,13 +39,15 @@ from typing import Any, NamedTuple
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from epd_common.settings import default_checkpoint_dir, epd_home
 from llm_core.models import UnknownArchitecture, family_for, mimo_v2_flash
 from llm_core.models.config import ConfigError, DecoderConfig
 from llm_core.models.decoder import DecoderForCausalLM
+from llm_core.models.family import TensorFormatError, tensor_converter_of
 from llm_core.models.moe import TopKRouter
+from llm_core.models.mtp import MTP_PREFIX, MTPFormatError, MTPHeads, num_layers_in, split_mtp_state
 from llm_core.models.positions import LinearPositions, PositionScheme
 
 DEFAULT_SEED = 20260101
@@ -61,6 +67,7 @@ class LoadedLLM(NamedTuple):
     model_dir: Path
     positions: PositionScheme = LinearPositions()  # the family's rotary position scheme
     architecture: str = "MiMoV2FlashForCausalLM"
+    mtp: MTPHeads | None = None  # multi-token-prediction heads, when the checkpoint has them (not run yet)
 
 
 def default_llm_config() -> DecoderConfig:
@@ -121,21 +128,55 @@ def read_state_dict(model_dir: Path, rename: Callable[[str], str | None] | None 
     """The checkpoint's tensors under their state-dict names. ``rename`` maps an on-disk name to
     ours, or to None for a tensor that is not this role's (never read); by default the MiMo
     family's (names kept, ``model.mtp.*`` skipped). Tensors are read through safetensors' memory
-    map, one at a time."""
+    map, one at a time. An unreadable file raises ``CheckpointError`` naming it (and, when it is
+    cut short, the first tensor whose bytes are missing)."""
     rename = rename or mimo_v2_flash.tensor_name
     tensors: dict[str, Tensor] = {}
     for path in weight_files(model_dir, lambda name: rename(name) is not None):
-        with safe_open(str(path), framework="pt") as f:
-            for disk_name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                name = rename(disk_name)
-                if name is None:
-                    continue
-                if name in tensors:
-                    raise CheckpointError(
-                        f"tensor {disk_name!r} ({name}) appears more than once in {model_dir}"
-                    )
-                tensors[name] = f.get_tensor(disk_name)
+        disk_name = None
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for disk_name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                    name = rename(disk_name)
+                    if name is None:
+                        continue
+                    if name in tensors:
+                        raise CheckpointError(
+                            f"tensor {disk_name!r} ({name}) appears more than once in {model_dir}"
+                        )
+                    tensors[name] = f.get_tensor(disk_name)
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            where = f" reading tensor {disk_name!r}" if disk_name is not None else ""
+            raise CheckpointError(
+                f"{path}: unreadable safetensors file{where} ({e}){_truncation(path)}"
+            ) from e
     return tensors
+
+
+def _truncation(path: Path) -> str:
+    """'; ...' naming the first tensor whose bytes lie past the end of ``path``, or '' when the file
+    is not cut short (or its header cannot tell)."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 + n:
+                return f"; the file is truncated: {size} bytes, its header alone needs {8 + n}"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError):
+        return ""
+    data = size - 8 - n
+    cut = [
+        (int(v["data_offsets"][1]), k)
+        for k, v in header.items()
+        if isinstance(v, dict) and "data_offsets" in v and int(v["data_offsets"][1]) > data
+    ]
+    if not cut:
+        return ""
+    end, name = min(cut)
+    return f"; the file is truncated: tensor {name!r} needs {end} data bytes, the file holds {data}"
 
 
 def to_model_layout(raw: dict[str, Tensor], config: DecoderConfig) -> dict[str, Tensor]:
@@ -174,27 +215,31 @@ def to_model_layout(raw: dict[str, Tensor], config: DecoderConfig) -> dict[str, 
     return out
 
 
-def load_state_dict_strict(model: DecoderForCausalLM, state: dict[str, Tensor]) -> None:
+def load_state_dict_strict(model: nn.Module, state: dict[str, Tensor], prefix: str = "") -> None:
     """Copy ``state`` into ``model`` in place (converting to each target's dtype); every parameter and
-    persistent buffer must be present with its shape."""
+    persistent buffer must be present with its shape and a float dtype. ``prefix`` goes before the
+    names in error messages (the module's place in the checkpoint)."""
     expected = model.state_dict()
-    if model.config.tie_word_embeddings:
+    if isinstance(model, DecoderForCausalLM) and model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise CheckpointError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+        raise CheckpointError(f"missing tensor {prefix + missing[0]!r} ({len(missing)} missing in all)")
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
-        raise CheckpointError(f"unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected in all)")
+        raise CheckpointError(
+            f"unexpected tensor {prefix + unexpected[0]!r} ({len(unexpected)} unexpected in all)"
+        )
     with torch.no_grad():
         for name, target in expected.items():
             src = state[name]
             if tuple(src.shape) != tuple(target.shape):
                 raise CheckpointError(
-                    f"tensor {name!r} has shape {tuple(src.shape)}, the config implies {tuple(target.shape)}"
+                    f"tensor {prefix + name!r} has shape {tuple(src.shape)}, the config implies "
+                    f"{tuple(target.shape)}"
                 )
             if not (src.is_floating_point() or src.is_complex()):
-                raise CheckpointError(f"tensor {name!r} has non-float dtype {src.dtype}")
+                raise CheckpointError(f"tensor {prefix + name!r} has non-float dtype {src.dtype}")
             target.copy_(src.to(target.dtype))
 
 
@@ -209,28 +254,49 @@ def load_llm(
     try:
         family = family_for(raw)
         config = family.parse_config(raw)
+        # built before any tensor is read: a quantization the family cannot convert fails here
+        convert = tensor_converter_of(family)(raw, config, dtype)
     except (ConfigError, UnknownArchitecture) as e:
         raise CheckpointError(f"{model_dir}/config.json: {e}") from e
-    quant = config.extra.get("quantization_config") or raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise CheckpointError(
-            f"{model_dir}/config.json: quantized checkpoints (quant_method={method!r}) are not supported;"
-            " convert the weights to bf16/fp32 first"
-        )
     with torch.device("meta"):  # no throw-away random init of a possibly large model
         skeleton = DecoderForCausalLM(config)
     model = skeleton.to_empty(device="cpu").to(dtype)
     for module in model.modules():
         if isinstance(module, TopKRouter):
             module.float()  # routing decisions are made in fp32, as in the reference
-    state = to_model_layout(read_state_dict(model_dir, family.tensor_name), config)
+    try:
+        state = to_model_layout(convert(read_state_dict(model_dir, family.tensor_name)), config)
+    except (TensorFormatError, ConfigError) as e:
+        raise CheckpointError(f"{model_dir}: {e}") from e
+    mtp_state = split_mtp_state(state)
     load_state_dict_strict(model, state)
+    del state
     model = model.to(device).eval()
     model.tie_weights()
     model.fuse_weights()
     model.requires_grad_(False)  # serving only; also lets inference-mode tensors mix with weights
-    return LoadedLLM(model, config, model_dir, family.position_scheme(raw), str(family.ARCHITECTURES[0]))
+    mtp = _load_mtp(mtp_state, config, dtype, device, model_dir) if mtp_state else None
+    architecture = str(family.ARCHITECTURES[0])
+    return LoadedLLM(model, config, model_dir, family.position_scheme(raw), architecture, mtp)
+
+
+def _load_mtp(
+    state: dict[str, Tensor],
+    config: DecoderConfig,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    where: Path,
+) -> MTPHeads:
+    """The multi-token-prediction heads from their tensors (``mtp.`` stripped), strictly checked."""
+    try:
+        num_layers = num_layers_in(state)
+    except MTPFormatError as e:
+        raise CheckpointError(f"{where}: {e}") from e
+    with torch.device("meta"):
+        skeleton = MTPHeads(config, num_layers)
+    heads = skeleton.to_empty(device="cpu").to(dtype)
+    load_state_dict_strict(heads, state, prefix="model." + MTP_PREFIX)
+    return heads.to(device).eval().requires_grad_(False)
 
 
 def read_config_json(model_dir: Path) -> dict[str, Any]:

@@ -6,7 +6,7 @@ Two on-disk spellings are accepted (both map onto the same frozen dataclass):
   layer type; SWA layers implicitly use ``2 * num_key_value_heads`` and always have sinks);
 - the original Xiaomi release (``hybrid_layer_pattern`` 0 = full / 1 = SWA, ``moe_layer_freq``,
   ``swa_num_key_value_heads``, ``rope_theta`` / ``swa_rope_theta``, ``layernorm_epsilon``,
-  ``sliding_window_size`` which excludes the query token).
+  ``sliding_window_size`` which excludes the query token, and wins over ``sliding_window``).
 
 Conventions (they matter for the KV cache and the attention kernels):
 
@@ -225,11 +225,13 @@ class DecoderConfig:
             mlp_layer_types = ()
 
         # transformers stores window = previous tokens + query; the original release stores both
-        # `sliding_window` (same meaning) and `sliding_window_size` (previous tokens only).
-        if d.get("sliding_window") is not None:
-            window = int(d["sliding_window"])
-        elif d.get("sliding_window_size") is not None:
+        # `sliding_window` and `sliding_window_size` (previous tokens only, 128 in MiMo-V2.5 with
+        # `sliding_window` also 128). The latter wins, as in sglang (which attends to that many
+        # previous tokens plus the query) and transformers' MiMoV2FlashConfig (window = size + 1).
+        if d.get("sliding_window_size") is not None:
             window = int(d["sliding_window_size"]) + 1
+        elif d.get("sliding_window") is not None:
+            window = int(d["sliding_window"])
         else:
             raise ConfigError("config.json has neither 'sliding_window' nor 'sliding_window_size'")
 

@@ -343,6 +343,10 @@ class DecoderForCausalLM(nn.Module):
         # (cos, sin) fp32 [positions, width] per (rope_dim, theta), for positions 0 .. n - 1: a step
         # gathers its rows instead of computing its angles (~10 small ops per layer type and step).
         self._rope_cache: dict[tuple[int, float], tuple[Tensor, Tensor]] = {}
+        # Each layer's attention module, and one rotary per (rope_dim, theta): fixed once built,
+        # looked up once (a step would walk the module tree for them, ~10 us per pass).
+        self._attentions: list[MiMoAttention] = [layer.self_attn for layer in self.model.decoder_layers()]
+        self._rotaries = list({a.rotary.key: a.rotary for a in self._attentions}.values())
 
     def tie_weights(self) -> None:
         """Share lm_head with the token embedding when the config ties them. Call again after
@@ -376,10 +380,7 @@ class DecoderForCausalLM(nn.Module):
             or self.attention_backend not in (None, "cpu")
             or x.device.type != "cpu"
             or x.dtype != torch.float32
-            or any(
-                w.source is not layer.self_attn.qkv_weight
-                for w, layer in zip(weights, self.model.decoder_layers(), strict=True)
-            )
+            or any(w.source is not attn.qkv_weight for w, attn in zip(weights, self._attentions, strict=True))
         ):
             return None
         return weights
@@ -431,10 +432,10 @@ class DecoderForCausalLM(nn.Module):
         residual = torch.empty_like(x)
         cpu_layer.set_threads(torch.get_num_threads())
         step = cpu_layer.StepArgs(batch)
-        for i, (layer, weights) in enumerate(zip(self.model.decoder_layers(), kernel_weights, strict=True)):
+        for i, (attn, weights) in enumerate(zip(self._attentions, kernel_weights, strict=True)):
             layer_kv = kv.layer(i)
-            assert layer_kv.is_swa == layer.self_attn.is_swa, f"layer {i}: KV pool type mismatch"
-            cos, sin = rope[layer.self_attn.rotary.key]
+            assert layer_kv.is_swa == attn.is_swa, f"layer {i}: KV pool type mismatch"
+            cos, sin = rope[attn.rotary.key]
             cpu_layer.decoder_layer_cpu(weights, step, layer_kv, cos, sin, x, residual, first=i == 0)
         return self._final_norm(x, residual)
 
@@ -445,11 +446,8 @@ class DecoderForCausalLM(nn.Module):
         and each column takes the row of its section's axis (``mrope_rows``)."""
         need = int(positions.max()) + 1 if positions.numel() else 1
         tables: RopeTables = {}
-        for layer in self.model.decoder_layers():
-            rot = layer.self_attn.rotary
+        for rot in self._rotaries:
             key = rot.key
-            if key in tables:
-                continue
             cached = self._rope_cache.get(key)
             if cached is None or cached[0].shape[0] < need or cached[0].device != positions.device:
                 n = max(ROPE_CACHE_MIN_POSITIONS, 1 << (need - 1).bit_length())

@@ -189,10 +189,14 @@ class MRopePositions:
         and so are its generated tokens (offsets 0). A start inside a prompt with media: None."""
         offsets = self._generated_offsets.get(seq.seq_id)
         if offsets is None:
-            n_prompt = seq.num_prompt_tokens
-            last = self.prompt(seq).positions[:, -1].tolist() if n_prompt else [-1, -1, -1]
-            t, h, w = (int(v) + 1 - n_prompt for v in last)
-            offsets = self._generated_offsets[seq.seq_id] = (t, h, w)
+            if not seq.media:  # what ``prompt`` would give, without building its [3, n] tensor
+                offsets = (0, 0, 0)
+            else:
+                n_prompt = seq.num_prompt_tokens
+                last = self.prompt(seq).positions[:, -1].tolist()
+                t, h, w = (int(v) + 1 - n_prompt for v in last)
+                offsets = (t, h, w)
+            self._generated_offsets[seq.seq_id] = offsets
         return offsets if start >= seq.num_prompt_tokens or not seq.media else None
 
     def release(self, seq_id: int | str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -79,7 +80,8 @@ def apply_partial_rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def mrope_rows(table: Tensor, positions: Tensor, section: tuple[int, ...]) -> Tensor:
     """M-RoPE rows: table [N, width] (cos or sin per position, halves repeated), positions [3, T]
-    (temporal, height, width) -> [T, width], where frequency j takes the row of its section's axis.
+    (temporal, height, width, all >= 0 and < N) -> [T, width], where frequency j takes the row of
+    its section's axis.
 
     The width / 2 frequencies are split into ``section`` = (s_t, s_h, s_w) consecutive runs, and
     the second half of the columns repeats the first::
@@ -88,8 +90,15 @@ def mrope_rows(table: Tensor, positions: Tensor, section: tuple[int, ...]) -> Te
     """
     width = table.shape[1]
     assert sum(section) * 2 == width and positions.dim() == 2 and positions.shape[0] == len(section)
+    axis = _mrope_axis(section, positions.device)
+    if table.device.type == positions.device.type == "cpu" and not table.requires_grad:
+        # The same gather in numpy: torch splits a prefill's (thousands of rows) over its threads,
+        # which wait for cores the layer kernel's threads still spin on; numpy runs it on this one.
+        rows = np.ascontiguousarray(table.numpy()).reshape(-1)  # [N * width]
+        flat = (positions.numpy() * width)[axis.numpy()].T + np.arange(width)  # [T, width]
+        return torch.from_numpy(rows.take(flat))  # out[t, j] = table[positions[axis[j], t], j]
     # the position column j reads, per token: positions[axis[j], t] -> [T, width]
-    index = positions.index_select(0, _mrope_axis(section, positions.device)).t()
+    index = positions.index_select(0, axis).t()
     return table.gather(0, index)  # out[t, j] = table[index[t, j], j]
 
 

@@ -148,6 +148,7 @@ class Tokenizer:
         self.im_end_token_id: int | None = tok.token_to_id(IM_END)
         self.image_token_id: int | None = tok.token_to_id(IMAGE_PAD)
         self.video_token_id: int | None = tok.token_to_id(VIDEO_PAD)
+        self._one: dict[int, str] = {}  # decode_one's cache (ids are few; strings are short)
 
     def encode(self, text: str) -> list[int]:
         """Text to ids; special tokens written in the text (e.g. ``<|im_start|>``) become their ids."""
@@ -157,6 +158,17 @@ class Tokenizer:
         """Ids to text; ids outside the vocabulary decode to nothing (random models emit them)."""
         valid = [i for i in ids if 0 <= i < self.vocab_size]
         return str(self._tok.decode(valid, skip_special_tokens=skip_special_tokens))
+
+    def decode_valid(self, ids: list[int]) -> str:
+        """``decode(ids)`` for ids all inside the vocabulary (the detokenizer's hot path)."""
+        return str(self._tok.decode(ids, skip_special_tokens=True))
+
+    def decode_one(self, token_id: int) -> str:
+        """``decode([token_id])`` of an id inside the vocabulary, cached per id."""
+        text = self._one.get(token_id)
+        if text is None:
+            text = self._one[token_id] = self.decode_valid([token_id])
+        return text
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
@@ -216,6 +228,10 @@ class IncrementalDetokenizer:
 
     and emit the difference, unless it ends in U+FFFD (an incomplete character that the next id may
     complete). ``flush()`` at the end emits whatever is held back, replacement characters included.
+
+    Per id this is one ``tokenizers`` decode in the steady state, not two: ids outside the
+    vocabulary are dropped when added (they decode to nothing wherever they are), and the
+    already-emitted window is usually one id, whose text comes from a per-id cache.
     """
 
     tokenizer: Tokenizer
@@ -226,7 +242,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Append one id; return the new text that is now safe to emit (may be empty)."""
-        self.ids.append(token_id)
+        if 0 <= token_id < self.tokenizer.vocab_size:
+            self.ids.append(token_id)
         return self._advance(final=False)
 
     def flush(self) -> str:
@@ -234,15 +251,19 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        dec = self.tokenizer.decode
-        prefix_text = dec(self.ids[self.prefix_offset : self.read_offset])
-        new_text = dec(self.ids[self.prefix_offset :])
+        tok = self.tokenizer
+        prefix, read = self.prefix_offset, self.read_offset
+        if read - prefix == 1:
+            prefix_text = tok.decode_one(self.ids[prefix])
+        else:
+            prefix_text = tok.decode_valid(self.ids[prefix:read])
+        new_text = tok.decode_valid(self.ids[prefix:])
         if len(new_text) <= len(prefix_text) and not final:
             return ""
         if new_text.endswith("\ufffd") and not final:
             return ""
         delta = new_text[len(prefix_text) :]
-        self.prefix_offset = self.read_offset
+        self.prefix_offset = read
         self.read_offset = len(self.ids)
         self.text += delta
         return delta

@@ -5,7 +5,7 @@
     submit(): validate, build Sequence,              loop:  [lock] drain aborts, schedule
               [lock] scheduler.add ─────────────▶           runner.execute (no lock: the forward)
     abort():  abort deque ──────────────────────▶           [lock] scheduler.update, StepOutputs
-    RequestStream ◀── asyncio.Queue ◀── call_soon_threadsafe (one hop per loop per step)
+    RequestStream ◀── OutputQueue ◀── call_soon_threadsafe (one hop per loop per step)
 
 The thread alone runs the model and touches the KV tensors. The scheduler is shared with
 ``submit`` under one lock that is never held during the forward, so a submit waits for at most a
@@ -97,7 +97,12 @@ class LLMEngine:
             model_config, self.config, self.max_model_len, self.device, dtype
         )
         self.runner = ModelRunner(
-            model, self.kv, Sampler(self.config.seed, self.device), self.device, positions
+            model,
+            self.kv,
+            Sampler(self.config.seed, self.device),
+            self.device,
+            positions,
+            vocab_size=model_config.vocab_size,
         )
         # Guards the scheduler and ``_requests`` between the event loop (add) and the step thread
         # (schedule/update). Never held during the forward, so adds do not wait for a step.
@@ -198,23 +203,22 @@ class LLMEngine:
         tok = self.tokenizer
         try:
             pads = [t for t in (tok.image_token_id, tok.video_token_id) if t is not None]
-            spans = media_spans(prompt_ids, pads, [m.ref.key for m in mm])
+            spans = media_spans(prompt_ids, pads, [(m.ref.key, int(m.embedding.shape[0])) for m in mm])
         except MediaSpanError as e:
-            raise EngineRequestError(str(e), "multimodal") from e
+            raise EngineRequestError(
+                str(e), "multimodal" if e.item is None else f"multimodal[{e.item}]"
+            ) from e
         hidden = self.model_config.hidden_size
-        for i, (span, item) in enumerate(zip(spans, mm, strict=True)):
-            rows, width = item.embedding.shape
+        for span in spans:
+            item = mm[span.item]
             want_pad = tok.video_token_id if item.ref.modality == "video" else tok.image_token_id
             if prompt_ids[span.start] != want_pad:
                 raise EngineRequestError(
-                    f"placeholder run {i} at token {span.start} does not match modality {item.ref.modality!r}",
-                    f"multimodal[{i}]",
+                    f"placeholder run at token {span.start} does not match modality {item.ref.modality!r}",
+                    f"multimodal[{span.item}]",
                 )
-            if rows != span.length:
-                raise EngineRequestError(
-                    f"placeholder run {i} has {span.length} tokens but the embedding has {rows} rows",
-                    f"multimodal[{i}]",
-                )
+        for i, item in enumerate(mm):
+            width = item.embedding.shape[1]
             if width != hidden:
                 raise EngineRequestError(
                     f"embedding hidden size {width} != model hidden size {hidden}", f"multimodal[{i}]"

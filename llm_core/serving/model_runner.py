@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -26,7 +27,20 @@ from llm_core.caches.kv_pool import DualKVCache
 from llm_core.kernels.attention_batch import AttentionBatch
 from llm_core.models.positions import LinearPositions, PositionScheme
 from llm_core.serving.sampling import Sampler, SamplingParams
-from llm_core.serving.sequence import Sequence, build_page_tables
+from llm_core.serving.sequence import (
+    DecodePageTables,
+    Sequence,
+    TokenPositions,
+    build_page_tables,
+    token_positions,
+)
+
+# Logits projections of at most this many multiply-adds (rows x hidden x vocab; 2M for 32 rows of
+# the tiny Qwen2.5-VL) run on one torch thread (``ModelRunner._logits``): ~0.1 ms on one core.
+SMALL_LOGITS_MACS = 1 << 23
+
+# What a sequence without SamplingParams (tests, internal callers) samples with.
+_GREEDY = SamplingParams(temperature=0.0)
 
 
 class MultimodalInput(NamedTuple):
@@ -77,63 +91,150 @@ class ModelRunner:
         sampler: Sampler,
         device: torch.device | str = "cpu",
         positions: PositionScheme | None = None,
+        vocab_size: int | None = None,
     ) -> None:
+        """``vocab_size``: the logits' width, which sizes the logits projection (``_logits``); None:
+        always with torch's thread count."""
         self.model = model
+        self.vocab_size = vocab_size
         self.position_scheme: PositionScheme = positions or LinearPositions()
         self.kv = kv
         self.page_size = kv.page_size
         self.sampler = sampler
         self.device = torch.device(device)
+        self._cpu = self.device.type == "cpu"
         self._generators: dict[int | str, torch.Generator | None] = {}
+        self._aranges: dict[tuple[int, torch.dtype], Tensor] = {}
+        self._decode_tables = DecodePageTables()  # kept across decode steps (rows patched)
 
     def prepare(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> StepInputs:
         """Pack the new tokens of ``seqs``; ``num_new_tokens[b]`` start at ``num_computed_tokens``."""
         assert len(seqs) == len(num_new_tokens) and seqs
+        if max(num_new_tokens) == 1:
+            decode = self._prepare_decode(seqs)
+            if decode is not None:
+                return decode
+        return self._prepare_packed(seqs, num_new_tokens)
+
+    def _prepare_decode(self, seqs: Seq[Sequence]) -> StepInputs | None:
+        """``prepare`` for a decode step: every sequence computes one token, its last (so every one
+        samples), at positions its scheme gives by offsets, and no token is a media placeholder.
+        One pass over the sequences for their ids, positions and page rows, then array operations
+        (``DecodePageTables``); None when a sequence does not qualify (a one-token prefill
+        chunk, a prompt-end token inside a media prompt): then ``_prepare_packed``."""
+        scheme = self.position_scheme
+        linear = scheme.dims == 1
         ids: list[int] = []
-        pos: list[int] = []
+        starts: list[int] = []
+        offsets: list[tuple[int, ...]] = []
+        for s in seqs:
+            start = s.num_computed_tokens
+            prompt, out = s.prompt_ids, s.output_ids
+            n_prompt = len(prompt)
+            if start != n_prompt + len(out) - 1 or (start < n_prompt and s.media):
+                return None
+            if not linear:
+                o = scheme.linear_offsets(s, start)
+                if o is None:
+                    return None
+                offsets.append(o)
+            ids.append(out[-1] if out else prompt[-1])
+            starts.append(start)
+        b = len(seqs)
+        start_np = np.array(starts, dtype=np.int64)  # [B] position of each new token
+        tables = self._decode_tables.build(list(seqs), start_np, self.page_size)
+        if linear:
+            pos_np = start_np
+        else:  # [dims, B]: the token's index plus its axis' offset
+            pos_np = np.ascontiguousarray(np.array(offsets, dtype=np.int64).T + start_np)
+        on = self._on_device
+        batch = AttentionBatch(
+            cu_seqlens_q=self._arange(b + 1, torch.int32),
+            seq_lens=on(torch.from_numpy((start_np + 1).astype(np.int32))),
+            full_page_table=on(tables.full_page_table),
+            swa_page_table=on(tables.swa_page_table),
+            full_slots=on(tables.full_slots),
+            swa_slots=on(tables.swa_slots),
+            max_seqlen_q=1,
+        )
+        return StepInputs(
+            input_ids=on(torch.from_numpy(np.array(ids, dtype=np.int64))),
+            positions=on(torch.from_numpy(pos_np)),
+            batch=batch,
+            input_embeds=None,
+            sample_rows=self._arange(b),
+            sample_seqs=list(range(b)),
+        )
+
+    def _on_device(self, t: Tensor) -> Tensor:
+        """``t`` (on the CPU) moved to the model's device; itself on a CPU model, without a ``.to``
+        call, which releases the GIL (a chance for the event loop thread to take it mid-step)."""
+        return t if self._cpu else t.to(self.device)
+
+    def _arange(self, n: int, dtype: torch.dtype = torch.int64) -> Tensor:
+        """``torch.arange(n)`` on the device, made once per (n, dtype): steps only read it."""
+        key = (n, dtype)
+        t = self._aranges.get(key)
+        if t is None:
+            with torch.inference_mode(False):  # usable inside and outside inference mode
+                t = self._aranges[key] = torch.arange(n, dtype=dtype, device=self.device)
+        return t
+
+    def _prepare_packed(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> StepInputs:
+        """``prepare`` for any step (prefill chunks, decodes, media): the ids of each sequence in one
+        Python list, positions and write slots by array operations over the packed tokens."""
+        ids: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[int] = []
-        seq_lens: list[int] = []
-        cu_seqlens = [0]
-        linear = self.position_scheme.dims == 1
         has_media = False
         for b, (s, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
             start, end = s.num_computed_tokens, s.num_computed_tokens + n
             assert n > 0 and end <= s.num_tokens, (s.seq_id, start, n, s.num_tokens)
             ids.extend(s.token_slice(start, end))
-            if linear:
-                pos.extend(range(start, end))
-            seq_lens.append(end)
-            cu_seqlens.append(cu_seqlens[-1] + n)
             if end == s.num_tokens:  # the chunk reaches the last known token: its logits are next
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(b)
             has_media = has_media or any(m.start < end and m.start + m.length > start for m in s.media)
-        tables = build_page_tables(list(seqs), list(num_new_tokens), self.page_size)
-        dev = self.device
+        seq_list, counts = list(seqs), list(num_new_tokens)
+        tokens = token_positions(seq_list, counts)
+        tables = build_page_tables(seq_list, counts, self.page_size, tokens)
+        on = self._on_device
+        count_np = np.array(counts, dtype=np.int32)
+        cu_seqlens = np.zeros(len(counts) + 1, dtype=np.int32)
+        np.cumsum(count_np, out=cu_seqlens[1:])
+        seq_lens = count_np + np.array([s.num_computed_tokens for s in seqs], dtype=np.int32)
         batch = AttentionBatch(
-            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            full_page_table=tables.full_page_table.to(dev),
-            swa_page_table=tables.swa_page_table.to(dev),
-            full_slots=tables.full_slots.to(dev),
-            swa_slots=tables.swa_slots.to(dev),
+            cu_seqlens_q=on(torch.from_numpy(cu_seqlens)),
+            seq_lens=on(torch.from_numpy(seq_lens)),
+            full_page_table=on(tables.full_page_table),
+            swa_page_table=on(tables.swa_page_table),
+            full_slots=on(tables.full_slots),
+            swa_slots=on(tables.swa_slots),
             max_seqlen_q=max(num_new_tokens),
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        input_ids = on(torch.from_numpy(np.array(ids, dtype=np.int64)))  # ~4x torch.tensor's speed
         embeds = self._media_embeds(seqs, num_new_tokens, input_ids) if has_media else None
-        if linear:  # token i at position i (the common case, kept cheap)
-            positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        else:
-            positions = torch.tensor(self._positions_nd(seqs, num_new_tokens), dtype=torch.int64, device=dev)
         return StepInputs(
             input_ids=input_ids,
-            positions=positions,
+            positions=on(torch.from_numpy(self._packed_positions(seqs, counts, tokens))),
             batch=batch,
             input_embeds=embeds,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            sample_rows=on(torch.from_numpy(np.array(sample_rows, dtype=np.int64))),
             sample_seqs=sample_seqs,
         )
+
+    def _packed_positions(self, seqs: Seq[Sequence], counts: list[int], tokens: TokenPositions) -> np.ndarray:
+        """int64 [T] positions (token i at position i), or [dims, T] of a multi-axis scheme: the
+        token's index plus its sequence's offset per axis where every sequence has offsets
+        (``linear_offsets``), else ``_positions_nd``."""
+        scheme = self.position_scheme
+        if scheme.dims == 1:
+            return tokens.position
+        offsets = [scheme.linear_offsets(s, s.num_computed_tokens) for s in seqs]
+        if any(o is None for o in offsets):
+            return np.array(self._positions_nd(seqs, counts), dtype=np.int64)
+        per_token = np.array(offsets, dtype=np.int64)[tokens.seq].T  # [dims, T]
+        return np.ascontiguousarray(per_token + tokens.position)
 
     def _positions_nd(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> list[list[int]]:
         """[dims][T] positions of a multi-axis scheme (M-RoPE) as Python rows: offsets per axis where
@@ -164,11 +265,12 @@ class ModelRunner:
         row0 = 0
         for s, n in zip(seqs, num_new_tokens, strict=True):
             start, end = s.num_computed_tokens, s.num_computed_tokens + n
-            for m, item in zip(s.media, s.mm_items, strict=True):
+            for m in s.media:
                 lo, hi = max(start, m.start), min(end, m.start + m.length)
                 if lo >= hi:
                     continue
-                rows = item.embedding[lo - m.start : hi - m.start]  # [hi - lo, hidden]
+                # [hi - lo, hidden]: the item's rows this run holds, from its ``row``
+                rows = s.mm_items[m.item].embedding[m.row + lo - m.start : m.row + hi - m.start]
                 embeds[row0 + lo - start : row0 + hi - start] = rows.to(embeds.device, embeds.dtype)
             row0 += n
         return embeds
@@ -181,20 +283,47 @@ class ModelRunner:
         out: list[int | None] = [None] * len(seqs)
         if not inp.sample_seqs:
             return out
-        logits = self.model.compute_logits(hidden.index_select(0, inp.sample_rows))  # [S, vocab]
+        # Every row samples (a decode step): the rows in order, no gather needed.
+        every_row = len(inp.sample_seqs) == hidden.shape[0]
+        logits = self._logits(hidden if every_row else hidden.index_select(0, inp.sample_rows))  # [S, vocab]
         params: list[SamplingParams] = []
         gens: list[torch.Generator | None] = []
+        generators = self._generators
         for b in inp.sample_seqs:
             s = seqs[b]
-            p = s.sampling if isinstance(s.sampling, SamplingParams) else SamplingParams(temperature=0.0)
+            p = s.sampling if isinstance(s.sampling, SamplingParams) else _GREEDY
             params.append(p)
-            if s.seq_id not in self._generators:
-                self._generators[s.seq_id] = p.make_generator(logits.device)
-            gens.append(self._generators[s.seq_id])
-        tokens = self.sampler(logits, params, gens).tolist()
+            try:
+                gens.append(generators[s.seq_id])
+            except KeyError:  # the sequence's first sampled token
+                gens.append(generators.setdefault(s.seq_id, p.make_generator(logits.device)))
+        tokens: list[int] = self.sampler(logits, params, gens).tolist()
+        if len(tokens) == len(seqs):  # every sequence sampled, in order
+            return list(tokens)
         for b, t in zip(inp.sample_seqs, tokens, strict=True):
-            out[b] = int(t)
+            out[b] = t
         return out
+
+    def _logits(self, rows: Tensor) -> Tensor:
+        """``model.compute_logits(rows)`` [S, hidden] -> [S, vocab]; on one torch thread when the
+        product is small (``SMALL_LOGITS_MACS``). Why: right after the decoder layers the layer
+        kernel's worker threads still spin on the other cores (``cpu_layer``), so a matmul split
+        over torch's threads waits for a core (~0.1-0.2 ms a step on 2 cores, several ms on a loaded
+        machine) for work one thread does in tens of microseconds. The product is the same either
+        way: BLAS splits the rows and columns of the output between threads, never the sum."""
+        threads = torch.get_num_threads()
+        small = (
+            self.vocab_size is not None
+            and rows.device.type == "cpu"
+            and rows.shape[0] * rows.shape[-1] * self.vocab_size <= SMALL_LOGITS_MACS
+        )
+        if threads == 1 or not small:
+            return self.model.compute_logits(rows)
+        torch.set_num_threads(1)
+        try:
+            return self.model.compute_logits(rows)
+        finally:
+            torch.set_num_threads(threads)
 
     def release(self, seq_id: int | str) -> None:
         """Forget a finished or aborted sequence's generator and positions."""

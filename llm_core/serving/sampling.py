@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
@@ -89,8 +90,9 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
     ) -> torch.Tensor:  # [B] int64
         assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators)
-        logits = logits.float()
-        out = logits.argmax(dim=-1)  # greedy for all rows; random rows overwritten below
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        out = argmax_rows(logits)  # greedy for all rows; random rows overwritten below
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
             return out
@@ -104,8 +106,18 @@ class Sampler:
         noise = torch.empty_like(probs)
         for r, i in enumerate(rows):
             noise[r].exponential_(generator=generators[i] or self.shared)
-        out[idx] = (probs / noise).argmax(dim=-1)
+        out[idx] = argmax_rows(probs / noise)
         return out
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: the index of each row's largest value in logits [B, V], the first one on ties, a
+    NaN counting as largest (``torch.argmax``'s answer). On CPU numpy's: torch's CPU argmax over
+    rows is about 10x slower (~50 us for 32 rows of 512, ~25 ms for 32 rows of 152k on 2 cores)."""
+    if logits.device.type == "cpu":
+        values = (logits.detach() if logits.requires_grad else logits).numpy()
+        return torch.from_numpy(values.argmax(axis=-1).astype(np.int64, copy=False))
+    return logits.argmax(dim=-1)
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:

@@ -151,16 +151,22 @@ class Scheduler:
             plan[id(seq)] = n
             seqs.append(seq)
 
+        prefilling: list[Sequence] = []  # running sequences with prefill left (none planned here)
         for seq in list(self.running):
-            if budget == 0:
-                break
-            if seq.in_prefill or seq.status is not SequenceStatus.RUNNING:
-                continue
-            if self._allocate_or_preempt(seq, 1, plan):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if seq.in_prefill:
+                prefilling.append(seq)
+            elif budget > 0 and self._allocate_or_preempt(seq, 1, plan):
                 take(seq, 1)
                 budget -= 1
+        prefilling = [s for s in prefilling if s.status is SequenceStatus.RUNNING]
 
-        by_bucket = [self._prefill_demand(b, plan) for b in range(self.waiting.num_buckets)]
+        # With no prefill running and nothing waiting (a decode-only step) every bucket's demand is 0.
+        if prefilling or len(self.waiting):
+            by_bucket = [self._prefill_demand(b, prefilling) for b in range(self.waiting.num_buckets)]
+        else:
+            by_bucket = [0] * self.waiting.num_buckets
         grants = fair_split(by_bucket, budget, start=self._rr)
         self._rr += 1
         for b, grant in enumerate(grants):
@@ -170,12 +176,10 @@ class Scheduler:
             return None
         return ScheduledBatch(seqs, [plan[id(s)] for s in seqs])
 
-    def _prefill_demand(self, b: int, plan: dict[int, int]) -> int:
-        running = sum(
-            s.num_uncomputed_tokens
-            for s in self.running
-            if s.in_prefill and id(s) not in plan and self.waiting.bucket_of(s.num_tokens) == b
-        )
+    def _prefill_demand(self, b: int, prefilling: list[Sequence]) -> int:
+        """Prefill tokens bucket ``b`` could use: its running ``prefilling`` sequences' and its waiting ones'."""
+        bucket_of = self.waiting.bucket_of
+        running = sum(s.num_uncomputed_tokens for s in prefilling if bucket_of(s.num_tokens) == b)
         return running + sum(s.num_uncomputed_tokens for s in self.waiting.bucket(b))
 
     def _chunk_cap(self) -> int:
@@ -258,18 +262,20 @@ class Scheduler:
         Returns the sequences that finished in this step (their KV already released).
         """
         finished: list[Sequence] = []
+        commit, max_len, running = self.kv.commit, self.config.max_model_len, SequenceStatus.RUNNING
         for seq, n, tok in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # aborted while the step ran
-            self.kv.commit(seq, n)
+            commit(seq, n)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk: no token yet
             assert tok is not None, f"seq {seq.seq_id}: step completed its tokens but no token was sampled"
-            seq.output_ids.append(tok)
+            out = seq.output_ids
+            out.append(tok)
             reason = None
             if tok in seq.stop_token_ids:
                 reason = "stop"
-            elif len(seq.output_ids) >= seq.max_new_tokens or seq.num_tokens >= self.config.max_model_len:
+            elif len(out) >= seq.max_new_tokens or len(seq.prompt_ids) + len(out) >= max_len:
                 reason = "length"
             if reason is not None:
                 self._stop(seq.seq_id, SequenceStatus.FINISHED, reason)

@@ -1,8 +1,10 @@
-"""Qwen2-VL preprocessing: ``smart_resize`` -> bicubic resize -> CLIP normalize -> patchify.
+"""Qwen2-VL-style preprocessing: ``smart_resize`` -> bicubic resize -> mean/std normalize -> patchify.
 
-Two backends produce the same ``Patches`` layout (``pixel_values [N, 1176]`` float32, ``grid_thw``
-in patches, rows in 2x2 merge groups): ``cpu`` (Pillow-SIMD + numpy) and ``dali`` (NVIDIA DALI,
-GPU when CUDA is present). Pick one with ``get_backend(name, cfg)``.
+Two backends produce the same ``Patches`` layout (``pixel_values [N, cfg.row_size]`` float32:
+1176 for Qwen2-VL's patch 14, 1536 for MiMo-V2.5's patch 16; ``grid_thw`` in patches, rows in
+merge groups): ``cpu`` (Pillow-SIMD + numpy) and ``dali`` (NVIDIA DALI, GPU when CUDA is
+present). Patch, merge and temporal size, pixel bounds and mean/std all come from the
+``PreprocessConfig``. Pick one with ``get_backend(name, cfg)``.
 
 This package knows nothing of fetching, models or serving.
 """

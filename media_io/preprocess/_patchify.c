@@ -1,5 +1,6 @@
 /*
- * One-pass normalize + patchify of uint8 RGB frames into Qwen2-VL patch rows.
+ * One-pass normalize + patchify of uint8 RGB frames into Qwen2-VL-layout patch rows (any patch,
+ * merge and temporal size; Qwen2-VL: 14 / 2 / 2, MiMo-V2.5: 16 / 2 / 2).
  *
  * The numpy path in patchify.py does the same work as a uint8 reorder, a float convert, a
  * multiply-add and a copy per temporal slot: five passes over arrays larger than the L2 cache.
@@ -42,17 +43,18 @@ static inline void store_block(float *restrict dst, const float *restrict block,
 }
 
 /* Normalize one p x p patch of C interleaved channels into C planar blocks. Always inlined, so
- * the call with the literal (3, 14) of Qwen2-VL gets fully unrolled inner loops. */
+ * the calls with literal (C, S, p) (Qwen2-VL's 14, MiMo-V2.5's 16) get fully unrolled inner
+ * loops. m is the merge size, used only for the prefetch distance. */
 static inline __attribute__((always_inline)) void fill_blocks(const uint8_t *restrict src,
                                                               const float *restrict lut,
                                                               float (*restrict blocks)[MAX_BLOCK],
                                                               Py_ssize_t line_stride, Py_ssize_t C,
-                                                              Py_ssize_t S, Py_ssize_t p) {
+                                                              Py_ssize_t S, Py_ssize_t p, Py_ssize_t m) {
     for (Py_ssize_t y = 0; y < p; y++, src += line_stride) {
-        /* The next 2x2 merge group's pixels start 2p pixels to the right: fetch this row's part
+        /* The next merge group's pixels start m * p pixels to the right: fetch this row's part
          * of it now (p rows at a stride are too many streams for the hardware prefetcher). */
-        __builtin_prefetch(src + 2 * p * S);
-        __builtin_prefetch(src + 2 * p * S + 64);
+        __builtin_prefetch(src + m * p * S);
+        __builtin_prefetch(src + m * p * S + 64);
         for (Py_ssize_t x = 0; x < p; x++)
             for (Py_ssize_t c = 0; c < C; c++) blocks[c][y * p + x] = lut[c * 256 + src[x * S + c]];
     }
@@ -62,15 +64,17 @@ static inline __attribute__((always_inline)) void fill_blocks(const uint8_t *res
 #include <immintrin.h>
 #define HAVE_X86_SIMD 1
 
-/* fill_blocks for C = 3, S = 4 (RGBX), p = 14 with SSE4.1: per image row, four 4-pixel groups
- * (x = 0, 4, 8 and an overlapping 10) are split into R, G, B lanes by one byte shuffle each,
- * widened to float and normalized as v * scale + bias: a multiply, then an add, each rounded,
- * exactly the arithmetic that built the table, so the bits are the table's (the tests compare
- * against the numpy path bit for bit). No FMA: this target has none to contract into. */
-__attribute__((target("sse4.1"))) static void fill_blocks_rgbx14(const uint8_t *restrict src,
-                                                                  const float *restrict affine,
-                                                                  float (*restrict blocks)[MAX_BLOCK],
-                                                                  Py_ssize_t line_stride) {
+/* fill_blocks for C = 3, S = 4 (RGBX) and a patch side p >= 4 with SSE4.1: per image row, the
+ * 4-pixel groups at x = 0, 4, 8, ... (the last one moved left to end at p when p is not a
+ * multiple of 4: x = 0, 4, 8, 10 for p = 14; 0, 4, 8, 12 for p = 16) are split into R, G, B
+ * lanes by one byte shuffle each, widened to float and normalized as v * scale + bias: a
+ * multiply, then an add, each rounded, exactly the arithmetic that built the table, so the bits
+ * are the table's (the tests compare against the numpy path bit for bit). No FMA: this target
+ * has none to contract into. Always inlined into the per-size wrappers below, whose literal p
+ * unrolls the loops. */
+static inline __attribute__((always_inline, target("sse4.1"))) void fill_blocks_rgbx_sse41(
+    const uint8_t *restrict src, const float *restrict affine, float (*restrict blocks)[MAX_BLOCK],
+    Py_ssize_t line_stride, const Py_ssize_t p, const Py_ssize_t m) {
     const __m128i pick[3] = {
         _mm_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1),
         _mm_setr_epi8(1, 5, 9, 13, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1),
@@ -81,22 +85,71 @@ __attribute__((target("sse4.1"))) static void fill_blocks_rgbx14(const uint8_t *
         scale[c] = _mm_set1_ps(affine[c]);
         bias[c] = _mm_set1_ps(affine[3 + c]);
     }
-    static const int x0[4] = {0, 4, 8, 10};
-    for (Py_ssize_t y = 0; y < 14; y++, src += line_stride) {
-        __builtin_prefetch(src + 4 * 28); /* the next merge group, as in fill_blocks */
-        __builtin_prefetch(src + 4 * 28 + 64);
-        for (int g = 0; g < 4; g++) {
-            const __m128i px = _mm_loadu_si128((const __m128i *)(src + 4 * x0[g]));
+    const Py_ssize_t groups = (p + 3) / 4;
+    for (Py_ssize_t y = 0; y < p; y++, src += line_stride) {
+        __builtin_prefetch(src + 4 * m * p); /* the next merge group, as in fill_blocks */
+        __builtin_prefetch(src + 4 * m * p + 64);
+        for (Py_ssize_t g = 0; g < groups; g++) {
+            const Py_ssize_t x0 = 4 * g + 4 <= p ? 4 * g : p - 4;
+            const __m128i px = _mm_loadu_si128((const __m128i *)(src + 4 * x0));
             for (int c = 0; c < 3; c++) {
                 const __m128 v = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_shuffle_epi8(px, pick[c])));
-                _mm_storeu_ps(&blocks[c][y * 14 + x0[g]], _mm_add_ps(_mm_mul_ps(v, scale[c]), bias[c]));
+                _mm_storeu_ps(&blocks[c][y * p + x0], _mm_add_ps(_mm_mul_ps(v, scale[c]), bias[c]));
             }
         }
     }
 }
 
+/* Qwen2-VL's patch side (14) and MiMo-V2.5's (16). */
+__attribute__((target("sse4.1"))) static void fill_blocks_rgbx14(const uint8_t *restrict src,
+                                                                  const float *restrict affine,
+                                                                  float (*restrict blocks)[MAX_BLOCK],
+                                                                  Py_ssize_t line_stride, Py_ssize_t m) {
+    fill_blocks_rgbx_sse41(src, affine, blocks, line_stride, 14, m);
+}
+
+__attribute__((target("sse4.1"))) static void fill_blocks_rgbx16(const uint8_t *restrict src,
+                                                                  const float *restrict affine,
+                                                                  float (*restrict blocks)[MAX_BLOCK],
+                                                                  Py_ssize_t line_stride, Py_ssize_t m) {
+    fill_blocks_rgbx_sse41(src, affine, blocks, line_stride, 16, m);
+}
+
 static int use_sse41; /* set once at import */
 #endif
+
+/* One patch's C blocks through the fastest loop for (C, S, p): the loops are specialized for
+ * the patch sides of the models served here (14: Qwen2-VL; 16: MiMo-V2.5), in RGB (S = 3) and
+ * Pillow's RGBX (S = 4, SIMD when the CPU has SSE4.1); any other shape takes the general loop,
+ * which gives the same bits. */
+static inline __attribute__((always_inline)) void fill(const uint8_t *restrict src, const float *restrict lut,
+                                                       const float *restrict affine,
+                                                       float (*restrict blocks)[MAX_BLOCK],
+                                                       Py_ssize_t line_stride, Py_ssize_t C, Py_ssize_t S,
+                                                       Py_ssize_t p, Py_ssize_t m) {
+#ifdef HAVE_X86_SIMD
+    if (use_sse41 && C == 3 && S == 4 && p == 14) {
+        fill_blocks_rgbx14(src, affine, blocks, line_stride, m);
+        return;
+    }
+    if (use_sse41 && C == 3 && S == 4 && p == 16) {
+        fill_blocks_rgbx16(src, affine, blocks, line_stride, m);
+        return;
+    }
+#else
+    (void)affine;
+#endif
+    if (C == 3 && S == 3 && p == 14)
+        fill_blocks(src, lut, blocks, line_stride, 3, 3, 14, m);
+    else if (C == 3 && S == 3 && p == 16)
+        fill_blocks(src, lut, blocks, line_stride, 3, 3, 16, m);
+    else if (C == 3 && S == 4 && p == 14)
+        fill_blocks(src, lut, blocks, line_stride, 3, 4, 14, m);
+    else if (C == 3 && S == 4 && p == 16)
+        fill_blocks(src, lut, blocks, line_stride, 3, 4, 16, m);
+    else
+        fill_blocks(src, lut, blocks, line_stride, C, S, p, m);
+}
 
 static void patchify_rows(const uint8_t *restrict frames, const float *restrict lut,
                           const float *restrict affine,
@@ -119,18 +172,7 @@ static void patchify_rows(const uint8_t *restrict frames, const float *restrict 
                             const Py_ssize_t f = t * tp + s < T ? t * tp + s : T - 1;
                             if (f != prev) { /* an image repeats its frame: build once */
                                 const uint8_t *src = frames + f * frame_stride + y0 * line_stride + x0 * S;
-                                if (C == 3 && S == 3 && p == 14)
-                                    fill_blocks(src, lut, blocks, line_stride, 3, 3, 14);
-                                else if (C == 3 && S == 4 && p == 14) {
-#ifdef HAVE_X86_SIMD
-                                    if (use_sse41)
-                                        fill_blocks_rgbx14(src, affine, blocks, line_stride);
-                                    else
-#endif
-                                        fill_blocks(src, lut, blocks, line_stride, 3, 4, 14);
-                                }
-                                else
-                                    fill_blocks(src, lut, blocks, line_stride, C, S, p);
+                                fill(src, lut, affine, blocks, line_stride, C, S, p, m);
                                 prev = f;
                             }
                             for (Py_ssize_t c = 0; c < C; c++)

@@ -2,7 +2,8 @@
 
 Every backend turns media into the same ``Patches`` layout (see ``patchify.py``): the ViT cannot
 tell which backend ran, up to resampling differences bounded by the parity tests against
-transformers' ``Qwen2VLImageProcessor``. Backends differ only in where the work runs:
+transformers' ``Qwen2VLImageProcessor`` (configured with the same ``PreprocessConfig`` values).
+Backends differ only in where the work runs:
 
 - ``cpu``: Pillow(-SIMD) decode and bicubic resize, numpy normalize + patchify.
 - ``dali``: an NVIDIA DALI pipeline, nvJPEG decode and resize on the GPU when CUDA is present,
@@ -27,11 +28,13 @@ BackendName = Literal["cpu", "dali"]
 
 
 class PreprocessBackend(Protocol):
-    """Qwen2-VL preprocessing: resize to ``smart_resize``'s target, normalize, patchify.
+    """Qwen2-VL-style preprocessing: resize to ``smart_resize``'s target, normalize, patchify.
 
     Invariants every implementation keeps:
-    - ``pixel_values`` is ``[t * h * w, 1176]`` float32, contiguous; ``grid_thw == (t, h, w)``.
-    - rows come in 2x2 merge groups (4 consecutive rows), each row (C, T, py, px) flattened.
+    - ``pixel_values`` is ``[t * h * w, cfg.row_size]`` float32 (3 * tp * p * p values: 1176 for
+      patch 14, 1536 for patch 16), contiguous; ``grid_thw == (t, h, w)`` in patches.
+    - rows come in merge groups (``merge_size ** 2`` consecutive rows), each row (C, T, py, px)
+      flattened.
     - images have ``t == 1`` (the frame repeated ``temporal_patch_size`` times).
     - errors about the input are ``MediaError`` subclasses (e.g. BadMedia for a 300:1 image).
     """
@@ -49,7 +52,7 @@ class PreprocessBackend(Protocol):
 
     def video(self, frames: np.ndarray, item: str | None = None) -> Patches:
         """Sampled frames ``[T, H, W, 3]`` uint8 RGB. Frames already at a target size (sides
-        multiples of 28, area within ``video_max_pixels``, as ``decode_video`` produces) are used
+        multiples of ``cfg.factor``, area within ``video_max_pixels``, as ``decode_video`` produces) are used
         as they are; others are resized (``resize.video_frame_target``). ``T`` is padded to a
         multiple of ``temporal_patch_size`` by repeating the last frame."""
         ...

@@ -9,12 +9,16 @@ Three pipelines are built once per backend and reused; per-sample target sizes t
 
     encoded  bytes --decoders.image--> HWC u8 -+
     pixels   HWC u8 ---------------------------+-> resize(cubic, antialias, to smart_resize target)
-                                               |   -> crop_mirror_normalize(CLIP, CHW float32)
+                                               |   -> crop_mirror_normalize(cfg mean/std, CHW float32)
                                                |   -> reshape [C, gh/m, m, p, gw/m, m, p]
                                                |   -> transpose -> [gh/m, gw/m, m, m, C, p, p]
-                                               |   -> stack(x, x) on a new temporal axis
+                                               |   -> stack(x, ..., x): tp copies on a new temporal axis
                                                |   -> reshape [N, C*tp*p*p]
     frames   FHWC u8 (T padded to a multiple of tp) -> the same with a leading (gt, tp) split
+
+Patch p, merge m, temporal patch tp, mean/std and the pixel bounds are the backend's
+``PreprocessConfig`` (Qwen2-VL: 14 / 2 / 2, rows of 1176; MiMo-V2.5: 16 / 2 / 2, rows of 1536);
+the pipelines are built for it, so one backend instance serves one config.
 
 Only JPEGs (RGB or greyscale) go through DALI's decoder. Other formats, and JPEGs whose colour
 handling differs (CMYK), are decoded by ``media_io.image.decode_image`` (Pillow: transparency
@@ -170,7 +174,7 @@ class DaliBackend:
             dst = torch.empty(tuple(sample.shape()), dtype=torch.float32, device="cuda")
             feed_ndarray(sample, dst, cuda_stream=torch.cuda.current_stream())
             return dst
-        return torch.from_numpy(np.array(sample))  # [N, 1176] float32
+        return torch.from_numpy(np.array(sample))  # [N, cfg.row_size] float32
 
     def _jpeg_upright_size(self, data: bytes, limits: MediaLimits) -> tuple[int, int] | None:
         """Upright ``(height, width)`` of a JPEG DALI can decode like Pillow, else None.
@@ -266,7 +270,7 @@ def _build_pipeline(
             x = fn.transpose(x, perm=[1, 4, 2, 5, 0, 3, 6])
             # one frame repeated tp times: [gh/m, gw/m, m, m, C, tp, p, p]
             x = fn.stack(*([x] * tp), axis=5)
-        return fn.reshape(x, shape=[-1, row])  # [N, 1176]
+        return fn.reshape(x, shape=[-1, row])  # [N, 3 * tp * p * p]
 
     device_id = 0 if use_gpu else None
     build: Callable[..., Any] = pipeline_def(graph)

@@ -1,8 +1,9 @@
-"""Normalize uint8 pixels and cut them into Qwen2-VL patch rows, in one pass of torch ops.
+"""Normalize uint8 pixels and cut them into Qwen2-VL-layout patch rows, in one pass.
 
-Layout (the contract every backend must meet, identical to transformers' Qwen2-VL processors):
+Layout (the contract every backend must meet, identical to transformers' Qwen2-VL processors),
+for patch p, merge m (the picture: m = 2) and temporal patch tp, all from ``PreprocessConfig``:
 
-    pixel_values [N, 1176] float32, N = t * h * w patches, grid_thw = (t, h, w) in patches
+    pixel_values [N, 3 * tp * p * p] float32, N = t * h * w patches, grid_thw = (t, h, w) in patches
 
     rows are ordered   t -> h/2 -> w/2 -> 2 (merge row) -> 2 (merge col)
     so every 4 consecutive rows are one 2x2 merge group:
@@ -18,7 +19,8 @@ Layout (the contract every backend must meet, identical to transformers' Qwen2-V
         | c  | c  | d  | d  |
         +----+----+----+----+
 
-    each row is (channel 3, temporal 2, patch_y 14, patch_x 14) flattened: 3 * 2 * 14 * 14 = 1176.
+    each row is (channel 3, temporal tp, patch_y p, patch_x p) flattened: Qwen2-VL's 3 * 2 * 14 * 14
+    = 1176 values, MiMo-V2.5's 3 * 2 * 16 * 16 = 1536.
 
 An image is one frame repeated ``temporal_patch_size`` times; a video's frame count is padded to a
 multiple of ``temporal_patch_size`` by repeating its last frame (what transformers does).
@@ -46,12 +48,15 @@ _c_kernel: ModuleType | None = native.load("media_io.preprocess._patchify")
 Impl = Literal["auto", "c", "numpy", "torch"]
 
 C_KERNEL_AVAILABLE = _c_kernel is not None
+# The C kernel's per-patch scratch holds p * p <= 1024 floats (MAX_BLOCK in _patchify.c): patch
+# sides up to 32. It has unrolled (and SSE4.1) loops for p = 14 and 16 and a general loop for the rest.
+C_MAX_PATCH_AREA = 1024
 
 
 class Patches(NamedTuple):
     """One image's or video's patches."""
 
-    pixel_values: torch.Tensor  # [N, 1176] float32, N = t * h * w
+    pixel_values: torch.Tensor  # [N, 3 * tp * p * p] float32, N = t * h * w
     grid_thw: tuple[int, int, int]  # (t, h, w) in patches
 
     @property
@@ -69,7 +74,7 @@ def _affine(cfg: PreprocessConfig) -> tuple[np.ndarray, np.ndarray]:
 def patchify_uint8(
     frames: torch.Tensor | np.ndarray, cfg: PreprocessConfig = PreprocessConfig(), impl: Impl = "auto"
 ) -> Patches:
-    """Normalize (rescale 1/255, CLIP mean/std) and patchify ``frames``.
+    """Normalize (rescale 1/255, ``cfg``'s mean/std) and patchify ``frames``.
 
     Args:
         frames: ``[T, H, W, 3]`` uint8 RGB (channels last, as decoders produce it), or
@@ -77,7 +82,7 @@ def patchify_uint8(
             on any device, or a numpy array (read-only is fine: it is never written).
             ``H`` and ``W`` must be multiples of ``patch_size * merge_size``. ``T == 1`` for an image.
         impl: ``"c"`` (the one-pass C kernel), ``"numpy"`` (both CPU only) or ``"torch"``;
-            ``"auto"`` picks C on CPU when it was built, else numpy. All give the same values.
+            ``"auto"`` picks C on CPU when it was built (and the patch fits it), else numpy. All give the same values.
             The CPU paths are single-threaded on purpose: preprocessing runs in several
             executor threads next to a model that owns torch's intra-op pool, and many small
             OpenMP regions fighting for cores cost far more than they save (measured ~2-5x
@@ -101,7 +106,8 @@ def patchify_uint8(
     else:
         frames_np = frames.numpy() if frames.device.type == "cpu" else None
     if impl == "auto":
-        impl = "torch" if frames_np is None else "c" if _c_kernel is not None else "numpy"
+        c_fits = _c_kernel is not None and p * p <= C_MAX_PATCH_AREA
+        impl = "torch" if frames_np is None else "c" if c_fits else "numpy"
     if impl == "c":
         assert frames_np is not None and _c_kernel is not None, (
             "impl='c' needs CPU pixels and the built kernel"
@@ -152,7 +158,7 @@ def _rows_numpy(frames: np.ndarray, cfg: PreprocessConfig) -> np.ndarray:
         src = src.reshape(gt * (gh // m), *src.shape[2:])  # merge rows of every frame pair
         out = np.empty(src.shape, dtype=np.float32)
         _normalize_blocks(src, out, scale.reshape(c, 1, 1, 1), bias.reshape(c, 1, 1, 1), temporal_axis=None)
-    return out.reshape(-1, c * tp * p * p)  # [N, 1176]
+    return out.reshape(-1, c * tp * p * p)  # [N, 3 * tp * p * p]
 
 
 def _normalize_blocks(
@@ -199,7 +205,7 @@ def _rows_c(frames: np.ndarray, cfg: PreprocessConfig, grid: tuple[int, int, int
     assert _c_kernel is not None
     n, height, width, stride = frames.shape  # stride 4: RGBX
     p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
-    out = torch.empty(grid[0] * grid[1] * grid[2], 3 * tp * p * p, dtype=torch.float32)  # [N, 1176]
+    out = torch.empty(grid[0] * grid[1] * grid[2], 3 * tp * p * p, dtype=torch.float32)  # [N, row]
     src = np.ascontiguousarray(frames)  # PIL's and PyAV's arrays already are: no copy
     lut, affine = _tables(cfg)
     _c_kernel.patchify(src, lut, affine, out.numpy(), n, height, width, 3, stride, p, m, tp)
@@ -225,4 +231,4 @@ def _rows_torch(frames: torch.Tensor, cfg: PreprocessConfig) -> torch.Tensor:
         rows = (
             src.contiguous().to(torch.float32).mul_(scale).add_(bias)
         )  # [gt, gh/m, gw/m, m, m, C, tp, p, p]
-    return rows.reshape(-1, c * tp * p * p)  # [N, 1176], contiguous
+    return rows.reshape(-1, c * tp * p * p)  # [N, 3 * tp * p * p], contiguous

@@ -3,12 +3,14 @@
 The rule (identical to transformers' ``Qwen2VLImageProcessor``):
 
 1. reject aspect ratios above 200:1 (the ViT cannot tile them sensibly);
-2. round each side to the nearest multiple of ``factor`` (patch 14 x merge 2 = 28);
+2. round each side to the nearest multiple of ``factor`` = patch x merge (Qwen2-VL 14 x 2 = 28,
+   MiMo-V2.5 16 x 2 = 32);
 3. if the area is above ``max_pixels``, scale both sides down by the same factor and floor to
    multiples of ``factor`` (never below ``factor``); if below ``min_pixels``, scale up and ceil.
 
 Python's ``round`` (banker's rounding) is part of the rule: ``round(2.5) == 2``. Using it keeps
-our grid identical to the reference for sides that are an odd multiple of 14.
+our grid identical to the reference for sides that are an odd multiple of ``factor / 2``.
+Every bound is the caller's (its ``PreprocessConfig``): there are no defaults here.
 """
 
 from __future__ import annotations
@@ -24,16 +26,16 @@ MAX_ASPECT_RATIO = 200.0
 def smart_resize(
     height: int,
     width: int,
-    factor: int = 28,
-    min_pixels: int = 56 * 56,
-    max_pixels: int = 28 * 28 * 1280,
+    factor: int,
+    min_pixels: int,
+    max_pixels: int,
     *,
     item: str | None = None,
 ) -> tuple[int, int]:
     """The ``(height, width)`` to resize an image of ``height x width`` to.
 
     Both results are multiples of ``factor``; their product lies in ``[min_pixels, max_pixels]``
-    except where ``factor`` itself forces more (a 28-pixel floor on each side).
+    except where ``factor`` itself forces more (a ``factor``-pixel floor on each side).
 
     Raises:
         BadMedia: a side is not positive, or the aspect ratio is above 200:1 (``item`` names

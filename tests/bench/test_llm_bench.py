@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bench.common import usable_cores
-from bench.llm import TARGETS, make_prompts, regular_token_bound, tiny_qwen_dir
+from bench.llm import NO_BASELINE, TARGETS, make_prompts, regular_token_bound, tiny_qwen_dir
 from llm_core.models import supported
 from llm_core.models.checkpoint import ensure_default_checkpoint
 
@@ -46,9 +46,12 @@ def _quick(tmp_path: Path, *extra: str) -> dict[str, Any]:
 
 @pytest.mark.slow  # loads the model twice (ours and transformers') and generates with both: ~20 s CPU
 @pytest.mark.timeout(300)
-def test_quick_run_writes_summary(tmp_path: Path) -> None:
-    s = _quick(tmp_path)
+def test_quick_run_writes_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    s = _quick(tmp_path, "--phases")
     assert s["architecture"] == "MiMoV2FlashForCausalLM" and s["target_speedup"] == 5.0
+    # --phases: the engine thread's time per phase, one row per round (--quick: one round)
+    printed = capsys.readouterr().out
+    assert "engine thread time per round" in printed and "between steps" in printed
     # transformers has no sdpa for MiMo-V2-Flash: eager is the only choice, so nothing is probed
     assert s["transformers_attention"] == "eager" and s["transformers_attention_probe_s"] == {}
 
@@ -70,7 +73,9 @@ def test_quick_run_tiny_qwen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_every_served_architecture_has_a_target() -> None:
-    assert set(supported()) <= set(TARGETS)
+    """A target, or a stated reason why transformers cannot be its baseline."""
+    assert set(supported()) <= set(TARGETS) | set(NO_BASELINE)
+    assert not set(TARGETS) & set(NO_BASELINE)
 
 
 def test_prompt_ids_stay_below_the_special_tokens(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 import argparse
 from dataclasses import dataclass, field
+from typing import Literal
 
 import pytest
 
@@ -19,6 +20,7 @@ class Outer:
     verbose: bool = False
     allow_hosts: tuple[str, ...] = ()
     model_path: str | None = None
+    rule: Literal["qwen2_vl", "mimo_v2"] = "qwen2_vl"
     engine: Inner = field(default_factory=Inner)
 
 
@@ -61,13 +63,20 @@ def test_base_values_survive_unset_flags() -> None:
 def test_bad_value_is_an_argparse_error() -> None:
     with pytest.raises(SystemExit):
         _parse(["--port", "eighty"])
+    with pytest.raises(SystemExit):  # a Literal field takes only its values
+        _parse(["--rule", "llava"])
 
 
 def test_to_argv_round_trips() -> None:
     from epd.config_cli import dataclass_to_argv
 
     cfg = Outer(
-        port=1, verbose=True, allow_hosts=("x", "y"), model_path="/m", engine=Inner(page_size=8, ratio=0.25)
+        port=1,
+        verbose=True,
+        allow_hosts=("x", "y"),
+        model_path="/m",
+        rule="mimo_v2",
+        engine=Inner(page_size=8, ratio=0.25),
     )
     assert dataclass_from_args(Outer, _parse(dataclass_to_argv(cfg))) == cfg
     assert dataclass_to_argv(Outer()) == []

@@ -71,12 +71,19 @@ def test_chat_prompt_collects_media_in_order() -> None:
     assert prompt.messages[1]["content"][2] == {"type": "video", "index": 1}
 
 
+def test_chat_prompt_keeps_audio_parts_for_the_model_check() -> None:
+    """Audio is never fetched here; the part stays so the model's check can answer 415 or 400."""
+    content = [{"type": "text", "text": "hear"}, {"type": "input_audio", "input_audio": {"data": ""}}]
+    prompt = chat_prompt([{"role": "user", "content": content}], max_items=4)
+    assert prompt.messages[0]["content"][1] == {"type": "audio"} and prompt.media == []
+
+
 @pytest.mark.parametrize(
     ("messages", "param"),
     [
         ([], "messages"),
         ([{"role": "wizard", "content": "x"}], "messages[0].role"),
-        ([{"role": "user", "content": [{"type": "audio"}]}], "messages[0].content[0].type"),
+        ([{"role": "user", "content": [{"type": "file"}]}], "messages[0].content[0].type"),
         (
             [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
             "messages[0].content[0].image_url.url",

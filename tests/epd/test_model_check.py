@@ -66,7 +66,7 @@ BROKEN: dict[str, tuple[Callable[[Path], None], str]] = {
     "architecture": (
         lambda d: _edit_config(d, lambda c: c.update(architectures=["FooForCausalLM"])),
         r"architecture FooForCausalLM is not supported; supported: MiMoV2FlashForCausalLM, "
-        r"Qwen2_5_VLForConditionalGeneration",
+        r"MiMoV2ForCausalLM, Qwen2_5_VLForConditionalGeneration",
     ),
 }
 

@@ -3,6 +3,11 @@
 Parity bar for every case: identical ``grid_thw``; mean |diff| <= 0.01 and max |diff| <= 0.15 in
 normalized units (one uint8 level is ~0.015). Images are synthetic but camera-like: smooth colour
 fields, hard-edged shapes, sensor noise and a lens-like blur (media_io.preprocess.synthetic).
+
+The image, JPEG and video cases run under two configs (tests/media_io/configs.py): Qwen2-VL's
+defaults, and MiMo-V2.5's (patch 16, merge 2, its pixel bounds and mean/std), the reference then
+being the same transformers processors configured with those values. MiMo-V2.5's own reference
+path is that processor through PIL (bicubic); sglang's bilinear resize is not followed.
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ from PIL import Image
 from transformers import Qwen2VLImageProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from media_io.config import MediaLimits, PreprocessConfig
+from media_io.config import MediaLimits
 from media_io.errors import BadMedia, MediaTooLarge
 from media_io.image import decode_image, decode_image_sized
 from media_io.preprocess import Patches, PreprocessBackend, get_backend
 from media_io.preprocess.cpu import CpuBackend
 from media_io.preprocess.synthetic import encode, synthetic_photo
+from tests.media_io.configs import CONFIGS, QWEN2_VL, reference_kwargs
 
 MEAN_TOL, MAX_TOL = 0.01, 0.15
 BACKENDS = ["cpu", "dali"]
@@ -58,26 +64,27 @@ def jpeg(width: int, height: int) -> bytes:
 
 
 @cache
-def _processors() -> dict[str, Any]:
-    return {"pil": Qwen2VLImageProcessorPil(), "torchvision": Qwen2VLImageProcessor()}
+def _processors(config: str) -> dict[str, Any]:
+    kwargs = reference_kwargs(CONFIGS[config])
+    return {"pil": Qwen2VLImageProcessorPil(**kwargs), "torchvision": Qwen2VLImageProcessor(**kwargs)}
 
 
-def reference(img: Image.Image, kind: str = "pil") -> Patches:
-    out = _processors()[kind](images=img, return_tensors="pt")
+def reference(img: Image.Image, kind: str = "pil", config: str = "qwen2_vl") -> Patches:
+    out = _processors(config)[kind](images=img, return_tensors="pt")
     return Patches(out["pixel_values"], tuple(out["image_grid_thw"][0].tolist()))
 
 
 @cache
-def reference_for(width: int, height: int, kind: str) -> Patches:
-    return reference(photo(width, height), kind)
+def reference_for(width: int, height: int, kind: str, config: str) -> Patches:
+    return reference(photo(width, height), kind, config)
 
 
-def video_reference(frames: np.ndarray) -> Patches:
-    """transformers' ``Qwen2VLVideoProcessor`` (its defaults, which ``PreprocessConfig`` mirrors) on
-    frames ``[T, H, W, 3]`` uint8, without the per-frame cap (``decode_video`` applies that)."""
+def video_reference(frames: np.ndarray, config: str = "qwen2_vl") -> Patches:
+    """transformers' ``Qwen2VLVideoProcessor`` configured like ``CONFIGS[config]`` on frames
+    ``[T, H, W, 3]`` uint8, without the per-frame cap (``decode_video`` applies that)."""
     from transformers import Qwen2VLVideoProcessor
 
-    out = Qwen2VLVideoProcessor()(
+    out = Qwen2VLVideoProcessor(**reference_kwargs(CONFIGS[config], video=True))(
         videos=[torch.from_numpy(frames).permute(0, 3, 1, 2)], return_tensors="pt", cap_pixels_per_frame=False
     )
     return Patches(out["pixel_values_videos"], tuple(out["video_grid_thw"][0].tolist()))
@@ -88,28 +95,34 @@ def assert_parity(got: Patches, ref: Patches, mean_tol: float = MEAN_TOL, max_to
     assert got.pixel_values.shape == ref.pixel_values.shape
     assert got.pixel_values.dtype == torch.float32 and got.pixel_values.is_contiguous()
     diff = (got.pixel_values.cpu() - ref.pixel_values).abs()
-    assert diff.mean().item() <= mean_tol, f"mean |diff| {diff.mean().item():.4f}"
-    assert diff.max().item() <= max_tol, f"max |diff| {diff.max().item():.4f}"
+    mean, peak = diff.mean().item(), diff.max().item()
+    del diff  # up to 200 MB for a MiMo-V2.5 4K image
+    assert mean <= mean_tol, f"mean |diff| {mean:.4f}"
+    assert peak <= max_tol, f"max |diff| {peak:.4f}"
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("kind", ["pil", "torchvision"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("width", "height"), SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
-def test_image_parity(width: int, height: int, backend: str, kind: str) -> None:
-    got = get_backend(backend).image(photo(width, height))
-    assert_parity(got, reference_for(width, height, kind))
+def test_image_parity(width: int, height: int, backend: str, kind: str, config: str) -> None:
+    cfg = CONFIGS[config]
+    got = get_backend(backend, cfg).image(photo(width, height))
+    assert got.pixel_values.shape[1] == 3 * cfg.temporal_patch_size * cfg.patch_size**2  # 1176 / 1536
+    assert_parity(got, reference_for(width, height, kind, config))
 
 
 JPEG_SIZES = [(28, 28), (2000, 10), (640, 480), (333, 777), (1920, 1080), (3840, 2160), (4032, 3024)]
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("width", "height"), JPEG_SIZES, ids=[f"{w}x{h}" for w, h in JPEG_SIZES])
-def test_jpeg_bytes_parity_decode_included(width: int, height: int, backend: str) -> None:
+def test_jpeg_bytes_parity_decode_included(width: int, height: int, backend: str, config: str) -> None:
     data = jpeg(width, height)
     # The reference decodes with Pillow at full size, as a client of transformers would.
-    ref = reference(Image.open(io.BytesIO(data)))
-    assert_parity(get_backend(backend).image_bytes(data, item="img"), ref)
+    ref = reference(Image.open(io.BytesIO(data)), config=config)
+    assert_parity(get_backend(backend, CONFIGS[config]).image_bytes(data, item="img"), ref)
 
 
 def test_jpeg_draft_decodes_at_reduced_scale_only_when_target_fits() -> None:
@@ -213,28 +226,35 @@ def test_bad_inputs_raise_typed_errors_and_backend_survives(backend: str) -> Non
     assert_parity(be.image_bytes(data), reference(Image.open(io.BytesIO(data))))
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("num_frames", [3, 4])
-def test_video_frames_at_target_are_not_resized(backend: str, num_frames: int) -> None:
+def test_video_frames_at_target_are_not_resized(backend: str, num_frames: int, config: str) -> None:
     from media_io.preprocess.resize import video_frame_target
 
-    frames = np.stack([np.asarray(photo(364, 308 + i))[:308] for i in range(num_frames)])  # [T, 308, 364, 3]
-    assert video_frame_target(308, 364, PreprocessConfig()) == (308, 364)
-    be: PreprocessBackend = get_backend(backend)
+    cfg = CONFIGS[config]
+    h, w = 11 * cfg.factor, 13 * cfg.factor  # Qwen2-VL 308x364, MiMo-V2.5 352x416
+    frames = np.stack([np.asarray(photo(w, h + i))[:h] for i in range(num_frames)])  # [T, h, w, 3]
+    assert video_frame_target(h, w, cfg) == (h, w)
+    be: PreprocessBackend = get_backend(backend, cfg)
     got = be.video(frames)
     assert got.grid_thw == ((num_frames + 1) // 2, 22, 26)
     # Already at smart_resize's target, where the reference's resize changes nothing: the two agree
     # to the float rounding of the normalization (an odd T is padded by repeating the last frame).
-    ref = video_reference(frames)
+    ref = video_reference(frames, config)
     assert ref.grid_thw == got.grid_thw
     torch.testing.assert_close(got.pixel_values.cpu(), ref.pixel_values, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_video_frames_off_target_are_resized_like_the_reference(backend: str) -> None:
+def test_video_frames_off_target_are_resized_like_the_reference(backend: str, config: str) -> None:
     frames = np.stack([np.asarray(photo(320, 240 + i))[:240] for i in range(5)])  # [5, 240, 320, 3]
-    got = get_backend(backend).video(frames)
-    assert_parity(got, video_reference(frames))
+    got = get_backend(backend, CONFIGS[config]).video(frames)
+    # Qwen2-VL: 76800 px is below video_min_pixels 100352, scaled up by sqrt(100352 / 76800) and
+    # ceiled to 28: 280x392. MiMo-V2.5: rounded to 32 (7.5 -> 8 by banker's rounding): 256x320.
+    assert got.grid_thw[1:] == {"qwen2_vl": (20, 28), "mimo_v25": (16, 20)}[config]
+    assert_parity(got, video_reference(frames, config))
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -242,17 +262,18 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize(("width", "height"), [(640, 480), (1920, 1080), (4032, 3024)])
-def test_dali_gpu_nvjpeg_parity(width: int, height: int) -> None:
+def test_dali_gpu_nvjpeg_parity(width: int, height: int, config: str) -> None:
     from media_io.preprocess.dali import DaliBackend
 
-    be = DaliBackend(use_gpu=True)
+    be = DaliBackend(CONFIGS[config], use_gpu=True)
     data = jpeg(width, height)
     got = be.image_bytes(data)
     assert got.pixel_values.is_cuda
-    assert_parity(got, reference(Image.open(io.BytesIO(data))))
+    assert_parity(got, reference(Image.open(io.BytesIO(data)), config=config))
     frames = np.stack([np.asarray(photo(320, 240 + i))[:240] for i in range(3)])
-    assert_parity(be.video(frames), video_reference(frames))
+    assert_parity(be.video(frames), video_reference(frames, config))
 
 
 @pytest.mark.gpu
@@ -267,19 +288,24 @@ def test_torch_patchify_on_cuda_equals_numpy(num_frames: int) -> None:
     torch.testing.assert_close(on_gpu.pixel_values.cpu(), patchify_uint8(frames).pixel_values)
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_video_frames_at_a_capped_target_are_kept(backend: str) -> None:
+def test_video_frames_at_a_capped_target_are_kept(backend: str, config: str) -> None:
     # decode_video's per-frame cap shrinks with the frame count and may land below
-    # video_min_pixels (here 252x336 = 84672 < 100352): such frames must not be scaled back up.
-    frames = np.stack([np.asarray(photo(336, 252 + i))[:252] for i in range(2)])  # [2, 252, 336, 3]
-    got = get_backend(backend).video(frames)
-    assert got.grid_thw == (1, 18, 24)
+    # video_min_pixels (Qwen2-VL: 252x336 = 84672 < 100352; MiMo-V2.5: 64x96 = 6144 < 8192):
+    # such frames must not be scaled back up.
+    cfg = CONFIGS[config]
+    h, w = {"qwen2_vl": (252, 336), "mimo_v25": (64, 96)}[config]
+    assert h * w < cfg.video_min_pixels
+    frames = np.stack([np.asarray(photo(w, h + i))[:h] for i in range(2)])  # [2, h, w, 3]
+    got = get_backend(backend, cfg).video(frames)
+    assert got.grid_thw == (1, h // cfg.patch_size, w // cfg.patch_size)
 
 
 def test_video_frame_target_rule() -> None:
     from media_io.preprocess.resize import smart_resize, video_frame_target
 
-    cfg = PreprocessConfig()
+    cfg = QWEN2_VL
     assert video_frame_target(252, 336, cfg) == (252, 336)  # at a (capped) target already
     assert video_frame_target(1008, 1792, cfg) == smart_resize(
         1008, 1792, 28, cfg.video_min_pixels, cfg.video_max_pixels

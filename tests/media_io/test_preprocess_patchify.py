@@ -1,6 +1,9 @@
-"""patchify_uint8: the row layout of transformers' Qwen2-VL processors, bit for bit."""
+"""patchify_uint8: the row layout of transformers' Qwen2-VL processors, bit for bit, for Qwen2-VL's
+patch 14 and MiMo-V2.5's patch 16 (and the C kernel's general loop for other sides)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -11,8 +14,9 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from media_io.config import PreprocessConfig
 from media_io.preprocess import patchify_uint8
 from media_io.preprocess.patchify import C_KERNEL_AVAILABLE
+from tests.media_io.configs import CONFIGS, reference_kwargs
 
-CFG = PreprocessConfig()
+CFG = CONFIGS["qwen2_vl"]
 
 
 def _frames(t: int, h: int, w: int, seed: int = 0) -> torch.Tensor:
@@ -24,24 +28,33 @@ needs_c = pytest.mark.skipif(not C_KERNEL_AVAILABLE, reason="the C kernel was no
 IMPLS = [pytest.param("c", marks=needs_c), "numpy", "torch"]
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("impl", IMPLS)
-def test_image_rows_equal_transformers_pil_processor(impl: str) -> None:
-    img = _frames(1, 84, 140)
-    ref = Qwen2VLImageProcessorPil()(images=img[0].numpy(), do_resize=False, return_tensors="pt")
-    out = patchify_uint8(img, CFG, impl=impl)
+@pytest.mark.parametrize("channels", [3, 4])  # RGB, and Pillow's RGBX (the C kernel's SIMD path)
+def test_image_rows_equal_transformers_pil_processor(impl: str, config: str, channels: int) -> None:
+    cfg = CONFIGS[config]
+    img = _frames(1, 3 * cfg.factor, 5 * cfg.factor)  # Qwen2-VL 84x140, MiMo-V2.5 96x160
+    ref = Qwen2VLImageProcessorPil(**reference_kwargs(cfg))(
+        images=img[0].numpy(), do_resize=False, return_tensors="pt"
+    )
+    pixels = torch.cat([img, torch.zeros_like(img[..., :1])], dim=-1) if channels == 4 else img
+    out = patchify_uint8(pixels, cfg, impl=impl)
     assert out.grid_thw == tuple(ref["image_grid_thw"][0].tolist()) == (1, 6, 10)
+    assert out.pixel_values.shape == (60, {"qwen2_vl": 1176, "mimo_v25": 1536}[config])
     assert out.pixel_values.dtype == torch.float32 and out.pixel_values.is_contiguous()
     torch.testing.assert_close(out.pixel_values, ref["pixel_values"], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("num_frames", [1, 2, 3, 4, 5])
-def test_video_rows_equal_transformers_video_processor(num_frames: int, impl: str) -> None:
-    frames = _frames(num_frames, 56, 84, seed=num_frames)
-    ref = Qwen2VLVideoProcessor()(
+def test_video_rows_equal_transformers_video_processor(num_frames: int, impl: str, config: str) -> None:
+    cfg = CONFIGS[config]
+    frames = _frames(num_frames, 2 * cfg.factor, 3 * cfg.factor, seed=num_frames)
+    ref = Qwen2VLVideoProcessor(**reference_kwargs(cfg, video=True))(
         videos=[frames.permute(0, 3, 1, 2)], do_resize=False, return_tensors="pt", cap_pixels_per_frame=False
     )
-    out = patchify_uint8(frames, CFG, impl=impl)
+    out = patchify_uint8(frames, cfg, impl=impl)
     # Odd frame counts are padded by repeating the last frame: t = ceil(T / 2).
     assert out.grid_thw == tuple(ref["video_grid_thw"][0].tolist()) == ((num_frames + 1) // 2, 4, 6)
     torch.testing.assert_close(out.pixel_values, ref["pixel_values_videos"], atol=1e-5, rtol=0)
@@ -72,10 +85,21 @@ def test_every_four_rows_are_one_2x2_merge_group(impl: str) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_normalization_is_clip_mean_std(impl: str) -> None:
-    img = torch.full((1, 28, 28, 3), 255, dtype=torch.uint8)
-    rows = patchify_uint8(img, CFG, impl).pixel_values.view(-1, 3, 2 * 14 * 14)  # [N, C, T*p*p]
-    expected = torch.tensor([(1.0 - m) / s for m, s in zip(CFG.image_mean, CFG.image_std, strict=True)])
+@pytest.mark.parametrize(
+    ("mean", "std"),
+    [
+        ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+        ((0.5, 0.25, 0.0), (0.5, 1.0, 2.0)),
+    ],
+    ids=["clip", "other"],
+)
+def test_normalization_uses_the_config_mean_std(
+    impl: str, mean: tuple[float, ...], std: tuple[float, ...]
+) -> None:
+    cfg = dataclasses.replace(CONFIGS["mimo_v25"], image_mean=mean, image_std=std)
+    img = torch.full((1, 32, 32, 3), 255, dtype=torch.uint8)
+    rows = patchify_uint8(img, cfg, impl).pixel_values.view(-1, 3, 2 * 16 * 16)  # [N, C, T*p*p]
+    expected = torch.tensor([(1.0 - m) / s for m, s in zip(mean, std, strict=True)])
     torch.testing.assert_close(rows[0, :, 0], expected)
     assert torch.equal(rows, rows[:1, :, :1].expand_as(rows))
 
@@ -90,12 +114,29 @@ def test_numpy_input_equals_tensor_input() -> None:
 
 
 @needs_c
-@pytest.mark.parametrize(("t", "h", "w"), [(1, 28, 28), (1, 56, 252), (2, 84, 28), (3, 28, 84), (5, 56, 56)])
-def test_c_kernel_is_bit_identical_to_numpy(t: int, h: int, w: int) -> None:
-    frames = _frames(t, h, w, seed=t * h + w).numpy()
-    c, ref = patchify_uint8(frames, CFG, "c"), patchify_uint8(frames, CFG, "numpy")
-    assert c.grid_thw == ref.grid_thw
+@pytest.mark.parametrize("channels", [3, 4])  # RGB and RGBX: each has its own loops in the kernel
+# 14 and 16 have unrolled (RGBX: SSE4.1) loops; 8, 15 and 32 take the general one.
+@pytest.mark.parametrize(("patch", "merge"), [(14, 2), (16, 2), (8, 2), (15, 2), (16, 1), (16, 3), (32, 2)])
+@pytest.mark.parametrize(("t", "gh", "gw"), [(1, 1, 1), (1, 2, 9), (2, 3, 1), (3, 1, 3), (5, 2, 2)])
+def test_c_kernel_is_bit_identical_to_numpy(
+    t: int, gh: int, gw: int, patch: int, merge: int, channels: int
+) -> None:
+    cfg = dataclasses.replace(CFG, patch_size=patch, merge_size=merge)
+    h, w = gh * cfg.factor, gw * cfg.factor  # sides in merge units
+    rgb = _frames(t, h, w, seed=t * h + w).numpy()
+    frames = np.concatenate([rgb, np.full((t, h, w, 1), 9, np.uint8)], axis=3) if channels == 4 else rgb
+    c, ref = patchify_uint8(frames, cfg, "c"), patchify_uint8(rgb, cfg, "numpy")
+    assert c.grid_thw == ref.grid_thw == (-(-t // 2), h // patch, w // patch)
+    assert c.pixel_values.shape[1] == 3 * 2 * patch * patch
     assert c.pixel_values.is_contiguous() and torch.equal(c.pixel_values, ref.pixel_values)
+
+
+def test_auto_falls_back_to_numpy_past_the_c_kernel_patch_limit() -> None:
+    cfg = dataclasses.replace(CFG, patch_size=40, merge_size=1)  # 1600 floats per block > 1024
+    frames = _frames(1, 80, 40).numpy()
+    assert torch.equal(
+        patchify_uint8(frames, cfg).pixel_values, patchify_uint8(frames, cfg, "numpy").pixel_values
+    )
 
 
 @needs_c

@@ -10,12 +10,14 @@ import pytest
 from bench.video_factory import make_clip, make_vfr_clip, read_barcode
 from media_io.config import PreprocessConfig
 from media_io.errors import BadMedia
+from media_io.preprocess import get_backend
 from media_io.video import decode_video
 from media_io.video_decode import SHM_PREFIX, SegmentDecodeError, decode_in_pool
 from media_io.video_plan import Run, Segment, Target, plan_runs, split_segments
 from media_io.video_probe import scan_video
 from media_io.video_sampling import sample_frame_indices, target_size
 from tests.media_io import bad_video
+from tests.media_io.configs import CONFIGS
 
 
 def _our_segments() -> set[str]:
@@ -147,6 +149,26 @@ def test_total_pixel_budget_shrinks_the_frames() -> None:
     h, w = small.frames.shape[1:3]
     assert h * w <= 300_000 * 2 // len(small.indices) < full.frames.shape[1] * full.frames.shape[2]
     assert [read_barcode(f) for f in small.frames] == small.indices
+
+
+def test_mimo_rule_decodes_its_frames_with_a_timestamp_per_pair() -> None:
+    # 10 s at 10 fps = 100 frames; MiMo-V2.5 samples 10 at 1 fps, at i * 99 / 9 = 11 i, and times
+    # each pair by its first frame: 0, 22, 44, 66, 88 over 10 fps.
+    data = make_clip(160, 120, fps=10.0, seconds=10.0, keyint=7, bframes=2)
+    mimo = CONFIGS["mimo_v25"]
+    out = decode_video(data, mimo, workers=1)
+    assert out.indices == list(range(0, 100, 11))
+    assert [read_barcode(f) for f in out.frames] == out.indices
+    assert out.pair_timestamps == pytest.approx([0.0, 2.2, 4.4, 6.6, 8.8])
+    # 120x160 rounded to multiples of 32 (3.75 -> 4, 5): 128x160; patches (5, 8, 10) of 1536
+    assert out.frames.shape == (10, 128, 160, 3)
+    patches = get_backend("cpu", mimo).video(out.frames)
+    assert patches.grid_thw == (5, 8, 10) and patches.pixel_values.shape == (400, 1536)
+    assert len(out.pair_timestamps) == patches.grid_thw[0]
+    # the Qwen2-VL rule on the same clip: 2 fps, arange(0, 100, 5), one time per pair too
+    qwen = decode_video(data, workers=1)
+    assert qwen.indices == list(range(0, 100, 5))
+    assert qwen.pair_timestamps == pytest.approx([i / 10.0 for i in range(0, 100, 10)])
 
 
 @pytest.mark.slow

@@ -1,6 +1,9 @@
-"""Frame sampling and target size against transformers' Qwen2VLVideoProcessor."""
+"""Frame sampling and target size: Qwen2-VL's rule against transformers' Qwen2VLVideoProcessor,
+MiMo-V2.5's against values worked out by hand from its documented rule."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -14,9 +17,11 @@ from media_io.preprocess.resize import smart_resize
 from media_io.video_sampling import (
     frame_pixel_cap,
     num_sampled_frames,
+    pair_timestamps,
     sample_frame_indices,
     target_size,
 )
+from tests.media_io.configs import CONFIGS
 
 REF = Qwen2VLVideoProcessor()
 
@@ -148,3 +153,98 @@ def test_target_size_is_a_fixed_point() -> None:
         th, tw = target_size(h, w, t, cfg)
         assert th % 28 == 0 and tw % 28 == 0
         assert smart_resize(th, tw, 28, cfg.video_min_pixels, cfg.video_max_pixels) == (th, tw)
+
+
+# ---- MiMo-V2.5 (video_sampling="mimo_v2") ----------------------------------------------------------
+# Expected values below are worked out by hand from the documented rule (sglang's MiMo processor:
+# count = total / video_fps * fps clamped to [8, 3600] and to total, floored to even; indices
+# floor(i * (total - 1) / (count - 1)); pair time = first index of the pair / video_fps;
+# per-frame cap max(min, min(max, total_budget * 2 // count))).
+
+MIMO = CONFIGS["mimo_v25"]
+
+
+def test_mimo_ten_second_clip_at_one_fps() -> None:
+    # 10 s at 30 fps = 300 frames -> 10 frames; positions i * 299 / 9 = 0, 33.2, 66.4, 99.7, 132.9,
+    # 166.1, 199.3, 232.6, 265.8, 299, floored.
+    indices = sample_frame_indices(300, 30.0, MIMO)
+    assert indices == [0, 33, 66, 99, 132, 166, 199, 232, 265, 299]
+    # one timestamp per pair, its first frame: indices 0, 66, 132, 199, 265 over 30 fps
+    assert pair_timestamps(indices, 30.0, MIMO) == pytest.approx([0.0, 2.2, 4.4, 199 / 30, 265 / 30])
+    # the same 10 s at 1 fps: every frame, pairs at 0, 2, 4, 6, 8 s
+    assert sample_frame_indices(10, 1.0, MIMO) == list(range(10))
+    assert pair_timestamps(list(range(10)), 1.0, MIMO) == (0.0, 2.0, 4.0, 6.0, 8.0)
+
+
+def test_mimo_caps_at_3600_frames() -> None:
+    # 2 h at 1 fps = 7200 frames -> 7200 wanted, capped at 3600; i * 7199 / 3599 = 2i + i / 3599,
+    # so every second frame and then the last one.
+    indices = sample_frame_indices(7200, 1.0, MIMO)
+    assert len(indices) == 3600 == num_sampled_frames(7200, 1.0, MIMO)
+    assert indices == [*range(0, 7198, 2), 7199]
+    stamps = pair_timestamps(indices, 1.0, MIMO)
+    assert len(stamps) == 1800 and stamps[:3] == (0.0, 4.0, 8.0) and stamps[-1] == 7196.0
+    assert num_sampled_frames(10 * 3600 * 30, 30.0, MIMO) == 3600  # 10 h at 30 fps
+
+
+@pytest.mark.parametrize(
+    ("total", "video_fps", "expected"),
+    [
+        # 11 frames at 1 fps: 11 is odd -> 10; i * 10 / 9 = 0, 1.1, ..., 8.9, 10
+        (11, 1.0, [0, 1, 2, 3, 4, 5, 6, 7, 8, 10]),
+        # 7 frames at 1 fps: 7 raised to min 8, cut to the 7 that exist, floored to 6; i * 6 / 5
+        (7, 1.0, [0, 1, 2, 3, 4, 6]),
+        # 3 s at 30 fps: 3 raised to min_frames 8; i * 89 / 7 = 0, 12.7, 25.4, 38.1, 50.9, 63.6, 76.3, 89
+        (90, 30.0, [0, 12, 25, 38, 50, 63, 76, 89]),
+        # 3 frames: 2 of them, the first and the last
+        (3, 30.0, [0, 2]),
+        # a single frame, which the reference rejects: it is taken (patchify pads the pair)
+        (1, 30.0, [0]),
+    ],
+)
+def test_mimo_odd_and_short_counts(total: int, video_fps: float, expected: list[int]) -> None:
+    indices = sample_frame_indices(total, video_fps, MIMO)
+    assert indices == expected
+    stamps = pair_timestamps(indices, video_fps, MIMO)
+    assert stamps == pytest.approx([i / video_fps for i in expected[::2]])
+    assert len(stamps) == (len(indices) + 1) // 2
+
+
+def test_mimo_per_frame_pixel_budget() -> None:
+    # max(8192, min(8388608, 268435456 * 2 // n))
+    assert frame_pixel_cap(10, MIMO) == 8388608  # 53687091 per frame: video_max_pixels binds
+    assert frame_pixel_cap(64, MIMO) == 8388608  # exactly the max
+    assert frame_pixel_cap(100, MIMO) == 5368709
+    assert frame_pixel_cap(3600, MIMO) == 149130
+    # a 1080p hour at 3600 frames: 2073600 px above 149130, scaled by sqrt(2073600 / 149130) =
+    # 3.729 and floored to 32: 9.05 -> 9 x 32 = 288, 16.09 -> 16 x 32 = 512
+    assert target_size(1080, 1920, 3600, MIMO) == (288, 512)
+    assert target_size(1080, 1920, 10, MIMO) == (1088, 1920)  # under the cap: only rounded to 32
+    # the floor is video_min_pixels itself (Qwen2-VL's is 1.05 x): 1e6 * 2 // 3600 = 555 -> 8192
+    small = dataclasses.replace(MIMO, video_total_pixels=1_000_000)
+    assert frame_pixel_cap(3600, small) == 8192
+    assert frame_pixel_cap(3600, dataclasses.replace(small, video_sampling="qwen2_vl")) == int(8192 * 1.05)
+
+
+def test_the_rule_is_the_configs_choice() -> None:
+    # Same numbers, the other rule: Qwen2-VL's arange(0, 300, 30) instead of the linspace.
+    qwen_rule = dataclasses.replace(MIMO, video_sampling="qwen2_vl")
+    assert sample_frame_indices(300, 30.0, qwen_rule) == list(range(0, 300, 30))
+    assert sample_frame_indices(300, 30.0, MIMO) != sample_frame_indices(300, 30.0, qwen_rule)
+    with pytest.raises(ValueError, match="video_sampling"):
+        dataclasses.replace(MIMO, video_sampling="qwen3_vl")  # type: ignore[arg-type]
+
+
+@settings(max_examples=150, deadline=None)
+@given(total=st.integers(min_value=1, max_value=30 * 60 * 120), fps=st.floats(min_value=0.5, max_value=240.0))
+def test_mimo_index_invariants(total: int, fps: float) -> None:
+    indices = sample_frame_indices(total, fps, MIMO)
+    count = num_sampled_frames(total, fps, MIMO)
+    assert count % 2 == 0 and count <= 3600
+    assert len(indices) == (count or total)
+    assert indices == sorted(set(indices)) and all(0 <= i < total for i in indices)
+    if count:
+        assert indices[0] == 0 and indices[-1] == total - 1  # linspace reaches both ends
+        # at least 8 frames (or the even part of a shorter clip), at most one per second (or 8)
+        assert count >= min(8, total - total % 2)
+        assert count <= max(8.0, total / fps * MIMO.fps)

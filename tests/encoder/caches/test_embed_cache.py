@@ -1,4 +1,5 @@
 import hashlib
+import json
 import os
 import threading
 from pathlib import Path
@@ -16,6 +17,7 @@ from encoder.caches.embed_cache import (
     InvalidKey,
     default_root,
 )
+from encoder.caches.embedding_ref import EmbeddingRef
 
 
 def key(i: int) -> str:
@@ -51,6 +53,27 @@ def test_roundtrip_all_dtypes_and_metadata(root: Path) -> None:
     s = cache.stats()
     assert (s.hits, s.misses, s.inserts, s.entries) == (3, 1, 3, 3)
     assert s.used_bytes == dir_bytes(root)
+    cache.close()
+
+
+def test_video_timing_survives_the_header_and_json(root: Path) -> None:
+    """A video's seconds per temporal patch and its per-patch timestamps come back from another
+    handle's read, and through EmbeddingRef's JSON; 700 timestamps push the header past a page."""
+    cache = EmbedCache("t", capacity_bytes=1 << 22, root=root)
+    stamps = tuple(i * 2.0 + 0.25 for i in range(700))
+    t = torch.randn(700, 8)
+    ref = cache.put(key(0), t, [(700, 2, 2)], "video", seconds_per_grid_t=2.0, grid_t_timestamps=stamps)
+    assert ref.grid_t_timestamps == stamps
+    other = EmbedCache("t", capacity_bytes=1 << 22, root=root)
+    got = other.get(key(0))
+    assert got is not None and got.ref == ref and torch.equal(got.tensor, t)
+    assert got.ref.seconds_per_grid_t == 2.0 and got.ref.grid_t_timestamps == stamps
+    assert EmbeddingRef.from_json(json.loads(json.dumps(ref.to_json()))) == ref
+    image = cache.put(key(1), t, [(1, 28, 100)], "image")
+    assert image.grid_t_timestamps == () and cache.get(key(1)) is not None
+    with pytest.raises(CacheError, match="timestamps"):
+        cache.put(key(2), t, [(1, 2, 2)], "video", grid_t_timestamps=(0.0,) * 70000)
+    other.close()
     cache.close()
 
 

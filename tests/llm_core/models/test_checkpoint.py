@@ -122,7 +122,7 @@ def test_bad_directory_and_config(tmp_path: Path) -> None:
     with pytest.raises(
         CheckpointError,
         match="architecture LlamaForCausalLM is not supported; supported: MiMoV2FlashForCausalLM, "
-        "Qwen2_5_VLForConditionalGeneration",
+        "MiMoV2ForCausalLM, Qwen2_5_VLForConditionalGeneration",
     ):
         load_llm(tmp_path)
 

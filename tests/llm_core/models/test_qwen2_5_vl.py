@@ -88,7 +88,9 @@ class Case:
         at = {id(m): next(starts[m.ref.modality]) for m in self.mm}
         self.mm.sort(key=lambda m: at[id(m)])
         self.spans = media_spans(
-            self.prompt, [tok.image_token_id, tok.video_token_id], [m.ref.key for m in self.mm]
+            self.prompt,
+            [tok.image_token_id, tok.video_token_id],
+            [(m.ref.key, m.ref.num_tokens) for m in self.mm],
         )
         self.expected = reference_generate(qwen_dir, messages, NEW_TOKENS)
         self.logits = reference_prefill_logits(qwen_dir, messages)

@@ -138,6 +138,25 @@ def test_incremental_detokenize_never_splits_characters(text: str) -> None:
         assert all("\ufffd" not in d for d in deltas)
 
 
+@settings(max_examples=100, deadline=None)
+@given(PLAIN_TEXT, st.lists(st.integers(0, 40), max_size=8), st.sampled_from([263, 300, 10**6, -1]))
+def test_incremental_detokenize_ignores_ids_outside_the_vocabulary(
+    text: str, at: list[int], bad: int
+) -> None:
+    """Ids the vocabulary does not have (a random model emits them) decode to nothing wherever they
+    come: the other ids' deltas are those of a stream without them."""
+    ids = TOK.encode(text)
+    clean, noisy = TOK.detokenizer(), TOK.detokenizer()
+    want = [clean.add(i) for i in ids] + [clean.flush()]
+    got: list[str] = []
+    for k, i in enumerate(ids):
+        for _ in range(at.count(k)):
+            assert noisy.add(bad) == ""
+        got.append(noisy.add(i))
+    got.append(noisy.flush())
+    assert got == want
+
+
 def test_incremental_detokenize_invalid_bytes_and_specials() -> None:
     det = TOK.detokenizer()
     out = [det.add(0xE2), det.add(0x82)]  # first two bytes of "€": nothing may be emitted yet

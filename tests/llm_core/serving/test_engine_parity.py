@@ -137,3 +137,19 @@ def test_greedy_in_a_batch_of_8(loaded: Any, prompts: list[list[int]], hf_refere
         check_kv_released(engine)
     finally:
         engine.stop()
+
+
+def test_greedy_under_preemption(
+    loaded: Any, prompts: list[list[int]], hf_reference: list[list[int]]
+) -> None:
+    # KV for about two of the eight requests at full length: running sequences are preempted
+    # (their KV back to the prefix cache), recomputed later, and still give the reference tokens.
+    engine = make_engine(loaded, kv_memory_bytes=430 << 10, max_num_batched_tokens=64)
+    try:
+        results = run_all(engine, prompts)
+        for i, outs in enumerate(results):
+            assert tokens(outs) == hf_reference[i], f"prompt {i} (len {len(prompts[i])})"
+        assert engine.scheduler.num_preemptions > 0
+        check_kv_released(engine)
+    finally:
+        engine.stop()

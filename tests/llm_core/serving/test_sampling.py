@@ -25,6 +25,17 @@ def test_greedy_is_argmax() -> None:
     assert torch.equal(out, logits.argmax(-1))
 
 
+def test_greedy_takes_the_first_largest_and_nan_as_largest() -> None:
+    """Ties go to the first index and a NaN counts as the largest value (torch.argmax's answer),
+    whatever computes it."""
+    nan, inf = float("nan"), float("inf")
+    rows = [[1, 3, 3, 2], [nan, 5, nan, 1], [-inf, -inf, -inf, -inf], [0.0, -0.0, 0.0, -1], [2, inf, inf, 1]]
+    logits = torch.tensor(rows)
+    out = Sampler(seed=0)(logits, [SamplingParams(temperature=0.0)] * 5, [None] * 5)
+    assert out.tolist() == [1, 0, 0, 0, 1] and out.dtype == torch.int64
+    assert torch.equal(out, logits.argmax(-1))
+
+
 def test_top_k_one_is_argmax_at_any_temperature() -> None:
     logits = _logits(4)
     params = [SamplingParams(temperature=5.0, top_k=1)] * 4
