@@ -33,6 +33,7 @@ from llm_core.prompts.media_expansion import MediaExpansion, MediaItem, PadRuns
 from llm_core.prompts.media_parts import (
     UnservedModality,
     check_message_parts,
+    media_token_ids,
     supported_part_types,
     unserved_part_types,
 )
@@ -83,32 +84,13 @@ class PromptFormat:
             video,
             expansion,
             unserved_part_types(config),
-            _media_token_ids(config),
+            media_token_ids(config),
         )
 
     def check_parts(self, messages: Sequence[Mapping[str, Any]]) -> None:
         """A 4xx (``ChatTemplateError`` with ``param`` ``messages[i].content[j]``) for a part the
-        model cannot take; call before any media is fetched."""
-        check_message_parts(messages, self.supported, self.unserved)
-        for mi, message in enumerate(messages):
-            content = message.get("content")
-            texts = (
-                [(f"messages[{mi}].content", content)]
-                if isinstance(content, str)
-                else [
-                    (f"messages[{mi}].content[{pi}]", p.get("text"))
-                    for pi, p in enumerate(content or [])
-                    if isinstance(p, Mapping) and p.get("type") == "text"
-                ]
-            )
-            for param, text in texts:
-                spelled = next((t for t in self.placeholders if isinstance(text, str) and t in text), None)
-                if spelled is not None:
-                    raise ChatTemplateError(
-                        f"the text spells the media token {spelled!r}, which only the server may place "
-                        "(it would misalign the prompt with its media)",
-                        param,
-                    )
+        model cannot take or text that spells a media token; call before any media is fetched."""
+        check_message_parts(messages, self.supported, self.unserved, self.placeholders)
 
     def prompt_ids(self, messages: Sequence[Mapping[str, Any]], media: Sequence[MediaItem]) -> list[int]:
         """Prompt ids of ``messages`` (content parts ``{"type": "text", "text"}`` or
@@ -134,27 +116,6 @@ class PromptFormat:
             add_generation_prompt=True,
         )
         return self.expansion.expand(self.tokenizer.encode(text), media)
-
-
-# config.json fields (top level or MiMo-V2.5's processor_config) naming the tokens media layouts use
-_MEDIA_TOKEN_FIELDS = (
-    "image_token_id",
-    "video_token_id",
-    "vision_start_token_id",
-    "vision_end_token_id",
-    "video_start_token_id",
-    "video_end_token_id",
-    "audio_token_id",
-    "audio_start_token_id",
-    "audio_end_token_id",
-)
-
-
-def _media_token_ids(config: Mapping[str, Any]) -> list[int]:
-    nested = config.get("processor_config")
-    sources = [config, nested] if isinstance(nested, Mapping) else [config]
-    ids = {c.get(f) for c in sources for f in _MEDIA_TOKEN_FIELDS}
-    return sorted(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
 
 
 def _placeholder_texts(tokenizer: Tokenizer, ids: Sequence[int]) -> tuple[str, ...]:

@@ -36,12 +36,37 @@ class UnservedModality(ChatTemplateError):
     """A part the model takes but this build has no encoder for (MiMo-V2.5's audio): HTTP 415."""
 
 
+# config.json fields naming the tokens media layouts use (the server places them, never the user)
+MEDIA_TOKEN_FIELDS = (
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+    "video_start_token_id",
+    "video_end_token_id",
+    "audio_token_id",
+    "audio_start_token_id",
+    "audio_end_token_id",
+)
+
+
+def _token_sources(config: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """Where config.json keeps token ids: its top level and MiMo-V2.5's ``processor_config`` block."""
+    nested = config.get("processor_config")
+    return [config, nested] if isinstance(nested, Mapping) else [config]
+
+
+def media_token_ids(config: Mapping[str, Any]) -> list[int]:
+    """Every media token id config.json names (``MEDIA_TOKEN_FIELDS``), sorted."""
+    ids = {c.get(f) for c in _token_sources(config) for f in MEDIA_TOKEN_FIELDS}
+    return sorted(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
+
+
 def unserved_part_types(config: Mapping[str, Any]) -> frozenset[str]:
     """Modalities the model declares (``audio_token_id`` at the top level of config.json or in its
     ``processor_config``) that no encoder here serves: audio."""
-    nested = config.get("processor_config")
-    sources = [config, nested] if isinstance(nested, Mapping) else [config]
-    return frozenset({"audio"} if any(isinstance(c.get("audio_token_id"), int) for c in sources) else ())
+    declared = any(isinstance(c.get("audio_token_id"), int) for c in _token_sources(config))
+    return frozenset({"audio"} if declared else ())
 
 
 def supported_part_types(config: Mapping[str, Any]) -> frozenset[str]:
@@ -57,15 +82,21 @@ def supported_part_types(config: Mapping[str, Any]) -> frozenset[str]:
 
 
 def check_message_parts(
-    messages: Sequence[Mapping[str, Any]], supported: Collection[str], unserved: Collection[str] = ()
+    messages: Sequence[Mapping[str, Any]],
+    supported: Collection[str],
+    unserved: Collection[str] = (),
+    reserved: Collection[str] = (),
 ) -> None:
     """Raise ``ChatTemplateError`` naming the first part (``messages[i].content[j]``) whose modality
-    is not in ``supported`` (see ``supported_part_types``), or whose type is unknown;
-    ``UnservedModality`` when the modality is one the model takes but nothing here encodes
-    (``unserved``)."""
+    is not in ``supported`` (see ``supported_part_types``), whose type is unknown, or whose text
+    spells one of the ``reserved`` token texts (the media tokens: the server places them, a user's
+    copy would misalign the prompt with its media); ``UnservedModality`` when the modality is one
+    the model takes but nothing here encodes (``unserved``)."""
     takes = ", ".join(k for k in ("text", "image", "video", "audio") if k in supported)
     for mi, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, str):
+            _check_text(content, reserved, f"messages[{mi}].content")
         if content is None or isinstance(content, str):
             continue
         if not isinstance(content, list):
@@ -86,6 +117,18 @@ def check_message_parts(
                 raise ChatTemplateError(
                     f"this model does not take {modality} input (part type {kind!r}; it takes {takes})", param
                 )
+            if modality == "text" and isinstance(part.get("text"), str):
+                _check_text(part["text"], reserved, param)
+
+
+def _check_text(text: str, reserved: Collection[str], param: str) -> None:
+    spelled = next((t for t in reserved if t in text), None)
+    if spelled is not None:
+        raise ChatTemplateError(
+            f"the text spells the media token {spelled!r}, which only the server may place "
+            "(it would misalign the prompt with its media)",
+            param,
+        )
 
 
 # --- placeholder expansion -------------------------------------------------------------------
