@@ -59,6 +59,7 @@ class KVManager:
         *,
         enable_prefix_cache: bool = True,
         swa_aware: bool = True,
+        record_events: bool = False,
     ) -> None:
         assert full_pool.page_size == swa_pool.page_size
         self.full_pool = full_pool
@@ -72,7 +73,12 @@ class KVManager:
         )
         if enable_prefix_cache:
             self.radix = RadixCache(
-                self.page_size, sliding_window, full_pool.free, swa_pool.free, swa_aware=swa_aware
+                self.page_size,
+                sliding_window,
+                full_pool.free,
+                swa_pool.free,
+                swa_aware=swa_aware,
+                record_events=record_events,
             )
 
     # ---- geometry ------------------------------------------------------------------------
@@ -243,7 +249,8 @@ class KVManager:
                 computed = min(computed, seq.cacheable_tokens)
             n = computed // self.page_size
             key = seq.cache_keys[: n * self.page_size]
-            res: InsertResult = self.radix.insert(key, seq.full_pages[:n], seq.swa_pages[:n])
+            tokens = seq.token_slice(0, n * self.page_size) if self.radix.record_events else None
+            res: InsertResult = self.radix.insert(key, seq.full_pages[:n], seq.swa_pages[:n], tokens)
             self.full_pool.free(res.full_to_free)
             self.swa_pool.free(res.swa_to_free)
             self.full_pool.free(seq.full_pages[n:])

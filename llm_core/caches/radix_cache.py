@@ -31,6 +31,17 @@ pages heals a tombstone.
 
 ``swa_aware=False`` is the baseline a SWA-unaware cache would be: the whole SWA prefix must stay
 live for a hit, SWA eviction removes whole leaves, and no tombstone is ever made.
+
+Events (``record_events=True``): every change of what the tree holds is recorded, in order, as a
+KV event a router can replay to know exactly what this tree would hit (``kv_events.py``; pages are
+named by their chained content hash, ``page_hash.py``)::
+
+    new pages                       BlockStored group 0 (full KV), + group 1 for the live SWA runs
+    tombstone healed                BlockStored group 1
+    SWA trimmed / tombstoned        SwaTombstoned
+    node deleted                    BlockRemoved group 0 (+ group 1 where its SWA was live)
+
+A split changes no page, so it emits nothing. ``drain_events`` hands them to the publisher.
 """
 
 from __future__ import annotations
@@ -40,6 +51,15 @@ import itertools
 import math
 from collections.abc import Callable
 
+from llm_core.caches.kv_events import (
+    FULL_GROUP,
+    SWA_GROUP,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    SwaTombstoned,
+)
+from llm_core.caches.page_hash import page_hashes
 from llm_core.caches.radix_node import InsertResult, MatchResult, PrefixLock, RadixNode
 
 __all__ = ["NOT_RESIDENT", "InsertResult", "MatchResult", "PrefixLock", "RadixCache", "RadixNode"]
@@ -62,6 +82,7 @@ class RadixCache:
         free_full: Callable[[list[int]], None],
         free_swa: Callable[[list[int]], None],
         swa_aware: bool = True,
+        record_events: bool = False,
     ) -> None:
         assert page_size > 0 and sliding_window >= 1
         self.page_size = page_size
@@ -76,6 +97,8 @@ class RadixCache:
         self._nodes: dict[int, RadixNode] = {}
         # Bumped whenever a match result could change (insert, heal, eviction); callers cache on it.
         self.version = 0
+        self.record_events = record_events
+        self._events: list[KVEvent] = []
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -163,16 +186,25 @@ class RadixCache:
             nd = nd.parent
 
     # ---- insert --------------------------------------------------------------------------
-    def insert(self, key: list[int], full_pages: list[int], swa_pages: list[int]) -> InsertResult:
+    def insert(
+        self,
+        key: list[int],
+        full_pages: list[int],
+        swa_pages: list[int],
+        tokens: list[int] | None = None,
+    ) -> InsertResult:
         """Cache ``key`` (a page multiple) with one full page and one SWA entry per page.
 
         The tree keeps the pages it lacked (new nodes, healed tombstones) and returns the given
         pages it already had under other ids, for the caller to free. Given pages that are the
-        tree's own (a locked hit the caller borrowed) are left alone.
+        tree's own (a locked hit the caller borrowed) are left alone. ``tokens``: the token ids
+        behind ``key`` (media runs as their pad ids), for the events only (default: the key).
         """
         p = self.page_size
         n_pages = len(key) // p
         assert len(key) == n_pages * p and len(full_pages) == n_pages == len(swa_pages)
+        hashes = page_hashes(key, p) if self.record_events else []
+        tokens = key if tokens is None else tokens
         full_free: list[int] = []
         swa_free: list[int] = []
         node = self.root
@@ -182,7 +214,7 @@ class RadixCache:
         while i < n_pages:
             child = node.children.get(tuple(key[i * p : (i + 1) * p]))
             if child is None:
-                self._add_new(node, key, full_pages, swa_pages, i)
+                self._add_new(node, key, full_pages, swa_pages, i, hashes, tokens)
                 num_new = n_pages - i
                 break
             m = self._common_pages(child, key, i, n_pages)
@@ -200,6 +232,7 @@ class RadixCache:
                     continue
                 if live_from == 0:
                     child.swa_pages = list(given_swa)  # heal: the tree now owns these SWA pages
+                    self._stored(child, SWA_GROUP, tokens)
                 else:
                     swa_free.extend(g for g in given_swa if g != NOT_RESIDENT)
             else:
@@ -215,11 +248,22 @@ class RadixCache:
         return InsertResult(full_free, swa_free, num_new)
 
     def _add_new(
-        self, parent: RadixNode, key: list[int], full_pages: list[int], swa_pages: list[int], i: int
+        self,
+        parent: RadixNode,
+        key: list[int],
+        full_pages: list[int],
+        swa_pages: list[int],
+        i: int,
+        hashes: list[int],
+        tokens: list[int],
     ) -> None:
         """New nodes for pages [i, n): one per run of uniform SWA liveness (dead runs are tombstones)."""
         p = self.page_size
         n = len(full_pages)
+        if self.record_events:
+            self._events.append(
+                self._stored_event(hashes[i:], _last_hash(parent), tokens[i * p :], FULL_GROUP)
+            )
         while i < n:
             live = swa_pages[i] != NOT_RESIDENT
             j = i + 1
@@ -231,10 +275,13 @@ class RadixCache:
                 list(swa_pages[i:j]) if live else None,
                 parent,
                 next(self._ids),
+                hashes[i:j],
             )
             nd.last_access = next(self._clock)
             parent.children[nd.key[:p]] = nd
             self._nodes[nd.node_id] = nd
+            if live:
+                self._stored(nd, SWA_GROUP, tokens)
             parent = nd
             i = j
 
@@ -255,6 +302,7 @@ class RadixCache:
             child.swa_pages[:m] if child.swa_pages is not None else None,
             parent,
             next(self._ids),
+            child.page_hashes[:m],
         )
         top.lock_ref = child.lock_ref
         top.swa_lock_ref = child.swa_lock_ref
@@ -262,6 +310,7 @@ class RadixCache:
         parent.children[top.key[:p]] = top
         child.key = child.key[m * p :]
         child.full_pages = child.full_pages[m:]
+        child.page_hashes = child.page_hashes[m:]
         if child.swa_pages is not None:
             child.swa_pages = child.swa_pages[m:]
         child.parent = top
@@ -310,6 +359,7 @@ class RadixCache:
                 freed += len(top.swa_pages)
                 self._free_swa(top.swa_pages)
                 top.swa_pages = None
+                self._tombstoned(top)
         for nd in live:
             if freed >= num_pages:
                 break
@@ -321,6 +371,7 @@ class RadixCache:
                 continue
             self._free_swa(nd.swa_pages)
             nd.swa_pages = None
+            self._tombstoned(nd)
         return freed
 
     def _evict_leaves(self, num_pages: int, gain: Callable[[RadixNode], int]) -> int:
@@ -352,12 +403,49 @@ class RadixCache:
             self._free_full(nd.full_pages)
             if nd.swa_pages is not None:
                 self._free_swa(nd.swa_pages)
+            if self.record_events:
+                if nd.swa_pages is not None:
+                    self._events.append(BlockRemoved(tuple(nd.page_hashes), group_idx=SWA_GROUP))
+                self._events.append(BlockRemoved(tuple(nd.page_hashes), group_idx=FULL_GROUP))
             parent = nd.parent
             del parent.children[nd.key[: self.page_size]]
             del self._nodes[nd.node_id]
             if parent is self.root or parent.children or parent.lock_ref or parent.swa_pages is not None:
                 return freed
             nd = parent  # a tombstone leaf can never end a hit: drop it too
+
+    # ---- events ----------------------------------------------------------------------------
+    def drain_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first (empty unless ``record_events``)."""
+        out, self._events = self._events, []
+        return out
+
+    def _stored_event(
+        self, hashes: list[int], parent: int | None, tokens: list[int], group: int
+    ) -> BlockStored:
+        swa = group == SWA_GROUP
+        return BlockStored(
+            block_hashes=tuple(hashes),
+            parent_block_hash=parent,
+            token_ids=tuple(tokens[: len(hashes) * self.page_size]),
+            block_size=self.page_size,
+            group_idx=group,
+            kv_cache_spec_kind="sliding_window" if swa else "full_attention",
+            kv_cache_spec_sliding_window=self.sliding_window if swa else None,
+        )
+
+    def _stored(self, nd: RadixNode, group: int, tokens: list[int]) -> None:
+        """``nd``'s pages were stored in ``group``; ``tokens`` is the inserted key's token row."""
+        if self.record_events:
+            parent = nd.parent
+            assert parent is not None
+            self._events.append(
+                self._stored_event(nd.page_hashes, _last_hash(parent), tokens[nd.start_depth :], group)
+            )
+
+    def _tombstoned(self, nd: RadixNode) -> None:
+        if self.record_events:
+            self._events.append(SwaTombstoned(tuple(nd.page_hashes)))
 
     # ---- introspection -------------------------------------------------------------------
     @property
@@ -388,6 +476,8 @@ class RadixCache:
                     raise AssertionError(f"bad node {c}")
                 if c.swa_pages is not None and len(c.swa_pages) != len(c.full_pages):
                     raise AssertionError(f"SWA pages of {c} do not match its full pages")
+                if self.record_events and len(c.page_hashes) != len(c.full_pages):
+                    raise AssertionError(f"page hashes of {c} do not match its full pages")
                 if c.lock_ref < c.swa_lock_ref or (c.lock_ref > nd.lock_ref and nd is not self.root):
                     raise AssertionError(f"lock counts out of order at {c}")
                 if c.swa_pages is None and c.swa_lock_ref:
@@ -409,3 +499,8 @@ class RadixCache:
                 raise AssertionError(
                     f"{nd}: lock counts {nd.lock_ref}/{nd.swa_lock_ref}, holders say {want[i]}"
                 )
+
+
+def _last_hash(node: RadixNode) -> int | None:
+    """The hash of the page a child of ``node`` follows (None under the root)."""
+    return node.page_hashes[-1] if node.page_hashes else None

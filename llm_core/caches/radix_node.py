@@ -21,6 +21,7 @@ class RadixNode:
         "last_access",
         "lock_ref",
         "node_id",
+        "page_hashes",
         "parent",
         "swa_lock_ref",
         "swa_pages",
@@ -33,8 +34,12 @@ class RadixNode:
         swa_pages: list[int] | None,
         parent: RadixNode | None,
         node_id: int,
+        page_hashes: list[int] | None = None,
     ) -> None:
         self.key = key
+        # The chained content hash of each page (``page_hash.page_hashes``): the pages' names in
+        # the KV events a router reads. Empty when the tree does not record events.
+        self.page_hashes: list[int] = page_hashes if page_hashes is not None else []
         self.full_pages = full_pages
         self.swa_pages = swa_pages  # None: tombstone
         self.parent: RadixNode | None = parent

@@ -8,6 +8,7 @@ an ``APIError`` naming the offending field, so the client sees which part of its
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from encoder.caches.embedding_ref import EmbeddingRef
 from epd_common.errors import APIError, bad_request
 from llm_core.prompts.tokenizer import Tokenizer
 from llm_core.serving.sampling import SamplingParams, SamplingParamsError
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 MAX_STOP_STRINGS = 16
 
@@ -132,11 +135,16 @@ def _parse_refs(body: dict[str, Any]) -> tuple[EmbeddingRef, ...]:
 
 
 def parse_completion_request(
-    body: Any, tokenizer: Tokenizer, max_model_len: int, vocab_size: int
+    body: Any, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, request_id: str | None = None
 ) -> CompletionRequest:
-    """Validate a completions body; raises ``APIError`` (400) naming the bad field."""
+    """Validate a completions body; raises ``APIError`` (400) naming the bad field.
+
+    ``request_id``: the caller's id for the request (the ``X-Request-Id`` header; a router matches
+    it against the engine's /health ``request_ids``); a fresh one when absent."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None)
+    if request_id is not None and not _REQUEST_ID.fullmatch(request_id):
+        raise bad_request("X-Request-Id must be 1-128 characters of [A-Za-z0-9._:-]", "X-Request-Id")
     n = _get_int(body, "n", 1)
     if n != 1:
         raise bad_request(f"only n=1 is supported, got {n}", "n")
@@ -178,7 +186,7 @@ def parse_completion_request(
     opts = body.get("stream_options")
     include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
     return CompletionRequest(
-        request_id=f"cmpl-{uuid.uuid4().hex}",
+        request_id=request_id or f"cmpl-{uuid.uuid4().hex}",
         prompt_ids=prompt_ids,
         sampling=sampling,
         stream=stream,
@@ -189,11 +197,14 @@ def parse_completion_request(
     )
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage block; ``prompt_tokens_details.cached_tokens``: prompt tokens served by the
+    prefix cache (a router compares it with what it predicted)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -203,6 +214,7 @@ def completion_body(
     text: str,
     token_ids: list[int],
     finish_reason: str | None,
+    cached_tokens: int = 0,
 ) -> dict[str, Any]:
     """The non-streaming response body."""
     choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
@@ -215,7 +227,7 @@ def completion_body(
         "created": req.created,
         "model": model,
         "choices": [choice],
-        "usage": usage(len(req.prompt_ids), len(token_ids)),
+        "usage": usage(len(req.prompt_ids), len(token_ids), cached_tokens),
     }
 
 

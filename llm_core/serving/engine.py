@@ -25,18 +25,21 @@ import collections
 import contextlib
 import logging
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import torch
 
+from llm_core.caches.kv_events import AllBlocksCleared, KVEventBatch
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.kv_pool import DualKVCache, KVCacheConfig, KVLayout
 from llm_core.models.config import DecoderConfig
 from llm_core.models.positions import PositionScheme
 from llm_core.prompts.tokenizer import Tokenizer
-from llm_core.serving.engine_stats import EngineStats, ThroughputMeter
+from llm_core.serving.engine_stats import EngineLoad, EngineStats, ThroughputMeter
+from llm_core.serving.kv_event_publisher import KVEventPublisher
 from llm_core.serving.model_runner import CausalLM, ModelRunner, MultimodalInput
 from llm_core.serving.request_stream import RequestState, RequestStream, StepOutput
 from llm_core.serving.request_stream import deliver as deliver_outputs
@@ -77,9 +80,11 @@ class LLMEngine:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         positions: PositionScheme | None = None,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
         """``positions``: the model family's rotary position scheme (``LoadedLLM.positions``);
-        None: token i at position i."""
+        None: token i at position i. ``kv_events``: where the prefix cache's changes are published
+        (the engine owns it from here: ``stop`` closes it)."""
         self.config = config or EngineConfig()
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -94,8 +99,13 @@ class LLMEngine:
             if t is not None
         )
         self.kv, self.scheduler = _build_kv_and_scheduler(
-            model_config, self.config, self.max_model_len, self.device, dtype
+            model_config, self.config, self.max_model_len, self.device, dtype, kv_events is not None
         )
+        # Changes at each restart: a router that sees a new id drops what it knew of this engine.
+        self.instance_id = uuid.uuid4().hex[:16]
+        self.kv_events = kv_events
+        if kv_events is not None:
+            kv_events.publish(KVEventBatch(time.time(), (AllBlocksCleared(),)))
         self.runner = ModelRunner(
             model,
             self.kv,
@@ -133,6 +143,8 @@ class LLMEngine:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # ---- requests (called from the event loop) -----------------------------------------------
 
@@ -262,6 +274,8 @@ class LLMEngine:
         with self._lock:
             self._drain_aborts()
             batch = self.scheduler.schedule() if self.scheduler.has_work() else None
+            if batch is None:
+                self._flush_kv_events()
         if batch is None:
             return False
         try:
@@ -275,8 +289,18 @@ class LLMEngine:
             finished = self.scheduler.update(batch, sampled)
             self._steps += 1
             outs = self._publish(batch.seqs, sampled, finished)
+            self._flush_kv_events()
         deliver_outputs(outs)
         return True
+
+    def _flush_kv_events(self) -> None:
+        """Publish what the prefix cache changed this step (caller holds the lock)."""
+        radix = self.scheduler.kv.radix
+        if self.kv_events is None or radix is None:
+            return
+        events = radix.drain_events()
+        if events:
+            self.kv_events.publish(KVEventBatch(time.time(), tuple(events)))
 
     def _drain_aborts(self) -> None:
         while self._aborts:
@@ -345,6 +369,12 @@ class LLMEngine:
             max_waiting=self.config.max_waiting,
         )
 
+    def load(self) -> EngineLoad:
+        """The requests held and their token load (briefly takes the lock: never during a forward)."""
+        with self._lock:
+            prefill, decode = self.scheduler.token_load()
+            return EngineLoad(list(self._requests), prefill, decode)
+
     @classmethod
     def from_checkpoint(
         cls,
@@ -352,6 +382,7 @@ class LLMEngine:
         config: EngineConfig | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        kv_events: KVEventPublisher | None = None,
     ) -> LLMEngine:
         """Load a checkpoint (None: the embedded default) with its tokenizer and build an engine."""
         from llm_core.models.checkpoint import load_llm
@@ -359,11 +390,16 @@ class LLMEngine:
 
         loaded = load_llm(model_path, dtype=dtype, device=device)
         tokenizer = load_tokenizer(loaded.model_dir)
-        return cls(loaded.model, loaded.config, tokenizer, config, device, dtype, loaded.positions)
+        return cls(loaded.model, loaded.config, tokenizer, config, device, dtype, loaded.positions, kv_events)
 
 
 def _build_kv_and_scheduler(
-    cfg: DecoderConfig, ec: EngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype
+    cfg: DecoderConfig,
+    ec: EngineConfig,
+    max_model_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    record_events: bool = False,
 ) -> tuple[DualKVCache, Scheduler]:
     """KV pools sized from the byte budget, the KV manager over them and the scheduler."""
     layout = KVLayout.from_model_config(cfg, dtype)
@@ -378,7 +414,11 @@ def _build_kv_and_scheduler(
     )
     kv = DualKVCache.from_budget(layout, kv_cfg, dtype, device)
     manager = KVManager(
-        kv.full_pages, kv.swa_pages, cfg.sliding_window, enable_prefix_cache=ec.enable_prefix_cache
+        kv.full_pages,
+        kv.swa_pages,
+        cfg.sliding_window,
+        enable_prefix_cache=ec.enable_prefix_cache,
+        record_events=record_events,
     )
     sched_cfg = SchedulerConfig(
         max_num_seqs=ec.max_num_seqs,

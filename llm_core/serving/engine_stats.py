@@ -22,6 +22,14 @@ class EngineStats(NamedTuple):
     max_waiting: int
 
 
+class EngineLoad(NamedTuple):
+    """What a router reconciles its own counters with (read under the engine's lock)."""
+
+    request_ids: list[str]  # every request the engine holds, waiting or running
+    num_prefill_tokens: int  # prompt tokens not computed yet (waiting and prefilling sequences)
+    num_decode_tokens: int  # context tokens of the decoding sequences
+
+
 class ThroughputMeter:
     """Tokens per second over a sliding window (``window_s``), plus the running total.
 

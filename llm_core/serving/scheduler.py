@@ -282,6 +282,18 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def token_load(self) -> tuple[int, int]:
+        """(tokens left to prefill, tokens of the sequences decoding): the load a router balances.
+        Waiting sequences count their whole uncomputed prompt (their prefix hit is not known yet)."""
+        prefill = sum(s.num_uncomputed_tokens for s in self.waiting)
+        decode = 0
+        for s in self.running:
+            if s.in_prefill:
+                prefill += s.num_uncomputed_tokens
+            else:
+                decode += s.num_tokens
+        return prefill, decode
+
     @property
     def num_running(self) -> int:
         return len(self.running)

@@ -40,6 +40,7 @@ from llm_core.serving.completion_request import (
 )
 from llm_core.serving.embedding_source import EmbeddingSource
 from llm_core.serving.engine import EngineOverloaded, EngineRequestError, LLMEngine, RequestStream
+from llm_core.serving.kv_event_publisher import KVEventPublisher
 from llm_core.serving.server_config import LLMServerConfig
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,11 @@ def create_app(
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise bad_request(f"the body is not valid JSON: {e}", None) from e
         return parse_completion_request(
-            body, engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size
+            body,
+            engine.tokenizer,
+            engine.max_model_len,
+            engine.model_config.vocab_size,
+            request.headers.get("x-request-id"),
         )
 
     async def submit(req: CompletionRequest) -> RequestStream:
@@ -140,13 +145,15 @@ def create_app(
         text: list[str] = []
         ids: list[int] = []
         reason: str | None = None
+        cached = 0
 
         async def consume() -> None:
-            nonlocal reason
+            nonlocal reason, cached
             async for out in stream:
                 text.append(out.text)
                 ids.extend(out.token_ids)
                 reason = out.finish_reason
+                cached = out.num_cached_tokens
 
         task = asyncio.ensure_future(consume())
         try:
@@ -161,14 +168,16 @@ def create_app(
             stream.close()
         if reason == "error":
             raise APIError(500, "the engine failed while running this request", type="internal_error")
-        return JSONResponse(completion_body(req, model_name, "".join(text), ids, reason))
+        return JSONResponse(completion_body(req, model_name, "".join(text), ids, reason, cached))
 
     async def _events(req: CompletionRequest, stream: RequestStream) -> AsyncIterator[bytes]:
         first = True
         n_out = 0
+        cached = 0
         try:
             async for out in stream:
                 n_out = out.num_output_tokens
+                cached = out.num_cached_tokens
                 if out.finish_reason == "error":
                     yield _sse(error_body(500, "internal_error", "the engine failed on this request", None))
                     break
@@ -178,7 +187,7 @@ def create_app(
             if req.include_usage:
                 final = chunk_body(req, model_name, "", [], None, False)
                 final["choices"] = []
-                final["usage"] = usage(len(req.prompt_ids), n_out)
+                final["usage"] = usage(len(req.prompt_ids), n_out, cached)
                 yield _sse(final)
             yield b"data: [DONE]\n\n"
         finally:
@@ -201,7 +210,23 @@ def create_app(
 
     async def health(request: Request) -> Response:
         s = engine.stats()
-        return JSONResponse({"status": "ok", "model": model_name, **s._asdict(), **paths})
+        load = engine.load()
+        events = engine.kv_events
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": model_name,
+                **s._asdict(),
+                **load._asdict(),
+                # what a router needs to name and match this engine's pages (llm_routing)
+                "instance_id": engine.instance_id,
+                "page_size": engine.kv.full_pages.page_size,
+                "sliding_window": engine.model_config.sliding_window,
+                "kv_events_endpoint": events.endpoint if events else None,
+                "kv_events_replay_endpoint": events.replay_endpoint if events else None,
+                **paths,
+            }
+        )
 
     async def metrics_route(request: Request) -> Response:
         return Response(metrics.render(engine), media_type="text/plain; version=0.0.4")
@@ -230,7 +255,12 @@ def create_app(
 def build_app(config: LLMServerConfig) -> Starlette:
     """Load the checkpoint named by ``config`` and wire engine, embedding source and app."""
     device = config.resolve_device()
-    engine = LLMEngine.from_checkpoint(config.model_path, config.engine, device, config.torch_dtype)
+    events = None
+    if config.kv_events_endpoint:
+        events = KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint)
+    engine = LLMEngine.from_checkpoint(
+        config.model_path, config.engine, device, config.torch_dtype, kv_events=events
+    )
     embeddings = EmbeddingSource.open(
         config.cache_namespace, engine.model_config.hidden_size, config.fetch_timeout_s
     )

@@ -59,6 +59,10 @@ class LLMServerConfig:
     # torch intra-op threads of the engine process: torch ops, BLAS and the CPU decoder-layer
     # kernel (llm_core.kernels.cpu_layer); None: torch's default (one per core)
     torch_threads: int | None = None
+    # Publish the prefix cache's changes as KV events (ZMQ PUB, vLLM's schema; e.g.
+    # tcp://127.0.0.1:5557) and answer replays of recent batches on the second address.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         check_dtype("LLMServerConfig.dtype", self.dtype)

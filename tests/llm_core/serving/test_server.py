@@ -68,7 +68,12 @@ def test_completion_json(client: TestClient, loaded: Any) -> None:
     assert choice["prompt_token_ids"] == tok.encode("Hello there")
     assert len(choice["token_ids"]) == 8 and choice["finish_reason"] == "length"
     assert choice["text"] == tok.decode(choice["token_ids"])
-    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 8, "total_tokens": 19}
+    assert body["usage"] == {
+        "prompt_tokens": 11,
+        "completion_tokens": 8,
+        "total_tokens": 19,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     # Token-id prompts give the same result.
     r2 = client.post(
         "/v1/completions", json={"prompt": choice["prompt_token_ids"], "return_token_ids": True, **GREEDY}
