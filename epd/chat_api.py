@@ -73,7 +73,7 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
     stream = bool(body.get("stream", False))
     include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
     model = str(body.get("model") or ingress.config.model_name)
-    engine = ingress.engine  # 404 early when no engine is configured
+    engines = ingress.engines  # 404 early when no engine is configured
 
     if ingress.chats_inflight >= ingress.config.max_inflight_chats:
         raise overloaded(f"{ingress.chats_inflight} chat requests in flight; try again shortly")
@@ -92,11 +92,12 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
         "multimodal": [it.ref.to_json() for it in items],
         **sampling,
     }
+    keys = engines.cache_keys(prompt_ids, [(it.ref.key, it.ref.num_tokens) for it in items])
     media_usage = _media_usage(items)
     chat_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if not stream:
-        out = await engine.complete(engine_body)
+        out = await engines.complete(engine_body, keys)
         choice = out["choices"][0]
         usage = {**out.get("usage", {}), **media_usage}
         return JSONResponse(
@@ -119,7 +120,7 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
         )
 
     # Validate the engine accepts the request before the 200 status line goes out.
-    chunks = engine.stream({**engine_body, "stream_options": {"include_usage": True}})
+    chunks = engines.stream({**engine_body, "stream_options": {"include_usage": True}}, keys)
     first = await anext(chunks, None)
 
     def frame(delta: dict[str, Any], finish: str | None) -> bytes:
@@ -172,10 +173,11 @@ async def completions(ingress: Ingress, request: Request) -> Response:
         raise unprocessable("the body must be a JSON object", "body")
     if "multimodal" in body:
         raise unprocessable("use /v1/chat/completions to send media", "multimodal")
-    engine = ingress.engine
+    engines = ingress.engines
+    keys = engines.cache_keys(body.get("prompt"))
     if not body.get("stream"):
-        return JSONResponse(await engine.complete(body))
-    chunks = engine.stream(body)
+        return JSONResponse(await engines.complete(body, keys))
+    chunks = engines.stream(body, keys)
     first = await anext(chunks, None)
 
     async def events() -> AsyncIterator[bytes]:

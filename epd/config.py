@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from epd.llm_routing.policy import RouterConfig
 from media_io.config import FetchConfig, MediaLimits, PreprocessConfig
 
 
@@ -15,7 +16,9 @@ class IngressConfig:
     port: int = 8000
     encoder_urls: tuple[str, ...] = ()
     encoder_weights: tuple[int, ...] = ()  # capacity weight per encoder url (default 1 each)
-    llm_url: str | None = None
+    llm_urls: tuple[str, ...] = ()  # the LLM engines chats are routed over (none: /v1/encode only)
+    llm_roles: tuple[str, ...] = ()  # per url: "prefill" | "decode" | "both" (default: all both)
+    llm_router: RouterConfig = field(default_factory=RouterConfig)
     llm_model_dir: str | None = None  # for the tokenizer and chat template; None = embedded default
     model_name: str = "epd-default"
     # Admission limits: refused with 413 / 503 at the edge, never queued without bound.

@@ -27,11 +27,15 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
 
-    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Non-streaming completion -> the engine's JSON body."""
+    async def complete(self, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
+        """Non-streaming completion -> the engine's JSON body. ``request_id`` goes out as
+        ``X-Request-Id``: the engine lists it in its /health while it holds the request."""
         try:
             async with self.session.post(
-                f"{self.base_url}/v1/completions", json={**body, "stream": False}, timeout=self.timeout
+                f"{self.base_url}/v1/completions",
+                json={**body, "stream": False},
+                timeout=self.timeout,
+                headers=_id_header(request_id),
             ) as resp:
                 payload = await _read_json(resp)
                 _raise_for_engine_status(resp, payload)
@@ -39,7 +43,9 @@ class EngineClient:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise engine_unavailable(f"{type(exc).__name__}: {exc}") from exc
 
-    async def stream(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+    async def stream(
+        self, body: dict[str, Any], request_id: str | None = None
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """Streaming completion: yields each SSE ``data:`` JSON chunk until ``[DONE]``.
 
         Closing the generator (client went away) closes the engine connection, which aborts the
@@ -47,7 +53,10 @@ class EngineClient:
         """
         try:
             async with self.session.post(
-                f"{self.base_url}/v1/completions", json={**body, "stream": True}, timeout=self.timeout
+                f"{self.base_url}/v1/completions",
+                json={**body, "stream": True},
+                timeout=self.timeout,
+                headers=_id_header(request_id),
             ) as resp:
                 if resp.status != 200:
                     _raise_for_engine_status(resp, await _read_json(resp))
@@ -76,6 +85,10 @@ class EngineClient:
                 return await _read_json(resp) if resp.status == 200 else None
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             return None
+
+
+def _id_header(request_id: str | None) -> dict[str, str]:
+    return {"X-Request-Id": request_id} if request_id else {}
 
 
 async def _read_json(resp: aiohttp.ClientResponse) -> dict[str, Any]:

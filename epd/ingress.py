@@ -15,7 +15,7 @@ from encoder.caches.embed_cache import EmbedCache
 from encoder.serving.router import EncoderRouter, WorkerSpec
 from epd.config import IngressConfig
 from epd.encoder_client import EncoderClient
-from epd.engine_client import EngineClient
+from epd.engine_pool import EnginePool
 from epd.media_pipeline import MediaPipeline
 from epd.metrics import IngressMetrics
 from epd.prompt_format import PromptFormat
@@ -32,12 +32,11 @@ class Ingress:
             raise ValueError("the ingress needs at least one encoder url")
         self.config = config
         self.metrics = IngressMetrics()
-        self.engine_up = False
         self.fingerprint = ""
         self._session: aiohttp.ClientSession | None = None
         self._fetcher: Fetcher | None = None
         self._pipeline: MediaPipeline | None = None
-        self._engine: EngineClient | None = None
+        self._engines: EnginePool | None = None
         self._health_task: asyncio.Task[None] | None = None
         # What each role reported it runs ({"paths": {step: impl}, "fallbacks": [...]}), from the
         # last health poll: the start banner and /health show it.
@@ -61,10 +60,17 @@ class Ingress:
         self.encoder_client = EncoderClient(self._session, timeout_s=self.config.request_timeout_s)
         self._fetcher = Fetcher(self.config.fetch)
         await self._fetcher.__aenter__()
-        if self.config.llm_url:
-            self._engine = EngineClient(
-                self._session, self.config.llm_url, timeout_s=self.config.request_timeout_s
+        if self.config.llm_urls:
+            self._engines = EnginePool(
+                self._session,
+                self.config.llm_urls,
+                self.tokenizer,
+                self.config.llm_router,
+                self.metrics.registry,
+                timeout_s=self.config.request_timeout_s,
+                roles=self.config.llm_roles,
             )
+            self._engines.start()
         self.fingerprint = await self._encoder_fingerprint()
         self._pipeline = MediaPipeline(
             fetcher=self._fetcher,
@@ -84,6 +90,8 @@ class Ingress:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
+        if self._engines is not None:
+            self._engines.close()
         if self._fetcher is not None:
             await self._fetcher.__aexit__(None, None, None)
         if self._session is not None:
@@ -96,10 +104,15 @@ class Ingress:
         return self._pipeline
 
     @property
-    def engine(self) -> EngineClient:
-        if self._engine is None:
+    def engines(self) -> EnginePool:
+        if self._engines is None:
             raise APIError(404, "this ingress has no LLM engine configured", type="not_found")
-        return self._engine
+        return self._engines
+
+    @property
+    def engine_up(self) -> bool:
+        """At least one engine is in the routing set."""
+        return self._engines is not None and self._engines.any_up
 
     async def _encoder_fingerprint(self) -> str:
         """All encoders must serve the same checkpoint: its fingerprint is part of every MediaKey."""
@@ -120,14 +133,15 @@ class Ingress:
         """One health round: every encoder (its state goes through the router) and the engine."""
         await self.router.check_all(self._encoder_ok)
         self.metrics.encoders_up.set(len(self.router.live_workers))
-        if self._engine is not None:
-            health = await self._engine.health()
-            self.engine_up = health is not None
-            if health:
-                self.engine_paths = _paths_of(health)
-                for pool in ("full", "swa"):
-                    self.metrics.kv_usage.labels(pool=pool).set(float(health.get(f"kv_{pool}_usage", 0.0)))
-                self.metrics.llm_waiting.set(float(health.get("num_waiting", 0)))
+        if self._engines is not None:
+            await self._engines.poll()
+            healths = [self._engines.healths[u] for u, up in self._engines.up.items() if up]
+            if healths:
+                self.engine_paths = _paths_of(healths[0])
+            for pool in ("full", "swa"):  # the node's engines together
+                usage = [float(h.get(f"kv_{pool}_usage", 0.0)) for h in healths]
+                self.metrics.kv_usage.labels(pool=pool).set(sum(usage) / len(usage) if usage else 0.0)
+            self.metrics.llm_waiting.set(float(sum(int(h.get("num_waiting", 0)) for h in healths)))
 
     async def _encoder_ok(self, url: str) -> bool:
         """Whether ``url`` answers /health with this deployment's fingerprint; records its load."""
@@ -151,6 +165,16 @@ class Ingress:
             "fallbacks": fallbacks,
         }
 
+    def routing_stats(self) -> dict[str, Any] | None:
+        """The LLM router's view (per engine: live, index mode, load, routed, predicted vs actual
+        cached tokens; the load spread); None without engines."""
+        if self._engines is None:
+            return None
+        out = _plain(self._engines.router.stats())  # the prefill (or only) router: affinity
+        if self._engines.decode_router is not None:
+            out["decode"] = _plain(self._engines.decode_router.stats())  # split roles: by load
+        return out  # type: ignore[no-any-return]
+
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.health_interval_s)
@@ -163,3 +187,12 @@ class Ingress:
 def _paths_of(health: dict[str, Any]) -> dict[str, Any]:
     """The ``paths`` / ``fallbacks`` part of a role's /health body (empty for an older role)."""
     return {"paths": dict(health.get("paths") or {}), "fallbacks": list(health.get("fallbacks") or [])}
+
+
+def _plain(value: Any) -> Any:
+    """NamedTuples (nested) as JSON objects."""
+    if hasattr(value, "_asdict"):
+        return {k: _plain(v) for k, v in value._asdict().items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -49,11 +49,11 @@ def build_app(config: IngressConfig) -> Starlette:
     async def health(ing: Ingress, __: Request) -> Response:
         # Answers from memory only, so it stays fast under full load (the roles' paths are from
         # the last health poll).
-        return JSONResponse({"status": "ok", **ing.active_paths()})
+        return JSONResponse({"status": "ok", **ing.active_paths(), "llm_routing": ing.routing_stats()})
 
     async def ready(ing: Ingress, _: Request) -> Response:
         up = len(ing.router.live_workers)
-        engine_ok = ing.engine_up or not ing.config.llm_url
+        engine_ok = ing.engine_up or not ing.config.llm_urls
         body = {"encoders_up": up, "encoders": len(ing.router.workers), "engine_up": ing.engine_up}
         return JSONResponse(
             {"ready": bool(up and engine_ok), **body}, status_code=200 if up and engine_ok else 503

@@ -30,6 +30,7 @@ from epd.config_cli import add_dataclass_args, dataclass_from_args, dataclass_to
 from epd.encoder_cmd import worker_child
 from epd.model_check import ModelDirError, check_model_dir
 from epd.supervisor import ChildFailed, ChildSpec, Supervisor, python_argv
+from llm_core.kv_transfer.shm_transport import namespace_files
 from llm_core.prompts.chat_template import TemplateFileError
 from llm_core.prompts.tokenizer import TokenizerError
 from llm_core.serving.server_config import LLMServerConfig
@@ -48,13 +49,17 @@ class ServeConfig:
     llm: LLMServerConfig = field(default_factory=LLMServerConfig)
     encoder_workers: int = 1  # local CPU workers (with CUDA: one per device)
     remote_encoders: tuple[str, ...] = ()  # --encoder-url: workers on other hosts, added to the ring
+    llm_instances: int = 1  # local LLM engines, each publishing its KV events to the router
+    llm_prefill_instances: int = 0  # local prefill-only engines (prefill/decode split)
+    llm_decode_instances: int = 0  # local decode-only engines
+    remote_llms: tuple[str, ...] = ()  # --llm-url: engines on other hosts, routed over too
     start_llm: bool = True
     log_level: str = "info"
     model_dir: str | None = None  # --model: one checkpoint directory for every role
 
 
 # Fields that `epd serve` derives itself instead of taking from flags.
-_INGRESS_DERIVED = ("encoder_urls", "encoder_weights", "llm_url", "llm_model_dir")
+_INGRESS_DERIVED = ("encoder_urls", "encoder_weights", "llm_urls", "llm_roles", "llm_model_dir")
 _WORKER_DERIVED = (
     "host",
     "port",
@@ -65,7 +70,16 @@ _WORKER_DERIVED = (
     "preprocess",
     "limits",
 )
-_LLM_DERIVED = ("host", "port", "uds", "cache_namespace", "log_level")
+_LLM_DERIVED = (
+    "host",
+    "port",
+    "uds",
+    "cache_namespace",
+    "log_level",
+    "kv_events_endpoint",
+    "kv_events_replay_endpoint",
+    "role",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +109,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="remote encoder worker (repeatable)",
     )
+    parser.add_argument(
+        "--llm-instances",
+        type=int,
+        default=1,
+        help="local LLM engines; the ingress routes each chat to the one holding its prefix (default: 1)",
+    )
+    parser.add_argument(
+        "--llm-prefill-instances",
+        type=int,
+        default=0,
+        help="local prefill-only engines: with --llm-decode-instances, a chat's prompt is computed on a "
+        "prefill engine (chosen by affinity) and its KV handed to a decode engine (chosen by load)",
+    )
+    parser.add_argument(
+        "--llm-decode-instances", type=int, default=0, help="local decode-only engines (see above)"
+    )
+    parser.add_argument(
+        "--llm-url",
+        dest="remote_llms",
+        action="append",
+        default=[],
+        help="remote LLM engine (repeatable), routed over with the local ones",
+    )
     parser.add_argument("--no-llm", dest="start_llm", action="store_false", help="serve /v1/encode only")
     parser.add_argument("--log-level", default="info")
 
@@ -119,6 +156,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         llm=llm,
         encoder_workers=args.encoder_workers,
         remote_encoders=tuple(args.remote_encoders),
+        llm_instances=args.llm_instances,
+        llm_prefill_instances=args.llm_prefill_instances,
+        llm_decode_instances=args.llm_decode_instances,
+        remote_llms=tuple(args.remote_llms),
         start_llm=args.start_llm,
         log_level=args.log_level,
         model_dir=args.model_dir,
@@ -137,6 +178,7 @@ class Plan:
 
     children: list[ChildSpec]
     encoder_children: dict[str, str]  # child name -> worker url
+    llm_children: dict[str, str]  # child name -> engine url
     ingress: IngressConfig
     namespace: str
 
@@ -158,21 +200,46 @@ def plan(cfg: ServeConfig) -> Plan:
     workers = [dataclasses.replace(w, port=free_port("127.0.0.1")) for w in workers]
     children = [worker_child(w, i) for i, w in enumerate(workers)]
     encoder_children = {c.name: w.url for c, w in zip(children, workers, strict=True)}
-    llm_url = None
+    llm_children: dict[str, str] = {}
+    roles: list[str] = []
     if cfg.start_llm:
-        llm = dataclasses.replace(
-            cfg.llm, host="127.0.0.1", port=free_port("127.0.0.1"), cache_namespace=namespace
-        )
-        llm_url = f"http://127.0.0.1:{llm.port}"
-        children.append(ChildSpec("llm", python_argv("llm", *dataclass_to_argv(llm)), f"{llm_url}/health"))
+        split = cfg.llm_prefill_instances or cfg.llm_decode_instances
+        counts = {"both": 0 if split else cfg.llm_instances}
+        if split:
+            counts = {"prefill": cfg.llm_prefill_instances, "decode": cfg.llm_decode_instances}
+            if min(counts.values()) < 1:
+                raise SystemExit(
+                    "epd serve: a prefill/decode split needs --llm-prefill-instances and --llm-decode-instances >= 1"
+                )
+        elif cfg.llm_instances < 0 or (cfg.llm_instances == 0 and not cfg.remote_llms):
+            raise SystemExit("epd serve: --llm-instances must be >= 1 (or 0 with --llm-url)")
+        single = sum(counts.values()) == 1
+        for role, n in counts.items():
+            for i in range(n):
+                name = "llm" if single else (f"llm-{i}" if role == "both" else f"llm-{role}-{i}")
+                llm = dataclasses.replace(
+                    cfg.llm,
+                    host="127.0.0.1",
+                    port=free_port("127.0.0.1"),
+                    cache_namespace=namespace,
+                    role=role,  # type: ignore[arg-type]
+                    # fixed ports, so a restarted engine publishes where the router listens
+                    kv_events_endpoint=f"tcp://127.0.0.1:{free_port('127.0.0.1')}",
+                    kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port('127.0.0.1')}",
+                )
+                url = f"http://127.0.0.1:{llm.port}"
+                llm_children[name] = url
+                roles.append(role)
+                children.append(ChildSpec(name, python_argv("llm", *dataclass_to_argv(llm)), f"{url}/health"))
     ingress = dataclasses.replace(
         ing,
         cache_namespace=namespace,
         encoder_urls=tuple(w.url for w in workers) + cfg.remote_encoders,
-        llm_url=llm_url,
+        llm_urls=(tuple(llm_children.values()) + cfg.remote_llms) if cfg.start_llm else (),
+        llm_roles=(tuple(roles) + ("both",) * len(cfg.remote_llms)) if cfg.start_llm else (),
         llm_model_dir=cfg.llm.model_path,
     )
-    return Plan(children, encoder_children, ingress, namespace)
+    return Plan(children, encoder_children, llm_children, ingress, namespace)
 
 
 async def serve(cfg: ServeConfig) -> int:
@@ -191,10 +258,14 @@ async def serve(cfg: ServeConfig) -> int:
     def on_down(spec: ChildSpec) -> None:
         if spec.name in p.encoder_children:
             ingress.router.mark_down(p.encoder_children[spec.name])
+        if spec.name in p.llm_children:
+            ingress.engines.mark(p.llm_children[spec.name], False)
 
     def on_up(spec: ChildSpec) -> None:
         if spec.name in p.encoder_children:
             ingress.router.mark_up(p.encoder_children[spec.name])
+        if spec.name in p.llm_children:
+            ingress.engines.mark(p.llm_children[spec.name], True)
 
     sup = Supervisor(p.children, on_down=on_down, on_up=on_up)
     try:
@@ -219,6 +290,9 @@ async def serve(cfg: ServeConfig) -> int:
     finally:
         await sup.stop()
         shutil.rmtree(default_root(p.namespace), ignore_errors=True)
+        # KV handed between engines whose exporter died (kill -9) before anyone fetched it
+        for left in namespace_files(p.namespace):
+            left.unlink(missing_ok=True)
 
 
 async def _announce(server: object, p: Plan, ingress: Ingress) -> None:
@@ -226,7 +300,7 @@ async def _announce(server: object, p: Plan, ingress: Ingress) -> None:
         await asyncio.sleep(0.05)
     print(
         f"epd serving on http://{p.ingress.host}:{p.ingress.port}  "
-        f"(encoders: {len(p.ingress.encoder_urls)}, llm: {p.ingress.llm_url or 'off'}, "
+        f"(encoders: {len(p.ingress.encoder_urls)}, llm: {', '.join(p.ingress.llm_urls) or 'off'}, "
         f"cache namespace: {p.namespace})",
         flush=True,
     )

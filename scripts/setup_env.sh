@@ -26,6 +26,13 @@ if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
         || echo "setup: WARNING could not install chromium; the browser test will be skipped"
 fi
 
+# Mooncake's engine.so (the cross-node KV transport) links libibverbs even for TCP.
+if [ ! -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing libibverbs1 for the Mooncake KV transport"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1) >/dev/null 2>&1 \
+        || echo "setup: WARNING could not install libibverbs1; the mooncake KV transport is unavailable"
+fi
+
 "$PIP" install -q -e '.[test]'
 
 # pillow -> pillow-simd. AVX2 where the CPU has it; on failure keep pillow and say so. Any pip

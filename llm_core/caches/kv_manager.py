@@ -133,7 +133,22 @@ class KVManager:
         seq.num_cached_tokens = hit.length
         if self.swa_aware and hit.key_length > hit.length and self._can_pin():
             seq.swa_pin_end = hit.key_length
+        self.pin_prompt_end(seq)
         return hit.length
+
+    def pin_prompt_end(self, seq: Sequence, end: int | None = None) -> None:
+        """Keep the SWA window of the prompt's last page boundary until release, so the tree
+        learns a hit there: a repeat of the prompt, or the conversation's next turn (which re-sends
+        this prompt, and a reply that rarely re-tokenizes to the ids generated), resumes at the
+        prompt's end instead of where the decode's moving window left off. The boundary is the
+        last one a repeat can use (a hit always leaves one token to compute). ``end``: another
+        boundary (an imported prompt pins the one whose window its payload holds)."""
+        if not self.swa_aware or not self._can_pin():
+            return
+        if end is None:
+            end = (seq.num_prompt_tokens - 1) // self.page_size * self.page_size
+        if end > max(seq.num_computed_tokens, seq.swa_pin_end):
+            seq.swa_prompt_pin = end
 
     def _can_pin(self) -> bool:
         # Pinning holds up to one extra window per sequence; only where the pool has room to spare
@@ -201,10 +216,10 @@ class KVManager:
         lo = self.first_live_swa_page(seq.num_computed_tokens // self.page_size * self.page_size)
         if lo <= seq.num_swa_released:
             return 0  # the window start did not pass a page since the last call (most steps)
-        pin_lo, pin_hi = self._pinned_pages(seq)
+        pins = self._pinned_pages(seq)
         freed: list[int] = []
         for i in range(seq.num_swa_released, min(lo, len(seq.swa_pages))):
-            if pin_lo <= i < pin_hi:
+            if any(pin_lo <= i < pin_hi for pin_lo, pin_hi in pins):
                 continue
             page = seq.swa_pages[i]
             if page != NOT_RESIDENT and i >= seq.num_borrowed_pages:
@@ -214,27 +229,33 @@ class KVManager:
         self.swa_pool.free(freed)
         return len(freed)
 
-    def _pinned_pages(self, seq: Sequence) -> tuple[int, int]:
-        """Logical SWA pages [lo, hi) kept for the branch point ``seq.swa_pin_end`` (empty when none)."""
-        if not seq.swa_pin_end:
-            return 0, 0
-        return self.first_live_swa_page(seq.swa_pin_end), seq.swa_pin_end // self.page_size
+    def _pinned_pages(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Logical SWA pages [lo, hi) kept for the branch point ``seq.swa_pin_end`` and the prompt's
+        end ``seq.swa_prompt_pin`` (none when unpinned)."""
+        return [
+            (self.first_live_swa_page(end), end // self.page_size)
+            for end in (seq.swa_pin_end, seq.swa_prompt_pin)
+            if end
+        ]
 
     def unpin(self, seq: Sequence) -> bool:
-        """Drop ``seq``'s pinned branch-point window (pages it already moved past); True if any."""
-        if not seq.swa_pin_end:
+        """Drop ``seq``'s pinned windows (the pages it already moved past); True if any."""
+        pins = self._pinned_pages(seq)
+        if not pins:
             return False
-        pin_lo, pin_hi = self._pinned_pages(seq)
-        seq.swa_pin_end = 0
-        upto = min(pin_hi, seq.num_swa_released)
+        seq.swa_pin_end = seq.swa_prompt_pin = 0
         freed = []
-        for i in range(pin_lo, upto):
-            page = seq.swa_pages[i]
-            if page != NOT_RESIDENT and i >= seq.num_borrowed_pages:
-                freed.append(page)
-            seq.swa_pages[i] = NOT_RESIDENT
+        moved = False
+        for pin_lo, pin_hi in pins:
+            upto = min(pin_hi, seq.num_swa_released)
+            moved = moved or upto > pin_lo
+            for i in range(pin_lo, upto):
+                page = seq.swa_pages[i]
+                if page != NOT_RESIDENT and i >= seq.num_borrowed_pages:
+                    freed.append(page)
+                seq.swa_pages[i] = NOT_RESIDENT
         self.swa_pool.free(freed)
-        return bool(freed) or upto > pin_lo
+        return bool(freed) or moved
 
     # ---- release -------------------------------------------------------------------------
     def release(self, seq: Sequence, cache: bool = True) -> None:
@@ -243,6 +264,8 @@ class KVManager:
         Used at finish, abort and preemption; afterwards ``seq`` holds no pages and no lock.
         """
         nb = seq.num_borrowed_pages
+        # A half-copied import holds SWA pages whose positions were never written: never cached.
+        cache = cache and not seq.importing
         if self.radix is not None and cache:
             computed = seq.num_computed_tokens
             if seq.cacheable_tokens is not None:
@@ -265,7 +288,7 @@ class KVManager:
         seq.swa_pages = []
         seq.num_borrowed_pages = 0
         seq.num_swa_released = 0
-        seq.swa_pin_end = 0
+        seq.swa_pin_end = seq.swa_prompt_pin = 0
         seq.prefix_lock = None
 
     # ---- accounting ----------------------------------------------------------------------

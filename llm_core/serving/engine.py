@@ -35,11 +35,13 @@ import torch
 from llm_core.caches.kv_events import AllBlocksCleared, KVEventBatch
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.kv_pool import DualKVCache, KVCacheConfig, KVLayout
+from llm_core.kv_transfer.kv_import import KVImport
 from llm_core.models.config import DecoderConfig
 from llm_core.models.positions import PositionScheme
 from llm_core.prompts.tokenizer import Tokenizer
 from llm_core.serving.engine_stats import EngineLoad, EngineStats, ThroughputMeter
 from llm_core.serving.kv_event_publisher import KVEventPublisher
+from llm_core.serving.kv_handoff import KVHandoff
 from llm_core.serving.model_runner import CausalLM, ModelRunner, MultimodalInput
 from llm_core.serving.request_stream import RequestState, RequestStream, StepOutput
 from llm_core.serving.request_stream import deliver as deliver_outputs
@@ -104,6 +106,10 @@ class LLMEngine:
         # Changes at each restart: a router that sees a new id drops what it knew of this engine.
         self.instance_id = uuid.uuid4().hex[:16]
         self.kv_events = kv_events
+        # Prefill/decode disaggregation (set by the server): the KV exports of finished prefills,
+        # by request id, until the server puts them in the response.
+        self.handoff: KVHandoff | None = None
+        self._exports: dict[str, dict[str, object]] = {}
         if kv_events is not None:
             kv_events.publish(KVEventBatch(time.time(), (AllBlocksCleared(),)))
         self.runner = ModelRunner(
@@ -145,6 +151,8 @@ class LLMEngine:
             self._thread = None
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.handoff is not None:
+            self.handoff.close()
 
     # ---- requests (called from the event loop) -----------------------------------------------
 
@@ -154,8 +162,15 @@ class LLMEngine:
         sampling: SamplingParams,
         mm: Sequence[MultimodalInput] = (),
         request_id: str | None = None,
+        *,
+        kv_import: KVImport | None = None,
+        kv_export: bool = False,
     ) -> RequestStream:
         """Queue a request and return its output stream.
+
+        ``kv_import``: the prompt's KV from a prefill engine (copied in, not computed);
+        ``kv_export``: hand the prompt's KV to ``handoff`` when its prefill completes
+        (``pop_export`` has the handle once the request finished).
 
         Raises ``EngineRequestError`` (bad request) or ``EngineOverloaded`` (queue full) right away,
         so the server can answer with a status before any streaming starts. Must be called from a
@@ -164,6 +179,9 @@ class LLMEngine:
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
         seq = self._build_sequence(rid, list(prompt_ids), sampling, mm)
+        if kv_export and self.handoff is None:
+            raise EngineRequestError("this engine has no KV transport to export with", "kv_transfer")
+        seq.kv_import, seq.kv_export = kv_import, kv_export
         req = RequestState.create(seq, sampling, self.tokenizer, loop)
         with self._lock:
             if self.scheduler.num_waiting >= self.config.max_waiting:
@@ -285,6 +303,8 @@ class LLMEngine:
             with self._lock:
                 self._fail(batch.seqs)
             return True
+        if self.handoff is not None:
+            self._export_finished_prefills(batch.seqs, batch.num_new_tokens)
         with self._lock:
             finished = self.scheduler.update(batch, sampled)
             self._steps += 1
@@ -292,6 +312,18 @@ class LLMEngine:
             self._flush_kv_events()
         deliver_outputs(outs)
         return True
+
+    def _export_finished_prefills(self, seqs: list[Seq], num_new_tokens: list[int]) -> None:
+        """Hand over the KV of prompts this step completed (before ``update`` moves on: the
+        pages are still the sequence's, its SWA window still resident)."""
+        assert self.handoff is not None
+        for s, n in zip(seqs, num_new_tokens, strict=True):
+            if s.kv_export and not s.output_ids and s.num_computed_tokens + n == s.num_prompt_tokens:
+                self._exports[str(s.seq_id)] = self.handoff.export(s)
+
+    def pop_export(self, request_id: str) -> dict[str, object] | None:
+        """The KV export of a finished ``kv_export`` request (None if it produced none)."""
+        return self._exports.pop(request_id, None)
 
     def _flush_kv_events(self) -> None:
         """Publish what the prefix cache changed this step (caller holds the lock)."""
@@ -368,6 +400,16 @@ class LLMEngine:
             steps_total=self._steps,
             max_waiting=self.config.max_waiting,
         )
+
+    def check_integrity(self) -> str:
+        """ "ok", or what ``KVManager.check_integrity`` found wrong (every used page has exactly one
+        owner, the tree's locks match the sequences holding hits); under the lock, between steps."""
+        with self._lock:
+            try:
+                self.scheduler.kv.check_integrity(self.scheduler.running)
+            except AssertionError as e:
+                return f"broken: {e}"
+        return "ok"
 
     def load(self) -> EngineLoad:
         """The requests held and their token load (briefly takes the lock: never during a forward)."""

@@ -212,7 +212,11 @@ class Scheduler:
         for seq in self.waiting.ordered(b, now, self.kv.peek_prefix):
             if left == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            self.kv.match_prefix(seq)
+            if seq.kv_import is None:
+                self.kv.match_prefix(seq)
+            else:  # an import brings the whole prompt's KV: nothing to borrow
+                p = self.kv.page_size  # pin only a window the payload holds (layer_plan.py)
+                self.kv.pin_prompt_end(seq, seq.num_prompt_tokens // p * p)
             n = self._fit(seq, min(seq.num_uncomputed_tokens, left, self._chunk_cap()))
             if n == 0:
                 self.kv.release(seq, cache=False)
@@ -270,6 +274,7 @@ class Scheduler:
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk: no token yet
             assert tok is not None, f"seq {seq.seq_id}: step completed its tokens but no token was sampled"
+            seq.kv_import = None  # the copied-in KV is in the pools now; let its buffer go
             out = seq.output_ids
             out.append(tok)
             reason = None

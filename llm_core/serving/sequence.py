@@ -160,11 +160,18 @@ class Sequence:
     num_borrowed_pages: int = 0
     num_swa_released: int = 0  # leading logical SWA pages already dropped (NOT_RESIDENT unless pinned)
     swa_pin_end: int = 0  # keep the SWA window before this position until release (heals a branch point)
+    swa_prompt_pin: int = 0  # likewise for the prompt's last page boundary (a next turn resumes there)
     prefix_lock: Any = None  # radix_cache.PrefixLock while holding a prefix-cache hit
     # Leading tokens whose KV a later prompt with the same cache keys would compute identically
     # (None: all). The model's position scheme lowers it when generated tokens sit at positions a
     # prompt would not give them (``positions.MRopePositions``); only that much enters the cache.
     cacheable_tokens: int | None = None
+    # Prefill/decode disaggregation. ``kv_export``: hand the prompt's KV (the layer plan) to the
+    # engine's transport when its prefill completes. ``kv_import``: the prompt's KV arrived from a
+    # prefill engine (``kv_transfer.KVImport``); the prompt's "prefill" chunks copy it instead of
+    # computing, and the last one yields the prefill engine's first token.
+    kv_export: bool = False
+    kv_import: Any = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -195,6 +202,11 @@ class Sequence:
     @property
     def cache_keys(self) -> list[int]:
         return self._prompt_keys + self.output_ids
+
+    @property
+    def importing(self) -> bool:
+        """Its prompt's KV is being copied in from a prefill engine (not all of it yet)."""
+        return self.kv_import is not None and self.num_computed_tokens < len(self.prompt_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -41,6 +41,7 @@ from llm_core.serving.completion_request import (
 from llm_core.serving.embedding_source import EmbeddingSource
 from llm_core.serving.engine import EngineOverloaded, EngineRequestError, LLMEngine, RequestStream
 from llm_core.serving.kv_event_publisher import KVEventPublisher
+from llm_core.serving.kv_handoff import KVHandoff
 from llm_core.serving.server_config import LLMServerConfig
 
 log = logging.getLogger(__name__)
@@ -105,42 +106,72 @@ def create_app(
 
         return handler
 
-    async def read_request(request: Request) -> CompletionRequest:
+    async def read_request(request: Request) -> tuple[CompletionRequest, Any]:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise bad_request(f"the body is not valid JSON: {e}", None) from e
-        return parse_completion_request(
+        req = parse_completion_request(
             body,
             engine.tokenizer,
             engine.max_model_len,
             engine.model_config.vocab_size,
             request.headers.get("x-request-id"),
         )
+        return req, body.get("kv_transfer")
 
-    async def submit(req: CompletionRequest) -> RequestStream:
+    async def submit(req: CompletionRequest, transfer: Any) -> tuple[RequestStream, dict[str, Any] | None]:
+        """Queue the request; with ``kv_transfer`` ``{"export": true}`` its prompt's KV is handed
+        over after the prefill, with ``{"import": handle, "first_token": id}`` it is taken in (or,
+        when that fails, recomputed: the returned info says which)."""
         mm = []
         if req.refs:
             if embeddings is None:
                 raise bad_request("this engine has no embedding source for multimodal requests", "multimodal")
             mm = await embeddings.resolve(req.refs)
+        export, kv_import, info = False, None, None
+        if transfer is not None:
+            if not isinstance(transfer, dict) or engine.handoff is None:
+                raise bad_request(
+                    "kv_transfer must be {'export': true} or {'import': handle, 'first_token': id} "
+                    "on an engine with a KV transport",
+                    "kv_transfer",
+                )
+            export = transfer.get("export") is True
+            if "import" in transfer:
+                got = await engine.handoff.fetch(
+                    transfer["import"], transfer.get("first_token"), req.prompt_ids
+                )
+                kv_import, info = got.kv_import, got.info
         try:
-            return engine.submit(req.prompt_ids, req.sampling, mm, request_id=req.request_id)
+            stream = engine.submit(
+                req.prompt_ids,
+                req.sampling,
+                mm,
+                request_id=req.request_id,
+                kv_import=kv_import,
+                kv_export=export,
+            )
         except EngineRequestError as e:
             raise bad_request(str(e), e.param) from e
         except EngineOverloaded as e:
             raise overloaded(str(e), retry_after_s=e.retry_after_s) from e
+        return stream, info
 
     async def completions(request: Request) -> Response:
-        req = await read_request(request)
-        stream = await submit(req)
+        req, transfer = await read_request(request)
+        stream, info = await submit(req, transfer)
         if req.stream:
             return StreamingResponse(
-                _events(req, stream), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+                _events(req, stream, info),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
             )
-        return await _collect(req, stream, request)
+        return await _collect(req, stream, request, info)
 
-    async def _collect(req: CompletionRequest, stream: RequestStream, request: Request) -> Response:
+    async def _collect(
+        req: CompletionRequest, stream: RequestStream, request: Request, info: dict[str, Any] | None
+    ) -> Response:
         """Wait for the whole completion; abort it if the client goes away meanwhile."""
         text: list[str] = []
         ids: list[int] = []
@@ -166,11 +197,17 @@ def create_app(
             task.result()
         finally:
             stream.close()
+            export = engine.pop_export(req.request_id)
         if reason == "error":
             raise APIError(500, "the engine failed while running this request", type="internal_error")
-        return JSONResponse(completion_body(req, model_name, "".join(text), ids, reason, cached))
+        body = completion_body(req, model_name, "".join(text), ids, reason, cached)
+        if export is not None or info is not None:
+            body["kv_transfer"] = export if export is not None else info
+        return JSONResponse(body)
 
-    async def _events(req: CompletionRequest, stream: RequestStream) -> AsyncIterator[bytes]:
+    async def _events(
+        req: CompletionRequest, stream: RequestStream, info: dict[str, Any] | None
+    ) -> AsyncIterator[bytes]:
         first = True
         n_out = 0
         cached = 0
@@ -182,7 +219,10 @@ def create_app(
                     yield _sse(error_body(500, "internal_error", "the engine failed on this request", None))
                     break
                 if out.text or out.finished or req.return_token_ids:
-                    yield _sse(chunk_body(req, model_name, out.text, out.token_ids, out.finish_reason, first))
+                    chunk = chunk_body(req, model_name, out.text, out.token_ids, out.finish_reason, first)
+                    if first and info is not None:
+                        chunk["kv_transfer"] = info  # how the prompt's KV arrived (or why not)
+                    yield _sse(chunk)
                     first = False
             if req.include_usage:
                 final = chunk_body(req, model_name, "", [], None, False)
@@ -192,6 +232,7 @@ def create_app(
             yield b"data: [DONE]\n\n"
         finally:
             stream.close()  # no-op when finished; aborts on disconnect (generator closed early)
+            engine.pop_export(req.request_id)
 
     async def models(request: Request) -> Response:
         return JSONResponse(
@@ -209,7 +250,10 @@ def create_app(
         )
 
     async def health(request: Request) -> Response:
+        """The engine's state; ``?check_integrity=1`` also checks the KV bookkeeping (for fault
+        tests and operators: it walks every page once)."""
         s = engine.stats()
+        extra = {"integrity": engine.check_integrity()} if request.query_params.get("check_integrity") else {}
         load = engine.load()
         events = engine.kv_events
         return JSONResponse(
@@ -220,10 +264,13 @@ def create_app(
                 **load._asdict(),
                 # what a router needs to name and match this engine's pages (llm_routing)
                 "instance_id": engine.instance_id,
+                "role": config.role,
+                "kv_handoff": engine.handoff.stats() if engine.handoff else None,
                 "page_size": engine.kv.full_pages.page_size,
                 "sliding_window": engine.model_config.sliding_window,
                 "kv_events_endpoint": events.endpoint if events else None,
                 "kv_events_replay_endpoint": events.replay_endpoint if events else None,
+                **extra,
                 **paths,
             }
         )
@@ -261,6 +308,7 @@ def build_app(config: LLMServerConfig) -> Starlette:
     engine = LLMEngine.from_checkpoint(
         config.model_path, config.engine, device, config.torch_dtype, kv_events=events
     )
+    engine.handoff = KVHandoff(config.kv_transport, config.cache_namespace, engine.kv, host=config.host)
     embeddings = EmbeddingSource.open(
         config.cache_namespace, engine.model_config.hidden_size, config.fetch_timeout_s
     )

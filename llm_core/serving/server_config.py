@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -63,6 +64,11 @@ class LLMServerConfig:
     # tcp://127.0.0.1:5557) and answer replays of recent batches on the second address.
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
+    # What the ingress uses this engine for: "prefill" (computes prompts and hands their KV
+    # over), "decode" (takes the KV in and generates), "both" (either, or all of a request).
+    role: Literal["prefill", "decode", "both"] = "both"
+    # How prompt KV moves between engines: "shm" (one node) or "mooncake" (TCP, across nodes)
+    kv_transport: Literal["shm", "mooncake"] = "shm"
 
     def __post_init__(self) -> None:
         check_dtype("LLMServerConfig.dtype", self.dtype)

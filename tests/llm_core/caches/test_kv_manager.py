@@ -74,14 +74,18 @@ def test_swa_pages_stay_within_window_during_decode() -> None:
     for _ in range(40):
         assert run_step(kv, shadow, seq, 1)
         resident = sum(1 for p in seq.swa_pages if p != NOT_RESIDENT)
-        assert resident <= swa_pages_per_sequence(window, P)
+        # the moving window, plus the window kept at the prompt's end (``pin_prompt_end``)
+        pinned = sum(hi - lo for lo, hi in kv._pinned_pages(seq))
+        assert seq.swa_prompt_pin == 28 and pinned == 2  # pages [(28 - 8) // 4, 28 // 4)
+        assert resident <= swa_pages_per_sequence(window, P) + pinned
         assert kv.swa_pool.num_used == resident
         assert kv.full_pool.num_used * P >= seq.num_computed_tokens
         shadow.check(seq)
         kv.check_integrity([seq])
     kv.release(seq)
     kv.check_integrity([])
-    assert kv.radix is not None and kv.radix.num_tombstones() == 1  # the early part kept full KV only
+    # full KV only before the prompt-end window and between it and the last window: two tombstones
+    assert kv.radix is not None and kv.radix.num_tombstones() == 2
 
 
 def test_prefix_hit_reuses_pages_and_skips_compute() -> None:
@@ -99,10 +103,10 @@ def test_prefix_hit_reuses_pages_and_skips_compute() -> None:
     assert kv.full_pool.num_used == used + 1  # only the new page
     kv.check_integrity([b])
     # A request for exactly the cached prompt must leave one token to compute (its logits), so it
-    # could only resume at 36; but a's SWA KV of [28, 32) left its window before a finished, so
-    # 36 is not a hit (the window is incomplete) and neither is anything shorter.
+    # can only resume at 36: a kept the window before 36 while it went on (``pin_prompt_end``),
+    # which made the tree learn that hit.
     c = Sequence("c", list(range(40)))
-    assert kv.match_prefix(c) == 0
+    assert kv.match_prefix(c) == 36
     kv.check_integrity([b, c])
     kv.release(b)
     kv.release(c)
@@ -324,9 +328,10 @@ def test_pin_is_dropped_when_the_pool_is_tight() -> None:
     while b.num_computed_tokens < 20:
         assert run_step(kv, shadow, b, 1)
     assert all(p != NOT_RESIDENT for p in b.swa_pages[1:3])  # the pinned window before 12
-    # 40 more tokens need 10 new SWA pages; 6 are free and a's 2 cached ones can be evicted:
+    # 40 more tokens need 10 new SWA pages; 5 are free and a's 3 cached ones can be evicted:
     # only with the pin's 2 pages back does it fit.
-    assert kv.pages_needed(b, 40).swa == 10 and kv.swa_pool.num_free == 6
+    assert kv.pages_needed(b, 40).swa == 10 and kv.swa_pool.num_free == 5
+    assert kv.radix is not None and kv.radix.evictable_swa_pages() == 3
     assert run_step(kv, shadow, b, 40)
     assert b.swa_pin_end == 0 and b.swa_pages[1:3] == [NOT_RESIDENT] * 2
     shadow.check(b)

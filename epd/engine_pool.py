@@ -1,0 +1,406 @@
+"""The LLM engines the ingress serves chats from, and the routing of each request to one of them.
+
+    request ──cache keys (prompt ids, media runs as their MediaKeys' pseudo-ids)──▶ LLMRouter.route
+       ──▶ Dispatch (the router's load counters) ──POST /v1/completions, X-Request-Id──▶ engine
+       ◀── chunks: the first one moves the dispatch from prefill to decode load; the usage's
+           cached_tokens is the engine's actual hit, compared with the router's prediction
+
+With engines of split roles (``epd llm --role prefill|decode``) a request goes through two::
+
+    prefill engine (chosen by affinity) ── max_tokens 1, kv_transfer export ──▶ first token + KV handle
+    decode engine (chosen by load)      ── kv_transfer import + first token ──▶ the answer, streamed
+    (no prefill engine reachable, or its export failed: the decode engine computes the prompt)
+
+A dispatch ends however the request ends (done, an error, the client gone): its ``finish`` runs
+in a ``finally``. An engine that cannot be reached before it answered anything is taken out of the
+routing set and the request goes to the next choice (it has produced nothing, so nothing is lost
+or doubled); an engine that fails mid-answer fails that request only. The health loop
+(``poll``) feeds every engine's /health to the router: page geometry, its KV events endpoint,
+the requests it holds (the correction of lost decrements) and whether it is up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any, NamedTuple
+
+import aiohttp
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from epd.engine_client import EngineClient
+from epd.llm_routing.llm_router import LLMRouter, NoEngineAvailable
+from epd.llm_routing.load_counters import Dispatch
+from epd.llm_routing.policy import RouterConfig
+from epd_common.errors import APIError
+from llm_core.prompts.tokenizer import Tokenizer
+from llm_core.serving.sequence import MediaSpanError, build_cache_keys, media_spans
+
+log = logging.getLogger("epd.engine_pool")
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class RoutingMetrics:
+    """What ``/metrics`` shows of the routing: per engine requests, load and the hit drift."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.routed = Counter("epd_llm_routed", "Requests routed to each engine", ["engine"], registry=r)
+        self.engine_up = Gauge(
+            "epd_llm_engine_up", "1 while an engine is in the routing set", ["engine"], registry=r
+        )
+        self.load_tokens = Gauge(
+            "epd_llm_engine_load_tokens", "Router-counted load per engine", ["engine", "phase"], registry=r
+        )
+        self.load_spread = Gauge("epd_llm_load_spread", "Max over mean load of the live engines", registry=r)
+        self.predicted = Counter(
+            "epd_llm_predicted_cached_tokens", "Prompt tokens the router predicted cached", registry=r
+        )
+        self.actual = Counter(
+            "epd_llm_actual_cached_tokens", "Prompt tokens the engines reported cached", registry=r
+        )
+        self.ttft = Histogram(
+            "epd_llm_ttft_seconds",
+            "Time to the first engine chunk",
+            ["engine"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.failovers = Counter(
+            "epd_llm_failovers", "Requests re-routed because an engine could not be reached", registry=r
+        )
+        self.kv_bytes = Counter(
+            "epd_llm_kv_transfer_bytes", "Prompt KV bytes moved prefill -> decode", registry=r
+        )
+        self.kv_seconds = Histogram(
+            "epd_llm_kv_transfer_seconds", "Fetch time of a prompt's KV on the decode engine", registry=r
+        )
+        self.kv_fallbacks = Counter(
+            "epd_llm_kv_transfer_fallbacks",
+            "Split requests whose decode engine recomputed the prompt, by reason",
+            ["reason"],
+            registry=r,
+        )
+
+
+class EnginePool:
+    """Engine clients over one aiohttp session, and the routers that choose among them."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        urls: Sequence[str],
+        tokenizer: Tokenizer,
+        router_config: RouterConfig,
+        registry: CollectorRegistry,
+        timeout_s: float = 600.0,
+        roles: Sequence[str] = (),
+    ) -> None:
+        """``roles[i]``: "prefill", "decode" or "both" (default) for ``urls[i]``."""
+        roles = tuple(roles) or ("both",) * len(urls)
+        if len(roles) != len(urls) or any(r not in ("prefill", "decode", "both") for r in roles):
+            raise ValueError(f"one role of prefill/decode/both per engine url, got {roles} for {list(urls)}")
+        self.roles = dict(zip(urls, roles, strict=True))
+        self.clients = {u: EngineClient(session, u, timeout_s=timeout_s) for u in urls}
+        self.split = any(r != "both" for r in roles)
+        prefill = [u for u in urls if self.roles[u] != "decode"]
+        decode = [u for u in urls if self.roles[u] != "prefill"]
+        if self.split and not (prefill and decode):
+            raise ValueError(f"split roles need a prefill and a decode engine, got {self.roles}")
+        # Prefill engines by affinity (their prefix caches are what a hit saves); decode engines by
+        # load (the KV arrives with the request, whatever they cache).
+        self.router = LLMRouter(prefill, router_config)
+        self.decode_router = (
+            LLMRouter(decode, dataclasses.replace(router_config, policy="least_load")) if self.split else None
+        )
+        self.tokenizer = tokenizer
+        self.pads = [t for t in (tokenizer.image_token_id, tokenizer.video_token_id) if t is not None]
+        self.metrics = RoutingMetrics(registry)
+        self.up: dict[str, bool] = {u: False for u in urls}
+        self.healths: dict[str, dict[str, Any]] = {}
+
+    @property
+    def routers(self) -> list[LLMRouter]:
+        return [self.router] + ([self.decode_router] if self.decode_router is not None else [])
+
+    def start(self) -> None:
+        for r in self.routers:
+            r.start()
+
+    def close(self) -> None:
+        for r in self.routers:
+            r.close()
+
+    # -- health ------------------------------------------------------------------------------
+    async def poll(self) -> None:
+        """One /health round over every engine: the routers learn geometry, events and load."""
+        healths = await asyncio.gather(*(c.health() for c in self.clients.values()))
+        for url, health in zip(self.clients, healths, strict=True):
+            self.mark(url, health is not None)
+            if health is not None:
+                self.healths[url] = health
+                for r in self._routers_of(url):
+                    r.on_health(url, health)
+        stats = self.router.stats()
+        self.metrics.load_spread.set(stats.load_spread)
+        for r in self.routers:
+            for e in r.stats().engines:
+                self.metrics.load_tokens.labels(engine=e.url, phase="prefill").set(e.load.prefill_tokens)
+                self.metrics.load_tokens.labels(engine=e.url, phase="decode").set(e.load.decode_tokens)
+
+    def _routers_of(self, url: str) -> list[LLMRouter]:
+        return [r for r in self.routers if url in r.engine_urls]
+
+    def mark(self, url: str, live: bool) -> None:
+        """Put an engine in or out of routing (a failed poll or call, the supervisor's view)."""
+        if url in self.clients:
+            self.up[url] = live
+            self.metrics.engine_up.labels(engine=url).set(1.0 if live else 0.0)
+            for r in self._routers_of(url):
+                r.set_live(url, live)
+
+    @property
+    def any_up(self) -> bool:
+        if self.split:
+            return any(self.up[u] for u in self.clients if self.roles[u] != "prefill")
+        return any(self.up.values())
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"router": self.router.stats(), "split": self.split}
+        if self.decode_router is not None:
+            out["decode_router"] = self.decode_router.stats()
+        return out
+
+    # -- requests ----------------------------------------------------------------------------
+    def cache_keys(self, prompt: Any, media: Sequence[tuple[str, int]] = ()) -> list[int]:
+        """The keys the engine's prefix cache will match the prompt on (``Sequence.cache_keys``):
+        token ids, each media run replaced by its MediaKey's pseudo-id. A prompt the engine will
+        refuse routes on its plain ids (the engine answers the 4xx)."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            return []
+        try:
+            return build_cache_keys(ids, media_spans(ids, self.pads, list(media)))
+        except MediaSpanError:
+            return ids
+
+    async def complete(self, body: dict[str, Any], keys: list[int]) -> dict[str, Any]:
+        """A non-streamed completion (through a prefill and a decode engine when roles are split)."""
+        if not self.split:
+            return (await self._complete_on(self.router, body, keys))[0]
+        pre = await self._prefill(body, keys)
+        if pre.done is not None:
+            return pre.done
+        assert self.decode_router is not None
+        out, _ = await self._complete_on(self.decode_router, pre.decode_body, keys, pre)
+        return _with_prefill_usage(out, pre)
+
+    async def stream(self, body: dict[str, Any], keys: list[int]) -> AsyncGenerator[dict[str, Any], None]:
+        """Streamed chunks (the decode engine's when roles are split); re-routes only before the
+        first chunk."""
+        if not self.split:
+            async for chunk in self._stream_on(self.router, body, keys):
+                yield chunk
+            return
+        pre = await self._prefill(body, keys)
+        if pre.done is not None:
+            for chunk in _as_chunks(pre.done, body):
+                yield chunk
+            return
+        assert self.decode_router is not None
+        async for chunk in self._stream_on(self.decode_router, pre.decode_body, keys, pre):
+            yield _with_prefill_usage(chunk, pre) if chunk.get("usage") else chunk
+
+    async def _prefill(self, body: dict[str, Any], keys: list[int]) -> _Prefilled:
+        """Run the prompt on a prefill engine (one token, KV exported); what the decode engine
+        is to be sent. With no prefill engine reachable, the decode engine gets the plain body."""
+        want = body.get("max_tokens")
+        pre_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        pre_body.update(max_tokens=1, return_token_ids=True, kv_transfer={"export": True})
+        try:
+            out, url = await self._complete_on(self.router, pre_body, keys, max_tokens=1)
+        except APIError as exc:
+            if not _unreachable(exc):
+                raise  # the prompt itself was refused: the decode engine would refuse it too
+            log.warning("no prefill engine answered (%s); the decode engine computes the prompt", exc.message)
+            self.metrics.kv_fallbacks.labels(reason="prefill_unavailable").inc()
+            return _Prefilled(None, dict(body), None, None)
+        choice = out["choices"][0]
+        first = list(choice.get("token_ids") or [])
+        if choice.get("finish_reason") == "stop" or want == 1 or not first:
+            if not body.get("return_token_ids"):
+                choice.pop("token_ids", None)
+                choice.pop("prompt_token_ids", None)
+            out.pop("kv_transfer", None)
+            return _Prefilled(out, body, None, out.get("usage"))
+        export = out.get("kv_transfer") or {}
+        decode_body = dict(body)
+        if isinstance(export.get("handle"), dict):
+            decode_body["kv_transfer"] = {"import": export["handle"], "first_token": first[0]}
+        else:
+            self.metrics.kv_fallbacks.labels(reason=str(export.get("error", "no_export"))).inc()
+        return _Prefilled(None, decode_body, url, out.get("usage"))
+
+    async def _complete_on(
+        self,
+        router: LLMRouter,
+        body: dict[str, Any],
+        keys: list[int],
+        pre: _Prefilled | None = None,
+        max_tokens: int | None = None,
+    ) -> tuple[dict[str, Any], str]:
+        """The engine's body and which engine answered."""
+        tried: set[str] = set()
+        while True:
+            dispatch, rid = self._route(router, body, keys, tried, max_tokens)
+            started = time.perf_counter()
+            try:
+                out = await self.clients[dispatch.url].complete(body, request_id=rid)
+            except APIError as exc:
+                if _unreachable(exc) and self._failover(dispatch, tried):
+                    continue
+                raise
+            finally:
+                dispatch.finish()
+            self._record(router, dispatch, out.get("usage") or {}, out.get("kv_transfer"), pre, started)
+            if pre is not None:
+                out.pop("kv_transfer", None)
+            return out, dispatch.url
+
+    async def _stream_on(
+        self, router: LLMRouter, body: dict[str, Any], keys: list[int], pre: _Prefilled | None = None
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        tried: set[str] = set()
+        while True:
+            dispatch, rid = self._route(router, body, keys, tried)
+            started = time.perf_counter()
+            chunks = self.clients[dispatch.url].stream(body, request_id=rid)
+            got_any = False
+            usage: dict[str, Any] = {}
+            transfer: Any = None
+            try:
+                async for chunk in chunks:
+                    if not got_any:
+                        got_any = True
+                        dispatch.first_token()
+                        self.metrics.ttft.labels(engine=dispatch.url).observe(time.perf_counter() - started)
+                        transfer = chunk.pop("kv_transfer", None)
+                    n = sum(
+                        len(c.get("token_ids") or ()) or bool(c.get("text")) for c in chunk.get("choices", [])
+                    )
+                    dispatch.add_output_tokens(int(n))
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    yield chunk
+            except APIError as exc:
+                if not got_any and _unreachable(exc) and self._failover(dispatch, tried):
+                    continue
+                raise
+            finally:
+                dispatch.finish()
+                await chunks.aclose()
+            self._record(router, dispatch, usage, transfer, pre, started)
+            return
+
+    def _route(
+        self,
+        router: LLMRouter,
+        body: dict[str, Any],
+        keys: list[int],
+        tried: set[str],
+        max_tokens: int | None = None,
+    ) -> tuple[Dispatch, str]:
+        rid = f"epd-{uuid.uuid4().hex[:24]}"
+        n_prompt = len(keys) if keys else 1
+        if max_tokens is None:
+            want = body.get("max_tokens")
+            max_tokens = int(want) if isinstance(want, int) else 16
+        try:
+            # an engine tried already was marked down by _failover, so the router skips it
+            dispatch = router.route(keys, n_prompt, max_tokens, rid)
+        except NoEngineAvailable as exc:
+            raise APIError(503, str(exc), type="engine_unavailable", retry_after_s=2.0) from exc
+        tried.add(dispatch.url)
+        self.metrics.routed.labels(engine=dispatch.url).inc()
+        return dispatch, rid
+
+    def _failover(self, dispatch: Dispatch, tried: set[str]) -> bool:
+        """Take an unreachable engine out; True when another live engine is left to try."""
+        self.mark(dispatch.url, False)
+        left = [u for u, up in self.up.items() if up and u not in tried]
+        if left:
+            self.metrics.failovers.inc()
+            log.warning("LLM engine %s unreachable; request %s re-routed", dispatch.url, dispatch.request_id)
+        return bool(left)
+
+    def _record(
+        self,
+        router: LLMRouter,
+        dispatch: Dispatch,
+        usage: dict[str, Any],
+        transfer: Any,
+        pre: _Prefilled | None,
+        started: float,
+    ) -> None:
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens")
+        if isinstance(cached, int) and pre is None:  # the decode engine's own hits are not routed on
+            router.record_actual(dispatch, cached)
+            self.metrics.predicted.inc(dispatch.predicted_cached_tokens)
+            self.metrics.actual.inc(cached)
+        moved = ""
+        if pre is not None and isinstance(transfer, dict):
+            if transfer.get("imported"):
+                self.metrics.kv_bytes.inc(int(transfer.get("bytes", 0)))
+                self.metrics.kv_seconds.observe(float(transfer.get("seconds", 0.0)))
+                moved = f", KV from {pre.prefill_url}: {transfer.get('bytes')} bytes in {transfer.get('seconds', 0):.4f} s"
+            else:
+                self.metrics.kv_fallbacks.labels(reason=str(transfer.get("reason"))).inc()
+                moved = f", KV import failed ({transfer.get('reason')}): prompt recomputed"
+        log.info(
+            "request %s: engine %s, prompt %d tokens, cached predicted %d / actual %s%s, %.3f s",
+            dispatch.request_id,
+            dispatch.url,
+            dispatch.prompt_tokens,
+            dispatch.predicted_cached_tokens,
+            cached,
+            moved,
+            time.perf_counter() - started,
+        )
+
+
+class _Prefilled(NamedTuple):
+    done: dict[str, Any] | None  # the whole answer already (the first token ended it)
+    decode_body: dict[str, Any]  # what the decode engine is sent
+    prefill_url: str | None
+    prefill_usage: dict[str, Any] | None
+
+
+def _with_prefill_usage(out: dict[str, Any], pre: _Prefilled) -> dict[str, Any]:
+    """The prompt's cached tokens are the prefill engine's (the decode engine computed none)."""
+    usage, p = out.get("usage"), pre.prefill_usage
+    if isinstance(usage, dict) and isinstance(p, dict) and "prompt_tokens_details" in p:
+        usage["prompt_tokens_details"] = p["prompt_tokens_details"]
+    return out
+
+
+def _as_chunks(out: dict[str, Any], body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A finished completion as the stream a client asked for: one chunk, then the usage."""
+    chunk = {k: v for k, v in out.items() if k != "usage"}
+    chunks = [chunk]
+    if (body.get("stream_options") or {}).get("include_usage") and out.get("usage"):
+        chunks.append({**chunk, "choices": [], "usage": out["usage"]})
+    return chunks
+
+
+def _unreachable(exc: APIError) -> bool:
+    """The engine could not be reached (or crashed): the client's engine_unavailable 503."""
+    return exc.status == 503 and exc.type == "engine_unavailable"

@@ -1,0 +1,16 @@
+"""Routing prompts over several LLM engines by what their prefix caches hold (KV-cache affinity).
+
+page_index.py            what one engine caches (exact from KV events, or approximate) and
+                         the radix cache's hit rule over it
+kv_event_subscriber.py   one engine's ZMQ event stream, with gap replay and restart detection
+load_counters.py         the router's own in-flight load per engine (Dispatch handles)
+policy.py                RouterConfig and the choice: affinity cost with a balance guard,
+                         round robin, least load
+llm_router.py            LLMRouter: the engines, their health, route(), stats()
+"""
+
+from epd.llm_routing.llm_router import EngineStats, LLMRouter, NoEngineAvailable, RouterStats
+from epd.llm_routing.load_counters import Dispatch
+from epd.llm_routing.policy import RouterConfig
+
+__all__ = ["Dispatch", "EngineStats", "LLMRouter", "NoEngineAvailable", "RouterConfig", "RouterStats"]

@@ -1,0 +1,391 @@
+"""Routes prompts over several LLM engines: to the one that already holds the prompt's prefix,
+unless that one is too loaded (``policy.py``).
+
+Per engine the router keeps::
+
+    index     what its prefix cache holds: exact from its KV events (a subscriber thread per
+              engine), or approximate from what the router sent it (no events endpoint)
+    load      the router's own in-flight dispatches, in prefill / decode tokens
+    instance  the engine's instance id from /health: a new one means a restart, so the index
+              is cleared and the event stream re-read from 0 (the load is kept: the requests
+              that died with the engine end through their own ``finish``, or are reconciled)
+
+A request's page names are ``page_hashes(cache_keys, page_size)``, computed once per distinct
+page size among the engines. The engine never reuses the last prompt token's KV (it must compute
+that token to sample), so hits are looked up for ``num_prompt_tokens - 1`` tokens.
+
+Threads: ``route``, ``on_health``, ``set_live``, ``record_actual``, ``stats`` and the dispatches'
+``finish`` run on one thread (the event loop). Only the exact indexes are written from elsewhere
+(the subscriber threads), and they lock themselves; a lookup holds one index lock for one walk
+over the request's pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+from urllib.parse import urlsplit
+
+from epd.llm_routing.kv_event_subscriber import KVEventSubscriber, SubscriberCounters
+from epd.llm_routing.load_counters import Dispatch, EngineLoad, LoadSnapshot
+from epd.llm_routing.page_index import ApproxPageIndex, EnginePageIndex
+from epd.llm_routing.policy import Candidate, RouterConfig, choose_affinity, choose_least_load
+from llm_core.caches.kv_events import KVEventBatch
+from llm_core.caches.page_hash import page_hashes
+
+log = logging.getLogger("epd.llm_routing")
+
+_ANY_HOST = {"*", "0.0.0.0", "::", "[::]", ""}
+
+
+class NoEngineAvailable(Exception):
+    """Every LLM engine is down (503 at the edge)."""
+
+    status = 503
+
+
+class EventSource(Protocol):
+    """What the router needs of a KV event subscriber (``KVEventSubscriber``)."""
+
+    def start(self) -> None: ...
+    def stop(self, timeout_s: float = 1.0) -> None: ...
+    def resync(self) -> None: ...
+    def counters(self) -> SubscriberCounters: ...
+
+
+# (endpoint, replay endpoint or None, on_batch, on_reset) -> a source not yet started
+SubscriberFactory = Callable[
+    [str, str | None, Callable[[int, KVEventBatch], None], Callable[[], None]], EventSource
+]
+
+
+def _subscriber(
+    endpoint: str,
+    replay: str | None,
+    on_batch: Callable[[int, KVEventBatch], None],
+    on_reset: Callable[[], None],
+) -> EventSource:
+    return KVEventSubscriber(endpoint, replay, on_batch, on_reset=on_reset)
+
+
+def connect_address(endpoint: str, engine_url: str) -> str:
+    """An endpoint the engine reported as bound (``tcp://*:5557``, ``tcp://0.0.0.0:5557``) as one
+    the router can connect to: the wildcard host becomes the engine URL's host."""
+    scheme, sep, rest = endpoint.partition("://")
+    if scheme != "tcp" or not sep:
+        return endpoint
+    host, colon, port = rest.rpartition(":")
+    if not colon or host not in _ANY_HOST:
+        return endpoint
+    target = urlsplit(engine_url).hostname or "127.0.0.1"
+    return f"tcp://{'[' + target + ']' if ':' in target else target}:{port}"
+
+
+class EngineStats(NamedTuple):
+    url: str
+    live: bool
+    mode: str  # "events" (exact index) or "approximate"
+    page_size: int
+    sliding_window: int
+    instance_id: str | None
+    load: LoadSnapshot
+    index_pages: int
+    events: SubscriberCounters | None  # None in approximate mode
+    routed: int  # requests routed here
+    recorded: int  # requests whose actual cached tokens were reported
+    predicted_cached_tokens: int  # summed over the recorded requests
+    actual_cached_tokens: int
+    abs_error_tokens: int  # sum of |predicted - actual| (the sums alone could cancel out)
+
+
+class RouterStats(NamedTuple):
+    engines: tuple[EngineStats, ...]
+    load_spread: float  # max / mean load over live engines (1.0 = even; load = prefill + decode)
+    predicted_cached_tokens: int
+    actual_cached_tokens: int
+
+
+class Geometry(NamedTuple):
+    """What an engine's index is built for, from its /health."""
+
+    page_size: int
+    sliding_window: int
+    events_endpoint: str | None  # None: approximate mode
+    replay_endpoint: str | None
+
+    def needs_new_index(self, new: Geometry) -> bool:
+        """A new page size or event source needs a new index; a new window only an exact one."""
+        if (self.page_size, self.events_endpoint, self.replay_endpoint) != (
+            new.page_size,
+            new.events_endpoint,
+            new.replay_endpoint,
+        ):
+            return True
+        return new.events_endpoint is not None and self.sliding_window != new.sliding_window
+
+
+@dataclass
+class _Engine:
+    url: str
+    load: EngineLoad
+    index: EnginePageIndex | ApproxPageIndex
+    geometry: Geometry  # what ``index`` was built for
+    live: bool = True
+    source: EventSource | None = None
+    instance_id: str | None = None
+    routed: int = 0
+    recorded: int = 0
+    predicted: int = 0
+    actual: int = 0
+    abs_error: int = 0
+
+    @property
+    def page_size(self) -> int:
+        return self.index.page_size
+
+
+class LLMRouter:
+    """Chooses an engine per request and owns each engine's load counters and cache index."""
+
+    def __init__(
+        self,
+        engine_urls: Sequence[str],
+        config: RouterConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        subscriber_factory: SubscriberFactory = _subscriber,
+    ) -> None:
+        """Engines start live, in approximate mode with ``config.default_page_size``, until their
+        first ``on_health`` says how they name pages and where they publish events."""
+        if not engine_urls:
+            raise ValueError("the LLM router needs at least one engine url")
+        if len(set(engine_urls)) != len(engine_urls):
+            raise ValueError(f"an LLM engine url is listed twice: {list(engine_urls)}")
+        self.config = config or RouterConfig()
+        self._clock = clock
+        self._subscriber_factory = subscriber_factory
+        self._rng = random.Random(self.config.seed)
+        self._rr = 0
+        self._started = False
+        self._engines: dict[str, _Engine] = {}
+        for url in engine_urls:
+            ps = self.config.default_page_size
+            self._engines[url] = _Engine(
+                url,
+                EngineLoad(url, clock),
+                ApproxPageIndex(ps, self.config.approx_ttl_s, clock),
+                geometry=Geometry(ps, 1, None, None),
+            )
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the subscribers of the engines known to publish events (later ones start as found)."""
+        self._started = True
+        for e in self._engines.values():
+            if e.source is not None:
+                e.source.start()
+
+    def close(self) -> None:
+        """Stop every subscriber thread (each is asked first, then joined: about one poll in all)."""
+        self._started = False
+        sources = [e.source for e in self._engines.values() if e.source is not None]
+        for s in sources:
+            s.stop(0)
+        for s in sources:
+            s.stop(1.0)
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return list(self._engines)
+
+    def _engine(self, url: str) -> _Engine:
+        try:
+            return self._engines[url]
+        except KeyError:
+            raise KeyError(f"{url!r} is not one of the router's engines {list(self._engines)}") from None
+
+    # -- membership and health ----------------------------------------------------------------
+    def set_live(self, url: str, live: bool) -> None:
+        """Put an engine in or out of the routing set (its counters and index are kept)."""
+        e = self._engine(url)
+        if e.live != live:
+            log.log(
+                logging.INFO if live else logging.WARNING,
+                "LLM engine %s marked %s",
+                url,
+                "up" if live else "down",
+            )
+        e.live = live
+
+    def on_health(self, url: str, health: dict[str, Any]) -> None:
+        """Feed one /health body of ``url``'s engine: how it names pages (``page_size``,
+        ``sliding_window``), where it publishes (``kv_events_endpoint``,
+        ``kv_events_replay_endpoint``; absent: approximate mode), its ``instance_id`` (a change
+        clears the index) and what it holds (``request_ids`` reconciles lost decrements; its token
+        counts give the external load). Never resets the load counters."""
+        e = self._engine(url)
+        ps = int(health.get("page_size") or e.geometry.page_size)
+        window = int(health.get("sliding_window") or e.geometry.sliding_window)
+        endpoint = health.get("kv_events_endpoint") or None
+        replay = health.get("kv_events_replay_endpoint") or None
+        geometry = Geometry(
+            ps,
+            window,
+            connect_address(str(endpoint), url) if endpoint else None,
+            connect_address(str(replay), url) if replay and endpoint else None,
+        )
+        instance = health.get("instance_id") or health.get("started_at")
+        instance_id = None if instance is None else str(instance)
+        restarted = e.instance_id is not None and instance_id is not None and instance_id != e.instance_id
+        if e.geometry.needs_new_index(geometry):
+            self._rebuild_index(e, geometry)
+        elif restarted:
+            log.info(
+                "LLM engine %s restarted (instance %s -> %s): its index is cleared",
+                url,
+                e.instance_id,
+                instance_id,
+            )
+            e.index.clear()
+            if e.source is not None:
+                e.source.resync()
+        e.geometry = geometry
+        if instance_id is not None:
+            e.instance_id = instance_id
+        ids = health.get("request_ids")
+        if ids is not None:
+            n = e.load.reconcile({str(i) for i in ids}, self.config.reconcile_grace_s)
+            if n:
+                log.warning("LLM engine %s does not hold %d request(s) the router counted: dropped", url, n)
+        prefill = health.get("num_prefill_tokens", health.get("num_waiting_tokens"))
+        decode = health.get("num_decode_tokens", health.get("num_running_tokens"))
+        if prefill is not None or decode is not None:
+            e.load.set_reported(int(prefill or 0), int(decode or 0))
+
+    def _rebuild_index(self, e: _Engine, geometry: Geometry) -> None:
+        ps, window, endpoint, replay = geometry
+        if e.source is not None:
+            e.source.stop(0)  # its late batches go to the old index, which nobody reads any more
+            e.source = None
+        if endpoint is None:
+            e.index = ApproxPageIndex(ps, self.config.approx_ttl_s, self._clock)
+        else:
+            index = EnginePageIndex(ps, window)
+            e.index = index
+            e.source = self._subscriber_factory(
+                endpoint, replay, lambda _seq, batch: index.apply(batch), index.clear
+            )
+            if self._started:
+                e.source.start()
+        log.info(
+            "LLM engine %s: page size %d, window %d, %s",
+            e.url,
+            ps,
+            window,
+            f"KV events from {endpoint}" if endpoint else "approximate index",
+        )
+
+    # -- routing ------------------------------------------------------------------------------
+    def route(
+        self, cache_keys: list[int], num_prompt_tokens: int, max_tokens: int, request_id: str
+    ) -> Dispatch:
+        """Choose an engine for a prompt and count it there; ``finish`` the returned dispatch when
+        the request ends, however it ends. ``cache_keys``: the prompt's ids with media runs as
+        their pseudo-ids (``sequence.build_cache_keys``)."""
+        live = [e for e in self._engines.values() if e.live]
+        if not live:
+            raise NoEngineAvailable(f"all {len(self._engines)} LLM engines are down: {list(self._engines)}")
+        limit = num_prompt_tokens - 1
+        hashes: dict[int, list[int]] = {}
+
+        def hashes_for(e: _Engine) -> list[int]:
+            ps = e.page_size
+            if ps not in hashes:
+                # every whole prompt page: the lookup stops at ``limit`` by itself, and an
+                # approximate index records what the engine will cache, the last page included
+                hashes[ps] = page_hashes(cache_keys[:num_prompt_tokens], ps)
+            return hashes[ps]
+
+        policy = self.config.policy
+        if policy == "round_robin":
+            chosen = live[self._rr % len(live)]
+            self._rr += 1
+            hit = chosen.index.hit_tokens(hashes_for(chosen), limit)
+        else:
+            cands = [
+                self._candidate(i, e, hashes_for(e) if policy == "affinity" else None, limit)
+                for i, e in enumerate(live)
+            ]
+            pick = (
+                choose_affinity(cands, num_prompt_tokens, self.config, self._rng)
+                if policy == "affinity"
+                else choose_least_load(cands, self._rng)
+            )
+            chosen = live[pick.slot]
+            hit = (
+                pick.hit_tokens
+                if policy == "affinity"
+                else chosen.index.hit_tokens(hashes_for(chosen), limit)
+            )
+        if isinstance(chosen.index, ApproxPageIndex):
+            chosen.index.record(hashes_for(chosen))
+        chosen.routed += 1
+        return chosen.load.dispatch(request_id, num_prompt_tokens, hit, max_tokens)
+
+    def _candidate(self, i: int, e: _Engine, hashes: list[int] | None, limit: int) -> Candidate:
+        hit = e.index.hit_tokens(hashes, limit) if hashes is not None else 0
+        prefill, decode = e.load.prefill_tokens, e.load.decode_tokens
+        if self.config.count_external_load:
+            prefill += e.load.external_prefill_tokens
+            decode += e.load.external_decode_tokens
+        return Candidate(i, hit, prefill, decode)
+
+    # -- metrics ------------------------------------------------------------------------------
+    def record_actual(self, dispatch: Dispatch, cached_tokens: int) -> None:
+        """The engine's ``usage.prompt_tokens_details.cached_tokens`` for a routed request: summed
+        beside the prediction, the gap between the two is the drift of the index."""
+        e = self._engine(dispatch.url)
+        e.recorded += 1
+        e.predicted += dispatch.predicted_cached_tokens
+        e.actual += cached_tokens
+        e.abs_error += abs(dispatch.predicted_cached_tokens - cached_tokens)
+
+    def stats(self) -> RouterStats:
+        engines = tuple(
+            EngineStats(
+                e.url,
+                e.live,
+                "events" if isinstance(e.index, EnginePageIndex) else "approximate",
+                e.page_size,
+                e.geometry.sliding_window,
+                e.instance_id,
+                e.load.snapshot(),
+                len(e.index),
+                e.source.counters() if e.source is not None else None,
+                e.routed,
+                e.recorded,
+                e.predicted,
+                e.actual,
+                e.abs_error,
+            )
+            for e in self._engines.values()
+        )
+        loads = [self._load_of(e) for e in self._engines.values() if e.live]
+        mean = sum(loads) / len(loads) if loads else 0.0
+        spread = max(loads) / mean if mean > 0 else 1.0
+        return RouterStats(
+            engines,
+            spread,
+            sum(s.predicted_cached_tokens for s in engines),
+            sum(s.actual_cached_tokens for s in engines),
+        )
+
+    def _load_of(self, e: _Engine) -> int:
+        load = e.load.tokens
+        if self.config.count_external_load:
+            load += e.load.external_prefill_tokens + e.load.external_decode_tokens
+        return load

@@ -1,0 +1,154 @@
+"""The bytes of a layer plan: packed from the prefill engine's pools, written into the decode engine's.
+
+    offset 0   b"EPDKV\\x01\\0\\0"              magic and format version
+           8   u32 little-endian: header length
+          12   header: JSON of the plan (layout, page size, tokens, dtype)
+     aligned   per layer in model order: K [pages, page, heads, head_dim], then V [..., v_head_dim]
+               (only ``plan.pages_of(layer)``: every page of a full layer, the window's of a SWA one)
+
+The payload carries no checksum of its own: the transport adds one over the whole buffer and
+checks it before the payload is parsed. ``read`` still validates the header against the reader's
+own model and every size against the buffer, so a payload from another model, dtype or page size
+is refused (``PayloadError``: the decode engine recomputes) instead of being written into KV.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from llm_core.caches.kv_pool import DualKVCache, KVLayout
+from llm_core.kv_transfer.layer_plan import LayerPlan
+
+MAGIC = b"EPDKV\x01\x00\x00"
+_ALIGN = 64
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PayloadError(ValueError):
+    """The payload does not describe KV this engine can take (a recompute, not a crash)."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in _DTYPES.items():
+        if dt == dtype:
+            return name
+    raise PayloadError(f"KV dtype {dtype} cannot be transferred")
+
+
+def _blocks(plan: LayerPlan) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Per layer: the K and V shapes of its block [pages, page, heads, dim]."""
+    lay = plan.layout
+    out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for i in range(lay.num_layers):
+        n, h = len(plan.pages_of(i)), plan.heads_of(i)
+        out.append(((n, plan.page_size, h, lay.head_dim), (n, plan.page_size, h, lay.v_head_dim)))
+    return out
+
+
+def _header(plan: LayerPlan, dtype: torch.dtype) -> bytes:
+    body = {"layout": asdict(plan.layout), "page_size": plan.page_size, "num_tokens": plan.num_tokens}
+    body["dtype"] = _dtype_name(dtype)
+    return json.dumps(body, sort_keys=True).encode()
+
+
+def _data_offset(header_len: int) -> int:
+    return -(-(12 + header_len) // _ALIGN) * _ALIGN
+
+
+def pack(plan: LayerPlan, kv: DualKVCache, full_pages: list[int], swa_pages: list[int]) -> torch.Tensor:
+    """The plan's KV of one sequence (its logical-to-physical page rows) as one uint8 tensor [nbytes]."""
+    dtype = kv.layer(0).k.dtype
+    header = _header(plan, dtype)
+    off = _data_offset(len(header))
+    esize = torch.empty((), dtype=dtype).element_size()
+    total = off + plan.nbytes
+    buf = torch.empty(total, dtype=torch.uint8)
+    buf[:8] = torch.frombuffer(bytearray(MAGIC), dtype=torch.uint8)
+    buf[8:12] = torch.frombuffer(bytearray(struct.pack("<I", len(header))), dtype=torch.uint8)
+    buf[12 : 12 + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    for i, (k_shape, v_shape) in enumerate(_blocks(plan)):
+        layer = kv.layer(i)
+        rows = swa_pages if layer.is_swa else full_pages
+        idx = torch.tensor([rows[j] for j in plan.pages_of(i)], dtype=torch.int64)
+        for src, shape in ((layer.k, k_shape), (layer.v, v_shape)):
+            nbytes = int(np.prod(shape)) * esize
+            dst = buf[off : off + nbytes].view(dtype).view(shape)
+            torch.index_select(src.to("cpu") if src.device.type != "cpu" else src, 0, idx, out=dst)
+            off += nbytes
+    assert off == total
+    return buf
+
+
+class Payload(NamedTuple):
+    """A parsed payload: its plan and, per layer, K and V as views of the received bytes."""
+
+    plan: LayerPlan
+    blocks: list[tuple[torch.Tensor, torch.Tensor]]  # [pages, page, heads, dim] each
+
+
+def read(
+    data: bytes | bytearray | memoryview, layout: KVLayout, page_size: int, dtype: torch.dtype
+) -> Payload:
+    """Parse ``data`` for an engine of ``layout`` / ``page_size`` / KV ``dtype``; ``PayloadError``
+    when it is not a payload of that model or its sizes do not add up."""
+    raw = memoryview(data).cast("B")
+    if len(raw) < 12 or bytes(raw[:8]) != MAGIC:
+        raise PayloadError("not a KV payload (bad magic or version)")
+    (hlen,) = struct.unpack("<I", raw[8:12])
+    if 12 + hlen > len(raw):
+        raise PayloadError("the KV payload's header runs past its end")
+    try:
+        head = json.loads(bytes(raw[12 : 12 + hlen]))
+        theirs = KVLayout(**{**head["layout"], "layer_is_swa": tuple(head["layout"]["layer_is_swa"])})
+        plan = LayerPlan(theirs, int(head["page_size"]), int(head["num_tokens"]))
+        their_dtype = _DTYPES[head["dtype"]]
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        raise PayloadError(f"unreadable KV payload header: {e}") from e
+    mine = KVLayout(**{**asdict(layout), "dtype_bytes": theirs.dtype_bytes})
+    if theirs != mine or their_dtype != dtype or plan.page_size != page_size:
+        raise PayloadError(
+            f"the KV payload is for another model or format ({theirs}, {head['dtype']}, page "
+            f"{plan.page_size}); this engine has {mine}, {_dtype_name(dtype)}, page {page_size}"
+        )
+    off = _data_offset(hlen)
+    if len(raw) != off + plan.nbytes:
+        raise PayloadError(f"the KV payload has {len(raw)} bytes, its plan needs {off + plan.nbytes}")
+    buf = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
+    esize = torch.empty((), dtype=dtype).element_size()
+    blocks = []
+    for k_shape, v_shape in _blocks(plan):
+        pair = []
+        for shape in (k_shape, v_shape):
+            nbytes = int(np.prod(shape)) * esize
+            pair.append(buf[off : off + nbytes].view(dtype).view(shape))
+            off += nbytes
+        blocks.append((pair[0], pair[1]))
+    return Payload(plan, blocks)
+
+
+def write_positions(
+    payload: Payload, kv: DualKVCache, full_pages: list[int], swa_pages: list[int], start: int, end: int
+) -> None:
+    """Write the payload's KV of positions [start, end) into a sequence's pages (its page rows,
+    allocated for those positions). SWA layers take only the positions the payload has (from its
+    first window page on); the rest of their pages are never read before they are dropped."""
+    plan = payload.plan
+    p = plan.page_size
+    for i, (k_src, v_src) in enumerate(payload.blocks):
+        layer = kv.layer(i)
+        first = plan.pages_of(i).start * p
+        lo, hi = max(start, first), min(end, plan.num_tokens)
+        if lo >= hi:
+            continue
+        rows = np.asarray(swa_pages if layer.is_swa else full_pages, dtype=np.int64)
+        pos = np.arange(lo, hi, dtype=np.int64)
+        slots = torch.from_numpy(rows[pos // p] * p + pos % p).to(layer.k.device)
+        for dst, src in ((layer.k, k_src), (layer.v, v_src)):
+            flat = src.reshape(-1, *src.shape[2:])[lo - first : hi - first]  # [hi - lo, heads, dim]
+            dst.view(-1, *dst.shape[2:]).index_copy_(0, slots, flat.to(dst.device))
