@@ -25,10 +25,12 @@ from tests.llm_core.serving.test_engine import VISION_END, VISION_START, media_r
 PAGE = 4
 
 
-def make_engine(loaded: Any, namespace: str, **kw: Any) -> LLMEngine:
+def make_engine(
+    loaded: Any, namespace: str, transport: str = "shm", ttl_s: float = 60.0, **kw: Any
+) -> LLMEngine:
     cfg = EngineConfig(**{"kv_memory_bytes": 4 << 20, "max_model_len": 512, "page_size": PAGE, **kw})
     engine = LLMEngine(loaded.model, loaded.config, load_tokenizer(loaded.model_dir), cfg)
-    engine.handoff = KVHandoff("shm", namespace, engine.kv)
+    engine.handoff = KVHandoff(transport, namespace, engine.kv, ttl_s=ttl_s, arena_bytes=16 << 20)
     engine.start()
     return engine
 
@@ -163,6 +165,47 @@ def test_a_failed_transfer_is_recomputed_with_the_same_ids(loaded: Any, namespac
         for e in (one, a, b):
             e.stop()
     assert info == {"imported": False, "reason": "checksum", "seconds": info["seconds"]}
+    assert ids == expected
+
+
+@pytest.mark.parametrize("length", [13, 97])
+def test_split_over_mooncake_equals_one_engine(loaded: Any, namespace: str, length: int) -> None:
+    pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine-non-cuda is not installed")
+    prompt = prompt_of(length, 3)
+    one = make_engine(loaded, namespace)
+    a, b = make_engine(loaded, namespace, "mooncake"), make_engine(loaded, namespace, "mooncake")
+    try:
+        _, expected = asyncio.run(run(one, prompt, greedy(10)))
+        ids, export, info = asyncio.run(prefill_then_decode(a, b, prompt, 10))
+    finally:
+        for e in (one, a, b):
+            e.stop()
+    assert export["handle"]["transport"] == "mooncake" and info["imported"] is True
+    assert info["kv_bytes"] == plan_bytes(loaded.config, length)
+    assert ids == expected
+
+
+def test_a_receiver_slower_than_the_exports_ttl_recomputes(loaded: Any, namespace: str) -> None:
+    prompt = prompt_of(30, 9)
+    one = make_engine(loaded, namespace)
+    a, b = make_engine(loaded, namespace, ttl_s=0.2), make_engine(loaded, namespace)
+
+    async def slow() -> tuple[list[int], dict[str, Any]]:
+        rid, first = await run(a, prompt, greedy(1), kv_export=True)
+        export = a.pop_export(rid)
+        assert export is not None and b.handoff is not None
+        await asyncio.sleep(2.5)  # past the ttl and a reaper pass: the exporter dropped it
+        got = await b.handoff.fetch(export["handle"], first[0], prompt)
+        _, ids = await run(b, prompt, greedy(8), kv_import=got.kv_import)
+        return ids, got.info
+
+    try:
+        _, expected = asyncio.run(run(one, prompt, greedy(8)))
+        ids, info = asyncio.run(slow())
+    finally:
+        for e in (one, a, b):
+            e.stop()
+    assert info["imported"] is False and info["reason"] == "missing", info
     assert ids == expected
 
 
