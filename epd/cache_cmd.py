@@ -1,6 +1,7 @@
 """``epd cache``: inspect and manage a node's embedding cache.
 
-    epd cache stats                    capacity, used, entries, hit rate, evictions
+    epd cache stats [--store URL | --store-dir DIR]   capacity, used, entries, hit rate, evictions,
+                                       this node's store hits; the shared tier's entries and bytes
     epd cache ls [--sort recent|size|hits] [--limit N]
     epd cache show KEY                 metadata, header + checksum check, first values
     epd cache verify                   checksum every entry; exit 1 on any failure
@@ -29,6 +30,8 @@ from rich.table import Table
 
 from encoder.caches.cache_format import CorruptEntry, payload_crc
 from encoder.caches.embed_cache import CacheError, CacheStats, EmbedCache, EntryMeta, InvalidKey, default_root
+from epd_common.store import open_store
+from epd_common.store.store import StoreError, StoreStats
 
 _SORTS = {
     "recent": lambda m: -m.last_access_ns,
@@ -43,12 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_argument("--root", type=Path, default=None, help="cache directory (default: /dev/shm/epd-NS)")
     common.add_argument("--json", action="store_true", help="print JSON instead of tables")
     sub = parser.add_subparsers(dest="cache_command", required=True)
-    sub.add_parser(
+    stats = sub.add_parser(
         "stats",
         parents=[common],
         allow_abbrev=False,
-        help="capacity, used bytes, entries, hit rate, evictions",
+        help="capacity, used bytes, entries, hit rate, evictions; with --store / --store-dir the shared tier too",
     )
+    stats.add_argument("--store", metavar="URL", help="the shared tier's redis://HOST:PORT (Redis or Valkey)")
+    stats.add_argument("--store-dir", metavar="DIR", help="the shared tier's directory (disk tier)")
     ls = sub.add_parser("ls", parents=[common], allow_abbrev=False, help="list entries")
     ls.add_argument("--sort", choices=sorted(_SORTS), default="recent")
     ls.add_argument("--limit", type=int, default=50, help="at most this many rows (0: all)")
@@ -107,6 +112,10 @@ def _stats_table(s: CacheStats) -> Table:
         ("inserts", str(s.inserts)),
         ("evictions", f"{s.evictions} ({_human(s.evicted_bytes)})"),
         ("removals", str(s.removals)),
+        (
+            "store hits / misses",
+            f"{s.store_hits} / {s.store_misses} (corrupt {s.store_corrupt}, puts {s.store_puts})",
+        ),
     ]
     for r in rows:
         t.add_row(*r)
@@ -164,8 +173,40 @@ def _run(args: argparse.Namespace, console: Console) -> int:
 
 def _stats(args: argparse.Namespace, console: Console) -> int:
     s = _open(args, read_only=True).stats()
-    _emit(args, console, _stats_json(s), _stats_table(s))
+    doc = _stats_json(s)
+    tier = _store_stats(args)
+    if tier is not None:
+        doc["store"] = tier._asdict()
+    _emit(args, console, doc, _stats_table(s))
+    if tier is not None and not args.json:
+        console.print(_store_table(tier))
     return 0
+
+
+def _store_stats(args: argparse.Namespace) -> StoreStats | None:
+    """The shared tier's own view (entries, bytes; hits and misses as this process saw them)."""
+    if not (getattr(args, "store", None) or getattr(args, "store_dir", None)):
+        return None
+    try:
+        store = open_store(args.store, args.store_dir, 1 << 62)
+    except ValueError as e:
+        raise CacheError(str(e)) from e
+    assert store is not None
+    try:
+        return store.stats()
+    except StoreError as e:
+        raise CacheError(f"the store at {args.store or args.store_dir} did not answer: {e}") from e
+    finally:
+        store.close()
+
+
+def _store_table(s: StoreStats) -> Table:
+    t = Table(title=f"shared store ({s.kind}) {s.location}", show_header=False)
+    t.add_column("field")
+    t.add_column("value", justify="right")
+    for name, value in (("entries", str(s.entries)), ("bytes", _human(s.bytes)), ("errors", str(s.errors))):
+        t.add_row(name, value)
+    return t
 
 
 def _ls(args: argparse.Namespace, console: Console) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from epd.llm_routing.policy import RouterConfig
+from epd_common.store_config import StoreConfig
 from media_io.config import FetchConfig, MediaLimits, PreprocessConfig
 
 
@@ -33,3 +34,4 @@ class IngressConfig:
     fetch: FetchConfig = field(default_factory=FetchConfig)
     limits: MediaLimits = field(default_factory=MediaLimits)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)  # the tier shared by the nodes

@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 
 from encoder.caches.embed_cache import EmbedCache
+from encoder.caches.embedding_tier import EmbeddingTier
 from encoder.serving.router import EncoderRouter, WorkerSpec
 from epd.config import IngressConfig
 from epd.encoder_client import EncoderClient
@@ -20,6 +21,8 @@ from epd.media_pipeline import MediaPipeline
 from epd.metrics import IngressMetrics
 from epd.prompt_format import PromptFormat
 from epd_common.errors import APIError
+from epd_common.store.guarded import GuardedStore
+from epd_common.store_config import build_store
 from llm_core.prompts.tokenizer import Tokenizer, load_tokenizer
 from media_io.fetch import Fetcher
 
@@ -53,6 +56,7 @@ class Ingress:
         self.tokenizer: Tokenizer = load_tokenizer(config.llm_model_dir)
         self.prompt_format = PromptFormat.load(config.llm_model_dir, self.tokenizer)
         self.chats_inflight = 0
+        self.store: GuardedStore | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -72,6 +76,11 @@ class Ingress:
             )
             self._engines.start()
         self.fingerprint = await self._encoder_fingerprint()
+        self.store = build_store(self.config.store)
+        tier = None
+        if self.store is not None:
+            cfg = self.config.store
+            tier = EmbeddingTier(self.store, self.cache, ttl_s=cfg.ttl_s, claim_ttl_s=cfg.claim_ttl_s)
         self._pipeline = MediaPipeline(
             fetcher=self._fetcher,
             router=self.router,
@@ -81,6 +90,7 @@ class Ingress:
             fingerprint=self.fingerprint,
             metrics=self.metrics,
             max_inflight=self.config.max_inflight_items,
+            tier=tier,
         )
         await self.poll_health()
         self._health_task = asyncio.create_task(self._health_loop(), name="epd-ingress-health")
@@ -92,6 +102,8 @@ class Ingress:
                 await self._health_task
         if self._engines is not None:
             self._engines.close()
+        if self.store is not None:
+            self.store.close()
         if self._fetcher is not None:
             await self._fetcher.__aexit__(None, None, None)
         if self._session is not None:
@@ -131,6 +143,9 @@ class Ingress:
     # -- health ----------------------------------------------------------------------------------
     async def poll_health(self) -> None:
         """One health round: every encoder (its state goes through the router) and the engine."""
+        if self.store is not None:
+            self.metrics.store_up.set(1.0 if self.store.up else 0.0)
+            self.metrics.store_errors.set(float(self.store.counters.errors))
         await self.router.check_all(self._encoder_ok)
         self.metrics.encoders_up.set(len(self.router.live_workers))
         if self._engines is not None:

@@ -2,6 +2,7 @@
 
     source ──fetch (aiohttp, SSRF-guarded)──▶ bytes ──sniff──▶ modality
        ──MediaKey (executor for large bodies)──▶ node cache hit? ──yes──▶ ref
+       ──no──▶ the shared store (``--store``) has it? ──yes──▶ into the node cache ──▶ ref
        ──no──▶ router: consistent hash of the key picks the worker, single-flight per key,
                retry on the next worker of the ring ──▶ worker decodes, preprocesses, encodes,
                writes the node cache ──▶ ref (fetched into this node's cache if remote)
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 from encoder.caches.embed_cache import EmbedCache
 from encoder.caches.embedding_ref import EmbeddingRef
+from encoder.caches.embedding_tier import EmbeddingTier
 from encoder.caches.media_key import media_key_async
 from encoder.serving.router import AllAttemptsFailed, EncoderRouter, NoWorkerAvailable
 from epd.encoder_client import EncoderClient
@@ -53,6 +55,7 @@ class MediaPipeline:
         fingerprint: str,
         metrics: IngressMetrics,
         max_inflight: int = 256,
+        tier: EmbeddingTier | None = None,
     ) -> None:
         self.fetcher = fetcher
         self.router = router
@@ -61,6 +64,7 @@ class MediaPipeline:
         self.preprocess = preprocess
         self.fingerprint = fingerprint
         self.metrics = metrics
+        self.tier = tier
         # Bounded admission: items beyond this many in flight are refused with 503, not queued.
         self.max_inflight = max_inflight
         self._inflight = 0
@@ -107,6 +111,13 @@ class MediaPipeline:
             timings["total"] = (time.perf_counter() - t0) * 1e3
             return EncodedItem(src.name, cached.ref, True, timings)
         self.metrics.cache_misses.inc()
+        if self.tier is not None:  # encoded on another node already? (no worker call then)
+            ref = await asyncio.get_running_loop().run_in_executor(None, self.tier.lookup, key)
+            if ref is not None:
+                self.metrics.store_hits.inc()
+                timings["total"] = (time.perf_counter() - t0) * 1e3
+                return EncodedItem(src.name, ref, True, timings)
+            self.metrics.store_misses.inc()
 
         async def call(worker_url: str) -> EmbeddingRef:
             reply = await self.client.encode(worker_url, data, kind.modality, src.name)
@@ -116,7 +127,13 @@ class MediaPipeline:
                 ref_url = reply.ref.url or f"{worker_url}/embeddings/{reply.ref.key}"
                 tensor = await self.client.fetch_embedding(ref_url)
                 self.cache.put(
-                    reply.ref.key, tensor, reply.ref.grid_thw, reply.ref.modality, writer="ingress"
+                    reply.ref.key,
+                    tensor,
+                    reply.ref.grid_thw,
+                    reply.ref.modality,
+                    "ingress",
+                    reply.ref.seconds_per_grid_t,
+                    reply.ref.grid_t_timestamps,
                 )
             return reply.ref
 

@@ -32,6 +32,20 @@ class IngressMetrics:
         self.cache_misses = Counter(
             "epd_embed_cache_misses", "Embedding cache misses seen by the ingress", registry=r
         )
+        self.store_hits = Counter(
+            "epd_store_hits", "Node-cache misses the shared store answered (no encoder call)", registry=r
+        )
+        self.store_misses = Counter(
+            "epd_store_misses", "Node-cache misses the shared store did not have", registry=r
+        )
+        self.store_up = Gauge(
+            "epd_store_up", "1 while the shared store answers, 0 while it is left alone", registry=r
+        )
+        self.store_errors = Gauge(
+            "epd_store_errors",
+            "Shared-store calls of the ingress that failed (recomputed instead)",
+            registry=r,
+        )
         self.media_items = Counter("epd_media_items", "Media items by modality", ["modality"], registry=r)
         self.inflight = Gauge("epd_inflight_requests", "Requests being served by the ingress", registry=r)
         self.encoder_queue_depth = Gauge(

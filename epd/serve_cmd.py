@@ -30,6 +30,8 @@ from epd.config_cli import add_dataclass_args, dataclass_from_args, dataclass_to
 from epd.encoder_cmd import worker_child
 from epd.model_check import ModelDirError, check_model_dir
 from epd.supervisor import ChildFailed, ChildSpec, Supervisor, python_argv
+from epd_common.store.local_redis import LocalRedis
+from epd_common.store.store import StoreError
 from llm_core.kv_transfer.shm_transport import namespace_files
 from llm_core.prompts.chat_template import TemplateFileError
 from llm_core.prompts.tokenizer import TokenizerError
@@ -69,6 +71,7 @@ _WORKER_DERIVED = (
     "cache_root",
     "preprocess",
     "limits",
+    "store",
 )
 _LLM_DERIVED = (
     "host",
@@ -132,6 +135,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="remote LLM engine (repeatable), routed over with the local ones",
     )
+    parser.add_argument(
+        "--store",
+        dest="store_url",
+        metavar="URL",
+        help="the cache tier shared by nodes: redis://HOST:PORT[/DB] (Redis or Valkey), or 'local' to "
+        "start a redis-server on loopback for this machine (same as --store-url)",
+    )
     parser.add_argument("--no-llm", dest="start_llm", action="store_false", help="serve /v1/encode only")
     parser.add_argument("--log-level", default="info")
 
@@ -176,6 +186,7 @@ def free_port(host: str) -> int:
 class Plan:
     """What will run: the children and the ingress config that points at them."""
 
+    local_redis_port: int | None  # --store local: the redis-server this serve starts
     children: list[ChildSpec]
     encoder_children: dict[str, str]  # child name -> worker url
     llm_children: dict[str, str]  # child name -> engine url
@@ -186,6 +197,12 @@ class Plan:
 def plan(cfg: ServeConfig) -> Plan:
     ing = cfg.ingress
     namespace = ing.cache_namespace if ing.cache_namespace != "default" else f"serve-{ing.port}"
+    local_redis = None
+    if ing.store.url == "local":
+        local_redis = free_port("127.0.0.1")
+        ing = dataclasses.replace(
+            ing, store=dataclasses.replace(ing.store, url=f"redis://127.0.0.1:{local_redis}/0")
+        )
     template = dataclasses.replace(
         cfg.encoder,
         host="127.0.0.1",
@@ -194,6 +211,7 @@ def plan(cfg: ServeConfig) -> Plan:
         preprocess=ing.preprocess,
         limits=ing.limits,
         cache_capacity_bytes=cfg.encoder.cache_capacity_bytes or ing.cache_capacity_bytes,
+        store=ing.store,
     )
     workers = plan_workers(template, cpu_workers=cfg.encoder_workers)
     # plan_workers numbers ports from the template's; give each worker its own free port instead.
@@ -239,7 +257,7 @@ def plan(cfg: ServeConfig) -> Plan:
         llm_roles=(tuple(roles) + ("both",) * len(cfg.remote_llms)) if cfg.start_llm else (),
         llm_model_dir=cfg.llm.model_path,
     )
-    return Plan(children, encoder_children, llm_children, ingress, namespace)
+    return Plan(local_redis, children, encoder_children, llm_children, ingress, namespace)
 
 
 async def serve(cfg: ServeConfig) -> int:
@@ -268,10 +286,14 @@ async def serve(cfg: ServeConfig) -> int:
             ingress.engines.mark(p.llm_children[spec.name], True)
 
     sup = Supervisor(p.children, on_down=on_down, on_up=on_up)
+    redis: LocalRedis | None = None
     try:
         try:
+            if p.local_redis_port is not None:
+                redis = LocalRedis(port=p.local_redis_port, maxmemory_bytes=p.ingress.store.max_bytes)
+                redis.start()
             await sup.start()
-        except ChildFailed as exc:
+        except (ChildFailed, StoreError) as exc:
             print(f"epd serve: {exc}", file=sys.stderr)
             return 1
         server = uvicorn.Server(
@@ -289,6 +311,8 @@ async def serve(cfg: ServeConfig) -> int:
         return 0 if server.started else 1
     finally:
         await sup.stop()
+        if redis is not None:
+            redis.stop()
         shutil.rmtree(default_root(p.namespace), ignore_errors=True)
         # KV handed between engines whose exporter died (kill -9) before anyone fetched it
         for left in namespace_files(p.namespace):

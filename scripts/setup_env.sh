@@ -33,6 +33,14 @@ if [ ! -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] && [ "$(id -u)" = 0 ] && c
         || echo "setup: WARNING could not install libibverbs1; the mooncake KV transport is unavailable"
 fi
 
+# The shared cache tier: `epd serve --store local` and the tests start Debian's redis-server on
+# loopback (a free port; Debian's own service on 6379 is not used).
+if [ ! -x /usr/bin/redis-server ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing redis-server for the shared cache tier"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null 2>&1 \
+        || echo "setup: WARNING could not install redis-server; --store local and its tests are unavailable"
+fi
+
 "$PIP" install -q -e '.[test]'
 
 # pillow -> pillow-simd. AVX2 where the CPU has it; on failure keep pillow and say so. Any pip

@@ -57,6 +57,11 @@ COUNTERS: tuple[str, ...] = (
     "evicted_bytes",
     "removals",
     "sweeps",
+    # the shared store below the node cache (``embedding_tier.py``), as this node saw it
+    "store_hits",
+    "store_misses",
+    "store_corrupt",
+    "store_puts",
 )
 _COUNTER_OFFSET = 64  # magic(8) version(4) nslots(4), then padding to 64
 

@@ -70,6 +70,11 @@ class CacheStats(NamedTuple):
     evictions: int
     evicted_bytes: int
     removals: int
+    # this node's use of the shared store below it (``embedding_tier.py``)
+    store_hits: int = 0
+    store_misses: int = 0
+    store_corrupt: int = 0
+    store_puts: int = 0
 
     @property
     def hit_rate(self) -> float:

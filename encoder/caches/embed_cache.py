@@ -352,6 +352,23 @@ class EmbedCache:
             rec = self._record_for(key, slot)
         return CachedEmbedding(tensor=tensor, ref=self._ref(hdr), meta=self._meta(hdr, rec))
 
+    def entry_bytes(self, key: str) -> bytes | None:
+        """The entry file's bytes as they are (header, checksums, payload), or None: what the
+        shared store keeps (``embedding_tier.py``)."""
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to the node-wide counter ``name`` (``cache_index.COUNTERS``)."""
+        if not self.read_only:
+            with self._locked() as idx:
+                idx.add(name, n)
+
+    def counter(self, name: str) -> int:
+        return self._index.counter(name)
+
     def contains(self, key: str) -> bool:
         """Whether ``key`` is cached now (no counters touched)."""
         return self._path(key).exists()
@@ -369,6 +386,10 @@ class EmbedCache:
             evictions=idx.counter("evictions"),
             evicted_bytes=idx.counter("evicted_bytes"),
             removals=idx.counter("removals"),
+            store_hits=idx.counter("store_hits"),
+            store_misses=idx.counter("store_misses"),
+            store_corrupt=idx.counter("store_corrupt"),
+            store_puts=idx.counter("store_puts"),
         )
 
     def header(self, key: str) -> EntryHeader | None:

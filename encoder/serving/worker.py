@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from epd_common.runtime import check_dtype, resolve_device, resolve_dtype
+from epd_common.store_config import StoreConfig
 from media_io.config import MediaLimits, PreprocessConfig
 
 
@@ -63,6 +64,7 @@ class WorkerConfig:
     cache_root: str | None = None  # None: /dev/shm/epd-<namespace>
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     limits: MediaLimits = field(default_factory=MediaLimits)
+    store: StoreConfig = field(default_factory=StoreConfig)  # the tier shared by the nodes
     log_level: str = "warning"
 
     def __post_init__(self) -> None:

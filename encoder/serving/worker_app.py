@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -41,11 +41,13 @@ from starlette.routing import Route
 
 from encoder.caches.embed_cache import EmbedCache, EntryTooLarge, InvalidKey
 from encoder.caches.embedding_ref import EmbeddingRef
+from encoder.caches.embedding_tier import EmbeddingTier
 from encoder.caches.media_key import media_key
 from encoder.models.checkpoint import LoadedEncoder, load_encoder
 from encoder.serving.batcher import EncodeBatcher, QueueFull
 from encoder.serving.worker import WorkerConfig
 from epd_common.active_paths import report
+from epd_common.store_config import build_store
 from media_io.active_paths import media_paths
 from media_io.errors import BadMedia, MediaError, MediaTooLarge
 from media_io.preprocess import Patches, PreprocessBackend, get_backend
@@ -110,10 +112,18 @@ def serving_fingerprint(checkpoint_fingerprint: str, backend: str) -> str:
 class EncoderWorker:
     """The state behind the routes: model, batcher, node cache, preprocessing backend, pools."""
 
-    def __init__(self, config: WorkerConfig, loaded: LoadedEncoder, cache: EmbedCache) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        loaded: LoadedEncoder,
+        cache: EmbedCache,
+        tier: EmbeddingTier | None = None,
+    ) -> None:
+        """``tier``: the store shared by the nodes (asked before encoding, written after)."""
         self.config = config
         self.loaded = loaded
         self.cache = cache
+        self.tier = tier
         self.backend: PreprocessBackend = get_backend(config.preprocess_backend, config.preprocess)  # type: ignore[arg-type]
         self.paths = report(media_paths(config.preprocess_backend))  # for /health
         self.batcher = EncodeBatcher(
@@ -181,7 +191,8 @@ class EncoderWorker:
         if shared:  # computed for another request: nothing was spent on this one
             self.metrics.requests.labels(outcome="shared").inc()
             return outcome._replace(cache_hit=True, timings_ms=dict.fromkeys(STAGES, 0.0))
-        self.metrics.requests.labels(outcome="miss").inc()
+        if not outcome.cache_hit:  # (a hit from the shared store was counted as "store")
+            self.metrics.requests.labels(outcome="miss").inc()
         return outcome
 
     def _finished(self, key: str, task: asyncio.Task[EncodeOutcome]) -> None:
@@ -192,6 +203,40 @@ class EncoderWorker:
             task.exception()  # retrieved here: the awaiting requests re-raise it
 
     async def _encode_miss(self, data: bytes, modality: str, key: str, item: str | None) -> EncodeOutcome:
+        loop = asyncio.get_running_loop()
+        claimed = False
+        if self.tier is not None:
+            # Another node may have it, or be computing it right now (it holds the claim).
+            ref = await loop.run_in_executor(self.io_pool, self.tier.lookup, key)
+            if ref is None:
+                claimed = await loop.run_in_executor(self.io_pool, self.tier.claim, key)
+                if not claimed:
+                    ref = await self.tier.wait_for(key, self.io_pool, self.tier.claim_ttl_s)
+            if ref is not None:
+                self.metrics.requests.labels(outcome="store").inc()
+                return EncodeOutcome(self._public(ref), True, dict.fromkeys(STAGES, 0.0))
+        try:
+            outcome = await self._compute(data, modality, key, item)
+        except BaseException:
+            if claimed and self.tier is not None:
+                self._background(self.tier.unclaim, key)
+            raise
+        if self.tier is not None:
+            self._background(self._publish, key, claimed)
+        return outcome
+
+    def _publish(self, key: str, claimed: bool) -> None:
+        """After the reply: the new embedding goes to the shared store, then the claim is let go."""
+        assert self.tier is not None
+        self.tier.publish(key)
+        if claimed:
+            self.tier.unclaim(key)
+
+    def _background(self, fn: Callable[..., object], *args: object) -> None:
+        """Store calls after the reply (the store is guarded: they never raise)."""
+        asyncio.get_running_loop().run_in_executor(self.io_pool, fn, *args)
+
+    async def _compute(self, data: bytes, modality: str, key: str, item: str | None) -> EncodeOutcome:
         loop = asyncio.get_running_loop()
         timings: dict[str, float] = {}
         patches, timing = await loop.run_in_executor(
@@ -326,7 +371,13 @@ def build_app(config: WorkerConfig, loaded: LoadedEncoder | None = None) -> Star
             enc = loaded or load_encoder(config.model_path, config.torch_dtype, config.resolve_device())
             _warm_up(enc)
             cache = EmbedCache(config.cache_namespace, config.cache_capacity_bytes, config.cache_root)
-            return EncoderWorker(config, enc, cache)
+            store = build_store(config.store)
+            tier = (
+                EmbeddingTier(store, cache, ttl_s=config.store.ttl_s, claim_ttl_s=config.store.claim_ttl_s)
+                if store
+                else None
+            )
+            return EncoderWorker(config, enc, cache, tier)
 
         w = await asyncio.get_running_loop().run_in_executor(None, open_all)
         await w.start()
