@@ -60,6 +60,7 @@ from bench.cache_sim import (
     serve,
     zipf_stream,
 )
+from bench.cache_store import run_store_rows
 from bench.common import (
     add_common_args,
     format_machine,
@@ -245,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         ingress = run_ingress_stream(w, base / "ingress")
         rt = time_round_trip(base, args.round_trip_reps, args.seed) if args.round_trip_reps > 0 else None
         lat = run_read_latency(args, base)
+        store_rows = run_store_rows(w, base / "store", args.seed)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -265,6 +267,13 @@ def main(argv: list[str] | None = None) -> int:
         [[n, p.p50 * 1e3, p.p90 * 1e3, p.p99 * 1e3, p.p50 / base_p50] for n, p in lat_p.items()],
         caption=machine,
     )
+    if store_rows is not None:
+        print_table(
+            "2 nodes x 2 workers, a ring per node, each request at either node: a shared store below the node caches",
+            ["configuration", "requests", "node-cache hits", "store hits", "encodes", "hit rate"],
+            [[r.name, r.requests, r.node_hits, r.store_hits, r.encodes, r.hit_rate] for r in store_rows],
+            caption=machine,
+        )
     cached_p = lat_p["cache.get + sum (mmap, zero-copy)"]
     summary: dict[str, Any] = {
         "hit_rate_ours": ours.hit_rate,
@@ -286,6 +295,15 @@ def main(argv: list[str] | None = None) -> int:
         "read_1mib_p99_ms": cached_p.p99 * 1e3,
         "read_1mib_p50_vs_copy": cached_p.p50 / base_p50,
     }
+    if store_rows is not None:
+        alone, shared = store_rows
+        summary["store"] = {
+            "hit_rate_node_caches_alone": alone.hit_rate,
+            "hit_rate_with_shared_store": shared.hit_rate,
+            "hit_rate_gain": shared.hit_rate / alone.hit_rate - 1,
+            "store_hits": shared.store_hits,
+            "encodes_saved": alone.encodes - shared.encodes,
+        }
     if rt is not None:
         summary["round_trip"] = {
             "body_bytes": rt.body_bytes,

@@ -11,6 +11,7 @@ import shutil
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -127,3 +128,34 @@ def test_redis_killed_paused_and_restarted_never_fails_a_request(
             break
         assert time.monotonic() < deadline, "the shared store never came back"
         png = unique_png(70, 46)
+
+
+def _redis_children(parent: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"redis-server" in cmd:  # its title
+            out.append(int(entry))
+    return out
+
+
+def test_store_local_starts_a_redis_server_and_stops_it_on_exit() -> None:
+    before = shm_entries("serve-")
+    server = start_serve(["--no-llm", "--store", "local"])
+    try:
+        (pid,) = _redis_children(server.proc.pid)
+        png = unique_png(60, 44)
+        assert encode(server, png)["cache_hit"] is False
+        assert encode(server, png)["cache_hit"] is True
+    finally:
+        stop_checked(server, before)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pid}"), "epd serve left its redis-server running"
