@@ -34,8 +34,10 @@ import weakref
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from llm_core.caches.host_tier import HostKVTier
 from llm_core.caches.kv_pool import PagePool, swa_pages_per_sequence
-from llm_core.caches.radix_cache import InsertResult, RadixCache
+from llm_core.caches.page_hash import page_hashes
+from llm_core.caches.radix_cache import InsertResult, RadixCache, RadixNode
 from llm_core.serving.sequence import NOT_RESIDENT, Sequence
 
 
@@ -60,7 +62,9 @@ class KVManager:
         enable_prefix_cache: bool = True,
         swa_aware: bool = True,
         record_events: bool = False,
+        host_tier: HostKVTier | None = None,
     ) -> None:
+        """``host_tier``: where the prefix cache's evicted pages go, and come back from."""
         assert full_pool.page_size == swa_pool.page_size
         self.full_pool = full_pool
         self.swa_pool = swa_pool
@@ -68,6 +72,7 @@ class KVManager:
         self.sliding_window = sliding_window
         self.swa_aware = swa_aware
         self.radix: RadixCache | None = None
+        self.host_tier = host_tier if enable_prefix_cache and swa_aware else None
         self._peeks: weakref.WeakKeyDictionary[Sequence, tuple[tuple[int, int], int]] = (
             weakref.WeakKeyDictionary()
         )
@@ -79,6 +84,7 @@ class KVManager:
                 swa_pool.free,
                 swa_aware=swa_aware,
                 record_events=record_events,
+                on_delete=self._spill if self.host_tier is not None else None,
             )
 
     # ---- geometry ------------------------------------------------------------------------
@@ -133,8 +139,30 @@ class KVManager:
         seq.num_cached_tokens = hit.length
         if self.swa_aware and hit.key_length > hit.length and self._can_pin():
             seq.swa_pin_end = hit.key_length
+        if self.host_tier is not None:
+            self._restore_from_host(seq, hit.length)
         self.pin_prompt_end(seq)
         return hit.length
+
+    def _spill(self, node: RadixNode) -> None:
+        assert self.host_tier is not None
+        self.host_tier.spill(node.page_hashes, node.full_pages, node.swa_pages)
+
+    def _restore_from_host(self, seq: Sequence, hit: int) -> None:
+        """Past the tree's hit, the host tier may hold the next pages: plan them as a copy
+        (``seq.kv_source``) when the cost model says a copy beats computing them."""
+        assert self.host_tier is not None
+        p = self.page_size
+        usable = (seq.num_tokens - 1) // p  # pages a hit may cover (one token is always computed)
+        first = hit // p
+        if usable <= first or not len(self.host_tier):
+            return
+        hashes = page_hashes(seq.cache_keys[: usable * p], p)
+        end = self.host_tier.extent(hashes, first, self.sliding_window - 1)
+        if end > first and self.host_tier.cost.fetch_is_faster(
+            self.host_tier.nbytes(hashes, first, end), (end - first) * p
+        ):
+            seq.kv_source = self.host_tier.restore(hashes, first, end)
 
     def pin_prompt_end(self, seq: Sequence, end: int | None = None) -> None:
         """Keep the SWA window of the prompt's last page boundary until release, so the tree
@@ -265,7 +293,7 @@ class KVManager:
         """
         nb = seq.num_borrowed_pages
         # A half-copied import holds SWA pages whose positions were never written: never cached.
-        cache = cache and not seq.importing
+        cache = cache and not seq.copying_kv
         if self.radix is not None and cache:
             computed = seq.num_computed_tokens
             if seq.cacheable_tokens is not None:
@@ -284,6 +312,8 @@ class KVManager:
         if seq.prefix_lock is not None:
             assert self.radix is not None
             self.radix.unlock(seq.prefix_lock)
+        if seq.kv_source is not None and seq.kv_source.start > 0:
+            seq.kv_source = None  # a restore continues a prefix-cache hit: the next admission matches anew
         seq.full_pages = []
         seq.swa_pages = []
         seq.num_borrowed_pages = 0

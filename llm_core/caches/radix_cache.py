@@ -83,7 +83,10 @@ class RadixCache:
         free_swa: Callable[[list[int]], None],
         swa_aware: bool = True,
         record_events: bool = False,
+        on_delete: Callable[[RadixNode], None] | None = None,
     ) -> None:
+        """``on_delete``: called with a node about to be removed, before its pages are freed (the
+        host tier keeps them); pages are then named by their hashes, as with ``record_events``."""
         assert page_size > 0 and sliding_window >= 1
         self.page_size = page_size
         self.sliding_window = sliding_window
@@ -98,6 +101,8 @@ class RadixCache:
         # Bumped whenever a match result could change (insert, heal, eviction); callers cache on it.
         self.version = 0
         self.record_events = record_events
+        self.on_delete = on_delete
+        self._name_pages = record_events or on_delete is not None
         self._events: list[KVEvent] = []
 
     # ---- queries -------------------------------------------------------------------------
@@ -203,7 +208,7 @@ class RadixCache:
         p = self.page_size
         n_pages = len(key) // p
         assert len(key) == n_pages * p and len(full_pages) == n_pages == len(swa_pages)
-        hashes = page_hashes(key, p) if self.record_events else []
+        hashes = page_hashes(key, p) if self._name_pages else []
         tokens = key if tokens is None else tokens
         full_free: list[int] = []
         swa_free: list[int] = []
@@ -399,6 +404,8 @@ class RadixCache:
         freed = 0
         while True:
             assert not nd.children and nd.lock_ref == 0 and nd.parent is not None
+            if self.on_delete is not None:
+                self.on_delete(nd)
             freed += gain(nd) if gain is not None else len(nd.full_pages)
             self._free_full(nd.full_pages)
             if nd.swa_pages is not None:
@@ -476,7 +483,7 @@ class RadixCache:
                     raise AssertionError(f"bad node {c}")
                 if c.swa_pages is not None and len(c.swa_pages) != len(c.full_pages):
                     raise AssertionError(f"SWA pages of {c} do not match its full pages")
-                if self.record_events and len(c.page_hashes) != len(c.full_pages):
+                if self._name_pages and len(c.page_hashes) != len(c.full_pages):
                     raise AssertionError(f"page hashes of {c} do not match its full pages")
                 if c.lock_ref < c.swa_lock_ref or (c.lock_ref > nd.lock_ref and nd is not self.root):
                     raise AssertionError(f"lock counts out of order at {c}")

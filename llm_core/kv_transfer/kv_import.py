@@ -1,10 +1,12 @@
-"""A prompt's KV received from a prefill engine, as the decode engine's sequence carries it."""
+"""A prompt's KV received from a prefill engine, as the decode engine's sequence carries it: a
+``KVSource`` (``caches/kv_source.py``) of the whole prompt."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from llm_core.kv_transfer.payload import Payload
+from llm_core.caches.kv_pool import DualKVCache
+from llm_core.kv_transfer.payload import Payload, write_positions
 
 
 class KVImport(NamedTuple):
@@ -12,3 +14,14 @@ class KVImport(NamedTuple):
     first_token: int  # what the prefill engine sampled after the prompt: the decode's first token
     nbytes: int  # bytes moved (the payload with its header)
     seconds: float  # the transfer's wall time
+
+    @property
+    def start(self) -> int:
+        return 0
+
+    @property
+    def end(self) -> int:
+        return self.payload.plan.num_tokens
+
+    def write(self, kv: DualKVCache, full_pages: list[int], swa_pages: list[int], lo: int, hi: int) -> None:
+        write_positions(self.payload, kv, full_pages, swa_pages, lo, hi)

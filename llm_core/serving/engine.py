@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from llm_core.caches.host_tier import HostKVTier
 from llm_core.caches.kv_events import AllBlocksCleared, KVEventBatch
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.kv_pool import DualKVCache, KVCacheConfig, KVLayout
@@ -181,7 +182,7 @@ class LLMEngine:
         seq = self._build_sequence(rid, list(prompt_ids), sampling, mm)
         if kv_export and self.handoff is None:
             raise EngineRequestError("this engine has no KV transport to export with", "kv_transfer")
-        seq.kv_import, seq.kv_export = kv_import, kv_export
+        seq.kv_source, seq.kv_export = kv_import, kv_export
         req = RequestState.create(seq, sampling, self.tokenizer, loop)
         with self._lock:
             if self.scheduler.num_waiting >= self.config.max_waiting:
@@ -296,6 +297,7 @@ class LLMEngine:
                 self._flush_kv_events()
         if batch is None:
             return False
+        t0 = time.perf_counter()
         try:
             sampled = self.runner.execute(batch.seqs, batch.num_new_tokens)
         except Exception:
@@ -305,6 +307,14 @@ class LLMEngine:
             return True
         if self.handoff is not None:
             self._export_finished_prefills(batch.seqs, batch.num_new_tokens)
+        host = self.scheduler.kv.host_tier
+        if host is not None:  # the cost model's prefill rate: tokens computed by multi-token chunks
+            computed = sum(
+                n
+                for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+                if n > 1 and s.kv_source is None
+            )
+            host.cost.observe_prefill(computed, time.perf_counter() - t0)
         with self._lock:
             finished = self.scheduler.update(batch, sampled)
             self._steps += 1
@@ -455,12 +465,14 @@ def _build_kv_and_scheduler(
         swa_headroom_tokens=min(ec.max_num_batched_tokens, max_model_len),
     )
     kv = DualKVCache.from_budget(layout, kv_cfg, dtype, device)
+    host = HostKVTier(kv, ec.host_kv_bytes) if ec.host_kv_bytes > 0 else None
     manager = KVManager(
         kv.full_pages,
         kv.swa_pages,
         cfg.sliding_window,
         enable_prefix_cache=ec.enable_prefix_cache,
         record_events=record_events,
+        host_tier=host,
     )
     sched_cfg = SchedulerConfig(
         max_num_seqs=ec.max_num_seqs,

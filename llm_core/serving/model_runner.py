@@ -25,7 +25,6 @@ from torch import Tensor
 from encoder.caches.embedding_ref import EmbeddingRef
 from llm_core.caches.kv_pool import DualKVCache
 from llm_core.kernels.attention_batch import AttentionBatch
-from llm_core.kv_transfer.payload import write_positions
 from llm_core.models.positions import LinearPositions, PositionScheme
 from llm_core.serving.sampling import Sampler, SamplingParams
 from llm_core.serving.sequence import (
@@ -280,10 +279,9 @@ class ModelRunner:
     def execute(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> list[int | None]:
         """Run one step; the sampled token of each sequence, None where prefill is not complete.
 
-        A sequence importing its prompt's KV (``Sequence.kv_import``) has its chunk copied from the
-        payload instead of computed; the chunk that ends the prompt yields the prefill engine's
-        token."""
-        if any(s.importing for s in seqs):
+        A sequence whose chunk lies in its ``kv_source`` (``caches/kv_source.py``) has it copied
+        instead of computed; a source that covers the whole prompt yields the token after it."""
+        if any(s.copying_kv for s in seqs):
             return self._execute_with_imports(seqs, num_new_tokens)
         inp = self.prepare(seqs, num_new_tokens)
         hidden = self.model(inp.input_ids, inp.positions, inp.batch, self.kv, inp.input_embeds)  # [T, hidden]
@@ -315,13 +313,14 @@ class ModelRunner:
         out: list[int | None] = [None] * len(seqs)
         rest: list[int] = []
         for b, (s, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
-            if not s.importing:
+            if not s.copying_kv:
                 rest.append(b)
                 continue
             start, end = s.num_computed_tokens, s.num_computed_tokens + n
-            write_positions(s.kv_import.payload, self.kv, s.full_pages, s.swa_pages, start, end)
+            assert end <= s.kv_source.end, "the scheduler never plans a chunk across a copy's end"
+            s.kv_source.write(self.kv, s.full_pages, s.swa_pages, start, end)
             if end == s.num_tokens:
-                out[b] = s.kv_import.first_token
+                out[b] = s.kv_source.first_token
         if rest:
             sampled = self.execute([seqs[b] for b in rest], [num_new_tokens[b] for b in rest])
             for b, t in zip(rest, sampled, strict=True):

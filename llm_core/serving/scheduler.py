@@ -185,6 +185,14 @@ class Scheduler:
     def _chunk_cap(self) -> int:
         return self.config.max_prefill_chunk or self.config.max_num_batched_tokens
 
+    def _chunk_limit(self, seq: Sequence) -> int:
+        """The most prefill tokens ``seq`` may take this step: a chunk that copies KV in stops at
+        the copy's end (the runner either copies or computes a chunk, never both)."""
+        n = min(seq.num_uncomputed_tokens, self._chunk_cap())
+        if seq.copying_kv:
+            n = min(n, seq.kv_source.end - seq.num_computed_tokens)
+        return n
+
     def _fill_bucket(
         self, b: int, grant: int, plan: dict[int, int], take: Callable[[Sequence, int], None]
     ) -> None:
@@ -196,7 +204,7 @@ class Scheduler:
                 continue
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
-            n = self._fit(seq, min(seq.num_uncomputed_tokens, left, self._chunk_cap()))
+            n = self._fit(seq, min(self._chunk_limit(seq), left))
             if n == 0:
                 if not self._allocate_or_preempt(seq, 1, plan):
                     continue  # wait a step; planned sequences will free KV as they finish
@@ -212,12 +220,12 @@ class Scheduler:
         for seq in self.waiting.ordered(b, now, self.kv.peek_prefix):
             if left == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            if seq.kv_import is None:
+            if seq.kv_source is None:
                 self.kv.match_prefix(seq)
             else:  # an import brings the whole prompt's KV: nothing to borrow
                 p = self.kv.page_size  # pin only a window the payload holds (layer_plan.py)
                 self.kv.pin_prompt_end(seq, seq.num_prompt_tokens // p * p)
-            n = self._fit(seq, min(seq.num_uncomputed_tokens, left, self._chunk_cap()))
+            n = self._fit(seq, min(self._chunk_limit(seq), left))
             if n == 0:
                 self.kv.release(seq, cache=False)
                 seq.num_computed_tokens = 0
@@ -271,10 +279,11 @@ class Scheduler:
             if seq.status is not running:
                 continue  # aborted while the step ran
             commit(seq, n)
+            if seq.kv_source is not None and seq.num_computed_tokens >= seq.kv_source.end:
+                seq.kv_source = None  # the copied KV is in the pools now; let its buffers go
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk: no token yet
             assert tok is not None, f"seq {seq.seq_id}: step completed its tokens but no token was sampled"
-            seq.kv_import = None  # the copied-in KV is in the pools now; let its buffer go
             out = seq.output_ids
             out.append(tok)
             reason = None

@@ -166,12 +166,12 @@ class Sequence:
     # (None: all). The model's position scheme lowers it when generated tokens sit at positions a
     # prompt would not give them (``positions.MRopePositions``); only that much enters the cache.
     cacheable_tokens: int | None = None
-    # Prefill/decode disaggregation. ``kv_export``: hand the prompt's KV (the layer plan) to the
-    # engine's transport when its prefill completes. ``kv_import``: the prompt's KV arrived from a
-    # prefill engine (``kv_transfer.KVImport``); the prompt's "prefill" chunks copy it instead of
-    # computing, and the last one yields the prefill engine's first token.
+    # ``kv_export``: hand the prompt's KV (the layer plan) to the engine's transport when its
+    # prefill completes (prefill/decode disaggregation). ``kv_source``: positions whose KV is
+    # copied in rather than computed (``caches.kv_source.KVSource``: a prefill engine's hand-off,
+    # or the host tier's pages).
     kv_export: bool = False
-    kv_import: Any = None
+    kv_source: Any = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -204,9 +204,9 @@ class Sequence:
         return self._prompt_keys + self.output_ids
 
     @property
-    def importing(self) -> bool:
-        """Its prompt's KV is being copied in from a prefill engine (not all of it yet)."""
-        return self.kv_import is not None and self.num_computed_tokens < len(self.prompt_ids)
+    def copying_kv(self) -> bool:
+        """Part of its KV is still to be copied in (``kv_source``), not computed."""
+        return self.kv_source is not None and self.num_computed_tokens < self.kv_source.end
 
     @property
     def num_uncomputed_tokens(self) -> int:

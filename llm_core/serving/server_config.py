@@ -34,6 +34,8 @@ class EngineConfig:
     max_waiting: int = 256
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     enable_prefix_cache: bool = True
+    # host memory for pages the prefix cache evicts (copied back when a prefix returns); 0: none
+    host_kv_bytes: int = 0
     seed: int | None = None  # of the shared generator used by unseeded sampled requests
 
     def __post_init__(self) -> None:

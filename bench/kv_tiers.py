@@ -1,0 +1,195 @@
+"""bench.kv_tiers: a returning session's time to first token when its history's KV comes back from
+the host tier, against recomputing it, at 2K, 8K and 32K tokens of history.
+
+For each length, two engines of the embedded default model run in this process, alike but for the
+host tier (``--engine-host-kv-bytes``): a device KV pool that holds one history but not a second
+prompt of the same length. A session sends its history (turn 1), another request of the same length
+pushes it out of the pool, and the session returns with its history plus a short question (turn 2):
+TTFT of turn 2 is measured, the tiered engine copying the evicted pages back, the other computing
+them again. Both give the same greedy ids (checked). ``summary.ttft_ratio_32k`` is tiered over
+recompute (target <= 0.5).
+
+Also printed: bytes kept per cached prefix, SWA-aware (every page's full-attention KV, the SWA
+layers' KV only for the window at the prefix's end) against all layers for every token, for the
+tiny model and for MiMo-V2.5-Pro's plan (``layer_plan.LayerPlan``).
+
+    python -m bench.kv_tiers [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+from typing import Any
+
+import torch
+
+from bench.common import add_common_args, format_machine, machine_info, percentiles, print_table, write_json
+from bench.pd import PRO_LAYOUT
+from llm_core.caches.kv_pool import KVLayout
+from llm_core.kv_transfer.layer_plan import LayerPlan
+from llm_core.serving.engine import LLMEngine
+from llm_core.serving.sampling import SamplingParams
+from llm_core.serving.server_config import EngineConfig
+
+ANSWER_TOKENS = 4
+QUESTION_TOKENS = 16
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(32, 127) for _ in range(n)]  # plain byte tokens: no special or media ids
+
+
+async def _ttft(engine: LLMEngine, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    t0 = time.perf_counter()
+    first = None
+    ids: list[int] = []
+    async for out in engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)):
+        if first is None and out.token_ids:
+            first = time.perf_counter() - t0
+        ids.extend(out.token_ids)
+    assert first is not None
+    return first, ids
+
+
+def _engine(length: int, host: bool, layout: KVLayout) -> LLMEngine:
+    full_per_token, swa_per_token = layout.full_bytes_per_token, layout.swa_bytes_per_token
+    chunk = 2048
+    # One history and a bit in the full pool, not two; the SWA pool holds a few windows plus a
+    # prefill chunk (what the SWA layers need at any time), so it never decides the comparison.
+    full_bytes = int(1.5 * (length + 64)) * full_per_token
+    swa_bytes = 4 * (layout.sliding_window + chunk + 64) * swa_per_token
+    cfg = EngineConfig(
+        kv_memory_bytes=full_bytes + swa_bytes,
+        swa_fraction=swa_bytes / (full_bytes + swa_bytes),
+        max_model_len=length + 256,
+        max_num_batched_tokens=chunk,
+        host_kv_bytes=8 * length * (full_per_token + swa_per_token) if host else 0,
+    )
+    engine = LLMEngine.from_checkpoint(None, cfg)
+    engine.start()
+    return engine
+
+
+def run_length(length: int, sessions: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed + length)
+    plans = [(_ids(rng, length), _ids(rng, length), _ids(rng, QUESTION_TOKENS)) for _ in range(sessions)]
+    out: dict[str, Any] = {"length": length}
+    answers: dict[str, list[list[int]]] = {}
+    layout = None
+    for mode in ("recompute", "host_tier"):
+        probe = LLMEngine.from_checkpoint(None, EngineConfig(kv_memory_bytes=1 << 20, max_model_len=512))
+        layout = probe.kv.layout
+        probe.stop()
+        sized = KVLayout(**{**layout.__dict__, "dtype_bytes": 4})
+        engine = _engine(length, mode == "host_tier", sized)
+        ttfts: list[float] = []
+        answers[mode] = []
+        try:
+            for history, filler, question in plans:
+                _, a1 = asyncio.run(_ttft(engine, history, ANSWER_TOKENS))
+                asyncio.run(_ttft(engine, filler, 2))  # pushes the history out of the device pool
+                t, a2 = asyncio.run(_ttft(engine, history + a1 + question, ANSWER_TOKENS))
+                ttfts.append(t)
+                answers[mode].append(a2)
+            host = engine.scheduler.kv.host_tier
+            if host is not None:
+                out["restored_tokens"] = host.restored_tokens
+                out["host_pages"] = len(host)
+                out["host_bytes"] = host.used_bytes
+        finally:
+            engine.stop()
+        p = percentiles(ttfts)
+        out[mode] = {"ttft_p50_s": p.p50, "ttft_p90_s": p.p90, "samples": ttfts}
+    out["identical"] = answers["recompute"] == answers["host_tier"]
+    out["ttft_ratio"] = out["host_tier"]["ttft_p50_s"] / out["recompute"]["ttft_p50_s"]
+    assert layout is not None
+    sized = KVLayout(**{**layout.__dict__, "dtype_bytes": 4})
+    plan = LayerPlan(sized, 16, length)  # what a prefix ending at ``length`` keeps, SWA-aware
+    out["tiny_bytes_swa_aware"] = plan.nbytes
+    out["tiny_bytes_all_layers"] = plan.all_layers_nbytes
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=(__doc__ or "").split("\n", 1)[0])
+    add_common_args(parser)
+    parser.add_argument("--lengths", default="2048,8192,32000", help="history tokens per session")
+    parser.add_argument("--sessions", type=int, default=2, help="returning sessions per length")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.lengths, args.sessions = "1024,2048", 1
+    torch.manual_seed(args.seed)
+    rows = [run_length(int(n), args.sessions, args.seed) for n in args.lengths.split(",")]
+    machine = format_machine(machine_info())
+    print_table(
+        "returning session: TTFT of turn 2 after its history left the device pool",
+        [
+            "history tokens",
+            "recompute P50 s",
+            "P90 s",
+            "host tier P50 s",
+            "P90 s",
+            "ratio",
+            "restored tokens",
+            "identical",
+        ],
+        [
+            [
+                r["length"],
+                r["recompute"]["ttft_p50_s"],
+                r["recompute"]["ttft_p90_s"],
+                r["host_tier"]["ttft_p50_s"],
+                r["host_tier"]["ttft_p90_s"],
+                r["ttft_ratio"],
+                r.get("restored_tokens", 0),
+                r["identical"],
+            ]
+            for r in rows
+        ],
+        caption=machine,
+    )
+    pro = [LayerPlan(PRO_LAYOUT, 16, n) for n in (8192, 32768, 131072)]
+    print_table(
+        "bytes kept per cached prefix: SWA-aware vs every layer for every token",
+        ["model", "tokens", "SWA-aware MiB", "all layers MiB", "all / SWA-aware"],
+        [
+            [
+                "tiny default",
+                r["length"],
+                r["tiny_bytes_swa_aware"] / 2**20,
+                r["tiny_bytes_all_layers"] / 2**20,
+                r["tiny_bytes_all_layers"] / r["tiny_bytes_swa_aware"],
+            ]
+            for r in rows
+        ]
+        + [
+            [
+                "MiMo-V2.5-Pro plan",
+                p.num_tokens,
+                p.nbytes / 2**20,
+                p.all_layers_nbytes / 2**20,
+                p.all_layers_nbytes / p.nbytes,
+            ]
+            for p in pro
+        ],
+    )
+    longest = rows[-1]
+    summary = {
+        f"ttft_ratio_{longest['length'] // 1000}k": longest["ttft_ratio"],
+        "ttft_ratios": {str(r["length"]): r["ttft_ratio"] for r in rows},
+        "identical": all(r["identical"] for r in rows),
+        "pro_bytes_ratio_32k": pro[1].all_layers_nbytes / pro[1].nbytes,
+    }
+    if longest["length"] >= 32000:
+        summary["ttft_ratio_32k"] = longest["ttft_ratio"]
+        summary["meets_target"] = longest["ttft_ratio"] <= 0.5
+    print(f"TTFT tiered / recompute at {longest['length']} tokens: {longest['ttft_ratio']:.3f}")
+    write_json(args.json, machine=machine_info(), config=vars(args), results=rows, summary=summary)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
