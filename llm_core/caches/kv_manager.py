@@ -163,6 +163,10 @@ class KVManager:
             self.host_tier.nbytes(hashes, first, end), (end - first) * p
         ):
             seq.kv_source = self.host_tier.restore(hashes, first, end)
+            if seq.swa_pin_end and seq.swa_pin_end <= end * p:
+                # The branch point lies in the copied range, where SWA pages below the copy's own
+                # window are never written: keeping them would cache unwritten KV as live.
+                seq.swa_pin_end = 0
 
     def pin_prompt_end(self, seq: Sequence, end: int | None = None) -> None:
         """Keep the SWA window of the prompt's last page boundary until release, so the tree
