@@ -95,6 +95,19 @@ def _torch() -> ModuleType:
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
+def ref_of(hdr: EntryHeader) -> EmbeddingRef:
+    """The EmbeddingRef an entry's header describes."""
+    return EmbeddingRef(
+        key=hdr.key,
+        dtype=hdr.dtype,
+        shape=hdr.shape,
+        grid_thw=hdr.grid_thw,
+        modality=hdr.modality,
+        seconds_per_grid_t=hdr.seconds_per_grid_t,
+        grid_t_timestamps=hdr.grid_t_timestamps,
+    )
+
+
 class EmbedCache:
     """A bytes-bounded LRU cache of embeddings shared by every process of a node.
 
@@ -200,18 +213,6 @@ class EmbedCache:
                 return rec
         found = self._index.find(key)
         return self._index.record(found) if found is not None else None
-
-    @staticmethod
-    def _ref(hdr: EntryHeader) -> EmbeddingRef:
-        return EmbeddingRef(
-            key=hdr.key,
-            dtype=hdr.dtype,
-            shape=hdr.shape,
-            grid_thw=hdr.grid_thw,
-            modality=hdr.modality,
-            seconds_per_grid_t=hdr.seconds_per_grid_t,
-            grid_t_timestamps=hdr.grid_t_timestamps,
-        )
 
     # ------------------------------------------------------------------ API
     def put(
@@ -350,7 +351,7 @@ class EmbedCache:
                 rec = self._record_for(key, slot)
         else:
             rec = self._record_for(key, slot)
-        return CachedEmbedding(tensor=tensor, ref=self._ref(hdr), meta=self._meta(hdr, rec))
+        return CachedEmbedding(tensor=tensor, ref=ref_of(hdr), meta=self._meta(hdr, rec))
 
     def entry_bytes(self, key: str) -> bytes | None:
         """The entry file's bytes as they are (header, checksums, payload), or None: what the

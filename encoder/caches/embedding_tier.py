@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from encoder.caches.cache_format import CorruptEntry, parse_header, payload_crc
-from encoder.caches.embed_cache import EmbedCache
+from encoder.caches.embed_cache import EmbedCache, ref_of
 from encoder.caches.embedding_ref import EmbeddingRef
 from epd_common.store.store import Store
 
@@ -49,16 +49,7 @@ def decode_entry(key: str, data: bytes) -> Decoded:
         raise CorruptEntry("payload crc mismatch")
     rows, cols = hdr.shape
     tensor = torch.frombuffer(bytearray(payload), dtype=getattr(torch, hdr.dtype)).view(rows, cols)
-    ref = EmbeddingRef(
-        key=hdr.key,
-        dtype=hdr.dtype,
-        shape=hdr.shape,
-        grid_thw=hdr.grid_thw,
-        modality=hdr.modality,
-        seconds_per_grid_t=hdr.seconds_per_grid_t,
-        grid_t_timestamps=hdr.grid_t_timestamps,
-    )
-    return Decoded(ref, tensor)
+    return Decoded(ref_of(hdr), tensor)
 
 
 class EmbeddingTier:

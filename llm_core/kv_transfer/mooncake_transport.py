@@ -57,6 +57,7 @@ from llm_core.kv_transfer.transport import (
     check_namespace,
     digest,
     int_field,
+    make_handle,
     new_id,
     payload_view,
     str_field,
@@ -356,15 +357,7 @@ class MooncakeTransport:
             _HEADER.pack_into(side.buffer.data, offset, MAGIC, bytes.fromhex(export_id), nbytes)
             side.regions[export_id] = _Region(offset, size, nbytes, self._clock() + ttl_s)
             session, ptr = side.session, side.base + offset
-        return {
-            "transport": self.name,
-            "namespace": self.namespace,
-            "id": export_id,
-            "nbytes": nbytes,
-            "xxh3": digest(view),
-            "session": session,
-            "ptr": ptr,
-        }
+        return make_handle(self.name, self.namespace, export_id, view, session=session, ptr=ptr)
 
     def release(self, handle: dict[str, Any]) -> None:
         try:

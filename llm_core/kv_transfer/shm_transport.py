@@ -50,6 +50,7 @@ from llm_core.kv_transfer.transport import (
     check_handle,
     check_namespace,
     digest,
+    make_handle,
     new_id,
     payload_view,
 )
@@ -159,13 +160,7 @@ class ShmTransport:
         if closed_meanwhile:  # close() ran during the write and could not see this file
             path.unlink(missing_ok=True)
             raise KVTransferError("closed", "shm transport was closed during the export")
-        return {
-            "transport": self.name,
-            "namespace": self.namespace,
-            "id": export_id,
-            "nbytes": nbytes,
-            "xxh3": digest(view),
-        }
+        return make_handle(self.name, self.namespace, export_id, view)
 
     def release(self, handle: dict[str, Any]) -> None:
         try:

@@ -140,6 +140,20 @@ def str_field(handle: dict[str, Any], key: str, pattern: re.Pattern[str]) -> str
     return value
 
 
+def make_handle(
+    transport: str, namespace: str, export_id: str, view: memoryview, **extra: Any
+) -> dict[str, Any]:
+    """A handle's common fields (those ``check_handle`` validates) plus the transport's own."""
+    return {
+        "transport": transport,
+        "namespace": namespace,
+        "id": export_id,
+        "nbytes": view.nbytes,
+        "xxh3": digest(view),
+        **extra,
+    }
+
+
 def check_handle(
     handle: object, *, transport: str, namespace: str, keys: frozenset[str], max_nbytes: int
 ) -> HandleFields:
