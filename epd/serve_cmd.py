@@ -241,6 +241,7 @@ def plan(cfg: ServeConfig) -> Plan:
                     port=free_port("127.0.0.1"),
                     cache_namespace=namespace,
                     role=role,  # type: ignore[arg-type]
+                    store=ing.store,  # evicted KV pages too, with a host tier (--llm-engine-host-kv-bytes)
                     # fixed ports, so a restarted engine publishes where the router listens
                     kv_events_endpoint=f"tcp://127.0.0.1:{free_port('127.0.0.1')}",
                     kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port('127.0.0.1')}",

@@ -20,83 +20,42 @@ inside the runner's step.
 from __future__ import annotations
 
 import collections
-import time
 from typing import NamedTuple
 
 import torch
 
+from llm_core.caches.host_restore import FetchCostModel, HostPage, HostRestore
 from llm_core.caches.kv_pool import DualKVCache
+from llm_core.caches.kv_store_tier import KVStoreTier
 
 
-class HostPage(NamedTuple):
-    layers: tuple[
-        tuple[torch.Tensor, torch.Tensor] | None, ...
-    ]  # per layer K [page, H, D], V; None: not kept
-    nbytes: int
-    has_swa: bool  # the SWA layers' KV is here (the page was live in the window when spilled)
-
-
-class FetchCostModel:
-    """Copy back only when it is faster than computing: both rates measured, smoothed (EWMA)."""
-
-    def __init__(
-        self, copy_bytes_per_s: float = 2e9, prefill_tokens_per_s: float = 1e3, alpha: float = 0.2
-    ) -> None:
-        # Priors until the first measurements: a slow prefill, a modest copy (both get replaced).
-        self.copy_bytes_per_s = copy_bytes_per_s
-        self.prefill_tokens_per_s = prefill_tokens_per_s
-        self.alpha = alpha
-
-    def observe_copy(self, nbytes: int, seconds: float) -> None:
-        if nbytes > 0 and seconds > 0:
-            self.copy_bytes_per_s += self.alpha * (nbytes / seconds - self.copy_bytes_per_s)
-
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0:
-            self.prefill_tokens_per_s += self.alpha * (tokens / seconds - self.prefill_tokens_per_s)
-
-    def fetch_is_faster(self, nbytes: int, tokens: int) -> bool:
-        return nbytes / self.copy_bytes_per_s < tokens / self.prefill_tokens_per_s
-
-
-class HostRestore(NamedTuple):
-    """A ``KVSource``: positions [start, end) copied from host pages (held here, so the tier may
-    evict them meanwhile)."""
-
-    start: int
-    end: int
-    pages: tuple[HostPage, ...]  # logical pages start // page .. end // page - 1
-    page_size: int
-    tier: HostKVTier
-
-    @property
-    def first_token(self) -> int | None:
-        return None
-
-    def write(self, kv: DualKVCache, full_pages: list[int], swa_pages: list[int], lo: int, hi: int) -> None:
-        t0 = time.perf_counter()
-        p, first = self.page_size, self.start // self.page_size
-        nbytes = 0
-        for j in range(lo // p, (hi - 1) // p + 1):
-            page = self.pages[j - first]
-            r0, r1 = max(lo, j * p) - j * p, min(hi, (j + 1) * p) - j * p
-            for i, kv_i in enumerate(page.layers):
-                if kv_i is None:
-                    continue  # an SWA layer below the window: never read, dropped after the copy
-                layer = kv.layer(i)
-                phys = (swa_pages if layer.is_swa else full_pages)[j]
-                layer.k[phys, r0:r1] = kv_i[0][r0:r1]
-                layer.v[phys, r0:r1] = kv_i[1][r0:r1]
-            nbytes += page.nbytes * (r1 - r0) // p
-        self.tier.restored_tokens += hi - lo
-        self.tier.cost.observe_copy(nbytes, time.perf_counter() - t0)
+class HostTierStats(NamedTuple):
+    pages: int
+    bytes: int
+    capacity_bytes: int
+    spilled_pages: int
+    evicted_pages: int
+    restores: int
+    restored_tokens: int
+    pages_from_store: int
 
 
 class HostKVTier:
-    def __init__(self, kv: DualKVCache, capacity_bytes: int) -> None:
+    def __init__(
+        self,
+        kv: DualKVCache,
+        capacity_bytes: int,
+        store: KVStoreTier | None = None,
+        store_policy: str = "write_through",
+    ) -> None:
+        """``store``: the tier below (``kv_store_tier.py``); ``store_policy`` says which pages go
+        there: "write_through" (every spilled page) or "host_evict" (pages this tier drops)."""
+        assert store_policy in ("write_through", "host_evict"), store_policy
         self.kv = kv
         self.page_size = kv.page_size
         self.capacity_bytes = capacity_bytes
+        self.store = store
+        self.store_policy = store_policy
         self.cost = FetchCostModel()
         self._pages: collections.OrderedDict[int, HostPage] = collections.OrderedDict()
         self.used_bytes = 0
@@ -104,9 +63,22 @@ class HostKVTier:
         self.evicted_pages = 0
         self.restores = 0
         self.restored_tokens = 0
+        self.pages_from_store = 0
 
     def __len__(self) -> int:
         return len(self._pages)
+
+    def stats(self) -> HostTierStats:
+        return HostTierStats(
+            len(self._pages),
+            self.used_bytes,
+            self.capacity_bytes,
+            self.spilled_pages,
+            self.evicted_pages,
+            self.restores,
+            self.restored_tokens,
+            self.pages_from_store,
+        )
 
     # -- spill (inside the tree's eviction) ----------------------------------------------------
     def spill(self, hashes: list[int], full_pages: list[int], swa_pages: list[int] | None) -> None:
@@ -124,7 +96,10 @@ class HostKVTier:
                 k, v = layer.k[phys].to("cpu", copy=True), layer.v[phys].to("cpu", copy=True)
                 layers.append((k, v))
                 nbytes += k.nbytes + v.nbytes
-            self._put(h, HostPage(tuple(layers), nbytes, swa_pages is not None))
+            page = HostPage(tuple(layers), nbytes, swa_pages is not None)
+            self._put(h, page)
+            if self.store is not None and self.store_policy == "write_through":
+                self.store.write([(h, page)])
 
     def _put(self, h: int, page: HostPage) -> None:
         old = self._pages.pop(h, None)
@@ -136,20 +111,44 @@ class HostKVTier:
         self.used_bytes += page.nbytes
         self.spilled_pages += 1
         while self.used_bytes > self.capacity_bytes:
-            _, gone = self._pages.popitem(last=False)
+            gone_hash, gone = self._pages.popitem(last=False)
             self.used_bytes -= gone.nbytes
             self.evicted_pages += 1
+            if self.store is not None and self.store_policy == "host_evict":
+                self.store.write([(gone_hash, gone)])
+
+    def absorb(self, pages: list[tuple[int, HostPage]]) -> None:
+        """Pages a store fetch brought (already in the store: not written back)."""
+        for h, page in pages:
+            self._put(h, page)
+        self.pages_from_store += len(pages)
+
+    def estimate_nbytes(self, num_pages: int, window_tokens: int) -> int:
+        """Bytes of ``num_pages`` consecutive pages ending at a restore point: every page's
+        full-layer KV, the SWA layers' only for the pages of the window before the end."""
+        lay, p = self.kv.layout, self.page_size
+        full = sum(not s for s in lay.layer_is_swa) * lay.full_kv_heads
+        swa = sum(lay.layer_is_swa) * lay.swa_kv_heads
+        per_head = p * (lay.head_dim + lay.v_head_dim) * self.kv.layer(0).k.element_size()
+        return per_head * (num_pages * full + min(num_pages, -(-window_tokens // p) + 1) * swa)
 
     # -- restore (at admission) ----------------------------------------------------------------
-    def extent(self, hashes: list[int], first_page: int, window_tokens: int) -> int:
-        """The longest boundary b (in pages) > ``first_page`` with pages [first_page, b) here and
-        the SWA KV of the pages covering [b*page - window_tokens, b*page) here too (the pages below
+    def extent(
+        self,
+        hashes: list[int],
+        first_page: int,
+        window_tokens: int,
+        fetched: dict[int, HostPage] | None = None,
+    ) -> int:
+        """The longest boundary b (in pages) > ``first_page`` with pages [first_page, b) here (or in
+        ``fetched``: a store fetch's pages, which this tier may be too small to hold at once) and
+        the SWA KV of the pages covering [b*page - window_tokens, b*page) too (the pages below
         ``first_page`` are the tree hit's, whose window is live); ``first_page`` when none."""
         p = self.page_size
         best = first_page
         run = 0  # tokens of consecutive SWA-kept pages ending at the boundary
         for j in range(first_page, len(hashes)):
-            page = self._pages.get(hashes[j])
+            page = self._page(hashes[j], fetched)
             if page is None:
                 break
             run = run + p if page.has_swa else 0
@@ -158,14 +157,30 @@ class HostKVTier:
                 best = j + 1
         return best
 
-    def restore(self, hashes: list[int], first_page: int, end_page: int) -> HostRestore:
+    def _page(self, h: int, fetched: dict[int, HostPage] | None) -> HostPage | None:
+        page = fetched.get(h) if fetched else None
+        return page if page is not None else self._pages.get(h)
+
+    def restore(
+        self, hashes: list[int], first_page: int, end_page: int, fetched: dict[int, HostPage] | None = None
+    ) -> HostRestore:
         pages = []
         for j in range(first_page, end_page):
-            self._pages.move_to_end(hashes[j])
-            pages.append(self._pages[hashes[j]])
+            if hashes[j] in self._pages:
+                self._pages.move_to_end(hashes[j])
+            page = self._page(hashes[j], fetched)
+            assert page is not None, "restore() covers what extent() found"
+            pages.append(page)
         self.restores += 1
         p = self.page_size
         return HostRestore(first_page * p, end_page * p, tuple(pages), p, self)
 
-    def nbytes(self, hashes: list[int], first_page: int, end_page: int) -> int:
-        return sum(self._pages[hashes[j]].nbytes for j in range(first_page, end_page))
+    def nbytes(
+        self, hashes: list[int], first_page: int, end_page: int, fetched: dict[int, HostPage] | None = None
+    ) -> int:
+        total = 0
+        for j in range(first_page, end_page):
+            page = self._page(hashes[j], fetched)
+            assert page is not None, "nbytes() covers what extent() found"
+            total += page.nbytes
+        return total

@@ -34,8 +34,10 @@ import weakref
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from llm_core.caches.host_restore import HostPage
 from llm_core.caches.host_tier import HostKVTier
 from llm_core.caches.kv_pool import PagePool, swa_pages_per_sequence
+from llm_core.caches.kv_store_tier import FETCH_SPENT, StoreFetch
 from llm_core.caches.page_hash import page_hashes
 from llm_core.caches.radix_cache import InsertResult, RadixCache, RadixNode
 from llm_core.serving.sequence import NOT_RESIDENT, Sequence
@@ -121,8 +123,10 @@ class KVManager:
         self._peeks[seq] = (stamp, hit)
         return hit
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """Borrow (and lock) the cached prefix for a sequence that holds no pages yet; returns its length.
+    def match_prefix(self, seq: Sequence) -> int | None:
+        """Borrow (and lock) the cached prefix for a sequence that holds no pages yet; returns its
+        length, or None (nothing borrowed) while the store tier fetches the prompt's next pages:
+        ask again on a later step.
 
         At least one token is always left to compute: the step that computes it makes the logits.
         """
@@ -130,6 +134,11 @@ class KVManager:
         if self.radix is None:
             return 0
         hit = self.radix.match_prefix(seq.cache_keys, seq.num_tokens - 1)
+        fetched: dict[int, HostPage] = {}
+        if self.host_tier is not None and self.host_tier.store is not None:
+            waiting, fetched = self._await_store(seq, hit.length)
+            if waiting:
+                return None
         seq.prefix_lock = self.radix.lock(hit.node)
         seq.full_pages = list(hit.full_pages)
         seq.swa_pages = list(hit.swa_pages)
@@ -140,7 +149,7 @@ class KVManager:
         if self.swa_aware and hit.key_length > hit.length and self._can_pin():
             seq.swa_pin_end = hit.key_length
         if self.host_tier is not None:
-            self._restore_from_host(seq, hit.length)
+            self._restore_from_host(seq, hit.length, fetched)
         self.pin_prompt_end(seq)
         return hit.length
 
@@ -148,21 +157,59 @@ class KVManager:
         assert self.host_tier is not None
         self.host_tier.spill(node.page_hashes, node.full_pages, node.swa_pages)
 
-    def _restore_from_host(self, seq: Sequence, hit: int) -> None:
-        """Past the tree's hit, the host tier may hold the next pages: plan them as a copy
-        (``seq.kv_source``) when the cost model says a copy beats computing them."""
-        assert self.host_tier is not None
+    def _await_store(self, seq: Sequence, hit: int) -> tuple[bool, dict[int, HostPage]]:
+        """(whether ``seq`` must wait for the store, the pages a settled fetch brought). It waits
+        while its fetch runs, or when one starts now: the tree and the host tier end short of the
+        prompt and the cost model says fetching the rest beats computing it. A settled fetch's
+        pages also join the host tier; a sequence asks the store once."""
+        host = self.host_tier
+        assert host is not None and host.store is not None
+        store, f = host.store, seq.kv_fetch
+        if f is FETCH_SPENT:
+            return False, {}
+        now = store.clock()
+        if isinstance(f, StoreFetch):
+            if not f.settled(now):
+                return True, {}
+            seq.kv_fetch = FETCH_SPENT
+            if not f.done.is_set():
+                store.abandon(f)  # slower than recomputing would have been: recompute
+                return False, {}
+            host.absorb(f.pages)
+            return False, dict(f.pages)
+        seq.kv_fetch = FETCH_SPENT
+        p = self.page_size
+        usable, first = (seq.num_tokens - 1) // p, hit // p
+        if usable <= first:
+            return False, {}
+        hashes = page_hashes(seq.cache_keys[: usable * p], p)
+        start = host.extent(hashes, first, self.sliding_window - 1) if len(host) else first
+        if start >= usable:
+            return False, {}
+        n = usable - start
+        recompute_s = n * p / host.cost.prefill_tokens_per_s
+        if not store.worth_fetching(n, host.estimate_nbytes(n, self.sliding_window - 1), recompute_s):
+            return False, {}
+        seq.kv_fetch = store.fetch(hashes[start:usable], deadline=now + recompute_s)
+        return True, {}
+
+    def _restore_from_host(self, seq: Sequence, hit: int, fetched: dict[int, HostPage]) -> None:
+        """Past the tree's hit, the host tier (and a store fetch's ``fetched`` pages) may hold the
+        next pages: plan them as a copy (``seq.kv_source``) when the cost model says a copy beats
+        computing them (fetched pages are copied: the fetch was already judged worth it)."""
+        host = self.host_tier
+        assert host is not None
         p = self.page_size
         usable = (seq.num_tokens - 1) // p  # pages a hit may cover (one token is always computed)
         first = hit // p
-        if usable <= first or not len(self.host_tier):
+        if usable <= first or not (len(host) or fetched):
             return
         hashes = page_hashes(seq.cache_keys[: usable * p], p)
-        end = self.host_tier.extent(hashes, first, self.sliding_window - 1)
-        if end > first and self.host_tier.cost.fetch_is_faster(
-            self.host_tier.nbytes(hashes, first, end), (end - first) * p
+        end = host.extent(hashes, first, self.sliding_window - 1, fetched)
+        if end > first and (
+            fetched or host.cost.fetch_is_faster(host.nbytes(hashes, first, end, fetched), (end - first) * p)
         ):
-            seq.kv_source = self.host_tier.restore(hashes, first, end)
+            seq.kv_source = host.restore(hashes, first, end, fetched)
             if seq.swa_pin_end and seq.swa_pin_end <= end * p:
                 # The branch point lies in the copied range, where SWA pages below the copy's own
                 # window are never written: keeping them would cache unwritten KV as live.
@@ -316,8 +363,8 @@ class KVManager:
         if seq.prefix_lock is not None:
             assert self.radix is not None
             self.radix.unlock(seq.prefix_lock)
-        if seq.kv_source is not None and seq.kv_source.start > 0:
-            seq.kv_source = None  # a restore continues a prefix-cache hit: the next admission matches anew
+        if seq.kv_source is not None and seq.kv_source.first_token is None:
+            seq.kv_source = None  # a restore (not an import): the next admission matches anew
         seq.full_pages = []
         seq.swa_pages = []
         seq.num_borrowed_pages = 0

@@ -24,6 +24,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from llm_core.caches.layer_gate import LayerGate
+
 _DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float8_e4m3fn: 1}
 
 
@@ -279,6 +281,11 @@ class DualKVCache:
     Full layer i: k [Nf, page, Hkv_full, head_dim], v [Nf, page, Hkv_full, v_head_dim].
     SWA layer i:  k [Ns, page, Hkv_swa, head_dim],  v [Ns, page, Hkv_swa, v_head_dim].
     A flat slot ``page * page_size + offset`` addresses ``k.view(-1, H, D)[slot]``.
+
+    ``gate``: while KV is copied in beside a forward (``serving/kv_copy.py``), the copier's
+    ``LayerGate``: ``layer(i)`` (what the model reads) waits until the copier marked layer i, and
+    the copier writes through ``layer_storage(i)``, which never waits. None (the default, and
+    every step without such a copy): ``layer`` costs one attribute check.
     """
 
     def __init__(
@@ -301,6 +308,7 @@ class DualKVCache:
             k = torch.zeros(n, page_size, h, layout.head_dim, dtype=dtype, device=device)
             v = torch.zeros(n, page_size, h, layout.v_head_dim, dtype=dtype, device=device)
             self._layers.append(LayerKV(k, v, is_swa))
+        self.gate: LayerGate | None = None
 
     @classmethod
     def from_budget(
@@ -320,7 +328,15 @@ class DualKVCache:
         return len(self._layers)
 
     def layer(self, i: int) -> LayerKV:
-        """KV of model layer ``i`` (full or SWA pool according to the layer's type)."""
+        """KV of model layer ``i`` (full or SWA pool according to the layer's type), once a copy in
+        flight (``gate``) has written it."""
+        gate = self.gate
+        if gate is not None:
+            gate.wait(i)
+        return self._layers[i]
+
+    def layer_storage(self, i: int) -> LayerKV:
+        """Layer ``i``'s tensors without waiting on ``gate``: for the copier that opens it."""
         return self._layers[i]
 
     def check_integrity(self) -> None:

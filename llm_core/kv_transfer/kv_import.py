@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from llm_core.caches.kv_pool import DualKVCache
-from llm_core.kv_transfer.payload import Payload, write_positions
+from llm_core.kv_transfer.payload import Payload, write_layer_positions, write_positions
 
 
 class KVImport(NamedTuple):
@@ -25,3 +25,8 @@ class KVImport(NamedTuple):
 
     def write(self, kv: DualKVCache, full_pages: list[int], swa_pages: list[int], lo: int, hi: int) -> None:
         write_positions(self.payload, kv, full_pages, swa_pages, lo, hi)
+
+    def write_layer(
+        self, kv: DualKVCache, layer: int, full_pages: list[int], swa_pages: list[int], lo: int, hi: int
+    ) -> None:
+        write_layer_positions(self.payload, kv, layer, full_pages, swa_pages, lo, hi)

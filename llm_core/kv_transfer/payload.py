@@ -136,19 +136,35 @@ def write_positions(
     payload: Payload, kv: DualKVCache, full_pages: list[int], swa_pages: list[int], start: int, end: int
 ) -> None:
     """Write the payload's KV of positions [start, end) into a sequence's pages (its page rows,
-    allocated for those positions). SWA layers take only the positions the payload has (from its
-    first window page on); the rest of their pages are never read before they are dropped."""
+    allocated for those positions), every layer in order (``write_layer_positions``)."""
+    for i in range(len(payload.blocks)):
+        write_layer_positions(payload, kv, i, full_pages, swa_pages, start, end)
+
+
+def write_layer_positions(
+    payload: Payload,
+    kv: DualKVCache,
+    layer: int,
+    full_pages: list[int],
+    swa_pages: list[int],
+    start: int,
+    end: int,
+) -> None:
+    """``write_positions`` for model layer ``layer`` only, through ``kv.layer_storage`` (a copy beside
+    the forward opens ``kv.gate`` layer by layer: its writer must not wait on it). An SWA layer takes
+    only the positions the payload has (from its first window page on); the rest of its pages are
+    never read before they are dropped."""
     plan = payload.plan
     p = plan.page_size
-    for i, (k_src, v_src) in enumerate(payload.blocks):
-        layer = kv.layer(i)
-        first = plan.pages_of(i).start * p
-        lo, hi = max(start, first), min(end, plan.num_tokens)
-        if lo >= hi:
-            continue
-        rows = np.asarray(swa_pages if layer.is_swa else full_pages, dtype=np.int64)
-        pos = np.arange(lo, hi, dtype=np.int64)
-        slots = torch.from_numpy(rows[pos // p] * p + pos % p).to(layer.k.device)
-        for dst, src in ((layer.k, k_src), (layer.v, v_src)):
-            flat = src.reshape(-1, *src.shape[2:])[lo - first : hi - first]  # [hi - lo, heads, dim]
-            dst.view(-1, *dst.shape[2:]).index_copy_(0, slots, flat.to(dst.device))
+    k_src, v_src = payload.blocks[layer]  # [pages_of(layer), page, heads, dim] each
+    dst_layer = kv.layer_storage(layer)
+    first = plan.pages_of(layer).start * p
+    lo, hi = max(start, first), min(end, plan.num_tokens)
+    if lo >= hi:
+        return
+    rows = np.asarray(swa_pages if dst_layer.is_swa else full_pages, dtype=np.int64)
+    pos = np.arange(lo, hi, dtype=np.int64)
+    slots = torch.from_numpy(rows[pos // p] * p + pos % p).to(dst_layer.k.device)  # [hi - lo] flat slots
+    for dst, src in ((dst_layer.k, k_src), (dst_layer.v, v_src)):
+        flat = src.reshape(-1, *src.shape[2:])[lo - first : hi - first]  # [hi - lo, heads, dim]
+        dst.view(-1, *dst.shape[2:]).index_copy_(0, slots, flat.to(dst.device))

@@ -32,10 +32,12 @@ from pathlib import Path
 
 import torch
 
+from epd_common.store.store import Store
 from llm_core.caches.host_tier import HostKVTier
 from llm_core.caches.kv_events import AllBlocksCleared, KVEventBatch
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.kv_pool import DualKVCache, KVCacheConfig, KVLayout
+from llm_core.caches.kv_store_tier import KVStoreTier, model_kv_id
 from llm_core.kv_transfer.kv_import import KVImport
 from llm_core.models.config import DecoderConfig
 from llm_core.models.positions import PositionScheme
@@ -111,6 +113,8 @@ class LLMEngine:
         # by request id, until the server puts them in the response.
         self.handoff: KVHandoff | None = None
         self._exports: dict[str, dict[str, object]] = {}
+        # The checkpoint directory (``from_checkpoint``): names the weights in KV store keys.
+        self.model_dir: Path | None = None
         if kv_events is not None:
             kv_events.publish(KVEventBatch(time.time(), (AllBlocksCleared(),)))
         self.runner = ModelRunner(
@@ -120,6 +124,7 @@ class LLMEngine:
             self.device,
             positions,
             vocab_size=model_config.vocab_size,
+            kv_copy_overlap=self.config.kv_copy_overlap,
         )
         # Guards the scheduler and ``_requests`` between the event loop (add) and the step thread
         # (schedule/update). Never held during the forward, so adds do not wait for a step.
@@ -154,6 +159,10 @@ class LLMEngine:
             self.kv_events.close()
         if self.handoff is not None:
             self.handoff.close()
+        host = self.scheduler.kv.host_tier
+        if host is not None and host.store is not None:
+            host.store.flush(timeout_s=2.0)  # pages queued for the store: a short grace, not a wait
+            host.store.close()
 
     # ---- requests (called from the event loop) -----------------------------------------------
 
@@ -411,6 +420,23 @@ class LLMEngine:
             max_waiting=self.config.max_waiting,
         )
 
+    def kv_tier_stats(self) -> dict[str, dict[str, object]]:
+        """The tiers below the prefix cache (/health, /metrics, ``epd cache``): "host" and "store"
+        where configured; counters of this engine, the store's entries and bytes as it reports them."""
+        host = self.scheduler.kv.host_tier
+        if host is None:
+            return {}
+        out: dict[str, dict[str, object]] = {"host": host.stats()._asdict()}
+        if host.store is not None:
+            st = host.store.store.stats()
+            out["store"] = {
+                "kind": st.kind,
+                "location": st.location,
+                "policy": host.store_policy,
+                **host.store.counters()._asdict(),
+            }
+        return out
+
     def check_integrity(self) -> str:
         """ "ok", or what ``KVManager.check_integrity`` found wrong (every used page has exactly one
         owner, the tree's locks match the sequences holding hits); under the lock, between steps."""
@@ -442,7 +468,31 @@ class LLMEngine:
 
         loaded = load_llm(model_path, dtype=dtype, device=device)
         tokenizer = load_tokenizer(loaded.model_dir)
-        return cls(loaded.model, loaded.config, tokenizer, config, device, dtype, loaded.positions, kv_events)
+        engine = cls(
+            loaded.model, loaded.config, tokenizer, config, device, dtype, loaded.positions, kv_events
+        )
+        engine.model_dir = loaded.model_dir
+        return engine
+
+    def attach_kv_store(self, store: Store, ttl_s: float | None = None) -> KVStoreTier | None:
+        """Put the shared store under the host tier (``EngineConfig.kv_store_policy``): evicted
+        pages go there and come back from there, also to other engines of the same weights. None
+        (and nothing attached) without a host tier or with the policy "off"."""
+        host = self.scheduler.kv.host_tier
+        if host is None or self.config.kv_store_policy == "off":
+            return None
+        layout, page = self.kv.layout, self.kv.page_size
+        tier = KVStoreTier(
+            store,
+            model_kv_id(self.model_dir, layout, self.dtype, page),
+            layout,
+            page,
+            self.dtype,
+            ttl_s=ttl_s,
+        )
+        tier.on_ready = self._wake.set  # a waiting sequence's pages arrived: schedule again
+        host.store, host.store_policy = tier, self.config.kv_store_policy
+        return tier
 
 
 def _build_kv_and_scheduler(
@@ -480,5 +530,6 @@ def _build_kv_and_scheduler(
         max_prefill_chunk=ec.max_prefill_chunk,
         max_model_len=max_model_len,
         max_waiting=ec.max_waiting,
+        kv_copy_overlap=ec.kv_copy_overlap,
     )
     return kv, Scheduler(sched_cfg, manager)

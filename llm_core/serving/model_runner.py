@@ -26,6 +26,7 @@ from encoder.caches.embedding_ref import EmbeddingRef
 from llm_core.caches.kv_pool import DualKVCache
 from llm_core.kernels.attention_batch import AttentionBatch
 from llm_core.models.positions import LinearPositions, PositionScheme
+from llm_core.serving.kv_copy import LayeredCopy, copy_sequentially, plan_copies
 from llm_core.serving.sampling import Sampler, SamplingParams
 from llm_core.serving.sequence import (
     DecodePageTables,
@@ -92,9 +93,11 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         positions: PositionScheme | None = None,
         vocab_size: int | None = None,
+        kv_copy_overlap: bool = True,
     ) -> None:
         """``vocab_size``: the logits' width, which sizes the logits projection (``_logits``); None:
-        always with torch's thread count."""
+        always with torch's thread count. ``kv_copy_overlap``: copy a step's KV copies beside its
+        forward, layer by layer (``kv_copy.LayeredCopy``), instead of before it."""
         self.model = model
         self.vocab_size = vocab_size
         self.position_scheme: PositionScheme = positions or LinearPositions()
@@ -106,6 +109,9 @@ class ModelRunner:
         self._generators: dict[int | str, torch.Generator | None] = {}
         self._aranges: dict[tuple[int, torch.dtype], Tensor] = {}
         self._decode_tables = DecodePageTables()  # kept across decode steps (rows patched)
+        self.kv_copy_overlap = kv_copy_overlap
+        # Chunks that copied KV and computed in the same step (a restore crossing its end).
+        self.num_overlapped_copies = 0
 
     def prepare(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> StepInputs:
         """Pack the new tokens of ``seqs``; ``num_new_tokens[b]`` start at ``num_computed_tokens``."""
@@ -280,7 +286,8 @@ class ModelRunner:
         """Run one step; the sampled token of each sequence, None where prefill is not complete.
 
         A sequence whose chunk lies in its ``kv_source`` (``caches/kv_source.py``) has it copied
-        instead of computed; a source that covers the whole prompt yields the token after it."""
+        instead of computed (the part past the source's end, if any, computed); a source that
+        covers the whole prompt yields the token after it."""
         if any(s.copying_kv for s in seqs):
             return self._execute_with_imports(seqs, num_new_tokens)
         inp = self.prepare(seqs, num_new_tokens)
@@ -310,21 +317,23 @@ class ModelRunner:
         return out
 
     def _execute_with_imports(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> list[int | None]:
-        out: list[int | None] = [None] * len(seqs)
-        rest: list[int] = []
-        for b, (s, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
-            if not s.copying_kv:
-                rest.append(b)
-                continue
-            start, end = s.num_computed_tokens, s.num_computed_tokens + n
-            assert end <= s.kv_source.end, "the scheduler never plans a chunk across a copy's end"
-            s.kv_source.write(self.kv, s.full_pages, s.swa_pages, start, end)
-            if end == s.num_tokens:
-                out[b] = s.kv_source.first_token
-        if rest:
-            sampled = self.execute([seqs[b] for b in rest], [num_new_tokens[b] for b in rest])
-            for b, t in zip(rest, sampled, strict=True):
-                out[b] = t
+        """``execute`` of a step in which some chunks copy KV (``kv_copy.py``): their copies, then
+        or beside (``kv_copy_overlap``) the forward of the rest, a crossing chunk's computed tail
+        included."""
+        plan = plan_copies(seqs, num_new_tokens)
+        self.num_overlapped_copies += plan.num_crossing
+        if not plan.compute_seqs:  # only copies: no forward to hide them behind
+            copy_sequentially(self.kv, plan.jobs)
+            return plan.out
+        if self.kv_copy_overlap:
+            with LayeredCopy(self.kv, plan.jobs):
+                sampled = self.execute(plan.compute_seqs, plan.compute_tokens)
+        else:
+            copy_sequentially(self.kv, plan.jobs)
+            sampled = self.execute(plan.compute_seqs, plan.compute_tokens)
+        out = plan.out
+        for b, t in zip(plan.compute_index, sampled, strict=True):
+            out[b] = t
         return out
 
     def _logits(self, rows: Tensor) -> Tensor:

@@ -57,6 +57,9 @@ class SchedulerConfig:
     bucket_bounds: tuple[int, ...] = (64 * 1024, 256 * 1024, 1024 * 1024)
     hit_weight: float = 0.5
     wait_tokens_per_s: float = 1024.0
+    # A chunk of a restore (a ``kv_source`` without ``first_token``) may cross the copy's end: the
+    # runner copies the part before it beside the forward of the rest (``serving/kv_copy.py``).
+    kv_copy_overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -186,10 +189,12 @@ class Scheduler:
         return self.config.max_prefill_chunk or self.config.max_num_batched_tokens
 
     def _chunk_limit(self, seq: Sequence) -> int:
-        """The most prefill tokens ``seq`` may take this step: a chunk that copies KV in stops at
-        the copy's end (the runner either copies or computes a chunk, never both)."""
+        """The most prefill tokens ``seq`` may take this step. A chunk that copies KV in stops at
+        the copy's end, except a restore's with ``kv_copy_overlap``: its part past ``end`` is
+        computed in the same step, beside the copy. An import always stops there: it covers the
+        whole prompt and brings the token after it (nothing is left to compute)."""
         n = min(seq.num_uncomputed_tokens, self._chunk_cap())
-        if seq.copying_kv:
+        if seq.copying_kv and not (self.config.kv_copy_overlap and seq.kv_source.first_token is None):
             n = min(n, seq.kv_source.end - seq.num_computed_tokens)
         return n
 
@@ -221,7 +226,8 @@ class Scheduler:
             if left == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             if seq.kv_source is None:
-                self.kv.match_prefix(seq)
+                if self.kv.match_prefix(seq) is None:
+                    continue  # its prefix's KV is on its way from the store: admitted once it is here
             else:  # an import brings the whole prompt's KV: nothing to borrow
                 p = self.kv.page_size  # pin only a window the payload holds (layer_plan.py)
                 self.kv.pin_prompt_end(seq, seq.num_prompt_tokens // p * p)

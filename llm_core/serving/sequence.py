@@ -172,6 +172,10 @@ class Sequence:
     # or the host tier's pages).
     kv_export: bool = False
     kv_source: Any = None
+    # The store tier's fetch of this prompt's pages (``caches.kv_store_tier.StoreFetch``) while it
+    # runs; the sequence is not admitted until it settles. Once settled (absorbed or given up)
+    # ``FETCH_SPENT``: a sequence asks the store once.
+    kv_fetch: Any = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -30,6 +30,7 @@ from starlette.routing import Route
 
 from epd_common.active_paths import report
 from epd_common.errors import APIError, bad_request, error_body, error_response, overloaded
+from epd_common.store_config import build_store
 from llm_core.kernels.active_paths import llm_paths
 from llm_core.serving.completion_request import (
     CompletionRequest,
@@ -64,6 +65,12 @@ class _Metrics:
         self.cached_tokens = Gauge(
             "epd_llm_cached_prompt_tokens_total", "Prompt tokens served by the prefix cache", registry=r
         )
+        self.kv_tier = Gauge(
+            "epd_llm_kv_tier",
+            "The KV tiers below the prefix cache: sizes and counters",
+            ["tier", "field"],
+            registry=r,
+        )
 
     def render(self, engine: LLMEngine) -> bytes:
         s = engine.stats()
@@ -75,6 +82,10 @@ class _Metrics:
         self.gen_tokens.set(s.generation_tokens_total)
         self.prompt_tokens.set(s.prompt_tokens_total)
         self.cached_tokens.set(s.cached_prompt_tokens_total)
+        for tier, fields in engine.kv_tier_stats().items():
+            for name, value in fields.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    self.kv_tier.labels(tier=tier, field=name).set(value)
         return generate_latest(self.registry)
 
 
@@ -266,6 +277,7 @@ def create_app(
                 "instance_id": engine.instance_id,
                 "role": config.role,
                 "kv_handoff": engine.handoff.stats() if engine.handoff else None,
+                "kv_tiers": engine.kv_tier_stats(),
                 "page_size": engine.kv.full_pages.page_size,
                 "sliding_window": engine.model_config.sliding_window,
                 "kv_events_endpoint": events.endpoint if events else None,
@@ -309,6 +321,12 @@ def build_app(config: LLMServerConfig) -> Starlette:
         config.model_path, config.engine, device, config.torch_dtype, kv_events=events
     )
     engine.handoff = KVHandoff(config.kv_transport, config.cache_namespace, engine.kv, host=config.host)
+    store = build_store(config.store)
+    if store is not None and engine.attach_kv_store(store, config.store.ttl_s) is None:
+        log.warning(
+            "a store is configured but the engine keeps no KV there: it needs a host tier "
+            "(--engine-host-kv-bytes) and a kv store policy other than off"
+        )
     embeddings = EmbeddingSource.open(
         config.cache_namespace, engine.model_config.hidden_size, config.fetch_timeout_s
     )

@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 
 from epd_common.runtime import check_dtype, resolve_device, resolve_dtype
+from epd_common.store_config import StoreConfig
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,14 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     # host memory for pages the prefix cache evicts (copied back when a prefix returns); 0: none
     host_kv_bytes: int = 0
+    # With a host tier and a store (``LLMServerConfig.store``): which host pages also go to the
+    # store, where any engine sharing it can fetch them. "write_through": every spilled page
+    # (a session can return to another engine or node); "host_evict": only pages the host tier
+    # drops for room; "off": the store keeps embeddings only.
+    kv_store_policy: Literal["write_through", "host_evict", "off"] = "write_through"
+    # Copy KV from the host tier layer by layer beside the forward that reads it (the forward's
+    # layer i waits until layer i is copied) instead of in a step of its own.
+    kv_copy_overlap: bool = True
     seed: int | None = None  # of the shared generator used by unseeded sampled requests
 
     def __post_init__(self) -> None:
@@ -71,6 +80,9 @@ class LLMServerConfig:
     role: Literal["prefill", "decode", "both"] = "both"
     # How prompt KV moves between engines: "shm" (one node) or "mooncake" (TCP, across nodes)
     kv_transport: Literal["shm", "mooncake"] = "shm"
+    # The shared cache tier (Redis / Valkey, or a directory): with a host tier, evicted KV pages go
+    # there too (``EngineConfig.kv_store_policy``) and come back from there
+    store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self) -> None:
         check_dtype("LLMServerConfig.dtype", self.dtype)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from llm_core.caches.host_tier import FetchCostModel
+from llm_core.caches.host_restore import FetchCostModel
 from llm_core.prompts.tokenizer import load_tokenizer
 from llm_core.serving.engine import LLMEngine
 from llm_core.serving.model_runner import MultimodalInput

@@ -1,0 +1,120 @@
+"""One host page of KV as store bytes, and back, checked: what the store tier puts under a page's key.
+
+    offset 0   b"EPDKVPG\\x01"                 magic and format version
+           8   u32 little-endian: header length
+          12   header: JSON {model, hash, page_size, dtype, has_swa, layers, crc32}
+     aligned   per kept layer in model order: K [page, heads, head_dim], then V [page, heads, v_head_dim]
+
+``layers`` lists which layers' KV the page carries (an SWA layer's is absent when the page was
+outside the window when it was spilled). ``decode`` refuses bytes for another model, page size or
+dtype, bytes stored under another page's key (``hash``), sizes that do not add up, and a body whose
+crc32 differs: a value truncated or corrupted in the store is a miss to recompute, never KV.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+import torch
+
+from llm_core.caches.host_restore import HostPage
+from llm_core.caches.kv_pool import KVLayout
+
+MAGIC = b"EPDKVPG\x01"
+_ALIGN = 64
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PageCodecError(ValueError):
+    """Bytes that are not a page of this model's KV (a miss, not a crash)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in _DTYPES.items():
+        if dt == dtype:
+            return name
+    raise PageCodecError(f"KV dtype {dtype} cannot be stored")
+
+
+def _shapes(
+    layout: KVLayout, page_size: int, layer: int
+) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    heads = layout.swa_kv_heads if layout.layer_is_swa[layer] else layout.full_kv_heads
+    return (page_size, heads, layout.head_dim), (page_size, heads, layout.v_head_dim)
+
+
+def _data_offset(header_len: int) -> int:
+    return -(-(12 + header_len) // _ALIGN) * _ALIGN
+
+
+def encode(page: HostPage, page_hash: int, model: str, page_size: int) -> bytes:
+    """``page`` (CPU tensors) as bytes; ``model`` names the weights and KV layout it belongs to."""
+    kept = [i for i, kv in enumerate(page.layers) if kv is not None]
+    dtype = next(kv[0].dtype for kv in page.layers if kv is not None)
+    body = b"".join(
+        t.contiguous().view(torch.uint8).numpy().tobytes()
+        for i in kept
+        for t in page.layers[i]  # type: ignore[union-attr]
+    )
+    head = {
+        "model": model,
+        "hash": f"{page_hash:016x}",
+        "page_size": page_size,
+        "dtype": dtype_name(dtype),
+        "has_swa": page.has_swa,
+        "layers": kept,
+        "crc32": zlib.crc32(body),
+    }
+    header = json.dumps(head, sort_keys=True).encode()
+    off = _data_offset(len(header))
+    return MAGIC + struct.pack("<I", len(header)) + header + bytes(off - 12 - len(header)) + body
+
+
+def decode(
+    data: bytes, page_hash: int, model: str, layout: KVLayout, page_size: int, dtype: torch.dtype
+) -> HostPage:
+    """The page in ``data``, checked against what this engine expects; ``PageCodecError`` otherwise."""
+    raw = memoryview(data)
+    if len(raw) < 12 or bytes(raw[:8]) != MAGIC:
+        raise PageCodecError("not a stored KV page (bad magic or version)")
+    (hlen,) = struct.unpack("<I", raw[8:12])
+    if 12 + hlen > len(raw):
+        raise PageCodecError("the stored KV page's header runs past its end")
+    try:
+        head = json.loads(bytes(raw[12 : 12 + hlen]))
+        kept = [int(i) for i in head["layers"]]
+        theirs = (head["model"], head["hash"], int(head["page_size"]), head["dtype"])
+        crc, has_swa = int(head["crc32"]), bool(head["has_swa"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise PageCodecError(f"unreadable stored KV page header: {e}") from e
+    mine = (model, f"{page_hash:016x}", page_size, dtype_name(dtype))
+    if theirs != mine:
+        raise PageCodecError(f"the stored KV page is {theirs}, this engine expects {mine}")
+    n = layout.num_layers
+    full = [i for i in range(n) if not layout.layer_is_swa[i]]
+    if sorted(set(kept)) != kept or not set(full) <= set(kept) or (kept and kept[-1] >= n):
+        raise PageCodecError(f"the stored KV page's layers {kept} do not fit a {n}-layer model")
+    if has_swa and len(kept) != n:
+        raise PageCodecError("the stored KV page says it has the SWA layers' KV but lacks some")
+    esize = torch.empty((), dtype=dtype).element_size()
+    sizes = [s for i in kept for s in _shapes(layout, page_size, i)]
+    need = sum(a * b * c for a, b, c in sizes) * esize
+    off = _data_offset(hlen)
+    if len(raw) != off + need:
+        raise PageCodecError(f"the stored KV page has {len(raw) - off} body bytes, its layers need {need}")
+    body = bytearray(raw[off:])  # owned and writable: the page's tensors are views of it
+    if zlib.crc32(body) != crc:
+        raise PageCodecError("the stored KV page's checksum does not match (corrupted)")
+    buf = torch.frombuffer(body, dtype=torch.uint8) if need else torch.empty(0, dtype=torch.uint8)
+    layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n
+    pos = 0
+    for i in kept:
+        pair = []
+        for shape in _shapes(layout, page_size, i):
+            nbytes = shape[0] * shape[1] * shape[2] * esize
+            pair.append(buf[pos : pos + nbytes].view(dtype).view(shape))
+            pos += nbytes
+        layers[i] = (pair[0], pair[1])
+    return HostPage(tuple(layers), need, has_swa)
