@@ -112,8 +112,11 @@ class KVStoreTier:
         max_pending_bytes: int = 256 << 20,
         batch_pages: int = 16,
         probe_interval_s: float = 10.0,
+        min_wait_s: float = 0.02,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``min_wait_s``: the least a sequence waits for its fetch (a prompt that recomputes in
+        a millisecond still gets a round trip's chance)."""
         self.store = store
         self.model = model
         self.layout = layout
@@ -123,6 +126,7 @@ class KVStoreTier:
         self.max_pending_bytes = max_pending_bytes
         self.batch_pages = batch_pages
         self.probe_interval_s = probe_interval_s
+        self.min_wait_s = min_wait_s
         self.clock = clock
         self.on_ready: Callable[[], None] | None = None  # the engine's wake-up, after each fetch
         # Priors until measured: loopback Redis-like latency and bandwidth (replaced by EWMA).

@@ -36,6 +36,9 @@ def tiered(loaded: Any, store: Store, **kw: Any) -> tuple[LLMEngine, KVStoreTier
     engine.model_dir = loaded.model_dir
     tier = engine.attach_kv_store(store)
     assert tier is not None
+    # These tests check what a fetch brings back, on a machine that may be busy: always fetch, and
+    # wait long enough (the deadline and the cost call have their own test below).
+    tier.probe_interval_s, tier.min_wait_s = 0.0, 5.0
     return engine, tier
 
 
@@ -219,6 +222,7 @@ def test_a_store_slower_than_recompute_is_abandoned_at_the_deadline(
     finally:
         a.stop()
     b, tier_b = tiered(loaded, SlowStore(guarded(own_redis.url), delay_s=3.0))  # type: ignore[arg-type]
+    tier_b.min_wait_s = 0.02  # the default: the deadline is what recomputing would take
     try:
         t0 = time.monotonic()
         got = answer(b, second, mm)
