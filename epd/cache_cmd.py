@@ -1,7 +1,9 @@
 """``epd cache``: inspect and manage a node's embedding cache.
 
-    epd cache stats [--store URL | --store-dir DIR]   capacity, used, entries, hit rate, evictions,
-                                       this node's store hits; the shared tier's entries and bytes
+    epd cache stats [--store URL | --store-dir DIR] [--llm-url URL]
+                                       capacity, used, entries, hit rate, evictions, this node's
+                                       store hits; the shared tier's entries and bytes; each
+                                       engine's KV tiers (host memory, store: pages, bytes, hits)
     epd cache ls [--sort recent|size|hits] [--limit N]
     epd cache show KEY                 metadata, header + checksum check, first values
     epd cache verify                   checksum every entry; exit 1 on any failure
@@ -54,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     stats.add_argument("--store", metavar="URL", help="the shared tier's redis://HOST:PORT (Redis or Valkey)")
     stats.add_argument("--store-dir", metavar="DIR", help="the shared tier's directory (disk tier)")
+    stats.add_argument(
+        "--llm-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an LLM engine (repeatable): its KV tiers below the prefix cache (host memory, store)",
+    )
     ls = sub.add_parser("ls", parents=[common], allow_abbrev=False, help="list entries")
     ls.add_argument("--sort", choices=sorted(_SORTS), default="recent")
     ls.add_argument("--limit", type=int, default=50, help="at most this many rows (0: all)")
@@ -177,10 +186,44 @@ def _stats(args: argparse.Namespace, console: Console) -> int:
     tier = _store_stats(args)
     if tier is not None:
         doc["store"] = tier._asdict()
+    engines = {url: _engine_kv_tiers(url) for url in getattr(args, "llm_url", [])}
+    if engines:
+        doc["llm_kv_tiers"] = engines
     _emit(args, console, doc, _stats_table(s))
     if tier is not None and not args.json:
         console.print(_store_table(tier))
+    if not args.json:
+        for url, tiers in engines.items():
+            console.print(_kv_tiers_table(url, tiers))
     return 0
+
+
+def _engine_kv_tiers(url: str) -> dict[str, Any]:
+    """An engine's ``/health`` ``kv_tiers``: per tier (host, store) its sizes and counters."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=5.0) as r:
+            body = json.loads(r.read())
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise CacheError(f"the LLM engine at {url} did not answer /health: {e}") from e
+    tiers = body.get("kv_tiers")
+    if not isinstance(tiers, dict):
+        raise CacheError(f"{url}/health has no kv_tiers: is it an epd llm engine?")
+    return tiers
+
+
+def _kv_tiers_table(url: str, tiers: dict[str, Any]) -> Table:
+    t = Table(title=f"KV tiers of {url}" + ("" if tiers else ": none (no --engine-host-kv-bytes)"))
+    t.add_column("tier")
+    t.add_column("field")
+    t.add_column("value", justify="right")
+    for tier, fields in tiers.items():
+        for name, value in fields.items():
+            shown = _human(value) if name.endswith("bytes") and isinstance(value, int) else str(value)
+            t.add_row(tier, name, shown)
+    return t
 
 
 def _store_stats(args: argparse.Namespace) -> StoreStats | None:

@@ -130,3 +130,51 @@ def test_installed_epd_script_prints_stats_json(root: Path) -> None:
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout)
     assert stats["entries"] == 3 and stats["root"] == str(root)
+
+
+def test_stats_shows_an_engines_kv_tiers(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A real engine on loopback with a host tier: a prompt pushed out of its small pool is spilled,
+    and ``epd cache stats --llm-url`` reports the host tier's pages and bytes."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from llm_core.serving.engine import LLMEngine
+    from llm_core.serving.sampling import SamplingParams
+    from llm_core.serving.server import create_app
+    from llm_core.serving.server_config import EngineConfig
+
+    cfg = EngineConfig(kv_memory_bytes=6 << 20, max_model_len=512, host_kv_bytes=32 << 20)
+    engine = LLMEngine.from_checkpoint(None, cfg)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="error", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        import asyncio
+
+        async def fill() -> None:
+            sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+            for i in range(6):  # distinct prompts, more than the pool holds: the oldest are spilled
+                async for _ in engine.generate([40 + i] + [65 + (j * 7 + i) % 50 for j in range(300)], sp):
+                    pass
+
+        asyncio.run(fill())
+        rc, out = run_json(capsys, "stats", "--root", str(root), "--llm-url", url)
+        assert rc == 0 and isinstance(out, dict), out
+        host = out["llm_kv_tiers"][url]["host"]
+        assert host["pages"] > 0 and host["bytes"] > 0 and host["spilled_pages"] > 0, host
+        assert main(["cache", "stats", "--root", str(root), "--llm-url", url]) == 0
+        assert "KV tiers of" in capsys.readouterr().out
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    rc, out = run_json(capsys, "stats", "--root", str(root), "--llm-url", url)  # the engine is gone
+    assert rc == 2 and isinstance(out, dict) and "did not answer" in out["error"]["message"]
