@@ -75,6 +75,11 @@ class KVManager:
         self.swa_aware = swa_aware
         self.radix: RadixCache | None = None
         self.host_tier = host_tier if enable_prefix_cache and swa_aware else None
+        # Positions below the next query whose window is kept as well (speculative decoding: the
+        # MTP heads' queries trail the target's by up to k + 1 positions).
+        self.swa_extra_tokens = 0
+        # Speculative decoding: a prefix hit backs off to the previous hit point (see match_prefix).
+        self.mtp_backoff = False
         self._peeks: weakref.WeakKeyDictionary[Sequence, tuple[tuple[int, int], int]] = (
             weakref.WeakKeyDictionary()
         )
@@ -134,6 +139,11 @@ class KVManager:
         if self.radix is None:
             return 0
         hit = self.radix.match_prefix(seq.cache_keys, seq.num_tokens - 1)
+        if self.mtp_backoff and hit.length:
+            # The MTP heads' KV at a cached prefix's last positions was computed from tokens past
+            # it (layer j at i reads token i + j + 1): resume from the previous hit point instead,
+            # so the target recomputes that part and the heads with it (``speculative.py``).
+            hit = self.radix.match_prefix(seq.cache_keys, hit.length - 1)
         fetched: dict[int, HostPage] = {}
         if self.host_tier is not None and self.host_tier.store is not None:
             waiting, fetched = self._await_store(seq, hit.length)
@@ -190,7 +200,7 @@ class KVManager:
         recompute_s = n * p / host.cost.prefill_tokens_per_s
         if not store.worth_fetching(n, host.estimate_nbytes(n, self.sliding_window - 1), recompute_s):
             return False, {}
-        seq.kv_fetch = store.fetch(hashes[start:usable], deadline=now + recompute_s)
+        seq.kv_fetch = store.fetch(hashes[start:usable], deadline=now + max(recompute_s, store.min_wait_s))
         return True, {}
 
     def _restore_from_host(self, seq: Sequence, hit: int, fetched: dict[int, HostPage]) -> None:
@@ -292,7 +302,8 @@ class KVManager:
         still holds at most ``swa_pages_per_sequence`` pages (the next page is not needed until
         c reaches it, and then b moves with it).
         """
-        lo = self.first_live_swa_page(seq.num_computed_tokens // self.page_size * self.page_size)
+        b = seq.num_computed_tokens // self.page_size * self.page_size
+        lo = self.first_live_swa_page(min(b, max(0, seq.num_computed_tokens - self.swa_extra_tokens)))
         if lo <= seq.num_swa_released:
             return 0  # the window start did not pass a page since the last call (most steps)
         pins = self._pinned_pages(seq)

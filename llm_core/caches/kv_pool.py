@@ -146,20 +146,28 @@ class KVLayout:
         return self.num_swa_layers * self.swa_kv_heads * (self.head_dim + self.v_head_dim) * self.dtype_bytes
 
     @classmethod
-    def from_model_config(cls, cfg: Any, dtype: torch.dtype = torch.bfloat16) -> KVLayout:
+    def from_model_config(
+        cls, cfg: Any, dtype: torch.dtype = torch.bfloat16, *, mtp_layers: int = 0
+    ) -> KVLayout:
         """Layout of a MiMo-style config (llm_core.models.config.DecoderConfig or transformers' config).
 
         Reads ``layer_types`` ("sliding_attention" / "full_attention") when present, else the
         agreed rule (layer ``i`` is full iff ``i == 0 or (i + 1) % 6 == 0``). SWA layers have
         ``swa_num_key_value_heads`` KV heads when the config names them, else twice the full count
         (MiMo-V2-Flash).
+
+        ``mtp_layers``: that many SWA layers appended after the model's (indices
+        ``num_hidden_layers .. num_hidden_layers + mtp_layers - 1``), for the multi-token-prediction
+        heads' KV (``llm_core.models.mtp``); they share the SWA pool's page table.
         """
+        assert mtp_layers >= 0, mtp_layers
         n = int(cfg.num_hidden_layers)
         types = getattr(cfg, "layer_types", None)
         if types:
             is_swa = tuple(str(t).startswith("sliding") for t in types)
         else:
             is_swa = tuple(not (i == 0 or (i + 1) % 6 == 0) for i in range(n))
+        is_swa += (True,) * mtp_layers
         full_heads = int(cfg.num_key_value_heads)
         swa_heads = getattr(cfg, "swa_num_key_value_heads", None) or 2 * full_heads
         return cls(

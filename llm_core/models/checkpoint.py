@@ -4,7 +4,11 @@ MiMo-V2.5, the Qwen2.5-VL family), which parses the config, names the language m
 vision tower's shards are never opened), converts them into the decoder's layout (its
 ``tensor_converter``: e.g. MiMo-V2.5's FP8 dequantization and fused q/k/v split) and gives the
 rotary position scheme. Tensors the family names under ``mtp.`` are loaded into ``mtp.MTPHeads``
-(``LoadedLLM.mtp``). For MiMo-V2-Flash:
+(``LoadedLLM.mtp``); config.json's ``num_nextn_predict_layers``, when present, says how many heads
+there are (0: none are read; a count that differs from the tensors' is an error; declared heads
+whose tensors are all absent leave ``mtp`` None, as in a checkpoint stripped of them), and a family
+with ``MTP_NEEDS_DECLARATION`` (MiMo-V2-Flash) reads its ``model.mtp.*`` only when the count is
+declared. For MiMo-V2-Flash:
 
 Accepted layouts (config.json + weights):
 
@@ -13,16 +17,20 @@ Accepted layouts (config.json + weights):
   ``save_pretrained`` and the original release write) or fused (``mlp.experts.gate_up_proj``
   [E, 2I, H] / ``mlp.experts.down_proj`` [E, H, I], transformers' in-memory layout);
 - sinks as ``self_attn.attention_sink_bias`` (on disk) or ``self_attn.sinks``;
-- ``model.mtp.*`` (multi-token-prediction heads) is skipped; with tied embeddings ``lm_head`` may
-  be absent.
+- ``model.mtp.layers.{i}.*`` (multi-token-prediction heads, sinks as ``attention_sink_bias``)
+  loaded when config.json declares ``num_nextn_predict_layers``, skipped otherwise (transformers'
+  config has no such field and its model drops them); with tied embeddings ``lm_head`` may be
+  absent.
 
 Loading is strict: any missing or unexpected tensor, or a shape mismatch, raises CheckpointError
 naming the tensor; so does a truncated or corrupt shard (naming the file and the first tensor whose
 bytes are cut off). The router (``mlp.gate.*``) stays fp32 whatever ``dtype`` is asked for.
 
 The embedded default (``load_llm(None)``) is generated once from a fixed seed with the agreed small
-config and stored under ``default_model_dir()/llm-<hash of the recipe>``; it is written to a temporary directory and
-renamed into place so concurrent first starts never see a half-written checkpoint.
+config, plus ``DEFAULT_MTP_LAYERS`` MTP heads distilled from it (``mtp_distill``; its report is saved
+beside the weights as ``mtp_distill.json``), and stored under ``default_model_dir()/llm-<hash of the
+recipe>``; it is written to a temporary directory and renamed into place so concurrent first starts
+never see a half-written checkpoint.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -48,12 +57,19 @@ from llm_core.models.decoder import DecoderForCausalLM
 from llm_core.models.family import TensorFormatError, tensor_converter_of
 from llm_core.models.moe import TopKRouter
 from llm_core.models.mtp import MTP_PREFIX, MTPFormatError, MTPHeads, num_layers_in, split_mtp_state
+from llm_core.models.mtp_distill import DistillRecipe, distill_mtp_heads
 from llm_core.models.positions import LinearPositions, PositionScheme
 
 DEFAULT_SEED = 20260101
-# Bump when the default's generation (init_random_weights, the tokenizer) changes: the directory
-# name hashes this together with the config and seed.
-DEFAULT_RECIPE_VERSION = 1
+# Bump when the default's generation (init_random_weights, the tokenizer, the heads' distillation)
+# changes: the directory name hashes this together with the config, seed and distillation recipe.
+# 2: the default gained DEFAULT_MTP_LAYERS distilled MTP heads.
+DEFAULT_RECIPE_VERSION = 2
+# The embedded default's MTP heads (MiMo-V2-Flash ships 3) and how they are distilled.
+DEFAULT_MTP_LAYERS = 3
+DEFAULT_DISTILL = DistillRecipe()
+DISTILL_REPORT = "mtp_distill.json"
+MTP_LAYERS_KEY = "num_nextn_predict_layers"  # config.json's head count
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -67,7 +83,7 @@ class LoadedLLM(NamedTuple):
     model_dir: Path
     positions: PositionScheme = LinearPositions()  # the family's rotary position scheme
     architecture: str = "MiMoV2FlashForCausalLM"
-    mtp: MTPHeads | None = None  # multi-token-prediction heads, when the checkpoint has them (not run yet)
+    mtp: MTPHeads | None = None  # multi-token-prediction heads, when the checkpoint has them
 
 
 def default_llm_config() -> DecoderConfig:
@@ -127,10 +143,10 @@ def weight_files(model_dir: Path, wanted: Callable[[str], bool]) -> list[Path]:
 def read_state_dict(model_dir: Path, rename: Callable[[str], str | None] | None = None) -> dict[str, Tensor]:
     """The checkpoint's tensors under their state-dict names. ``rename`` maps an on-disk name to
     ours, or to None for a tensor that is not this role's (never read); by default the MiMo
-    family's (names kept, ``model.mtp.*`` skipped). Tensors are read through safetensors' memory
-    map, one at a time. An unreadable file raises ``CheckpointError`` naming it (and, when it is
+    family's decoder tensors (names kept, ``model.mtp.*`` skipped). Tensors are read through
+    safetensors' memory map, one at a time. An unreadable file raises ``CheckpointError`` naming it (and, when it is
     cut short, the first tensor whose bytes are missing)."""
-    rename = rename or mimo_v2_flash.tensor_name
+    rename = rename or _decoder_only(mimo_v2_flash.tensor_name)
     tensors: dict[str, Tensor] = {}
     for path in weight_files(model_dir, lambda name: rename(name) is not None):
         disk_name = None
@@ -153,6 +169,28 @@ def read_state_dict(model_dir: Path, rename: Callable[[str], str | None] | None 
                 f"{path}: unreadable safetensors file{where} ({e}){_truncation(path)}"
             ) from e
     return tensors
+
+
+def _decoder_only(rename: Callable[[str], str | None]) -> Callable[[str], str | None]:
+    """``rename`` without the MTP heads' tensors (they are then never read)."""
+
+    def name(disk_name: str) -> str | None:
+        ours = rename(disk_name)
+        return None if ours is None or ours.startswith(MTP_PREFIX) else ours
+
+    return name
+
+
+def declared_mtp_layers(raw: dict[str, Any]) -> int | None:
+    """config.json's ``num_nextn_predict_layers`` (top level, else ``text_config``), or None when it
+    has none; ``ConfigError`` for a value that is not a count."""
+    text = raw.get("text_config")
+    value = raw.get(MTP_LAYERS_KEY, text.get(MTP_LAYERS_KEY) if isinstance(text, dict) else None)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{MTP_LAYERS_KEY}={value!r} is not a count of MTP layers")
+    return value
 
 
 def _truncation(path: Path) -> str:
@@ -256,8 +294,12 @@ def load_llm(
         config = family.parse_config(raw)
         # built before any tensor is read: a quantization the family cannot convert fails here
         convert = tensor_converter_of(family)(raw, config, dtype)
+        declared = declared_mtp_layers(raw)
     except (ConfigError, UnknownArchitecture) as e:
         raise CheckpointError(f"{model_dir}/config.json: {e}") from e
+    # whether model.mtp.* are read at all: by the declared count, else by the family's convention
+    wants_mtp = declared > 0 if declared is not None else not getattr(family, "MTP_NEEDS_DECLARATION", False)
+    rename = family.tensor_name if wants_mtp else _decoder_only(family.tensor_name)
     with torch.device("meta"):  # no throw-away random init of a possibly large model
         skeleton = DecoderForCausalLM(config)
     model = skeleton.to_empty(device="cpu").to(dtype)
@@ -265,7 +307,7 @@ def load_llm(
         if isinstance(module, TopKRouter):
             module.float()  # routing decisions are made in fp32, as in the reference
     try:
-        state = to_model_layout(convert(read_state_dict(model_dir, family.tensor_name)), config)
+        state = to_model_layout(convert(read_state_dict(model_dir, rename)), config)
     except (TensorFormatError, ConfigError) as e:
         raise CheckpointError(f"{model_dir}: {e}") from e
     mtp_state = split_mtp_state(state)
@@ -275,7 +317,7 @@ def load_llm(
     model.tie_weights()
     model.fuse_weights()
     model.requires_grad_(False)  # serving only; also lets inference-mode tensors mix with weights
-    mtp = _load_mtp(mtp_state, config, dtype, device, model_dir) if mtp_state else None
+    mtp = _load_mtp(mtp_state, config, dtype, device, model_dir, declared) if mtp_state else None
     architecture = str(family.ARCHITECTURES[0])
     return LoadedLLM(model, config, model_dir, family.position_scheme(raw), architecture, mtp)
 
@@ -286,12 +328,19 @@ def _load_mtp(
     dtype: torch.dtype,
     device: str | torch.device,
     where: Path,
+    declared: int | None = None,
 ) -> MTPHeads:
-    """The multi-token-prediction heads from their tensors (``mtp.`` stripped), strictly checked."""
+    """The multi-token-prediction heads from their tensors (``mtp.`` stripped), strictly checked;
+    ``declared``: config.json's head count, which the tensors must match."""
     try:
         num_layers = num_layers_in(state)
     except MTPFormatError as e:
         raise CheckpointError(f"{where}: {e}") from e
+    if declared is not None and num_layers != declared:
+        raise CheckpointError(
+            f"{where}: config.json declares {MTP_LAYERS_KEY}={declared}, the checkpoint has tensors "
+            f"for {num_layers} MTP heads (model.mtp.layers.0 .. {num_layers - 1})"
+        )
     with torch.device("meta"):
         skeleton = MTPHeads(config, num_layers)
     heads = skeleton.to_empty(device="cpu").to(dtype)
@@ -330,11 +379,17 @@ def init_random_weights(model: DecoderForCausalLM, seed: int, std: float = 0.02)
                 b.zero_()
 
 
-def write_checkpoint(model: DecoderForCausalLM, out_dir: Path) -> None:
-    """Write config.json + model.safetensors in the on-disk layout (per-expert, attention_sink_bias)."""
+def write_checkpoint(model: DecoderForCausalLM, out_dir: Path, mtp: MTPHeads | None = None) -> None:
+    """Write config.json + model.safetensors in the on-disk layout (per-expert, attention_sink_bias);
+    with ``mtp``, its heads as ``model.mtp.layers.{i}.*`` and their count in config.json
+    (``num_nextn_predict_layers``), the release's spelling."""
     out_dir.mkdir(parents=True, exist_ok=True)
     config = model.config
     tensors: dict[str, Tensor] = {}
+    if mtp is not None:
+        for name, t in mtp.state_dict().items():  # layers.{i}.* (no fused copies: not persistent)
+            disk = "model." + MTP_PREFIX + name.replace("self_attn.sinks", "self_attn.attention_sink_bias")
+            tensors[disk] = t.contiguous()
     for name, t in model.state_dict().items():
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue
@@ -351,17 +406,48 @@ def write_checkpoint(model: DecoderForCausalLM, out_dir: Path) -> None:
         else:
             tensors[name.replace("self_attn.sinks", "self_attn.attention_sink_bias")] = t.contiguous()
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+    hf = config.to_hf_dict()
+    if mtp is not None:
+        hf[MTP_LAYERS_KEY] = mtp.num_layers
+    (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+
+
+def _default_recipe() -> tuple[Any, ...]:
+    """Everything the embedded default's files depend on (hashed into its directory name)."""
+    return (default_llm_config(), DEFAULT_SEED, DEFAULT_RECIPE_VERSION, DEFAULT_MTP_LAYERS, DEFAULT_DISTILL)
+
+
+# The default's distilled heads (state dict) and report, once per process: distilling takes tens of
+# seconds and gives the same weights every time, so a second root (tests) copies them.
+_default_heads: dict[str, tuple[dict[str, Tensor], dict[str, Any]]] = {}
+_default_heads_lock = threading.Lock()
+
+
+def _distilled_default_heads(model_dir: Path) -> tuple[MTPHeads, dict[str, Any]]:
+    """The default's MTP heads, distilled from the target as ``load_llm`` serves it (fused weights,
+    eval) from ``model_dir``, and the distillation report as JSON."""
+    key = repr(_default_recipe())
+    heads = MTPHeads(default_llm_config(), DEFAULT_MTP_LAYERS)
+    with _default_heads_lock:  # concurrent first starts in one process distil once
+        cached = _default_heads.get(key)
+        if cached is None:
+            target = load_llm(model_dir).model
+            report = distill_mtp_heads(target, heads, DEFAULT_SEED, DEFAULT_DISTILL).to_json()
+            cached = _default_heads[key] = ({k: v.clone() for k, v in heads.state_dict().items()}, report)
+    heads.load_state_dict(cached[0])
+    return heads.eval().requires_grad_(False), cached[1]
 
 
 def ensure_default_checkpoint(root: Path | None = None) -> Path:
     """Create the embedded default checkpoint under ``root/llm-<recipe hash>`` once; return it.
 
-    The directory name hashes the config, seed and recipe version, so changing the default never
-    loads a checkpoint an older release generated."""
-    target = default_checkpoint_dir(
-        root or default_model_dir(), "llm", (default_llm_config(), DEFAULT_SEED, DEFAULT_RECIPE_VERSION)
-    )
+    The target's weights come from ``init_random_weights`` with ``DEFAULT_SEED``; its
+    ``DEFAULT_MTP_LAYERS`` heads are then distilled from it (``mtp_distill.distill_mtp_heads``, tens
+    of seconds on a CPU) and written beside it, with the distillation's report as
+    ``mtp_distill.json``. The directory name hashes the config, seed, recipe version and
+    distillation recipe, so changing the default never loads a checkpoint an older release
+    generated."""
+    target = default_checkpoint_dir(root or default_model_dir(), "llm", _default_recipe())
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -369,7 +455,10 @@ def ensure_default_checkpoint(root: Path | None = None) -> Path:
     try:
         model = DecoderForCausalLM(default_llm_config())
         init_random_weights(model, DEFAULT_SEED)
-        write_checkpoint(model, tmp)
+        write_checkpoint(model, tmp)  # the target alone: loaded back to distill the heads from
+        heads, report = _distilled_default_heads(tmp)
+        write_checkpoint(model, tmp, mtp=heads)
+        (tmp / DISTILL_REPORT).write_text(json.dumps(report, indent=2) + "\n")
         try:
             from llm_core.prompts.tokenizer import save_default_tokenizer
         except ImportError:

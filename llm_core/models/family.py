@@ -24,7 +24,9 @@ Two hooks are optional (a family module that does not define one gets the defaul
                                            (``Qwen2VLProcessor``).
 
 Names a family maps under ``MTP_PREFIX`` ("mtp.") are its multi-token-prediction heads: the loader
-puts them into ``mtp.MTPHeads`` instead of the decoder.
+puts them into ``mtp.MTPHeads`` instead of the decoder. A family module that sets
+``MTP_NEEDS_DECLARATION = True`` (MiMo-V2-Flash) has them read only when config.json declares
+``num_nextn_predict_layers`` > 0 (transformers' config for it has no such field and drops them).
 """
 
 from __future__ import annotations

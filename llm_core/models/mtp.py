@@ -1,13 +1,21 @@
 """Multi-token-prediction heads (MiMo-V2.5's ``model.mtp.layers.{i}``, DeepSeek-V3's NextN style).
 
-Loaded and shape-checked with the language model so that speculative decoding can use them; not
-run yet. Each head predicts one token further than the one before it, from the previous hidden
-state and the embedding of the token just predicted (embedding and lm_head are the model's)::
+Loaded and shape-checked with the language model; run for speculative drafting (``forward_layer``,
+paged) and for training and checks (``forward_layer_dense``, one sequence, autograd-safe). Head j
+at position i takes the previous hidden state h^j_i (h^0: the target's final-normed hidden) and the
+embedding of token t_{i+j+1} (embedding and lm_head are the model's)::
 
-    h   = eh_proj(cat(enorm(embed(token)), hnorm(prev_hidden)))      [T, 2 * hidden] -> [T, hidden]
-    h  += self_attn(input_layernorm(h))       a sliding-window layer (swa_* heads, sinks)
-    h  += mlp(pre_mlp_layernorm(h))           dense SwiGLU, intermediate_size
-    out = final_layernorm(h)                  -> the model's lm_head
+    x        = eh_proj(cat(enorm(embed(t_{i+j+1})), hnorm(h^j_i)))  [T, 2 * hidden] -> [T, hidden]
+    x       += self_attn(input_layernorm(x))     a sliding-window layer (swa_* heads, sinks), rotary
+                                                 position i, over head j's own KV at positions <= i
+    x       += mlp(pre_mlp_layernorm(x))         dense SwiGLU, intermediate_size
+    h^{j+1}_i = final_layernorm(x)               -> the model's lm_head predicts t_{i+j+2}
+
+Head j's paged KV is an extra SWA layer of the target's cache, index ``num_hidden_layers + j``
+(``KVLayout.from_model_config(..., mtp_layers=D)``), under the same SWA page table and slots as the
+target's SWA layers. The heads reuse the target's SWA rotary settings, window and sinks, and the
+same attention code as the target's SWA layers (``MiMoAttention``), so only the position
+scheme's 1-D positions are supported (no M-RoPE).
 
 State-dict names (the checkpoint's, less ``model.mtp.``; a fused ``qkv_proj`` is split by the
 family's converter): ``layers.{i}.{enorm,hnorm,eh_proj,input_layernorm,pre_mlp_layernorm,
@@ -20,18 +28,27 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import cast
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from llm_core.kernels import cpu_layer
+from llm_core.kernels.attention_batch import AttentionBatch, PagedKV
 from llm_core.models.config import SWA, DecoderConfig
-from llm_core.models.decoder import MiMoAttention, RMSNorm
+from llm_core.models.decoder import MiMoAttention, RMSNorm, RopeTables
 from llm_core.models.moe import DenseMLP
 
 # Prefix of the heads' tensors in the loader's state dict (what a family's tensor_name maps them to).
 MTP_PREFIX = "mtp."
 _LAYER = re.compile(r"^layers\.(\d+)\.")
+
+# The target's token embedding (``DecoderForCausalLM.embed``): ids [T] -> [T, hidden].
+Embed = Callable[[Tensor], Tensor]
+# The target's rotary tables (``DecoderForCausalLM.rope_tables``): (positions [T], dtype) -> tables.
+RopeTablesFn = Callable[[Tensor, torch.dtype], RopeTables]
 
 
 class MTPFormatError(ValueError):
@@ -43,30 +60,211 @@ def head_config(config: DecoderConfig) -> DecoderConfig:
     return dataclasses.replace(config, num_hidden_layers=1, layer_types=(SWA,), mlp_layer_types=("dense",))
 
 
+class MTPAttention(MiMoAttention):
+    """A head's attention: built as layer 0 of ``head_config`` (so SWA: swa KV heads, window, sinks,
+    SWA rotary), but reading and writing KV layer ``kv_layer`` of the cache, i.e. one of the SWA
+    layers appended after the target's (``MiMoAttention.forward`` addresses ``kv.layer(layer_idx)``;
+    built as index 0 it would overwrite the target's layer 0)."""
+
+    def __init__(self, config: DecoderConfig, kv_layer: int) -> None:
+        super().__init__(head_config(config), 0)
+        assert self.is_swa
+        self.layer_idx = kv_layer
+
+
 class MTPLayer(nn.Module):
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, kv_layer: int) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(hidden, eps)
         self.hnorm = RMSNorm(hidden, eps)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
         self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = MiMoAttention(head_config(config), 0)
+        self.self_attn = MTPAttention(config, kv_layer)
         self.pre_mlp_layernorm = RMSNorm(hidden, eps)
         self.mlp = DenseMLP(hidden, config.intermediate_size)
         self.final_layernorm = RMSNorm(hidden, eps)
 
+    def mix(self, embeds: Tensor, prev_hidden: Tensor) -> Tensor:
+        """embeds [T, hidden] (of the tokens t_{i+j+1}), prev_hidden [T, hidden] (h^j) -> x [T, hidden].
+        Embedding first, hidden second (the agreed order, as in DeepSeek-V3's NextN heads)."""
+        return self.eh_proj(torch.cat([_norm(self.enorm, embeds), _norm(self.hnorm, prev_hidden)], dim=-1))
+
+    def kernel_weights(self) -> cpu_layer.LayerWeights | None:
+        """The block between ``mix`` and ``final_layernorm`` (norm, SWA attention, norm, dense MLP,
+        both residuals) has a target decoder layer's shape: its weights for the one-call CPU
+        kernel (``cpu_layer``), or None when it cannot run them (not fused, not fp32 on CPU)."""
+        attn, mlp = self.self_attn, self.mlp
+        if attn.qkv_weight is None or mlp.gate_up_weight is None:
+            return None
+        if self.input_layernorm.eps != self.pre_mlp_layernorm.eps:
+            return None
+        mlp_args = cpu_layer.dense_mlp_args(mlp.gate_up_weight, mlp.down_proj.weight)
+        if mlp_args is None:
+            return None
+        return cpu_layer.layer_weights(
+            self.input_layernorm.weight,
+            self.pre_mlp_layernorm.weight,
+            self.input_layernorm.eps,
+            attn.qkv_weight,
+            attn.qkv_bias,
+            attn.o_proj.weight,
+            attn.sinks,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            attn.v_head_dim,
+            attn.window,
+            attn.scale,
+            attn.v_scale,
+            mlp_args,
+        )
+
+    def finish(self, x: Tensor, attn: Tensor) -> Tensor:
+        """x [T, hidden] (the block input), attn [T, hidden] (its attention output) -> h^{j+1}."""
+        x = x + attn
+        x = x + self.mlp(_norm(self.pre_mlp_layernorm, x))
+        return _norm(self.final_layernorm, x)
+
+
+def _norm(norm: RMSNorm, x: Tensor) -> Tensor:
+    """``norm(x)``, through a differentiable op when autograd records: RMSNorm's CPU fp32 path is a C
+    kernel whose output has no grad_fn (gradients would silently stop there)."""
+    w = norm.weight
+    if not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        return norm(x)
+    if x.dtype == w.dtype == torch.float32:
+        return F.rms_norm(x, w.shape, w, norm.eps)
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)).to(x.dtype)
+
+
+def _plain(t: Tensor) -> Tensor:
+    """``t``, or a normal copy of it when it was made in inference mode (e.g. the target's hidden
+    states from its ``forward``) and we are outside it: autograd cannot save inference tensors."""
+    return t.clone() if t.is_inference() and not torch.is_inference_mode_enabled() else t
+
 
 class MTPHeads(nn.Module):
-    """``num_layers`` heads (see the module docstring); parameters only, no forward yet."""
+    """``num_layers`` heads (see the module docstring). Head j's KV is cache layer
+    ``config.num_hidden_layers + j``."""
 
     def __init__(self, config: DecoderConfig, num_layers: int) -> None:
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList(MTPLayer(config) for _ in range(num_layers))
+        self.layers = nn.ModuleList(MTPLayer(config, config.num_hidden_layers + j) for j in range(num_layers))
+        self._kernel_weights: list[cpu_layer.LayerWeights | None] | None = None  # set by fuse_weights
 
     def heads(self) -> list[MTPLayer]:
         return cast(list[MTPLayer], list(self.layers))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def kv_layer(self, j: int) -> int:
+        """The KV cache layer index of head ``j``."""
+        return self.config.num_hidden_layers + j
+
+    def fuse_weights(self) -> None:
+        """Stacked q/k/v and gate/up weights for the fused CPU paths (as the target's
+        ``fuse_weights``). Only for serving: call again after any change to the weights, and not
+        while training (the stacked copies would go stale)."""
+        for module in self.modules():
+            if isinstance(module, (MiMoAttention, DenseMLP)):
+                module.fuse_weights()
+        weights = [head.kernel_weights() for head in self.heads()]
+        self._kernel_weights = None if any(w is None for w in weights) else weights
+
+    def _head(self, j: int, rope: RopeTables | None) -> MTPLayer:
+        assert 0 <= j < len(self.layers), f"MTP head {j} of {len(self.layers)}"
+        assert not self.config.mrope_section, "MTP heads run on 1-D positions only (no M-RoPE)"
+        head = self.heads()[j]
+        key = head.self_attn.rotary.key
+        assert rope is None or key in rope, (
+            f"MTP rotary {key} is not among the target's {sorted(rope)}: the heads use the target's SWA rotary"
+        )
+        return head
+
+    @torch.inference_mode()
+    def forward_layer(
+        self,
+        j: int,
+        token_ids: Tensor,
+        prev_hidden: Tensor,
+        positions: Tensor,
+        batch: AttentionBatch,
+        kv: PagedKV,
+        embed: Embed,
+        rope: RopeTables,
+        backend: str | None = None,
+    ) -> Tensor:
+        """Head ``j`` over a packed, paged batch -> h^{j+1} [T, hidden] (final-normed).
+
+        token_ids int64 [T]: row i's token t_{i+j+1}; prev_hidden [T, hidden]: h^j of each row;
+        positions int64 [T] (row i's position, 1-D); ``batch``: these T rows (cu_seqlens over the
+        sequences, ``swa_slots`` where each row's KV goes, ``swa_page_table``); ``kv``: a cache with
+        the heads' layers appended (``KVLayout.from_model_config(..., mtp_layers=...)``); ``embed``
+        and ``rope``: the target's ``embed`` and its ``rope_tables(positions, dtype)``. Writes the
+        rows' K/V into cache layer ``kv_layer(j)`` at their slots, then attends, as a target SWA
+        layer does. ``backend``: see ``attention.paged_attention`` (e.g. the target's
+        ``attention_backend``)."""
+        head = self._head(j, rope)
+        t = token_ids.shape[0]
+        assert positions.dim() == 1, "MTP heads take 1-D positions [T]"
+        assert prev_hidden.shape == (t, self.config.hidden_size) and positions.shape[0] == t, (
+            "token_ids, prev_hidden and positions disagree"
+        )
+        assert batch.num_tokens == t, "batch describes a different number of rows"
+        x = head.mix(embed(token_ids), prev_hidden)  # [T, hidden]
+        weights = self._kernel_weights[j] if self._kernel_weights is not None else None
+        if (
+            weights is not None
+            and backend in (None, "cpu")
+            and x.device.type == "cpu"
+            and x.dtype == torch.float32
+        ):
+            # One C call for the block, as the target's layers run (``cpu_layer``): x becomes the
+            # MLP's output and residual x + attn, whose sum final_layernorm normalizes.
+            x, residual = x.contiguous(), torch.empty_like(x)
+            cpu_layer.set_threads(torch.get_num_threads())
+            cos, sin = rope[head.self_attn.rotary.key]
+            layer_kv = kv.layer(head.self_attn.layer_idx)
+            cpu_layer.decoder_layer_cpu(
+                weights, cpu_layer.StepArgs(batch), layer_kv, cos, sin, x, residual, first=True
+            )
+            return head.final_layernorm.add_forward(x, residual)[0]
+        attn = head.self_attn(_norm(head.input_layernorm, x), positions, batch, kv, rope, backend)
+        return head.finish(x, attn)
+
+    def forward_layer_dense(
+        self,
+        j: int,
+        token_ids: Tensor,
+        prev_hidden: Tensor,
+        embed: Embed,
+        rope_tables: RopeTablesFn,
+    ) -> Tensor:
+        """Head ``j`` over one whole sequence at positions 0 .. S-1, no cache -> h^{j+1} [S, hidden].
+
+        token_ids int64 [S] (row i: t_{i+j+1}), prev_hidden [S, hidden] (h^j); ``embed`` and
+        ``rope_tables``: the target's ``embed`` and ``rope_tables`` methods. Causal, sliding window
+        and sinks through ``MiMoAttention.forward_dense`` (the math of the target's dense SWA
+        layers). Records autograd when it is on (for training the heads): inference-mode inputs
+        are copied first, and the norms take a differentiable op."""
+        s = token_ids.shape[0]
+        assert token_ids.dim() == 1 and prev_hidden.shape == (s, self.config.hidden_size), (
+            "token_ids [S] and prev_hidden [S, hidden] disagree"
+        )
+        positions = torch.arange(s, device=token_ids.device)
+        x = _plain(embed(token_ids))  # [S, hidden]
+        rope = {
+            key: (_plain(cos), _plain(sin)) for key, (cos, sin) in rope_tables(positions, x.dtype).items()
+        }
+        head = self._head(j, rope)
+        x = head.mix(x, _plain(prev_hidden))
+        attn = head.self_attn.forward_dense(_norm(head.input_layernorm, x), positions, rope)
+        return head.finish(x, attn)
 
 
 def num_layers_in(names: Iterable[str]) -> int:

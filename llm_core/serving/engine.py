@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,6 +41,7 @@ from llm_core.caches.kv_pool import DualKVCache, KVCacheConfig, KVLayout
 from llm_core.caches.kv_store_tier import KVStoreTier, model_kv_id
 from llm_core.kv_transfer.kv_import import KVImport
 from llm_core.models.config import DecoderConfig
+from llm_core.models.mtp import MTPHeads
 from llm_core.models.positions import PositionScheme
 from llm_core.prompts.tokenizer import Tokenizer
 from llm_core.serving.engine_stats import EngineLoad, EngineStats, ThroughputMeter
@@ -50,9 +52,10 @@ from llm_core.serving.request_stream import RequestState, RequestStream, StepOut
 from llm_core.serving.request_stream import deliver as deliver_outputs
 from llm_core.serving.sampling import Sampler, SamplingParams
 from llm_core.serving.scheduler import QueueFull, Scheduler, SchedulerConfig, SchedulerError
-from llm_core.serving.sequence import MediaSpanError, media_spans
+from llm_core.serving.sequence import MediaSpanError, Sampled, media_spans
 from llm_core.serving.sequence import Sequence as Seq
 from llm_core.serving.server_config import EngineConfig
+from llm_core.serving.speculative import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +89,20 @@ class LLMEngine:
         dtype: torch.dtype = torch.float32,
         positions: PositionScheme | None = None,
         kv_events: KVEventPublisher | None = None,
+        mtp: MTPHeads | None = None,
     ) -> None:
         """``positions``: the model family's rotary position scheme (``LoadedLLM.positions``);
         None: token i at position i. ``kv_events``: where the prefix cache's changes are published
-        (the engine owns it from here: ``stop`` closes it)."""
+        (the engine owns it from here: ``stop`` closes it). ``mtp``: the checkpoint's
+        multi-token-prediction heads (``LoadedLLM.mtp``), for ``speculative_steps`` > 0."""
         self.config = config or EngineConfig()
+        k = self.config.speculative_steps
+        if k and (mtp is None or len(mtp.heads()) < k):
+            have = 0 if mtp is None else len(mtp.heads())
+            raise ValueError(
+                f"speculative_steps={k} needs {k} MTP heads; the checkpoint has {have} "
+                "(num_nextn_predict_layers / model.mtp.layers.*)"
+            )
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -104,7 +116,7 @@ class LLMEngine:
             if t is not None
         )
         self.kv, self.scheduler = _build_kv_and_scheduler(
-            model_config, self.config, self.max_model_len, self.device, dtype, kv_events is not None
+            model_config, self.config, self.max_model_len, self.device, dtype, kv_events is not None, k
         )
         # Changes at each restart: a router that sees a new id drops what it knew of this engine.
         self.instance_id = uuid.uuid4().hex[:16]
@@ -126,6 +138,10 @@ class LLMEngine:
             vocab_size=model_config.vocab_size,
             kv_copy_overlap=self.config.kv_copy_overlap,
         )
+        if k:
+            assert mtp is not None
+            mtp.fuse_weights()  # the one-call CPU attention path (serving only: never trained here)
+            self.runner.speculator = Speculator(mtp, model, self.kv, k, self.runner.draw_draft)  # type: ignore[arg-type]
         # Guards the scheduler and ``_requests`` between the event loop (add) and the step thread
         # (schedule/update). Never held during the forward, so adds do not wait for a step.
         self._lock = threading.Lock()
@@ -362,9 +378,10 @@ class LLMEngine:
                 self._finish(req, "abort", [])
 
     def _publish(
-        self, seqs: list[Seq], sampled: list[int | None], finished: list[Seq]
+        self, seqs: list[Seq], sampled: list[Sampled], finished: list[Seq]
     ) -> list[tuple[RequestState, StepOutput]]:
-        """Turn the step's sampled tokens into StepOutputs; finish sequences a stop string ended."""
+        """Turn the step's sampled tokens (several for a verify step) into StepOutputs; finish
+        sequences a stop string ended (the tokens after it are dropped)."""
         done_ids = {id(s) for s in finished}
         outs: list[tuple[RequestState, StepOutput]] = []
         n_tokens = 0
@@ -372,16 +389,24 @@ class LLMEngine:
             req = self._requests.get(str(s.seq_id))
             if req is None or req.done or tok is None:
                 continue
-            n_tokens += 1
+            toks = tok if isinstance(tok, list) else [tok]
             done = id(s) in done_ids
-            if req.add_token(tok, render=tok not in s.stop_token_ids, last=done):
+            emitted: list[int] = []
+            stopped = False
+            for i, t in enumerate(toks):
+                emitted.append(t)
+                if req.add_token(t, render=t not in s.stop_token_ids, last=done and i == len(toks) - 1):
+                    stopped = True
+                    break
+            n_tokens += len(emitted)
+            if stopped:
                 if not done:
                     self.scheduler.finish(s.seq_id, "stop")
-                outs.append((req, self._finish(req, "stop", [tok], deliver=False)))
+                outs.append((req, self._finish(req, "stop", emitted, deliver=False)))
             elif done:
-                outs.append((req, self._finish(req, s.finish_reason or "stop", [tok], deliver=False)))
+                outs.append((req, self._finish(req, s.finish_reason or "stop", emitted, deliver=False)))
             else:
-                outs.append((req, req.output([tok], finished=False, reason=None)))
+                outs.append((req, req.output(emitted, finished=False, reason=None)))
         self._meter.add(n_tokens)
         return outs
 
@@ -418,7 +443,19 @@ class LLMEngine:
             tokens_per_s=self._meter.rate(),
             steps_total=self._steps,
             max_waiting=self.config.max_waiting,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        spec = self.runner.speculator
+        if spec is None:
+            return {}
+        c = spec.counters()
+        return {
+            "spec_draft_tokens_total": c.proposed,
+            "spec_accepted_tokens_total": c.accepted,
+            "spec_acceptance_length": c.acceptance_length,
+        }
 
     def kv_tier_stats(self) -> dict[str, dict[str, object]]:
         """The tiers below the prefix cache (/health, /metrics, ``epd cache``): "host" and "store"
@@ -469,7 +506,15 @@ class LLMEngine:
         loaded = load_llm(model_path, dtype=dtype, device=device)
         tokenizer = load_tokenizer(loaded.model_dir)
         engine = cls(
-            loaded.model, loaded.config, tokenizer, config, device, dtype, loaded.positions, kv_events
+            loaded.model,
+            loaded.config,
+            tokenizer,
+            config,
+            device,
+            dtype,
+            loaded.positions,
+            kv_events,
+            loaded.mtp,
         )
         engine.model_dir = loaded.model_dir
         return engine
@@ -502,9 +547,11 @@ def _build_kv_and_scheduler(
     device: torch.device,
     dtype: torch.dtype,
     record_events: bool = False,
+    mtp_layers: int = 0,
 ) -> tuple[DualKVCache, Scheduler]:
-    """KV pools sized from the byte budget, the KV manager over them and the scheduler."""
-    layout = KVLayout.from_model_config(cfg, dtype)
+    """KV pools sized from the byte budget, the KV manager over them and the scheduler.
+    ``mtp_layers``: SWA layers for the MTP heads' KV beside the model's (speculative decoding)."""
+    layout = KVLayout.from_model_config(cfg, dtype, mtp_layers=mtp_layers)
     kv_cfg = KVCacheConfig(
         memory_budget_bytes=ec.kv_memory_bytes,
         page_size=ec.page_size,
@@ -524,6 +571,9 @@ def _build_kv_and_scheduler(
         record_events=record_events,
         host_tier=host,
     )
+    # The MTP heads' queries trail the target's by up to k + 1 positions: keep their window too.
+    manager.swa_extra_tokens = mtp_layers + 1 if mtp_layers else 0
+    manager.mtp_backoff = mtp_layers > 0
     sched_cfg = SchedulerConfig(
         max_num_seqs=ec.max_num_seqs,
         max_num_batched_tokens=ec.max_num_batched_tokens,

@@ -20,6 +20,10 @@ class EngineStats(NamedTuple):
     tokens_per_s: float  # generated tokens per second over the last few seconds
     steps_total: int
     max_waiting: int
+    # speculative decoding (0 when off): drafts verified, drafts accepted, mean tokens per verify
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_acceptance_length: float = 0.0
 
 
 class EngineLoad(NamedTuple):

@@ -30,7 +30,7 @@ import torch
 from llm_core.caches.kv_pool import DualKVCache
 from llm_core.caches.kv_source import KVSource
 from llm_core.caches.layer_gate import LayerGate
-from llm_core.serving.sequence import Sequence
+from llm_core.serving.sequence import Sampled, Sequence
 
 
 class CopyJob(NamedTuple):
@@ -55,7 +55,7 @@ class CopyPlan(NamedTuple):
     compute_index: list[int]
     compute_seqs: list[Sequence]
     compute_tokens: list[int]
-    out: list[int | None]
+    out: list[Sampled]
     num_crossing: int  # chunks that copy and compute in this step
 
 

@@ -27,14 +27,16 @@ from llm_core.caches.kv_pool import DualKVCache
 from llm_core.kernels.attention_batch import AttentionBatch
 from llm_core.models.positions import LinearPositions, PositionScheme
 from llm_core.serving.kv_copy import LayeredCopy, copy_sequentially, plan_copies
-from llm_core.serving.sampling import Sampler, SamplingParams
+from llm_core.serving.sampling import Sampler, SamplingParams, filtered_probs
 from llm_core.serving.sequence import (
     DecodePageTables,
+    Sampled,
     Sequence,
     TokenPositions,
     build_page_tables,
     token_positions,
 )
+from llm_core.serving.speculative import Speculator, accept_greedy, accept_sampled
 
 # Logits projections of at most this many multiply-adds (rows x hidden x vocab; 2M for 32 rows of
 # the tiny Qwen2.5-VL) run on one torch thread (``ModelRunner._logits``): ~0.1 ms on one core.
@@ -110,6 +112,8 @@ class ModelRunner:
         self._aranges: dict[tuple[int, torch.dtype], Tensor] = {}
         self._decode_tables = DecodePageTables()  # kept across decode steps (rows patched)
         self.kv_copy_overlap = kv_copy_overlap
+        # Speculative decoding with the MTP heads (set by the engine; None: one token per step).
+        self.speculator: Speculator | None = None
         # Chunks that copied KV and computed in the same step (a restore crossing its end).
         self.num_overlapped_copies = 0
 
@@ -195,11 +199,16 @@ class ModelRunner:
         has_media = False
         for b, (s, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
             start, end = s.num_computed_tokens, s.num_computed_tokens + n
-            assert n > 0 and end <= s.num_tokens, (s.seq_id, start, n, s.num_tokens)
-            ids.extend(s.token_slice(start, end))
-            if end == s.num_tokens:  # the chunk reaches the last known token: its logits are next
-                sample_rows.append(len(ids) - 1)
-                sample_seqs.append(b)
+            known = s.num_tokens
+            assert n > 0 and end <= known + len(s.draft_ids), (s.seq_id, start, n, known)
+            if end <= known:
+                ids.extend(s.token_slice(start, end))
+            else:  # a verify chunk: the last known token, then drafts (``speculative.py``)
+                ids.extend(s.token_slice(start, known) + s.draft_ids[: end - known])
+            if end >= known:  # the chunk reaches the last known token: its logits (and the drafts') are next
+                first = len(ids) - (end - known) - 1
+                sample_rows.extend(range(first, len(ids)))
+                sample_seqs.extend([b] * (end - known + 1))
             has_media = has_media or any(m.start < end and m.start + m.length > start for m in s.media)
         seq_list, counts = list(seqs), list(num_new_tokens)
         tokens = token_positions(seq_list, counts)
@@ -282,8 +291,9 @@ class ModelRunner:
         return embeds
 
     @torch.inference_mode()
-    def execute(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> list[int | None]:
-        """Run one step; the sampled token of each sequence, None where prefill is not complete.
+    def execute(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> list[Sampled]:
+        """Run one step; the sampled token of each sequence, None where prefill is not complete,
+        a list for a sequence that verified drafts (the tokens it accepted, ``speculative.py``).
 
         A sequence whose chunk lies in its ``kv_source`` (``caches/kv_source.py``) has it copied
         instead of computed (the part past the source's end, if any, computed); a source that
@@ -292,7 +302,9 @@ class ModelRunner:
             return self._execute_with_imports(seqs, num_new_tokens)
         inp = self.prepare(seqs, num_new_tokens)
         hidden = self.model(inp.input_ids, inp.positions, inp.batch, self.kv, inp.input_embeds)  # [T, hidden]
-        out: list[int | None] = [None] * len(seqs)
+        if self.speculator is not None:
+            return self._sample_and_draft(seqs, num_new_tokens, inp, hidden)
+        out: list[Sampled] = [None] * len(seqs)
         if not inp.sample_seqs:
             return out
         # Every row samples (a decode step): the rows in order, no gather needed.
@@ -316,7 +328,79 @@ class ModelRunner:
             out[b] = t
         return out
 
-    def _execute_with_imports(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> list[int | None]:
+    def _sample_and_draft(
+        self, seqs: Seq[Sequence], num_new_tokens: Seq[int], inp: StepInputs, hidden: Tensor
+    ) -> list[Sampled]:
+        """``execute``'s sampling with speculation: a verifying sequence's k + 1 rows give its
+        accepted tokens (a list), the others one token or None; then the MTP heads extend and
+        propose (``speculative.Speculator.extend``)."""
+        assert self.speculator is not None
+        out: list[Sampled] = [None] * len(seqs)
+        by_seq: dict[int, list[int]] = {}
+        rows_of: dict[int, list[int]] = {}  # batch index -> its rows in ``logits``
+        logits = hidden[:0]
+        if inp.sample_seqs:
+            logits = self._logits(hidden.index_select(0, inp.sample_rows))  # [S, vocab]
+            params, gens = self._params_and_generators(seqs, inp.sample_seqs, logits.device)
+            for i, (b, t) in enumerate(
+                zip(inp.sample_seqs, self.sampler(logits, params, gens).tolist(), strict=True)
+            ):
+                by_seq.setdefault(b, []).append(t)
+                rows_of.setdefault(b, []).append(i)
+        new_tokens: list[list[int]] = []
+        valid: list[Tensor | None] = []
+        row0 = 0
+        for b, (s, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
+            toks = by_seq.get(b, [])
+            drafts = s.num_computed_tokens + n - s.num_tokens  # > 0: this chunk verifies drafts
+            if drafts > 0:
+                p = s.sampling if isinstance(s.sampling, SamplingParams) else _GREEDY
+                if p.greedy:
+                    toks = accept_greedy(s.draft_ids[:drafts], toks)
+                else:  # [k + 1, V] the target's filtered distributions at the verified positions
+                    target = filtered_probs(logits[rows_of[b]], [p] * (drafts + 1))
+                    q = torch.stack(s.draft_probs[:drafts])
+                    toks = accept_sampled(s.draft_ids[:drafts], q, target, self._generator(s))
+                self.speculator.count_verified(drafts, len(toks))
+                out[b] = toks
+            elif toks:
+                out[b] = toks[0]
+            new_tokens.append(toks)
+            # rows whose tokens are now known: all of a chunk, the accepted part of a verify
+            valid.append(hidden[row0 : row0 + (len(toks) if drafts > 0 else n)])
+            row0 += n
+        self.speculator.extend(seqs, [s.num_computed_tokens for s in seqs], new_tokens, valid)
+        return out
+
+    def _generator(self, s: Sequence) -> torch.Generator:
+        """The sequence's own generator (seeded requests) or the sampler's shared one."""
+        p = s.sampling if isinstance(s.sampling, SamplingParams) else _GREEDY
+        if s.seq_id not in self._generators:
+            self._generators[s.seq_id] = p.make_generator(self.device)
+        return self.sampler.generator_of(self._generators[s.seq_id])
+
+    def draw_draft(self, s: Sequence, logits: Tensor) -> tuple[int, Tensor]:
+        """A sampled sequence's draft from the heads' logits [V]: drawn from its filtered
+        distribution q [V] (kept: the verify step's rejection sampling needs it)."""
+        p = s.sampling if isinstance(s.sampling, SamplingParams) else _GREEDY
+        q = filtered_probs(logits[None], [p])[0]
+        return int(torch.multinomial(q, 1, generator=self._generator(s))), q
+
+    def _params_and_generators(
+        self, seqs: Seq[Sequence], sample_seqs: list[int], device: torch.device
+    ) -> tuple[list[SamplingParams], list[torch.Generator | None]]:
+        params: list[SamplingParams] = []
+        gens: list[torch.Generator | None] = []
+        for b in sample_seqs:
+            s = seqs[b]
+            p = s.sampling if isinstance(s.sampling, SamplingParams) else _GREEDY
+            params.append(p)
+            if s.seq_id not in self._generators:  # the sequence's first sampled token
+                self._generators[s.seq_id] = p.make_generator(device)
+            gens.append(self._generators[s.seq_id])
+        return params, gens
+
+    def _execute_with_imports(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> list[Sampled]:
         """``execute`` of a step in which some chunks copy KV (``kv_copy.py``): their copies, then
         or beside (``kv_copy_overlap``) the forward of the rest, a crossing chunk's computed tail
         included."""

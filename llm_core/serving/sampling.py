@@ -97,17 +97,28 @@ class Sampler:
         if not rows:
             return out
         idx = torch.tensor(rows, device=logits.device)
-        sub = logits.index_select(0, idx)  # [R, V]
-        temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
-        sub = sub / temps[:, None]
-        sub = _apply_top_k(sub, [params[i].top_k for i in rows])
-        sub = _apply_top_p(sub, [params[i].top_p for i in rows])
-        probs = torch.softmax(sub, dim=-1)  # [R, V]; filtered entries are exactly 0
+        probs = filtered_probs(logits.index_select(0, idx), [params[i] for i in rows])  # [R, V]
         noise = torch.empty_like(probs)
         for r, i in enumerate(rows):
             noise[r].exponential_(generator=generators[i] or self.shared)
         out[idx] = argmax_rows(probs / noise)
         return out
+
+    def generator_of(self, generator: torch.Generator | None) -> torch.Generator:
+        """The generator a row draws from: its own (seeded requests) or the shared one."""
+        return generator or self.shared
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each (non-greedy) row samples from: logits [R, V] over the row's
+    temperature, top-k and top-p applied, softmaxed (filtered entries exactly 0). [R, V] fp32."""
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    sub = logits / temps[:, None]
+    sub = _apply_top_k(sub, [p.top_k for p in params])
+    sub = _apply_top_p(sub, [p.top_p for p in params])
+    return torch.softmax(sub, dim=-1)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.kv_pool import swa_pages_per_sequence
-from llm_core.serving.sequence import Sequence, SequenceStatus
+from llm_core.serving.sequence import Sampled, Sequence, SequenceStatus
 from llm_core.serving.waiting_queue import PriorityWeights, WaitingQueue, fair_split
 
 
@@ -161,8 +161,9 @@ class Scheduler:
             if seq.in_prefill:
                 prefilling.append(seq)
             elif budget > 0 and self._allocate_or_preempt(seq, 1, plan):
-                take(seq, 1)
-                budget -= 1
+                n = 1 + self._drafts_to_verify(seq, budget - 1)
+                take(seq, n)
+                budget -= n
         prefilling = [s for s in prefilling if s.status is SequenceStatus.RUNNING]
 
         # With no prefill running and nothing waiting (a decode-only step) every bucket's demand is 0.
@@ -178,6 +179,23 @@ class Scheduler:
         if not seqs:
             return None
         return ScheduledBatch(seqs, [plan[id(s)] for s in seqs])
+
+    def _drafts_to_verify(self, seq: Sequence, budget: int) -> int:
+        """How many of ``seq``'s drafts (``speculative.py``) this step verifies: all that fit the
+        budget, the output and length limits, and KV pages (allocated here; none is preempted for
+        a draft). Its page for the token itself is allocated already."""
+        n = min(
+            len(seq.draft_ids),
+            budget,
+            seq.max_new_tokens - len(seq.output_ids) - 1,
+            self.config.max_model_len - seq.num_tokens - 1,
+        )
+        while n > 0 and not self.kv.allocate(seq, 1 + n):
+            n -= 1
+        if n < len(seq.draft_ids):
+            seq.draft_ids = seq.draft_ids[: max(n, 0)]
+            seq.draft_probs = seq.draft_probs[: max(n, 0)]
+        return max(n, 0)
 
     def _prefill_demand(self, b: int, prefilling: list[Sequence]) -> int:
         """Prefill tokens bucket ``b`` could use: its running ``prefilling`` sequences' and its waiting ones'."""
@@ -231,6 +249,8 @@ class Scheduler:
             else:  # an import brings the whole prompt's KV: nothing to borrow
                 p = self.kv.page_size  # pin only a window the payload holds (layer_plan.py)
                 self.kv.pin_prompt_end(seq, seq.num_prompt_tokens // p * p)
+            # MTP KV from the first position this sequence computes (``speculative.py``)
+            seq.reset_speculation(seq.kv_source.end if seq.kv_source is not None else seq.num_computed_tokens)
             n = self._fit(seq, min(self._chunk_limit(seq), left))
             if n == 0:
                 self.kv.release(seq, cache=False)
@@ -269,38 +289,59 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         seq.num_preemptions += 1
+        seq.reset_speculation(0)
         seq.status = SequenceStatus.WAITING
         self.waiting.add(seq)
         self.num_preemptions += 1
 
     # ---- results -------------------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Commit a computed step; ``sampled[i]`` is the token sampled for ``seqs[i]`` (None mid-prefill).
+    def update(self, batch: ScheduledBatch, sampled: list[Sampled]) -> list[Sequence]:
+        """Commit a computed step; ``sampled[i]`` is the token sampled for ``seqs[i]`` (None
+        mid-prefill), or the tokens a verify step accepted (a list: only the positions they
+        cover are committed; the rejected drafts' KV is overwritten by the next step). A list
+        entry is cut, in place, to the tokens appended (a stop token or a limit ends it early).
 
         Returns the sequences that finished in this step (their KV already released).
         """
         finished: list[Sequence] = []
-        commit, max_len, running = self.kv.commit, self.config.max_model_len, SequenceStatus.RUNNING
+        commit, running = self.kv.commit, SequenceStatus.RUNNING
         for seq, n, tok in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
             if seq.status is not running:
                 continue  # aborted while the step ran
-            commit(seq, n)
-            if seq.kv_source is not None and seq.num_computed_tokens >= seq.kv_source.end:
-                seq.kv_source = None  # the copied KV is in the pools now; let its buffers go
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # a prefill chunk: no token yet
-            assert tok is not None, f"seq {seq.seq_id}: step completed its tokens but no token was sampled"
-            out = seq.output_ids
-            out.append(tok)
-            reason = None
-            if tok in seq.stop_token_ids:
-                reason = "stop"
-            elif len(out) >= seq.max_new_tokens or len(seq.prompt_ids) + len(out) >= max_len:
-                reason = "length"
+            if isinstance(tok, list):  # a verify step: cut at a stop token or a limit, then commit
+                reason = None
+                for k, t in enumerate(tok):
+                    reason = self._finish_reason(seq, t, len(seq.output_ids) + k + 1)
+                    if reason is not None:
+                        del tok[k + 1 :]
+                        break
+                commit(
+                    seq, len(tok)
+                )  # positions n-1 .. n-2+len: the last known token and the accepted drafts
+                seq.output_ids.extend(tok)
+            else:
+                commit(seq, n)
+                if seq.kv_source is not None and seq.num_computed_tokens >= seq.kv_source.end:
+                    seq.kv_source = None  # the copied KV is in the pools now; let its buffers go
+                if seq.num_computed_tokens < seq.num_tokens:
+                    continue  # a prefill chunk: no token yet
+                assert tok is not None, (
+                    f"seq {seq.seq_id}: step completed its tokens but no token was sampled"
+                )
+                seq.output_ids.append(tok)
+                reason = self._finish_reason(seq, tok, len(seq.output_ids))
             if reason is not None:
                 self._stop(seq.seq_id, SequenceStatus.FINISHED, reason)
                 finished.append(seq)
         return finished
+
+    def _finish_reason(self, seq: Sequence, tok: int, num_output: int) -> str | None:
+        """Why ``seq`` ends once ``tok`` is its ``num_output``-th output token, or None."""
+        if tok in seq.stop_token_ids:
+            return "stop"
+        if num_output >= seq.max_new_tokens or len(seq.prompt_ids) + num_output >= self.config.max_model_len:
+            return "length"
+        return None
 
     def token_load(self) -> tuple[int, int]:
         """(tokens left to prefill, tokens of the sequences decoding): the load a router balances.

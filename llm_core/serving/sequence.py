@@ -31,6 +31,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+# What a step yields per sequence: a token, None (a prefill chunk short of the end), or the tokens a
+# verify step accepted (speculative decoding, ``speculative.py``).
+Sampled = int | list[int] | None
+
 NOT_RESIDENT = -1  # SWA page-table entry for a page whose SWA KV is not in the pool
 
 
@@ -176,11 +180,28 @@ class Sequence:
     # runs; the sequence is not admitted until it settles. Once settled (absorbed or given up)
     # ``FETCH_SPENT``: a sequence asks the store once.
     kv_fetch: Any = None
+    # Speculative decoding (``serving/speculative.py``): the tokens the MTP heads propose after
+    # the last known token, verified by the next step; ``mtp_start``: the first position whose MTP
+    # KV is not yet computed from known tokens (every MTP layer recomputes from there);
+    # ``mtp_h0`` [rows, hidden]: the target's hidden states at positions ``mtp_start`` .. of the
+    # rows computed before this step (the MTP layers' input there).
+    draft_ids: list[int] = field(default_factory=list)
+    draft_probs: list[Any] = field(default_factory=list)  # [V] each: what a sampled draft was drawn from
+    mtp_start: int = 0
+    mtp_h0: Any = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError(f"sequence {self.seq_id!r}: empty prompt")
         self._prompt_keys = build_cache_keys(self.prompt_ids, self.media)
+
+    def reset_speculation(self, start: int) -> None:
+        """Forget drafts and MTP state: the heads' KV is recomputed from ``start`` on (admission
+        with a prefix hit, preemption, a range whose KV was copied in)."""
+        self.draft_ids = []
+        self.draft_probs = []
+        self.mtp_start = start
+        self.mtp_h0 = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -65,6 +65,10 @@ class _Metrics:
         self.cached_tokens = Gauge(
             "epd_llm_cached_prompt_tokens_total", "Prompt tokens served by the prefix cache", registry=r
         )
+        self.spec = Gauge(
+            "epd_llm_speculative", "Speculative decoding: drafts verified / accepted, mean tokens per verify",
+            ["field"], registry=r,
+        )  # fmt: skip
         self.kv_tier = Gauge(
             "epd_llm_kv_tier",
             "The KV tiers below the prefix cache: sizes and counters",
@@ -82,6 +86,9 @@ class _Metrics:
         self.gen_tokens.set(s.generation_tokens_total)
         self.prompt_tokens.set(s.prompt_tokens_total)
         self.cached_tokens.set(s.cached_prompt_tokens_total)
+        self.spec.labels(field="draft_tokens_total").set(s.spec_draft_tokens_total)
+        self.spec.labels(field="accepted_tokens_total").set(s.spec_accepted_tokens_total)
+        self.spec.labels(field="acceptance_length").set(s.spec_acceptance_length)
         for tier, fields in engine.kv_tier_stats().items():
             for name, value in fields.items():
                 if isinstance(value, int | float) and not isinstance(value, bool):

@@ -46,11 +46,16 @@ class EngineConfig:
     # layer i waits until layer i is copied) instead of in a step of its own.
     kv_copy_overlap: bool = True
     seed: int | None = None  # of the shared generator used by unseeded sampled requests
+    # Draft tokens the model's MTP heads propose per step, verified in one forward (0: off; at most
+    # the checkpoint's MTP heads). Sampled requests verify by rejection sampling (same distribution).
+    speculative_steps: int = 0
 
     def __post_init__(self) -> None:
         for name in ("kv_memory_bytes", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.speculative_steps < 0:
+            raise ValueError(f"EngineConfig.speculative_steps must be >= 0, got {self.speculative_steps}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,217 @@
+"""Speculative decoding with the model's multi-token-prediction (MTP) heads: after each step, the
+heads extend their KV over the positions whose tokens are known and propose the next k tokens;
+the next step verifies them in one target forward over k + 1 positions per sequence.
+
+One step of a decoding sequence with n known tokens and drafts d_1..d_k::
+
+    target   positions n-1 .. n+k-1, tokens [t_{n-1}, d_1 .. d_k]  ->  greedy g_0 .. g_k
+    accept   a = leading i with d_{i+1} == g_i;  new tokens d_1..d_a, g_a   (a + 1 of them)
+    MTP      layer j at position i reads token t_{i+j+1} and h^j_i (h^0: the target's hidden), for
+             i from ``mtp_start`` to the last position with a new hidden state; at that last
+             position the tokens past the known ones are the drafts just made, so layer j there
+             proposes d'_{j+1} (``mtp.MTPHeads.forward_layer``)
+
+The target's output is the same with or without speculation: every emitted token is the target's
+own greedy choice at its position (a draft only decides how many of them one forward yields).
+Wrong MTP KV (a position computed with a draft that was then rejected) only lowers acceptance;
+it is recomputed from ``mtp_start`` = the first position some layer computed from a draft. A
+prefix hit is backed off to the previous hit point (``KVManager.match_prefix``), since the
+cached MTP KV of a prefix's last positions was computed from tokens past it. Sequences that sample
+(temperature > 0) draw their drafts from the heads' filtered distribution and verify them by
+rejection sampling (``accept_sampled``): their output is distributed exactly as without drafts.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from typing import NamedTuple, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from llm_core.caches.kv_pool import DualKVCache
+from llm_core.kernels.attention_batch import AttentionBatch
+from llm_core.models.decoder import RopeTables
+from llm_core.models.mtp import MTPHeads
+from llm_core.serving.sequence import Sequence, build_page_tables, token_positions
+
+
+class TargetModel(Protocol):
+    """What the heads need of the target model (``decoder.DecoderForCausalLM``)."""
+
+    attention_backend: str | None
+
+    def embed(self, input_ids: Tensor) -> Tensor: ...
+
+    def compute_logits(self, hidden: Tensor) -> Tensor: ...
+
+    def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> RopeTables: ...
+
+
+class SpecCounters(NamedTuple):
+    proposed: int  # draft tokens verified
+    accepted: int  # of those, the ones the target agreed with
+    verify_steps: int  # sequence-steps that verified drafts
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens a verifying sequence-step yields (accepted drafts + the target's own)."""
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+
+def accept_greedy(drafts: list[int], target: list[int]) -> list[int]:
+    """The tokens a verify step yields: ``target`` [k+1] are the target's greedy tokens at the
+    positions of [last, d_1 .. d_k]; the drafts up to the first that differs, then the target's."""
+    a = 0
+    while a < len(drafts) and drafts[a] == target[a]:
+        a += 1
+    return [*drafts[:a], target[a]]
+
+
+def accept_sampled(drafts: list[int], q: Tensor, p: Tensor, gen: torch.Generator) -> list[int]:
+    """Rejection sampling (Leviathan et al., 2023): draft x_i was drawn from q_i [V]; it is kept with
+    probability min(1, p_i(x_i) / q_i(x_i)) where p_i [V] is the target's distribution at its
+    position; the first rejected position draws from max(0, p_i - q_i) renormalized instead, and if
+    every draft is kept one more token is drawn from p_k. Each emitted token is then distributed
+    exactly as the target's sampler would draw it. ``q`` [k, V], ``p`` [k + 1, V] (the same
+    temperature / top-k / top-p filtering, ``sampling.filtered_probs``)."""
+    out: list[int] = []
+    for i, x in enumerate(drafts):
+        u = float(torch.rand((), generator=gen, device=p.device))
+        px, qx = float(p[i, x]), float(q[i, x])
+        if u * qx < px:  # u < p/q: accepted (q(x) > 0, x was drawn from it)
+            out.append(x)
+            continue
+        residual = (p[i] - q[i]).clamp_min(0.0)
+        total = float(residual.sum())
+        dist = residual / total if total > 0 else p[i]
+        out.append(int(torch.multinomial(dist, 1, generator=gen)))
+        return out
+    out.append(int(torch.multinomial(p[len(drafts)], 1, generator=gen)))
+    return out
+
+
+def is_greedy(seq: Sequence) -> bool:
+    return bool(getattr(seq.sampling, "greedy", True))
+
+
+class _Rows(NamedTuple):
+    seq: Sequence
+    lo: int  # first MTP position this step
+    hi: int  # one past the last
+    h0: Tensor  # [hi - lo, hidden]
+    tokens: list[int]  # known tokens from position lo + 1, then the drafts of this step as they come
+    drafting: bool
+
+
+class Speculator:
+    """Runs the MTP heads after each step (``extend``) and counts acceptance."""
+
+    def __init__(
+        self,
+        heads: MTPHeads,
+        target: TargetModel,
+        kv: DualKVCache,
+        num_steps: int,
+        draw: Callable[[Sequence, Tensor], tuple[int, Tensor]] | None = None,
+    ) -> None:
+        """``draw(seq, logits [V]) -> (token, q [V])``: how a sampled sequence draws a draft (its
+        own filtering and generator, ``ModelRunner``); greedy sequences take the argmax."""
+        assert 1 <= num_steps <= len(heads.heads()), (num_steps, len(heads.heads()))
+        self.draw = draw
+        self.heads = heads
+        self.target = target
+        self.kv = kv
+        self.k = num_steps
+        self.page_size = kv.page_size
+        self._proposed = self._accepted = self._verify_steps = 0
+
+    def counters(self) -> SpecCounters:
+        return SpecCounters(self._proposed, self._accepted, self._verify_steps)
+
+    def count_verified(self, num_drafts: int, num_new: int) -> None:
+        self._proposed += num_drafts
+        self._accepted += num_new - 1
+        self._verify_steps += 1
+
+    @torch.inference_mode()
+    def extend(
+        self, seqs: Seq[Sequence], starts: Seq[int], new_tokens: Seq[list[int]], hidden: Seq[Tensor | None]
+    ) -> None:
+        """After a step: ``seqs[b]`` computed positions from ``starts[b]``, of which the first
+        ``len(hidden[b])`` rows are valid (their target hidden states; None: nothing computed this
+        step, e.g. a KV copy), and gained ``new_tokens[b]`` (not yet appended to the sequence).
+        Extends every MTP layer's KV and sets each sequence's drafts for the next step."""
+        rows: list[_Rows] = []
+        for s, c, new, h in zip(seqs, starts, new_tokens, hidden, strict=True):
+            if h is None:
+                continue
+            num_known = s.num_tokens + len(new)  # tokens after this step
+            f = c + h.shape[0] - 1  # the last position with a target hidden state
+            prev = s.mtp_h0 if s.mtp_h0 is not None else h[:0]
+            lo = max(s.mtp_start, c - prev.shape[0])  # h^0 is known from ``lo`` on
+            h0 = torch.cat([prev[prev.shape[0] - (c - lo) :], h]) if c > lo else h[lo - c :]
+            drafting = bool(new) and num_known < s.max_new_tokens + s.num_prompt_tokens
+            # Without a token sampled this step (a prefill chunk) no draft fills the gap: layer
+            # k-1 at position i needs token i + k, so stop where it is known.
+            hi = f + 1 if drafting else min(f + 1, num_known - self.k)
+            s.draft_ids, s.draft_probs = [], []
+            if hi <= lo:
+                s.mtp_start, s.mtp_h0 = lo, h0
+                continue
+            # tokens from position lo + 1 on (the first any layer reads), then this step's drafts
+            tokens = s.token_slice(lo + 1, s.num_tokens) + list(new)
+            rows.append(_Rows(s, lo, hi, h0[: hi - lo], tokens, drafting))
+            # What the next step recomputes from: positions some layer computed from a draft.
+            nxt = min(hi, num_known - self.k) if drafting else hi
+            nxt = max(nxt, lo)
+            s.mtp_start, s.mtp_h0 = nxt, h0[nxt - lo :]
+        if rows:
+            self._run_heads(rows)
+
+    def _run_heads(self, rows: list[_Rows]) -> None:
+        views = []
+        for r in rows:  # a view of each sequence whose progress is the first MTP position
+            v = copy.copy(r.seq)
+            v.num_computed_tokens = r.lo
+            views.append(v)
+        counts = [r.hi - r.lo for r in rows]
+        tokens = token_positions(views, counts)
+        tables = build_page_tables(views, counts, self.page_size, tokens)
+        dev = self.kv.layer(0).k.device
+        cu = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(counts, out=cu[1:])
+        batch = AttentionBatch(
+            cu_seqlens_q=torch.from_numpy(cu).to(dev),
+            seq_lens=torch.tensor([r.hi for r in rows], dtype=torch.int32, device=dev),
+            full_page_table=torch.as_tensor(tables.full_page_table).to(dev),
+            swa_page_table=torch.as_tensor(tables.swa_page_table).to(dev),
+            full_slots=torch.as_tensor(tables.full_slots).to(dev),
+            swa_slots=torch.as_tensor(tables.swa_slots).to(dev),
+            max_seqlen_q=max(counts),
+        )
+        positions = torch.from_numpy(tokens.position).to(dev)
+        rope = self.target.rope_tables(positions, rows[0].h0.dtype)
+        last = torch.tensor(np.cumsum(counts) - 1, dtype=torch.int64, device=dev)  # [B] frontier rows
+        h = torch.cat([r.h0 for r in rows])  # [T, hidden]
+        for j in range(self.k):
+            ids = [r.tokens[i + j - r.lo] for r in rows for i in range(r.lo, r.hi)]  # t_{i+j+1}
+            h = self.heads.forward_layer(
+                j, torch.tensor(ids, dtype=torch.int64, device=dev), h, positions, batch, self.kv,
+                self.target.embed, rope, self.target.attention_backend,
+            )  # fmt: skip
+            logits = self.target.compute_logits(h.index_select(0, last))  # [B, V] at the frontiers
+            drafts = logits.argmax(-1).tolist()
+            for b, r in enumerate(rows):
+                if not r.drafting:
+                    continue
+                d = drafts[b]
+                if not is_greedy(r.seq):
+                    assert self.draw is not None, "a sampled sequence drafts through ``draw``"
+                    d, q = self.draw(r.seq, logits[b])
+                    r.seq.draft_probs.append(q)
+                r.tokens.append(d)  # the next layer's input at the frontier
+                r.seq.draft_ids.append(d)
