@@ -60,7 +60,7 @@ import contextlib
 import io
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from fractions import Fraction
@@ -69,7 +69,6 @@ from typing import Any, Literal
 
 import av
 import numpy as np
-import torch
 
 from bench.common import (
     add_common_args,
@@ -80,6 +79,7 @@ from bench.common import (
     usable_cores,
     write_json,
 )
+from epd_common.runtime import torch_threads
 from media_io.config import MediaLimits, PreprocessConfig
 from media_io.video import SEGMENTS_PER_WORKER, decode_video
 from media_io.video_decode import FrameResizer, get_pool, shutdown_pools, warm_pool
@@ -281,17 +281,6 @@ def import_in_workers(workers: int, pids: set[int], timeout_s: float = 60.0) -> 
     deadline = time.monotonic() + timeout_s
     while not pids <= seen and time.monotonic() < deadline:
         seen.update(f.result() for f in [pool.submit(_worker_pid, 0.05) for _ in range(workers * 2)])
-
-
-@contextlib.contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """Run the block with torch on ``n`` intra-op threads (the single-threaded pass resizes on one)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _children_cpu(pids: set[int]) -> float:

@@ -20,11 +20,10 @@ import zlib
 import torch
 
 from llm_core.caches.host_restore import HostPage
-from llm_core.caches.kv_pool import KVLayout
+from llm_core.caches.kv_pool import KVLayout, kv_dtype_name
 
 MAGIC = b"EPDKVPG\x01"
 _ALIGN = 64
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class PageCodecError(ValueError):
@@ -32,10 +31,10 @@ class PageCodecError(ValueError):
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    for name, dt in _DTYPES.items():
-        if dt == dtype:
-            return name
-    raise PageCodecError(f"KV dtype {dtype} cannot be stored")
+    name = kv_dtype_name(dtype)
+    if name is None:
+        raise PageCodecError(f"KV dtype {dtype} cannot be stored")
+    return name
 
 
 def _shapes(

@@ -100,6 +100,19 @@ class PagePool:
             )
 
 
+# The KV dtypes that KV bytes (a prefill/decode hand-off, a stored page) may carry, by name.
+KV_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str | None:
+    """``dtype``'s name in ``KV_DTYPES``, or None for a dtype KV bytes cannot carry."""
+    return next((name for name, dt in KV_DTYPES.items() if dt == dtype), None)
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """What the KV cache needs to know about a model: layer types, KV shapes and the window.

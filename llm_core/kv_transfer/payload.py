@@ -22,12 +22,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from llm_core.caches.kv_pool import DualKVCache, KVLayout
+from llm_core.caches.kv_pool import KV_DTYPES, DualKVCache, KVLayout, kv_dtype_name
 from llm_core.kv_transfer.layer_plan import LayerPlan
 
 MAGIC = b"EPDKV\x01\x00\x00"
 _ALIGN = 64
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class PayloadError(ValueError):
@@ -35,10 +34,10 @@ class PayloadError(ValueError):
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    for name, dt in _DTYPES.items():
-        if dt == dtype:
-            return name
-    raise PayloadError(f"KV dtype {dtype} cannot be transferred")
+    name = kv_dtype_name(dtype)
+    if name is None:
+        raise PayloadError(f"KV dtype {dtype} cannot be transferred")
+    return name
 
 
 def _blocks(plan: LayerPlan) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -107,7 +106,7 @@ def read(
         head = json.loads(bytes(raw[12 : 12 + hlen]))
         theirs = KVLayout(**{**head["layout"], "layer_is_swa": tuple(head["layout"]["layer_is_swa"])})
         plan = LayerPlan(theirs, int(head["page_size"]), int(head["num_tokens"]))
-        their_dtype = _DTYPES[head["dtype"]]
+        their_dtype = KV_DTYPES[head["dtype"]]
     except (ValueError, KeyError, TypeError, AssertionError) as e:
         raise PayloadError(f"unreadable KV payload header: {e}") from e
     mine = KVLayout(**{**asdict(layout), "dtype_bytes": theirs.dtype_bytes})

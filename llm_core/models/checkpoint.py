@@ -59,6 +59,7 @@ from llm_core.models.moe import TopKRouter
 from llm_core.models.mtp import MTP_PREFIX, MTPFormatError, MTPHeads, num_layers_in, split_mtp_state
 from llm_core.models.mtp_distill import DistillRecipe, distill_mtp_heads
 from llm_core.models.positions import LinearPositions, PositionScheme
+from llm_core.models.random_init import init_random_weights
 
 DEFAULT_SEED = 20260101
 # Bump when the default's generation (init_random_weights, the tokenizer, the heads' distillation)
@@ -363,20 +364,6 @@ def read_config_json(model_dir: Path) -> dict[str, Any]:
 
 
 # ---- the embedded default ------------------------------------------------------------------------
-
-
-def init_random_weights(model: DecoderForCausalLM, seed: int, std: float = 0.02) -> None:
-    """Deterministic random init (normal(0, std) matrices, unit norms, zero router bias)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.zero_()
 
 
 def write_checkpoint(model: DecoderForCausalLM, out_dir: Path, mtp: MTPHeads | None = None) -> None:

@@ -293,23 +293,32 @@ class MiMoDecoderLayer(nn.Module):
             mlp_args = cpu_layer.dense_mlp_args(mlp.gate_up_weight, mlp.down_proj.weight)
         if mlp_args is None:
             return None
-        return cpu_layer.layer_weights(
-            self.input_layernorm.weight,
-            self.post_attention_layernorm.weight,
-            self.input_layernorm.eps,
-            attn.qkv_weight,
-            attn.qkv_bias,
-            attn.o_proj.weight,
-            attn.sinks,
-            attn.num_heads,
-            attn.num_kv_heads,
-            attn.head_dim,
-            attn.v_head_dim,
-            attn.window,
-            attn.scale,
-            attn.v_scale,
-            mlp_args,
-        )
+        return block_kernel_weights(self.input_layernorm, self.post_attention_layernorm, attn, mlp_args)
+
+
+def block_kernel_weights(
+    ln1: RMSNorm, ln2: RMSNorm, attn: MiMoAttention, mlp_args: cpu_layer.MlpArgs
+) -> cpu_layer.LayerWeights | None:
+    """The one-call CPU kernel's arguments for a pre-norm block (norm, attention, residual, norm,
+    MLP, residual): a decoder layer, or an MTP head's block. ``attn`` must be fused."""
+    assert attn.qkv_weight is not None
+    return cpu_layer.layer_weights(
+        ln1.weight,
+        ln2.weight,
+        ln1.eps,
+        attn.qkv_weight,
+        attn.qkv_bias,
+        attn.o_proj.weight,
+        attn.sinks,
+        attn.num_heads,
+        attn.num_kv_heads,
+        attn.head_dim,
+        attn.v_head_dim,
+        attn.window,
+        attn.scale,
+        attn.v_scale,
+        mlp_args,
+    )
 
 
 class MiMoModel(nn.Module):

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from llm_core.kernels import cpu_layer
 from llm_core.kernels.attention_batch import AttentionBatch, PagedKV
 from llm_core.models.config import SWA, DecoderConfig
-from llm_core.models.decoder import MiMoAttention, RMSNorm, RopeTables
+from llm_core.models.decoder import MiMoAttention, RMSNorm, RopeTables, block_kernel_weights
 from llm_core.models.moe import DenseMLP
 
 # Prefix of the heads' tensors in the loader's state dict (what a family's tensor_name maps them to).
@@ -102,23 +102,7 @@ class MTPLayer(nn.Module):
         mlp_args = cpu_layer.dense_mlp_args(mlp.gate_up_weight, mlp.down_proj.weight)
         if mlp_args is None:
             return None
-        return cpu_layer.layer_weights(
-            self.input_layernorm.weight,
-            self.pre_mlp_layernorm.weight,
-            self.input_layernorm.eps,
-            attn.qkv_weight,
-            attn.qkv_bias,
-            attn.o_proj.weight,
-            attn.sinks,
-            attn.num_heads,
-            attn.num_kv_heads,
-            attn.head_dim,
-            attn.v_head_dim,
-            attn.window,
-            attn.scale,
-            attn.v_scale,
-            mlp_args,
-        )
+        return block_kernel_weights(self.input_layernorm, self.pre_mlp_layernorm, attn, mlp_args)
 
     def finish(self, x: Tensor, attn: Tensor) -> Tensor:
         """x [T, hidden] (the block input), attn [T, hidden] (its attention output) -> h^{j+1}."""

@@ -45,8 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,10 +52,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from epd_common.runtime import torch_threads
 from llm_core.caches.kv_pool import DualKVCache, KVLayout
 from llm_core.kernels.attention_batch import build_attention_batch
 from llm_core.models.decoder import DecoderForCausalLM
 from llm_core.models.mtp import MTPHeads
+from llm_core.models.random_init import init_random_weights
 
 # Prompt ids are drawn from the plain bytes of the byte-level tokenizer (ids 256.. are its
 # specials and unused rows): a prompt never contains eos or a chat-template marker.
@@ -124,26 +124,9 @@ class DistillReport:
         }
 
 
-@contextmanager
-def _threads(n: int) -> Iterator[None]:
-    """Run the block with ``n`` torch threads (the reduction splits depend on it), then restore."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def init_heads(heads: MTPHeads, seed: int, std: float = 0.02) -> None:
     """Deterministic random init: unit norm weights, normal(0, std) for everything else."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in heads.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    init_random_weights(heads, seed, std)
 
 
 # ---- the target ----------------------------------------------------------------------------------
@@ -314,7 +297,7 @@ def distill_mtp_heads(
     )
     assert recipe.prompt_len >= 2 and recipe.new_tokens > max(CHAIN_LENGTHS) + 1
     times: dict[str, float] = {}
-    with _threads(recipe.threads):
+    with torch_threads(recipe.threads):
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(seed)
         if init:

@@ -19,7 +19,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -245,3 +246,21 @@ def check_error(reply: Reply, status: int | tuple[int, ...], param: str | None =
     if reply.status in (429, 503):
         assert int(reply.headers.get("retry-after", "0")) >= 1, reply.headers
     return dict(err)
+
+
+@contextmanager
+def serve_pair(args: Sequence[str]) -> Iterator[tuple[ServeProcess, ServeProcess]]:
+    """Two ``epd serve`` with the same ``args`` (their own ports and namespaces), both stopped and
+    checked for leftovers afterwards, also when the second fails to start."""
+    before = shm_entries("serve-")
+    first = start_serve(args)
+    try:
+        second = start_serve(args)
+    except BaseException:
+        stop_checked(first, before)
+        raise
+    try:
+        yield first, second
+    finally:
+        stop_checked(second, before)
+        stop_checked(first, before)

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from epd_common.store.local_redis import LocalRedis
-from tests.epd.conftest import ServeProcess, http_json, start_serve
-from tests.system.conftest import child_pids, shm_entries, stop_checked
+from tests.epd.conftest import ServeProcess, http_json
+from tests.system.conftest import child_pids, serve_pair
 from tests.system.test_pd_split import ask, data_uri, ids
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
@@ -22,7 +22,6 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="re
 
 @pytest.fixture(scope="module")
 def tiered_pair() -> Iterator[tuple[ServeProcess, ServeProcess]]:
-    before = shm_entries("serve-")
     with LocalRedis(maxmemory_bytes=256 << 20) as store:
         args = [
             "--store",
@@ -35,17 +34,8 @@ def tiered_pair() -> Iterator[tuple[ServeProcess, ServeProcess]]:
             "--llm-torch-threads",
             "1",
         ]
-        first = start_serve(args)
-        try:
-            second = start_serve(args)
-        except BaseException:
-            stop_checked(first, before)
-            raise
-        try:
-            yield first, second
-        finally:
-            stop_checked(second, before)
-            stop_checked(first, before)
+        with serve_pair(args) as servers:
+            yield servers
 
 
 def tiers(server: ServeProcess) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import redis
 from encoder.caches.embedding_tier import KEY_PREFIX
 from epd_common.store.local_redis import LocalRedis
 from tests.epd.conftest import ServeProcess, http_json, start_serve, unique_png
-from tests.system.conftest import shm_entries, stop_checked
+from tests.system.conftest import serve_pair, shm_entries, stop_checked
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 
@@ -33,19 +33,9 @@ def store() -> Iterator[LocalRedis]:
 
 @pytest.fixture(scope="module")
 def pair(store: LocalRedis) -> Iterator[tuple[ServeProcess, ServeProcess]]:
-    before = shm_entries("serve-")
     args = ["--no-llm", "--store", store.url, "--store-retry-after-s", "0.5", "--health-interval-s", "0.3"]
-    first = start_serve(args)
-    try:
-        second = start_serve(args)
-    except BaseException:
-        stop_checked(first, before)
-        raise
-    try:
-        yield first, second
-    finally:
-        stop_checked(second, before)
-        stop_checked(first, before)
+    with serve_pair(args) as servers:
+        yield servers
 
 
 def encode(server: ServeProcess, png: bytes) -> dict[str, Any]:

@@ -58,6 +58,18 @@ def first_turn(engine: LLMEngine, turns: list[list[int]], mm: Any) -> list[int]:
     return asyncio.run(run())
 
 
+def first_turn_elsewhere(loaded: Any, url: str, turns: list[list[int]], mm: Any, second: list[int]) -> int:
+    """Turn 1 on an engine of its own that spills the session to the store at ``url`` and stops;
+    the pages it wrote."""
+    a, tier_a = tiered(loaded, guarded(url))
+    try:
+        assert first_turn(a, turns, mm) == second
+        assert tier_a.flush()
+        return tier_a.counters().written_pages
+    finally:
+        a.stop()
+
+
 def answer(engine: LLMEngine, prompt: list[int], mm: Any) -> list[int]:
     return asyncio.run(ids_of(engine, prompt, 6, mm))[0]
 
@@ -87,13 +99,7 @@ def test_a_session_returns_on_another_engine_from_redis(
     loaded: Any, own_redis: LocalRedis, recomputed: Any
 ) -> None:
     turns, mm, second, want = recomputed
-    a, tier_a = tiered(loaded, guarded(own_redis.url))
-    try:
-        assert first_turn(a, turns, mm) == second
-        assert tier_a.flush()
-        written = tier_a.counters().written_pages
-    finally:
-        a.stop()
+    written = first_turn_elsewhere(loaded, own_redis.url, turns, mm, second)
     b, tier_b = tiered(loaded, guarded(own_redis.url))  # a fresh engine: empty tree, empty host tier
     try:
         got = answer(b, second, mm)
@@ -134,12 +140,7 @@ def test_a_corrupted_value_is_dropped_and_recomputed(
     loaded: Any, own_redis: LocalRedis, recomputed: Any
 ) -> None:
     turns, mm, second, want = recomputed
-    a, tier_a = tiered(loaded, guarded(own_redis.url))
-    try:
-        first_turn(a, turns, mm)
-        assert tier_a.flush()
-    finally:
-        a.stop()
+    first_turn_elsewhere(loaded, own_redis.url, turns, mm, second)
     raw = redis.Redis.from_url(own_redis.url)
     keys: list[bytes] = sorted(raw.keys(f"{KEY_PREFIX}*"))  # type: ignore[arg-type]
     assert keys
@@ -165,12 +166,7 @@ def test_a_stopped_then_killed_server_costs_a_recompute(
     loaded: Any, own_redis: LocalRedis, recomputed: Any
 ) -> None:
     turns, mm, second, want = recomputed
-    a, tier_a = tiered(loaded, guarded(own_redis.url))
-    try:
-        first_turn(a, turns, mm)
-        assert tier_a.flush()
-    finally:
-        a.stop()
+    first_turn_elsewhere(loaded, own_redis.url, turns, mm, second)
     pid = own_redis.pid
     assert pid is not None
     b, _ = tiered(loaded, guarded(own_redis.url, timeout_s=0.2))
@@ -215,12 +211,7 @@ def test_a_store_slower_than_recompute_is_abandoned_at_the_deadline(
     recomputed: Any,
 ) -> None:
     turns, mm, second, want = recomputed
-    a, tier_a = tiered(loaded, guarded(own_redis.url))
-    try:
-        first_turn(a, turns, mm)
-        assert tier_a.flush()
-    finally:
-        a.stop()
+    first_turn_elsewhere(loaded, own_redis.url, turns, mm, second)
     b, tier_b = tiered(loaded, SlowStore(guarded(own_redis.url), delay_s=3.0))  # type: ignore[arg-type]
     tier_b.min_wait_s = 0.02  # the default: the deadline is what recomputing would take
     try:
