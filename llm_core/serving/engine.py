@@ -337,7 +337,8 @@ class LLMEngine:
             computed = sum(
                 n
                 for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
-                if n > 1 and s.kv_source is None
+                # a verify chunk (drafts past the known tokens) costs a decode step, not a prefill's
+                if n > 1 and s.kv_source is None and s.num_computed_tokens + n <= s.num_tokens
             )
             host.cost.observe_prefill(computed, time.perf_counter() - t0)
         with self._lock:
