@@ -13,17 +13,15 @@ crc32 differs: a value truncated or corrupted in the store is a miss to recomput
 
 from __future__ import annotations
 
-import json
-import struct
 import zlib
 
 import torch
 
 from llm_core.caches.host_restore import HostPage
+from llm_core.caches.kv_frame import frame_head, read_head
 from llm_core.caches.kv_pool import KVLayout, kv_dtype_name
 
 MAGIC = b"EPDKVPG\x01"
-_ALIGN = 64
 
 
 class PageCodecError(ValueError):
@@ -44,10 +42,6 @@ def _shapes(
     return (page_size, heads, layout.head_dim), (page_size, heads, layout.v_head_dim)
 
 
-def _data_offset(header_len: int) -> int:
-    return -(-(12 + header_len) // _ALIGN) * _ALIGN
-
-
 def encode(page: HostPage, page_hash: int, model: str, page_size: int) -> bytes:
     """``page`` (CPU tensors) as bytes; ``model`` names the weights and KV layout it belongs to."""
     kept = [i for i, kv in enumerate(page.layers) if kv is not None]
@@ -66,9 +60,7 @@ def encode(page: HostPage, page_hash: int, model: str, page_size: int) -> bytes:
         "layers": kept,
         "crc32": zlib.crc32(body),
     }
-    header = json.dumps(head, sort_keys=True).encode()
-    off = _data_offset(len(header))
-    return MAGIC + struct.pack("<I", len(header)) + header + bytes(off - 12 - len(header)) + body
+    return frame_head(MAGIC, head) + body
 
 
 def decode(
@@ -76,18 +68,13 @@ def decode(
 ) -> HostPage:
     """The page in ``data``, checked against what this engine expects; ``PageCodecError`` otherwise."""
     raw = memoryview(data)
-    if len(raw) < 12 or bytes(raw[:8]) != MAGIC:
-        raise PageCodecError("not a stored KV page (bad magic or version)")
-    (hlen,) = struct.unpack("<I", raw[8:12])
-    if 12 + hlen > len(raw):
-        raise PageCodecError("the stored KV page's header runs past its end")
     try:
-        head = json.loads(bytes(raw[12 : 12 + hlen]))
+        head, off = read_head(raw, MAGIC)
         kept = [int(i) for i in head["layers"]]
         theirs = (head["model"], head["hash"], int(head["page_size"]), head["dtype"])
         crc, has_swa = int(head["crc32"]), bool(head["has_swa"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise PageCodecError(f"unreadable stored KV page header: {e}") from e
+    except (ValueError, KeyError, TypeError) as e:  # FrameError is a ValueError
+        raise PageCodecError(f"not a readable stored KV page: {e}") from e
     mine = (model, f"{page_hash:016x}", page_size, dtype_name(dtype))
     if theirs != mine:
         raise PageCodecError(f"the stored KV page is {theirs}, this engine expects {mine}")
@@ -100,7 +87,6 @@ def decode(
     esize = torch.empty((), dtype=dtype).element_size()
     sizes = [s for i in kept for s in _shapes(layout, page_size, i)]
     need = sum(a * b * c for a, b, c in sizes) * esize
-    off = _data_offset(hlen)
     if len(raw) != off + need:
         raise PageCodecError(f"the stored KV page has {len(raw) - off} body bytes, its layers need {need}")
     body = bytearray(raw[off:])  # owned and writable: the page's tensors are views of it

@@ -14,19 +14,17 @@ is refused (``PayloadError``: the decode engine recomputes) instead of being wri
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import asdict
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from llm_core.caches.kv_frame import frame_head, read_head
 from llm_core.caches.kv_pool import KV_DTYPES, DualKVCache, KVLayout, kv_dtype_name
 from llm_core.kv_transfer.layer_plan import LayerPlan
 
 MAGIC = b"EPDKV\x01\x00\x00"
-_ALIGN = 64
 
 
 class PayloadError(ValueError):
@@ -50,27 +48,22 @@ def _blocks(plan: LayerPlan) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     return out
 
 
-def _header(plan: LayerPlan, dtype: torch.dtype) -> bytes:
+def _head(plan: LayerPlan, dtype: torch.dtype) -> bytes:
+    """The frame before the body (``caches/kv_frame.py``): magic, header length, the plan as JSON."""
     body = {"layout": asdict(plan.layout), "page_size": plan.page_size, "num_tokens": plan.num_tokens}
     body["dtype"] = _dtype_name(dtype)
-    return json.dumps(body, sort_keys=True).encode()
-
-
-def _data_offset(header_len: int) -> int:
-    return -(-(12 + header_len) // _ALIGN) * _ALIGN
+    return frame_head(MAGIC, body)
 
 
 def pack(plan: LayerPlan, kv: DualKVCache, full_pages: list[int], swa_pages: list[int]) -> torch.Tensor:
     """The plan's KV of one sequence (its logical-to-physical page rows) as one uint8 tensor [nbytes]."""
     dtype = kv.layer(0).k.dtype
-    header = _header(plan, dtype)
-    off = _data_offset(len(header))
+    head = _head(plan, dtype)
+    off = len(head)
     esize = torch.empty((), dtype=dtype).element_size()
     total = off + plan.nbytes
     buf = torch.empty(total, dtype=torch.uint8)
-    buf[:8] = torch.frombuffer(bytearray(MAGIC), dtype=torch.uint8)
-    buf[8:12] = torch.frombuffer(bytearray(struct.pack("<I", len(header))), dtype=torch.uint8)
-    buf[12 : 12 + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    buf[:off] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     for i, (k_shape, v_shape) in enumerate(_blocks(plan)):
         layer = kv.layer(i)
         rows = swa_pages if layer.is_swa else full_pages
@@ -97,25 +90,19 @@ def read(
     """Parse ``data`` for an engine of ``layout`` / ``page_size`` / KV ``dtype``; ``PayloadError``
     when it is not a payload of that model or its sizes do not add up."""
     raw = memoryview(data).cast("B")
-    if len(raw) < 12 or bytes(raw[:8]) != MAGIC:
-        raise PayloadError("not a KV payload (bad magic or version)")
-    (hlen,) = struct.unpack("<I", raw[8:12])
-    if 12 + hlen > len(raw):
-        raise PayloadError("the KV payload's header runs past its end")
     try:
-        head = json.loads(bytes(raw[12 : 12 + hlen]))
+        head, off = read_head(raw, MAGIC)
         theirs = KVLayout(**{**head["layout"], "layer_is_swa": tuple(head["layout"]["layer_is_swa"])})
         plan = LayerPlan(theirs, int(head["page_size"]), int(head["num_tokens"]))
         their_dtype = KV_DTYPES[head["dtype"]]
     except (ValueError, KeyError, TypeError, AssertionError) as e:
-        raise PayloadError(f"unreadable KV payload header: {e}") from e
+        raise PayloadError(f"not a readable KV payload: {e}") from e  # FrameError is a ValueError
     mine = KVLayout(**{**asdict(layout), "dtype_bytes": theirs.dtype_bytes})
     if theirs != mine or their_dtype != dtype or plan.page_size != page_size:
         raise PayloadError(
             f"the KV payload is for another model or format ({theirs}, {head['dtype']}, page "
             f"{plan.page_size}); this engine has {mine}, {_dtype_name(dtype)}, page {page_size}"
         )
-    off = _data_offset(hlen)
     if len(raw) != off + plan.nbytes:
         raise PayloadError(f"the KV payload has {len(raw)} bytes, its plan needs {off + plan.nbytes}")
     buf = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)

@@ -27,7 +27,7 @@ from llm_core.caches.kv_pool import DualKVCache
 from llm_core.kernels.attention_batch import AttentionBatch
 from llm_core.models.positions import LinearPositions, PositionScheme
 from llm_core.serving.kv_copy import LayeredCopy, copy_sequentially, plan_copies
-from llm_core.serving.sampling import Sampler, SamplingParams, filtered_probs
+from llm_core.serving.sampling import Sampler, SamplingParams, filtered_probs, params_of
 from llm_core.serving.sequence import (
     DecodePageTables,
     Sampled,
@@ -41,9 +41,6 @@ from llm_core.serving.speculative import Speculator, accept_greedy, accept_sampl
 # Logits projections of at most this many multiply-adds (rows x hidden x vocab; 2M for 32 rows of
 # the tiny Qwen2.5-VL) run on one torch thread (``ModelRunner._logits``): ~0.1 ms on one core.
 SMALL_LOGITS_MACS = 1 << 23
-
-# What a sequence without SamplingParams (tests, internal callers) samples with.
-_GREEDY = SamplingParams(temperature=0.0)
 
 
 class MultimodalInput(NamedTuple):
@@ -310,17 +307,7 @@ class ModelRunner:
         # Every row samples (a decode step): the rows in order, no gather needed.
         every_row = len(inp.sample_seqs) == hidden.shape[0]
         logits = self._logits(hidden if every_row else hidden.index_select(0, inp.sample_rows))  # [S, vocab]
-        params: list[SamplingParams] = []
-        gens: list[torch.Generator | None] = []
-        generators = self._generators
-        for b in inp.sample_seqs:
-            s = seqs[b]
-            p = s.sampling if isinstance(s.sampling, SamplingParams) else _GREEDY
-            params.append(p)
-            try:
-                gens.append(generators[s.seq_id])
-            except KeyError:  # the sequence's first sampled token
-                gens.append(generators.setdefault(s.seq_id, p.make_generator(logits.device)))
+        params, gens = self._params_and_generators(seqs, inp.sample_seqs, logits.device)
         tokens: list[int] = self.sampler(logits, params, gens).tolist()
         if len(tokens) == len(seqs):  # every sequence sampled, in order
             return list(tokens)
@@ -348,13 +335,13 @@ class ModelRunner:
                 by_seq.setdefault(b, []).append(t)
                 rows_of.setdefault(b, []).append(i)
         new_tokens: list[list[int]] = []
-        valid: list[Tensor | None] = []
+        valid: list[Tensor] = []
         row0 = 0
         for b, (s, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
             toks = by_seq.get(b, [])
             drafts = s.num_computed_tokens + n - s.num_tokens  # > 0: this chunk verifies drafts
             if drafts > 0:
-                p = s.sampling if isinstance(s.sampling, SamplingParams) else _GREEDY
+                p = params_of(s.sampling)
                 if p.greedy:
                     toks = accept_greedy(s.draft_ids[:drafts], toks)
                 else:  # [k + 1, V] the target's filtered distributions at the verified positions
@@ -372,17 +359,22 @@ class ModelRunner:
         self.speculator.extend(seqs, [s.num_computed_tokens for s in seqs], new_tokens, valid)
         return out
 
+    def _own_generator(self, s: Sequence, p: SamplingParams, device: torch.device) -> torch.Generator | None:
+        """The sequence's generator, made at its first sampled token (None: unseeded, the sampler's
+        shared one); kept across steps, chunks and preemptions."""
+        try:
+            return self._generators[s.seq_id]
+        except KeyError:
+            return self._generators.setdefault(s.seq_id, p.make_generator(device))
+
     def _generator(self, s: Sequence) -> torch.Generator:
-        """The sequence's own generator (seeded requests) or the sampler's shared one."""
-        p = s.sampling if isinstance(s.sampling, SamplingParams) else _GREEDY
-        if s.seq_id not in self._generators:
-            self._generators[s.seq_id] = p.make_generator(self.device)
-        return self.sampler.generator_of(self._generators[s.seq_id])
+        """What ``s`` draws from: its own generator (seeded requests) or the sampler's shared one."""
+        return self.sampler.generator_of(self._own_generator(s, params_of(s.sampling), self.device))
 
     def draw_draft(self, s: Sequence, logits: Tensor) -> tuple[int, Tensor]:
         """A sampled sequence's draft from the heads' logits [V]: drawn from its filtered
         distribution q [V] (kept: the verify step's rejection sampling needs it)."""
-        p = s.sampling if isinstance(s.sampling, SamplingParams) else _GREEDY
+        p = params_of(s.sampling)
         q = filtered_probs(logits[None], [p])[0]
         return int(torch.multinomial(q, 1, generator=self._generator(s))), q
 
@@ -393,11 +385,9 @@ class ModelRunner:
         gens: list[torch.Generator | None] = []
         for b in sample_seqs:
             s = seqs[b]
-            p = s.sampling if isinstance(s.sampling, SamplingParams) else _GREEDY
+            p = params_of(s.sampling)
             params.append(p)
-            if s.seq_id not in self._generators:  # the sequence's first sampled token
-                self._generators[s.seq_id] = p.make_generator(device)
-            gens.append(self._generators[s.seq_id])
+            gens.append(self._own_generator(s, p, device))
         return params, gens
 
     def _execute_with_imports(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> list[Sampled]:

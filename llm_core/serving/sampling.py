@@ -68,6 +68,15 @@ class SamplingParams:
         return torch.Generator(device=device).manual_seed(self.seed)
 
 
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def params_of(sampling: object) -> SamplingParams:
+    """A sequence's sampling parameters (``Sequence.sampling``); greedy when it has none (tests,
+    internal callers)."""
+    return sampling if isinstance(sampling, SamplingParams) else GREEDY
+
+
 class Sampler:
     """Samples one token per row of a logits batch.
 

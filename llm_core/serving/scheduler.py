@@ -184,18 +184,20 @@ class Scheduler:
         """How many of ``seq``'s drafts (``speculative.py``) this step verifies: all that fit the
         budget, the output and length limits, and KV pages (allocated here; none is preempted for
         a draft). Its page for the token itself is allocated already."""
-        n = min(
-            len(seq.draft_ids),
-            budget,
-            seq.max_new_tokens - len(seq.output_ids) - 1,
-            self.config.max_model_len - seq.num_tokens - 1,
+        n = max(
+            0,
+            min(
+                len(seq.draft_ids),
+                budget,
+                seq.max_new_tokens - len(seq.output_ids) - 1,
+                self.config.max_model_len - seq.num_tokens - 1,
+            ),
         )
         while n > 0 and not self.kv.allocate(seq, 1 + n):
             n -= 1
         if n < len(seq.draft_ids):
-            seq.draft_ids = seq.draft_ids[: max(n, 0)]
-            seq.draft_probs = seq.draft_probs[: max(n, 0)]
-        return max(n, 0)
+            seq.draft_ids, seq.draft_probs = seq.draft_ids[:n], seq.draft_probs[:n]
+        return n
 
     def _prefill_demand(self, b: int, prefilling: list[Sequence]) -> int:
         """Prefill tokens bucket ``b`` could use: its running ``prefilling`` sequences' and its waiting ones'."""

@@ -36,6 +36,7 @@ from llm_core.caches.kv_pool import DualKVCache
 from llm_core.kernels.attention_batch import AttentionBatch
 from llm_core.models.decoder import RopeTables
 from llm_core.models.mtp import MTPHeads
+from llm_core.serving.sampling import params_of
 from llm_core.serving.sequence import Sequence, build_page_tables, token_positions
 
 
@@ -94,10 +95,6 @@ def accept_sampled(drafts: list[int], q: Tensor, p: Tensor, gen: torch.Generator
     return out
 
 
-def is_greedy(seq: Sequence) -> bool:
-    return bool(getattr(seq.sampling, "greedy", True))
-
-
 class _Rows(NamedTuple):
     seq: Sequence
     lo: int  # first MTP position this step
@@ -139,16 +136,14 @@ class Speculator:
 
     @torch.inference_mode()
     def extend(
-        self, seqs: Seq[Sequence], starts: Seq[int], new_tokens: Seq[list[int]], hidden: Seq[Tensor | None]
+        self, seqs: Seq[Sequence], starts: Seq[int], new_tokens: Seq[list[int]], hidden: Seq[Tensor]
     ) -> None:
         """After a step: ``seqs[b]`` computed positions from ``starts[b]``, of which the first
-        ``len(hidden[b])`` rows are valid (their target hidden states; None: nothing computed this
-        step, e.g. a KV copy), and gained ``new_tokens[b]`` (not yet appended to the sequence).
+        ``len(hidden[b])`` rows are valid (their target hidden states), and gained
+        ``new_tokens[b]`` (not yet appended to the sequence).
         Extends every MTP layer's KV and sets each sequence's drafts for the next step."""
         rows: list[_Rows] = []
         for s, c, new, h in zip(seqs, starts, new_tokens, hidden, strict=True):
-            if h is None:
-                continue
             num_known = s.num_tokens + len(new)  # tokens after this step
             f = c + h.shape[0] - 1  # the last position with a target hidden state
             prev = s.mtp_h0 if s.mtp_h0 is not None else h[:0]
@@ -209,7 +204,7 @@ class Speculator:
                 if not r.drafting:
                     continue
                 d = drafts[b]
-                if not is_greedy(r.seq):
+                if not params_of(r.seq.sampling).greedy:
                     assert self.draw is not None, "a sampled sequence drafts through ``draw``"
                     d, q = self.draw(r.seq, logits[b])
                     r.seq.draft_probs.append(q)
