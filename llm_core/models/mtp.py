@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from epd_common.runtime import torch_threads
 from llm_core.kernels import cpu_layer
 from llm_core.kernels.attention_batch import AttentionBatch, PagedKV
 from llm_core.models.config import SWA, DecoderConfig
@@ -200,24 +201,30 @@ class MTPHeads(nn.Module):
             "token_ids, prev_hidden and positions disagree"
         )
         assert batch.num_tokens == t, "batch describes a different number of rows"
-        x = head.mix(embed(token_ids), prev_hidden)  # [T, hidden]
         weights = self._kernel_weights[j] if self._kernel_weights is not None else None
         if (
             weights is not None
             and backend in (None, "cpu")
-            and x.device.type == "cpu"
-            and x.dtype == torch.float32
+            and prev_hidden.device.type == "cpu"
+            and prev_hidden.dtype == torch.float32
         ):
             # One C call for the block, as the target's layers run (``cpu_layer``): x becomes the
             # MLP's output and residual x + attn, whose sum final_layernorm normalizes.
-            x, residual = x.contiguous(), torch.empty_like(x)
-            cpu_layer.set_threads(torch.get_num_threads())
+            threads = torch.get_num_threads()
+            # A few rows right after a layer call (the target's or the previous head's), on one
+            # thread: the kernel's workers still spin on the other cores (``_pool.h``), and a torch
+            # op split over threads would wait for one (~0.1 ms here, the product itself ~10 us).
+            with torch_threads(1):
+                x = head.mix(embed(token_ids), prev_hidden).contiguous()  # [T, hidden]
+            residual = torch.empty_like(x)
+            cpu_layer.set_threads(threads)
             cos, sin = rope[head.self_attn.rotary.key]
             layer_kv = kv.layer(head.self_attn.layer_idx)
             cpu_layer.decoder_layer_cpu(
                 weights, cpu_layer.StepArgs(batch), layer_kv, cos, sin, x, residual, first=True
             )
             return head.final_layernorm.add_forward(x, residual)[0]
+        x = head.mix(embed(token_ids), prev_hidden)  # [T, hidden]
         attn = head.self_attn(_norm(head.input_layernorm, x), positions, batch, kv, rope, backend)
         return head.finish(x, attn)
 

@@ -23,7 +23,6 @@ rejection sampling (``accept_sampled``): their output is distributed exactly as 
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import NamedTuple, Protocol
@@ -32,12 +31,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from epd_common.runtime import torch_threads
 from llm_core.caches.kv_pool import DualKVCache
 from llm_core.kernels.attention_batch import AttentionBatch
 from llm_core.models.decoder import RopeTables
 from llm_core.models.mtp import MTPHeads
 from llm_core.serving.sampling import params_of
-from llm_core.serving.sequence import Sequence, build_page_tables, token_positions
+from llm_core.serving.sequence import Sequence, TokenPositions, build_page_tables
 
 
 class TargetModel(Protocol):
@@ -168,38 +168,41 @@ class Speculator:
             self._run_heads(rows)
 
     def _run_heads(self, rows: list[_Rows]) -> None:
-        views = []
-        for r in rows:  # a view of each sequence whose progress is the first MTP position
-            v = copy.copy(r.seq)
-            v.num_computed_tokens = r.lo
-            views.append(v)
-        counts = [r.hi - r.lo for r in rows]
-        tokens = token_positions(views, counts)
-        tables = build_page_tables(views, counts, self.page_size, tokens)
+        counts = np.array([r.hi - r.lo for r in rows], dtype=np.int64)  # [B]
+        los = np.array([r.lo for r in rows], dtype=np.int64)
+        first_row = np.cumsum(counts) - counts  # [B] packed row of each sequence's first MTP position
+        # row t of sequence b is position lo[b] + (t - first_row[b])
+        tokens = TokenPositions(
+            np.repeat(np.arange(len(rows)), counts),
+            np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(los - first_row, counts),
+        )
+        seqs = [r.seq for r in rows]
+        tables = build_page_tables(seqs, counts.tolist(), self.page_size, tokens)
         dev = self.kv.layer(0).k.device
         cu = np.zeros(len(rows) + 1, dtype=np.int32)
         np.cumsum(counts, out=cu[1:])
         batch = AttentionBatch(
             cu_seqlens_q=torch.from_numpy(cu).to(dev),
             seq_lens=torch.tensor([r.hi for r in rows], dtype=torch.int32, device=dev),
-            full_page_table=torch.as_tensor(tables.full_page_table).to(dev),
-            swa_page_table=torch.as_tensor(tables.swa_page_table).to(dev),
-            full_slots=torch.as_tensor(tables.full_slots).to(dev),
-            swa_slots=torch.as_tensor(tables.swa_slots).to(dev),
-            max_seqlen_q=max(counts),
+            full_page_table=tables.full_page_table.to(dev),
+            swa_page_table=tables.swa_page_table.to(dev),
+            full_slots=tables.full_slots.to(dev),
+            swa_slots=tables.swa_slots.to(dev),
+            max_seqlen_q=int(counts.max()),
         )
         positions = torch.from_numpy(tokens.position).to(dev)
         rope = self.target.rope_tables(positions, rows[0].h0.dtype)
-        last = torch.tensor(np.cumsum(counts) - 1, dtype=torch.int64, device=dev)  # [B] frontier rows
+        last = torch.from_numpy(cu[1:] - 1).to(dev, torch.int64)  # [B] frontier rows
         h = torch.cat([r.h0 for r in rows])  # [T, hidden]
         for j in range(self.k):
-            ids = [r.tokens[i + j - r.lo] for r in rows for i in range(r.lo, r.hi)]  # t_{i+j+1}
+            ids = [t for r in rows for t in r.tokens[j : j + r.hi - r.lo]]  # t_{i+j+1}, i = lo .. hi-1
             h = self.heads.forward_layer(
                 j, torch.tensor(ids, dtype=torch.int64, device=dev), h, positions, batch, self.kv,
                 self.target.embed, rope, self.target.attention_backend,
             )  # fmt: skip
-            logits = self.target.compute_logits(h.index_select(0, last))  # [B, V] at the frontiers
-            drafts = logits.argmax(-1).tolist()
+            with torch_threads(1):  # a small product right after a layer call (``MTPHeads.forward_layer``)
+                logits = self.target.compute_logits(h.index_select(0, last))  # [B, V] at the frontiers
+                drafts = logits.argmax(-1).tolist()
             for b, r in enumerate(rows):
                 if not r.drafting:
                     continue
