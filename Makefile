@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.epd-installed
 
-.PHONY: setup serve test lint typecheck pytest bench clean gpu-check gpu-wheels
+.PHONY: setup serve test lint typecheck pytest bench clean gpu-check gpu-wheels peers
 
 setup: $(STAMP)
 
@@ -30,6 +30,13 @@ test: lint typecheck pytest
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+
+# The peers bench.llm_peer runs against (not part of `make test`): llama.cpp's llama-server and its
+# HF -> GGUF converter (own venv), built from the llama-cpp-python sdist into .peers/ (~6 min on
+# 2 cores the first time; a stamp makes re-runs instant).
+PEERS_DIR ?= .peers
+peers: $(STAMP)
+	PEERS_DIR=$(PEERS_DIR) PYTHON=$(PY) bash scripts/build_peers.sh
 
 # The checks that need a CUDA device, in one command (under 8 minutes): the CUDA-marked tests, the
 # Triton kernels for real, the encoder and LLM forwards on CUDA vs transformers, a short encoder QPS

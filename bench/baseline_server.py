@@ -6,7 +6,7 @@ What a straightforward first version does per request, one request after another
 
 No embedding cache, no cross-request batching, no overlap of one request's download with another's
 compute: a lock serialises whole requests, and the CPU stages run on the event loop itself. It
-loads the same embedded default encoder (``encoder.models.checkpoint.load_encoder(None)``) as the service
+loads the same encoder as the service (the embedded default, or ``--model DIR``)
 and speaks the same request shape (``POST /v1/encode`` with JSON ``{"items": [{"url": ...}]}``), so
 the load generator drives both identically. Images only.
 
@@ -42,10 +42,12 @@ from media_io.config import PreprocessConfig
 class BaselineEncoder:
     """Model + processor + one HTTP session; ``encode_url`` does one item start to finish."""
 
-    def __init__(self, preprocess: PreprocessConfig = PreprocessConfig()) -> None:
+    def __init__(
+        self, preprocess: PreprocessConfig = PreprocessConfig(), model_path: str | None = None
+    ) -> None:
         from transformers import Qwen2VLImageProcessor
 
-        loaded = load_encoder(None)
+        loaded = load_encoder(model_path)
         self.model = loaded.model.eval()
         self.fingerprint = loaded.fingerprint
         self.processor = Qwen2VLImageProcessor(
@@ -89,8 +91,8 @@ class BaselineEncoder:
         }
 
 
-def build_app(preprocess: PreprocessConfig = PreprocessConfig()) -> Starlette:
-    enc = BaselineEncoder(preprocess)
+def build_app(preprocess: PreprocessConfig = PreprocessConfig(), model_path: str | None = None) -> Starlette:
+    enc = BaselineEncoder(preprocess, model_path)
 
     async def encode(request: Request) -> Response:
         try:
@@ -133,11 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description="the baseline (before) encode service")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument(
+        "--model", default=None, help="encoder checkpoint directory (default: the embedded one)"
+    )
     args = parser.parse_args(argv)
     # The allocator setting every epd process starts with: a process-wide knob any service could
     # use, so the baseline gets it too rather than paying page faults ours does not.
     keep_freed_memory()
-    uvicorn.run(build_app(), host=args.host, port=args.port, workers=1, log_level="warning")
+    uvicorn.run(
+        build_app(model_path=args.model), host=args.host, port=args.port, workers=1, log_level="warning"
+    )
     return 0
 
 

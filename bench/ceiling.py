@@ -143,9 +143,10 @@ def forward_ceiling(
     preprocess: PreprocessConfig = PreprocessConfig(),
     streams: int = 1,
     threads: int | None = None,
+    model_path: str | None = None,
 ) -> Ceiling:
     """Images/s of forwards alone over ``images`` (cycled): one configuration, see :func:`measure`."""
-    model = load_encoder(None).model.eval()
+    model = load_encoder(model_path).model.eval()
     patches = preprocess_corpus(images, preprocess)
     return measure(
         model, patches, patch_budget=patch_budget, min_seconds=min_seconds, streams=streams, threads=threads
@@ -159,9 +160,10 @@ def best_ceiling(
     patch_budget: int = 16384,
     min_seconds: float = 3.0,
     preprocess: PreprocessConfig = PreprocessConfig(),
+    model_path: str | None = None,
 ) -> list[Ceiling]:
     """Both ways of using ``cores`` (1 x cores, then cores x 1; once when cores is 1), best first."""
-    model = load_encoder(None).model.eval()
+    model = load_encoder(model_path).model.eval()
     patches = preprocess_corpus(images, preprocess)
     configs = [(1, cores)] if cores == 1 else [(1, cores), (cores, 1)]
     runs = [

@@ -335,3 +335,56 @@ def test_tree_cpu_seconds_counts_children() -> None:
         os.killpg(parent.pid, signal.SIGKILL)  # parent and child: their own process group
         parent.wait()
     assert tree_cpu_seconds(parent.pid) is None
+
+
+@pytest.mark.slow  # three processes import torch, and a ceiling: ~40 s on an idle 2-core machine
+@pytest.mark.timeout(300)
+def test_pipeline_bound_run_uses_the_small_tower_everywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench.encoder_qps import main
+
+    monkeypatch.setenv("EPD_HOME", str(tmp_path / "home"))
+    out = tmp_path / "qps.json"
+    rc = main(
+        ["--quick", "--pipeline-bound", "--no-open", "--video-clips", "0", "--json", str(out), "--log-dir", str(tmp_path)]
+    )  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert rc == 0, doc["results"]
+    s = doc["summary"]
+    assert s["pipeline_bound"] is True and s["errors"] == 0
+    assert 0 < s["forward_fraction"] < 1
+    assert set(s["targets_met"]) == {"qps_ratio>=2", "p90_ratio<=0.82", "forward_fraction<=0.2"}
+    assert "encoder-pipeline-" in doc["config"]["encoder_model"]
+
+
+def test_both_services_are_started_on_the_given_tower(tmp_path: Path) -> None:
+    from bench.qps_run import _baseline_process, _ours_process
+
+    tower = tmp_path / "tower"
+    base = _baseline_process(tmp_path, tower).cmd
+    ours = _ours_process(tmp_path, "ns", [], tower).cmd
+    assert base[base.index("--model") + 1] == str(tower)
+    assert ours[ours.index("--encoder-model") + 1] == str(tower)
+    assert "--model" not in _baseline_process(tmp_path, None).cmd
+    assert "--encoder-model" not in _ours_process(tmp_path, "ns", [], None).cmd
+
+
+def test_the_pipeline_tower_is_a_real_checkpoint_a_fifth_of_the_default() -> None:
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from bench.pipeline_tower import ensure_pipeline_tower
+    from encoder.models.checkpoint import load_encoder
+
+    small, default = load_encoder(str(ensure_pipeline_tower())), load_encoder(None)
+    assert small.config.out_hidden_size == default.config.out_hidden_size
+    grid = torch.tensor([[1, 32, 32]])  # a 448x448 image: 1024 patches
+    pixels = torch.randn(1024, 3 * 2 * 14 * 14)
+    flops = []
+    for m in (small.model, default.model):
+        with torch.inference_mode(), FlopCounterMode(display=False) as count:
+            out = m(pixels, grid)
+        assert out.shape == (256, 256)  # 2x2 merge: 256 rows of the LLM width
+        flops.append(count.get_total_flops())
+    assert flops[0] * 5 < flops[1], flops  # ~0.12 vs ~0.66 GFLOP

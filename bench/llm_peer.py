@@ -1,0 +1,574 @@
+"""bench.llm_peer: our LLM server against llama.cpp's ``llama-server`` on the same checkpoint, the
+same prompts and the same threads (needs ``make peers``).
+
+For each model size (small: the embedded default's config and weights with an even rotary width,
+which llama.cpp needs; medium: a ~230M-parameter config of the same family where compute matters,
+generated the same way) the checkpoint is converted to an f32 GGUF
+(``gguf_stage``); then each side in turn (never both at once: they would share the cores) is
+started on loopback and driven through ``POST /v1/completions`` with streamed, greedy, fixed-length
+requests (token-id prompts, ``ignore_eos``):
+
+- concurrency 1, 8 and 32, closed loop (``c`` clients, each sending its next request when the last
+  ended), at least ``MIN_REQUESTS`` requests per level: output tokens/s (all output tokens over the
+  level's wall time), TTFT P50/P90, inter-token P50/P99 (the gap before each output token as the
+  client sees it: a chunk carrying n tokens gives its gap, then n - 1 zeros);
+- one non-streamed pass at concurrency 8 whose ids are compared token for token between the sides,
+  and the same against llama-server in float32 throughout (``FULL_PRECISION``: its CPU flash
+  attention and f16 KV round more than our float32 path, and near-tied logits of a random model
+  then go the other way);
+- KV bytes per sequence at an 8K context: llama.cpp's as it reports them (starts with one slot of
+  8192 cells, by default and with ``--swa-full``; its log's ``llama_kv_cache: size`` lines), ours
+  from the pool layout the engine allocates (full layers every token, SWA layers their window's
+  pages).
+
+Both servers are up at once and driven one at a time: each of ``--repeats`` repeats runs every
+level on both (which side goes first alternates), and a row reports the median repeat, so a slow
+spell of a shared machine hits both alike. They run as their users would: llama-server with ``--parallel`` = the largest concurrency,
+``-t``/``-tb`` = the cores, its defaults otherwise (window-sized SWA cache, flash-attention auto,
+prompt cache on); ``epd llm`` with ``--torch-threads`` = the cores. Every server is stopped by the
+benchmark whatever happens (``ServiceProcess``).
+
+    make peers && python -m bench.llm_peer [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import json
+import random
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import aiohttp
+
+from bench.common import (
+    add_common_args,
+    format_machine,
+    machine_info,
+    percentiles,
+    print_table,
+    usable_cores,
+    write_json,
+)
+from bench.gguf_stage import convert_to_gguf
+from bench.llm import cache_dir
+from bench.peers import Peers
+from bench.service_proc import ServiceProcess, free_port
+
+LEVELS = (1, 8, 32)
+MIN_REQUESTS = 8  # per concurrency level
+OUTPUT_TOKENS = 64
+PROMPT_TOKENS = (64, 192)  # uniform, token ids of plain bytes (0..255: never a special)
+KV_CONTEXT = 8192
+LLAMA_CTX_PER_SLOT = 512  # prompt + output fit with room to spare
+# llama-server in float32 throughout: no flash attention (its CPU kernel rounds through f16), f32 KV
+FULL_PRECISION = ("-fa", "off", "-ctk", "f32", "-ctv", "f32")
+
+
+# ---- models ----------------------------------------------------------------------------------
+
+# llama.cpp rotates an even number of dims (``GGML_ASSERT(n_dims % 2 == 0)``); the embedded default's
+# rotary is 21 of its 64 head dims (64 x 0.334), so the small model is the default with 20 (0.3125)
+# and otherwise the same: config, seed, hence weights (the rotary has none).
+SMALL_ROTARY_FRACTION = 0.3125
+MEDIUM_SEED = 20261201
+
+
+def small_config() -> Any:
+    """The embedded default's config with an even rotary width (see ``SMALL_ROTARY_FRACTION``)."""
+    from llm_core.models.checkpoint import default_llm_config
+
+    f = SMALL_ROTARY_FRACTION
+    return dataclasses.replace(default_llm_config(), partial_rotary_factor=f, swa_partial_rotary_factor=f)
+
+
+def medium_config() -> Any:
+    """~230M parameters (~48M active per token): the default's family and tokenizer at a size where
+    a token's compute, not per-step overhead, sets the pace."""
+    from llm_core.models.config import DecoderConfig
+
+    return DecoderConfig(
+        vocab_size=512,
+        hidden_size=768,
+        intermediate_size=2048,
+        moe_intermediate_size=512,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        swa_num_key_value_heads=4,
+        head_dim=64,
+        v_head_dim=64,
+        sliding_window=128,
+        partial_rotary_factor=0.5,
+        swa_partial_rotary_factor=0.5,
+        n_routed_experts=16,
+        num_experts_per_tok=2,
+        max_position_embeddings=32768,
+        eos_token_id=256,
+    )
+
+
+def ensure_checkpoint(name: str, cfg: Any, seed: int) -> Path:
+    """A checkpoint of ``cfg`` with random weights from ``seed`` and the default's byte tokenizer,
+    built once under the benchmark cache (the directory name hashes both)."""
+    from llm_core.models.checkpoint import write_checkpoint
+    from llm_core.models.decoder import DecoderForCausalLM
+    from llm_core.models.random_init import init_random_weights
+    from llm_core.prompts.tokenizer import save_default_tokenizer
+
+    key = hashlib.sha256(repr((cfg, seed)).encode()).hexdigest()[:12]
+    out = cache_dir() / f"llm-{name}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    tmp = Path(tempfile.mkdtemp(prefix=f".llm-{name}-", dir=cache_dir()))
+    model = DecoderForCausalLM(cfg)
+    init_random_weights(model, seed)
+    write_checkpoint(model, tmp)
+    save_default_tokenizer(tmp)
+    tmp.rename(out)
+    return out
+
+
+def model_dirs(sizes: list[str]) -> dict[str, Path]:
+    from llm_core.models.checkpoint import DEFAULT_SEED
+
+    made = {"small": lambda: ensure_checkpoint("small", small_config(), DEFAULT_SEED)}
+    made["medium"] = lambda: ensure_checkpoint("medium", medium_config(), MEDIUM_SEED)
+    unknown = sorted(set(sizes) - set(made))
+    if unknown:
+        raise SystemExit(f"unknown model size {unknown[0]!r}: choose from {sorted(made)}")
+    return {size: made[size]() for size in sizes}
+
+
+def parameter_count(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if ".mtp." in name:
+                    continue
+                n = 1
+                for d in f.get_slice(name).get_shape():
+                    n *= d
+                total += n
+    return total
+
+
+# ---- the two sides ------------------------------------------------------------------------------
+
+
+class Side(NamedTuple):
+    name: str
+    # (prompt ids, max tokens, stream) -> request body
+    body: Callable[[list[int], int, bool], dict[str, Any]]
+    # one parsed SSE chunk (or the whole non-streamed response) -> the output ids it carries, and
+    # for a chunk whose ids a server may leave out, how many output tokens the request has so far
+    chunk_tokens: Callable[[dict[str, Any]], tuple[list[int], int | None]]
+
+
+def _ours_body(prompt: list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
+    return {
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+        "stream": stream, "return_token_ids": True,
+    }  # fmt: skip
+
+
+def _ours_tokens(chunk: dict[str, Any]) -> tuple[list[int], int | None]:
+    choices = chunk.get("choices") or [{}]
+    return list(choices[0].get("token_ids") or []), None
+
+
+def _llama_body(prompt: list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
+    # ``verbose`` adds the native result (``__verbose``: ids with ``return_tokens``, and the running
+    # count ``tokens_predicted``) to each OpenAI-format chunk: a streamed token whose text ends inside
+    # a UTF-8 sequence gets no chunk of its own, so the count, not the ids, says how many arrived.
+    return {
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+        "stream": stream, "return_tokens": True, "verbose": True,
+    }  # fmt: skip
+
+
+def _llama_tokens(chunk: dict[str, Any]) -> tuple[list[int], int | None]:
+    native = chunk.get("__verbose") or {}
+    ids = [int(t) for t in native.get("tokens") or []]
+    predicted = native.get("tokens_predicted")
+    return ids, int(predicted) if isinstance(predicted, int) else None
+
+
+OURS = Side("epd", _ours_body, _ours_tokens)
+LLAMA = Side("llama.cpp", _llama_body, _llama_tokens)
+
+
+@contextlib.contextmanager
+def serve_ours(model_dir: Path, threads: int, max_seqs: int, log_dir: Path) -> Iterator[str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [
+        sys.executable, "-m", "epd.cli", "llm", "--model-path", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port), "--torch-threads", str(threads),
+        "--engine-max-num-seqs", str(max_seqs), "--engine-kv-memory-bytes", str(512 << 20),
+    ]  # fmt: skip
+    proc = ServiceProcess("epd llm", cmd, url, log_dir / "epd-llm.log", ready_path="/health")
+    with proc:
+        yield url
+
+
+@contextlib.contextmanager
+def serve_llama(
+    peers: Peers,
+    gguf: Path,
+    threads: int,
+    slots: int,
+    ctx_per_slot: int,
+    log: Path,
+    extra: tuple[str, ...] = (),
+) -> Iterator[str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [
+        str(peers.llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+        "--parallel", str(slots), "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads),
+        "--no-webui", "-lv", "4", *extra,
+    ]  # fmt: skip
+    proc = ServiceProcess("llama-server", cmd, url, log, ready_path="/health", ready_timeout_s=120.0)
+    with proc:
+        yield url
+
+
+# ---- load ----------------------------------------------------------------------------------------
+
+
+class RequestResult(NamedTuple):
+    ids: list[int]
+    tokens: int  # output tokens received
+    ttft_s: float
+    gaps_s: list[float]  # the gap before each output token after the first (see the module doc)
+
+
+class StreamTally:
+    """A streamed request's output as the client sees it: ids, token count, TTFT and the gap
+    before each later token (a chunk carrying n tokens: its gap, then n - 1 zeros)."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.ids: list[int] = []
+        self.count = 0
+        self.first_s = 0.0
+        self.last = t0
+        self.gaps: list[float] = []
+
+    def add(self, ids: list[int], running: int | None, now: float) -> None:
+        """One chunk's ids and, when the server sends it, the running output count."""
+        self.ids += ids
+        new = (running - self.count) if running is not None else len(ids)
+        if new <= 0:
+            return
+        if self.count == 0:
+            self.first_s = now - self.t0
+            self.gaps += [0.0] * (new - 1)
+        else:
+            self.gaps += [now - self.last] + [0.0] * (new - 1)
+        self.count += new
+        self.last = now
+
+    def result(self) -> RequestResult:
+        return RequestResult(self.ids, self.count, self.first_s, self.gaps)
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, side: Side, prompt: list[int], max_tokens: int, stream: bool
+) -> RequestResult:
+    t0 = time.perf_counter()
+    async with session.post(f"{url}/v1/completions", json=side.body(prompt, max_tokens, stream)) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{side.name}: HTTP {resp.status}: {(await resp.text())[:300]}")
+        if not stream:
+            whole, _ = side.chunk_tokens(await resp.json())
+            return RequestResult(whole, len(whole), time.perf_counter() - t0, [])
+        tally = StreamTally(t0)
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            tally.add(*side.chunk_tokens(json.loads(data)), time.perf_counter())
+        return tally.result()
+
+
+async def closed_loop(
+    url: str, side: Side, prompts: list[list[int]], concurrency: int, max_tokens: int, stream: bool
+) -> tuple[float, list[RequestResult]]:
+    """``concurrency`` clients over ``prompts`` in order; the wall time and each request's result
+    (in prompt order)."""
+    results: list[RequestResult | None] = [None] * len(prompts)
+    queue = list(enumerate(prompts))[::-1]
+    timeout = aiohttp.ClientTimeout(total=1800)
+    # a connection per request, for both sides: llama-server closes a connection after a streamed
+    # response, and a pooled client would write its next request into the closed socket
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+
+        async def client() -> None:
+            while queue:
+                i, p = queue.pop()
+                results[i] = await _one(session, url, side, p, max_tokens, stream)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return wall, [r for r in results if r is not None]
+
+
+def level_row(wall: float, results: list[RequestResult]) -> dict[str, Any]:
+    tokens = sum(r.tokens for r in results)
+    ttft = percentiles([r.ttft_s for r in results])
+    gaps = percentiles([g for r in results for g in r.gaps_s] or [0.0])
+    return {
+        "requests": len(results),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_p50_s": ttft.p50,
+        "ttft_p90_s": ttft.p90,
+        "itl_p50_s": gaps.p50,
+        "itl_p99_s": gaps.p99,
+    }
+
+
+def make_prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 256) for _ in range(rng.randint(*PROMPT_TOKENS))] for _ in range(n)]
+
+
+def warm_up(url: str, side: Side, seed: int) -> None:
+    asyncio.run(closed_loop(url, side, make_prompts(2, seed - 1), 2, 8, True))
+
+
+def run_level(
+    url: str, side: Side, concurrency: int, max_tokens: int, seed: int, repeat: int
+) -> dict[str, Any]:
+    """One streamed closed loop; the prompts depend on the level, seed and repeat only, so every
+    side gets the same."""
+    prompts = make_prompts(max(concurrency, MIN_REQUESTS), seed + 1000 * repeat + concurrency)
+    wall, results = asyncio.run(closed_loop(url, side, prompts, concurrency, max_tokens, True))
+    return level_row(wall, results)
+
+
+def agreement_ids(url: str, side: Side, concurrency: int, max_tokens: int, seed: int) -> list[list[int]]:
+    """The output ids of 16 non-streamed requests (the same prompts for every side)."""
+    _, results = asyncio.run(
+        closed_loop(url, side, make_prompts(16, seed - 2), concurrency, max_tokens, False)
+    )
+    return [r.ids for r in results]
+
+
+def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The repeat with the median tokens/s (its latencies with it), and every repeat's tokens/s."""
+    ranked = sorted(rows, key=lambda r: r["tokens_per_s"])
+    return ranked[(len(ranked) - 1) // 2] | {"tokens_per_s_repeats": [r["tokens_per_s"] for r in rows]}
+
+
+# ---- KV bytes -----------------------------------------------------------------------------------
+
+_KV_SIZE = re.compile(r"llama_kv_cache: size =\s*([0-9.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers")
+
+
+def llama_kv_bytes(log_text: str) -> tuple[int, list[dict[str, float]]]:
+    """Bytes of the KV caches llama.cpp's log reports (one line per cache: an iSWA model has a full
+    and an SWA cache), and each cache's cells and layers."""
+    caches = [
+        {"mib": float(m[1]), "cells": int(m[2]), "layers": int(m[3])} for m in _KV_SIZE.finditer(log_text)
+    ]
+    return int(sum(c["mib"] for c in caches) * 2**20), caches
+
+
+def llama_kv_per_sequence(
+    peers: Peers, gguf: Path, threads: int, context: int, log_dir: Path
+) -> dict[str, Any]:
+    """llama-server started with one slot of ``context`` cells: as the server sizes its caches by
+    default (the SWA cache: the window plus a micro-batch, rounded up to 256 cells), and with
+    ``--swa-full``, the default of llama.cpp's C API (``llama_context_default_params``) and so of
+    libraries on it such as llama-cpp-python (every SWA layer keeps every token)."""
+    out: dict[str, Any] = {}
+    for name, extra in (("server_default", ()), ("swa_full", ("--swa-full",))):
+        log = log_dir / f"llama-kv-{name}.log"
+        with serve_llama(peers, gguf, threads, 1, context, log, extra):
+            pass
+        total, caches = llama_kv_bytes(log.read_text(errors="replace"))
+        if not caches:
+            raise RuntimeError(f"no KV size lines in {log}")
+        out[name] = {"bytes": total, "caches": caches}
+    return out
+
+
+def ours_kv_per_sequence(model_dir: Path, context: int) -> dict[str, Any]:
+    """What our pools hold for one sequence at ``context`` tokens: every full layer every token, each
+    SWA layer the pages its window spans (``swa_pages_per_sequence``), in the engine's KV dtype."""
+    from llm_core.caches.kv_pool import KVLayout, swa_pages_per_sequence
+    from llm_core.models.config import DecoderConfig
+    from llm_core.serving.server_config import EngineConfig, LLMServerConfig
+
+    cfg = DecoderConfig.from_pretrained_dir(model_dir)
+    dtype = LLMServerConfig(model_path=str(model_dir)).torch_dtype
+    layout = KVLayout.from_model_config(cfg, dtype)
+    page = EngineConfig().page_size
+    full = layout.full_bytes_per_token * context
+    swa_tokens = min(context, swa_pages_per_sequence(cfg.sliding_window, page) * page)
+    swa = layout.swa_bytes_per_token * swa_tokens
+    return {
+        "bytes": full + swa,
+        "full_bytes": full,
+        "swa_bytes": swa,
+        "swa_tokens": swa_tokens,
+        "dtype": str(dtype),
+    }
+
+
+# ---- the run -------------------------------------------------------------------------------------
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
+    """How many outputs are identical, and the mean length of the common prefix over the output."""
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    prefix = []
+    for x, y in zip(a, b, strict=True):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        prefix.append(n / max(1, len(x)))
+    return {"identical": same, "of": len(a), "mean_common_prefix": sum(prefix) / max(1, len(prefix))}
+
+
+def run_size(
+    size: str,
+    model_dir: Path,
+    peers: Peers,
+    work: Path,
+    levels: list[int],
+    max_tokens: int,
+    seed: int,
+    repeats: int = 3,
+) -> dict[str, Any]:
+    threads = usable_cores()
+    gguf = convert_to_gguf(model_dir, work / f"{size}-f32.gguf", peers, work / f"convert-{size}")
+    row: dict[str, Any] = {
+        "size": size,
+        "parameters": parameter_count(model_dir),
+        "gguf_bytes": gguf.stat().st_size,
+    }
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    ids: dict[str, list[list[int]]] = {}
+    llama_log = work / f"llama-{size}.log"
+    # Both up, one driven at a time (an idle server sleeps); each repeat runs every level on both,
+    # the side going first alternating, so a slow spell of a shared machine hits both alike.
+    with (
+        serve_ours(model_dir, threads, max(levels), work) as ours_url,
+        serve_llama(peers, gguf, threads, max(levels), LLAMA_CTX_PER_SLOT, llama_log) as llama_url,
+    ):
+        sides = [("epd", ours_url, OURS), ("llama.cpp", llama_url, LLAMA)]
+        for _, url, side in sides:
+            warm_up(url, side, seed)
+        for rep in range(repeats):
+            for c in levels:
+                for name, url, side in sides if rep % 2 == 0 else sides[::-1]:
+                    runs.setdefault((name, c), []).append(run_level(url, side, c, max_tokens, seed, rep))
+        c8 = max([x for x in levels if x <= 8] or [min(levels)])
+        for name, url, side in sides:
+            ids[name] = agreement_ids(url, side, c8, max_tokens, seed)
+    # llama.cpp's CPU defaults (flash attention with f16 internals, f16 KV) round more than our
+    # float32 path; in float32 throughout it should give our ids exactly
+    with serve_llama(
+        peers, gguf, threads, c8, LLAMA_CTX_PER_SLOT, work / f"llama-{size}-f32.log", FULL_PRECISION
+    ) as url:
+        ids["llama.cpp f32"] = agreement_ids(url, LLAMA, c8, max_tokens, seed)
+    row["levels"] = {}
+    for c in levels:
+        lv = {name: median_row(runs[name, c]) for name in ("epd", "llama.cpp")}
+        lv["ratio"] = lv["epd"]["tokens_per_s"] / lv["llama.cpp"]["tokens_per_s"]
+        row["levels"][c] = lv
+    row["agreement"] = agreement(ids["epd"], ids["llama.cpp"])
+    row["agreement_f32"] = agreement(ids["epd"], ids["llama.cpp f32"])
+    ours_kv = ours_kv_per_sequence(model_dir, KV_CONTEXT)
+    llama_kv = llama_kv_per_sequence(peers, gguf, threads, KV_CONTEXT, work)
+    row["kv_8k"] = {
+        "epd": ours_kv,
+        "llama.cpp": llama_kv,
+        "ratio": ours_kv["bytes"] / llama_kv["server_default"]["bytes"],
+        "ratio_swa_full": ours_kv["bytes"] / llama_kv["swa_full"]["bytes"],
+    }
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=(__doc__ or "").split("\n", 1)[0])
+    add_common_args(parser)
+    parser.add_argument("--sizes", default="small,medium", help="models: small (the default's), medium")
+    parser.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels")
+    parser.add_argument("--max-tokens", type=int, default=OUTPUT_TOKENS, help="output tokens per request")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; rows report the median")
+    parser.add_argument("--work-dir", default=None, help="GGUF files and logs (default: the bench cache)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.levels, args.max_tokens, args.repeats = "small", "1,8", 16, 1
+    sizes = args.sizes.split(",")
+    levels = [int(x) for x in args.levels.split(",")]
+    peers = Peers.find()
+    work = Path(args.work_dir) if args.work_dir else cache_dir() / "llm-peer"
+    work.mkdir(parents=True, exist_ok=True)
+    rows = [
+        run_size(size, d, peers, work, levels, args.max_tokens, args.seed)
+        for size, d in model_dirs(sizes).items()
+    ]
+    machine = format_machine(machine_info())
+    table = []
+    for r in rows:
+        for c, lv in r["levels"].items():
+            for side in ("epd", "llama.cpp"):
+                x = lv[side]
+                table.append([
+                    r["size"], c, side, x["tokens_per_s"], x["ttft_p50_s"] * 1e3, x["ttft_p90_s"] * 1e3,
+                    x["itl_p50_s"] * 1e3, x["itl_p99_s"] * 1e3, lv["ratio"] if side == "epd" else "",
+                ])  # fmt: skip
+    print_table(
+        "epd llm vs llama-server: same checkpoint (f32), greedy token-id prompts, streamed /v1/completions",
+        ["model", "concurrency", "server", "tokens/s", "TTFT P50 ms", "TTFT P90 ms", "ITL P50 ms", "ITL P99 ms", "ours/theirs"],
+        table,
+        caption=machine,
+    )  # fmt: skip
+    for r in rows:
+        a, kv = r["agreement"], r["kv_8k"]
+        print(
+            f"{r['size']} ({r['parameters'] / 1e6:.0f}M parameters): outputs identical {a['identical']}/{a['of']} "
+            f"(mean common prefix {a['mean_common_prefix']:.0%}), with llama.cpp in float32 "
+            f"{r['agreement_f32']['identical']}/{r['agreement_f32']['of']}; KV bytes per sequence at {KV_CONTEXT}: "
+            f"ours {kv['epd']['bytes'] / 2**20:.1f} MiB ({kv['epd']['dtype']}), llama-server "
+            f"{kv['llama.cpp']['server_default']['bytes'] / 2**20:.1f} MiB (ratio {kv['ratio']:.2f}), "
+            f"with --swa-full (the C API's default) {kv['llama.cpp']['swa_full']['bytes'] / 2**20:.1f} MiB "
+            f"(ratio {kv['ratio_swa_full']:.2f})"
+        )
+    smallest = rows[0]  # the sizes in the order given: the smaller first by default
+    summary: dict[str, Any] = {f"ratio_c{c}": smallest["levels"][c]["ratio"] for c in levels} | {
+        "kv_bytes_ratio_8k": smallest["kv_8k"]["ratio"],
+        "size": smallest["size"],
+    }
+    for r in rows[1:]:
+        summary |= {f"{r['size']}_ratio_c{c}": r["levels"][c]["ratio"] for c in levels}
+    write_json(args.json, machine=machine_info(), config=vars(args), results=rows, summary=summary)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
