@@ -4,8 +4,8 @@ same prompts and the same threads (needs ``make peers``).
 For each model size (small: the embedded default's config and weights with an even rotary width,
 which llama.cpp needs; medium: a ~230M-parameter config of the same family where compute matters,
 generated the same way) the checkpoint is converted to an f32 GGUF
-(``gguf_stage``); then each side in turn (never both at once: they would share the cores) is
-started on loopback and driven through ``POST /v1/completions`` with streamed, greedy, fixed-length
+(``gguf_stage``); then both sides are started on loopback and driven, one at a time (they would
+share the cores), through ``POST /v1/completions`` with streamed, greedy, fixed-length
 requests (token-id prompts, ``ignore_eos``):
 
 - concurrency 1, 8 and 32, closed loop (``c`` clients, each sending its next request when the last
@@ -25,7 +25,8 @@ Both servers are up at once and driven one at a time: each of ``--repeats`` repe
 level on both (which side goes first alternates), and a row reports the median repeat, so a slow
 spell of a shared machine hits both alike. They run as their users would: llama-server with ``--parallel`` = the largest concurrency,
 ``-t``/``-tb`` = the cores, its defaults otherwise (window-sized SWA cache, flash-attention auto,
-prompt cache on); ``epd llm`` with ``--torch-threads`` = the cores. Every server is stopped by the
+f16 KV, prompt cache on; requests add ``"verbose": true``, which puts the native result in each
+streamed chunk, for its token count); ``epd llm`` with ``--torch-threads`` = the cores. Every server is stopped by the
 benchmark whatever happens (``ServiceProcess``).
 
     make peers && python -m bench.llm_peer [--quick] [--json PATH]
@@ -69,7 +70,7 @@ MIN_REQUESTS = 8  # per concurrency level
 OUTPUT_TOKENS = 64
 PROMPT_TOKENS = (64, 192)  # uniform, token ids of plain bytes (0..255: never a special)
 KV_CONTEXT = 8192
-LLAMA_CTX_PER_SLOT = 512  # prompt + output fit with room to spare
+CTX_MARGIN = 64  # llama-server's context per slot: the longest prompt + the output + this
 # llama-server in float32 throughout: no flash attention (its CPU kernel rounds through f16), f32 KV
 FULL_PRECISION = ("-fa", "off", "-ctk", "f32", "-ctv", "f32")
 
@@ -239,7 +240,7 @@ def serve_llama(
     cmd = [
         str(peers.llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
         "--parallel", str(slots), "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads),
-        "--no-webui", "-lv", "4", *extra,
+        "--no-webui", *extra,
     ]  # fmt: skip
     proc = ServiceProcess("llama-server", cmd, url, log, ready_path="/health", ready_timeout_s=120.0)
     with proc:
@@ -364,6 +365,11 @@ def run_level(
     side gets the same."""
     prompts = make_prompts(max(concurrency, MIN_REQUESTS), seed + 1000 * repeat + concurrency)
     wall, results = asyncio.run(closed_loop(url, side, prompts, concurrency, max_tokens, True))
+    short = [r.tokens for r in results if r.tokens != max_tokens]
+    if short:  # a truncated answer would count as speed
+        raise RuntimeError(
+            f"{side.name}: {len(short)} requests returned {short[:4]} tokens, not {max_tokens}"
+        )
     return level_row(wall, results)
 
 
@@ -403,9 +409,14 @@ def llama_kv_per_sequence(
     ``--swa-full``, the default of llama.cpp's C API (``llama_context_default_params``) and so of
     libraries on it such as llama-cpp-python (every SWA layer keeps every token)."""
     out: dict[str, Any] = {}
-    for name, extra in (("server_default", ()), ("swa_full", ("--swa-full",))):
+    # -lv 4: the KV size lines are logged at a level the server hides by default
+    for name, extra in (
+        ("server_default", ()),
+        ("swa_full", ("--swa-full",)),
+        ("f32_kv", ("-ctk", "f32", "-ctv", "f32")),
+    ):
         log = log_dir / f"llama-kv-{name}.log"
-        with serve_llama(peers, gguf, threads, 1, context, log, extra):
+        with serve_llama(peers, gguf, threads, 1, context, log, ("-lv", "4", *extra)):
             pass
         total, caches = llama_kv_bytes(log.read_text(errors="replace"))
         if not caches:
@@ -463,7 +474,10 @@ def run_size(
     repeats: int = 3,
 ) -> dict[str, Any]:
     threads = usable_cores()
-    gguf = convert_to_gguf(model_dir, work / f"{size}-f32.gguf", peers, work / f"convert-{size}")
+    # named after the checkpoint directory (its name hashes config and seed) and the peers' build
+    gguf = convert_to_gguf(
+        model_dir, work / f"{model_dir.name}-{peers.version}-f32.gguf", peers, work / f"convert-{size}"
+    )
     row: dict[str, Any] = {
         "size": size,
         "parameters": parameter_count(model_dir),
@@ -474,9 +488,10 @@ def run_size(
     llama_log = work / f"llama-{size}.log"
     # Both up, one driven at a time (an idle server sleeps); each repeat runs every level on both,
     # the side going first alternating, so a slow spell of a shared machine hits both alike.
+    ctx = PROMPT_TOKENS[1] + max_tokens + CTX_MARGIN
     with (
         serve_ours(model_dir, threads, max(levels), work) as ours_url,
-        serve_llama(peers, gguf, threads, max(levels), LLAMA_CTX_PER_SLOT, llama_log) as llama_url,
+        serve_llama(peers, gguf, threads, max(levels), ctx, llama_log) as llama_url,
     ):
         sides = [("epd", ours_url, OURS), ("llama.cpp", llama_url, LLAMA)]
         for _, url, side in sides:
@@ -490,9 +505,7 @@ def run_size(
             ids[name] = agreement_ids(url, side, c8, max_tokens, seed)
     # llama.cpp's CPU defaults (flash attention with f16 internals, f16 KV) round more than our
     # float32 path; in float32 throughout it should give our ids exactly
-    with serve_llama(
-        peers, gguf, threads, c8, LLAMA_CTX_PER_SLOT, work / f"llama-{size}-f32.log", FULL_PRECISION
-    ) as url:
+    with serve_llama(peers, gguf, threads, c8, ctx, work / f"llama-{size}-f32.log", FULL_PRECISION) as url:
         ids["llama.cpp f32"] = agreement_ids(url, LLAMA, c8, max_tokens, seed)
     row["levels"] = {}
     for c in levels:
@@ -508,6 +521,7 @@ def run_size(
         "llama.cpp": llama_kv,
         "ratio": ours_kv["bytes"] / llama_kv["server_default"]["bytes"],
         "ratio_swa_full": ours_kv["bytes"] / llama_kv["swa_full"]["bytes"],
+        "ratio_f32_kv": ours_kv["bytes"] / llama_kv["f32_kv"]["bytes"],
     }
     return row
 
@@ -529,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work_dir) if args.work_dir else cache_dir() / "llm-peer"
     work.mkdir(parents=True, exist_ok=True)
     rows = [
-        run_size(size, d, peers, work, levels, args.max_tokens, args.seed)
+        run_size(size, d, peers, work, levels, args.max_tokens, args.seed, args.repeats)
         for size, d in model_dirs(sizes).items()
     ]
     machine = format_machine(machine_info())
@@ -557,7 +571,8 @@ def main(argv: list[str] | None = None) -> int:
             f"ours {kv['epd']['bytes'] / 2**20:.1f} MiB ({kv['epd']['dtype']}), llama-server "
             f"{kv['llama.cpp']['server_default']['bytes'] / 2**20:.1f} MiB (ratio {kv['ratio']:.2f}), "
             f"with --swa-full (the C API's default) {kv['llama.cpp']['swa_full']['bytes'] / 2**20:.1f} MiB "
-            f"(ratio {kv['ratio_swa_full']:.2f})"
+            f"(ratio {kv['ratio_swa_full']:.2f}), with f32 KV as ours {kv['llama.cpp']['f32_kv']['bytes'] / 2**20:.1f} MiB "
+            f"(ratio {kv['ratio_f32_kv']:.2f})"
         )
     smallest = rows[0]  # the sizes in the order given: the smaller first by default
     summary: dict[str, Any] = {f"ratio_c{c}": smallest["levels"][c]["ratio"] for c in levels} | {

@@ -14,11 +14,19 @@ class PeersMissing(RuntimeError):
     """The peers are not built: the message says how to build them."""
 
 
+# The llama-cpp-python sdist scripts/build_peers.sh builds (its stamp names it).
+VERSION = "0.3.36"
+
+
 class Peers(NamedTuple):
     root: Path
     llama_server: Path  # llama.cpp's server binary
     llama_dir: Path  # the vendored llama.cpp tree (convert_hf_to_gguf.py, conversion/, gguf-py/)
     convert_python: Path  # the converter venv's interpreter
+
+    @property
+    def version(self) -> str:
+        return VERSION
 
     @classmethod
     def find(cls, root: Path | None = None) -> Peers:
@@ -30,7 +38,8 @@ class Peers(NamedTuple):
             base / "llama.cpp",
             base / "convert-venv" / "bin" / "python",
         )
-        missing = [str(p) for p in peers[1:] if not p.exists()]
+        stamp = base / f".built-llama-cpp-{VERSION}"
+        missing = [str(p) for p in (*peers[1:], stamp) if not p.exists()]
         if missing:
             raise PeersMissing(f"peers not built (missing {', '.join(missing)}): run `make peers` first")
         return peers

@@ -39,8 +39,10 @@ class WorkerConfig:
     once) None mean "decide from the host" (``plan_workers``: a CPU worker gets one stream per core
     of its share, one thread each; a GPU worker one stream). ``patch_budget`` None means 16384 on
     a GPU and 4096 on a CPU (where batching buys no throughput and a big batch only delays its
-    first items). ``max_inflight`` bounds items admitted past the cache check (decoding,
-    preprocessing or queued for the forward); beyond it /encode answers 503.
+    first items). Admission (items past the cache check: decoding, preprocessing or queued for the
+    forward) is by expected wait: an item is refused (503, Retry-After the expected wait) when the
+    items ahead of it would take longer than ``max_queue_wait_s`` at the measured rate (seeded with
+    ``admission_seed_items_per_s``); ``max_queued_bytes`` and ``max_inflight`` are memory guards.
     """
 
     host: str = "127.0.0.1"
@@ -55,7 +57,10 @@ class WorkerConfig:
     patch_budget: int | None = None
     max_wait_ms: float = 5.0
     max_queue_patches: int | None = None  # None: 8 patch budgets
-    max_inflight: int = 64
+    max_inflight: int = 1024  # memory guard (items); admission is by expected wait
+    max_queued_bytes: int = 512 << 20  # memory guard: compressed bytes of the admitted items
+    max_queue_wait_s: float = 10.0  # admission deadline: the expected wait a new item may have
+    admission_seed_items_per_s: float = 50.0  # the rate assumed until measured
     decode_threads: int = 2  # decode + preprocess executor threads
     video_decode_workers: int | None = 1  # processes per video decode (1: in the decode thread)
     preprocess_backend: str = "cpu"  # "cpu" | "dali"
@@ -73,9 +78,12 @@ class WorkerConfig:
             raise ValueError(
                 f"WorkerConfig.preprocess_backend must be 'cpu' or 'dali', got {self.preprocess_backend!r}"
             )
-        for name in ("max_inflight", "decode_threads"):
+        for name in ("max_inflight", "decode_threads", "max_queued_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"WorkerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_queue_wait_s", "admission_seed_items_per_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"WorkerConfig.{name} must be > 0, got {getattr(self, name)}")
         for name in ("torch_threads", "forward_streams", "patch_budget"):
             value = getattr(self, name)
             if value is not None and value < 1:

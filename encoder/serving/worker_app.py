@@ -12,8 +12,10 @@
 
 The event loop only awaits: hashing, decoding, preprocessing and cache I/O run in the decode
 pool, the forward in the batcher's thread, so the next items are decoded while a forward runs.
-Admission is bounded (``max_inflight`` items past the cache check, ``max_queue_patches`` in the
-batcher): beyond it the answer is 503 with Retry-After. A bad item fails alone with the status
+Admission is by expected wait (``epd_common.admission``): an item is taken while the items ahead of
+it would drain within ``max_queue_wait_s`` at the rate the worker has been serving; beyond it, or
+past the memory guards (``max_queued_bytes``, ``max_inflight`` items, ``max_queue_patches`` in the
+batcher), the answer is 503 with Retry-After = the expected wait. A bad item fails alone with the status
 of its MediaError and a JSON body naming it.
 """
 
@@ -47,6 +49,7 @@ from encoder.models.checkpoint import LoadedEncoder, load_encoder
 from encoder.serving.batcher import EncodeBatcher, QueueFull
 from encoder.serving.worker import WorkerConfig
 from epd_common.active_paths import report
+from epd_common.admission import ServiceRate, retry_after_header
 from epd_common.store_config import build_store
 from media_io.active_paths import media_paths
 from media_io.errors import BadMedia, MediaError, MediaTooLarge
@@ -69,7 +72,14 @@ class VideoTiming(NamedTuple):
 
 
 class Overloaded(Exception):
-    """More work admitted than the worker may hold; the client should retry (503)."""
+    """The worker cannot take the item in time (or without exceeding its memory guard); the client
+    should retry after ``retry_after_s`` (503 with that Retry-After). ``reason``: "wait" (the queue
+    ahead would not drain within the deadline) or "memory" (the byte or count guard)."""
+
+    def __init__(self, message: str, retry_after_s: float, reason: str) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.reason = reason
 
 
 class EncodeOutcome(NamedTuple):
@@ -91,6 +101,12 @@ class _Metrics:
             registry=r,
         )
         self.inflight = Gauge("epd_encoder_inflight_items", "Items past the cache check", registry=r)
+        self.expected_wait = Gauge(
+            "epd_encoder_expected_wait_seconds", "What a new item would wait (admission)", registry=r
+        )
+        self.refusals = Counter(
+            "epd_encoder_refusals", "Items refused at admission, by reason", ["reason"], registry=r
+        )
         self.queue_items = Gauge("epd_encoder_queue_items", "Items waiting for a forward", registry=r)
         self.batches = Gauge("epd_encoder_batches", "Forwards run since start", registry=r)
         self.last_batch = Gauge("epd_encoder_last_batch_items", "Items in the last forward", registry=r)
@@ -142,6 +158,10 @@ class EncoderWorker:
         self.writer = f"encoder:{os.getpid()}"
         self._inflight: dict[str, asyncio.Task[EncodeOutcome]] = {}
         self._admitted = 0
+        self._admitted_bytes = 0
+        # Admission by expected wait (``epd_common.admission``): items per busy second, measured
+        # from admission to done, so a burst the worker drains within the deadline is taken whole.
+        self.rate = ServiceRate(config.admission_seed_items_per_s)
 
     @property
     def fingerprint(self) -> str:
@@ -178,15 +198,17 @@ class EncoderWorker:
         task = self._inflight.get(key)
         shared = task is not None
         if task is None:
-            if self._admitted >= self.config.max_inflight:
-                raise Overloaded(f"{self._admitted} items in flight (limit {self.config.max_inflight})")
+            self._admit(len(data))
             # A task of its own: if this request goes away, the encode still lands in the cache, and
             # concurrent requests for the same media (other ingresses) share it.
             task = asyncio.create_task(self._encode_miss(data, kind.modality, key, item))
             self._inflight[key] = task
             self._admitted += 1
+            self._admitted_bytes += len(data)
+            self.rate.started()
             self.metrics.inflight.set(self._admitted)
-            task.add_done_callback(lambda t: self._finished(key, t))
+            size = len(data)
+            task.add_done_callback(lambda t: self._finished(key, size, t))
         outcome = await asyncio.shield(task)
         if shared:  # computed for another request: nothing was spent on this one
             self.metrics.requests.labels(outcome="shared").inc()
@@ -195,8 +217,38 @@ class EncoderWorker:
             self.metrics.requests.labels(outcome="miss").inc()
         return outcome
 
-    def _finished(self, key: str, task: asyncio.Task[EncodeOutcome]) -> None:
+    def expected_wait_s(self) -> float:
+        """What a new item would wait before its own turn: the items admitted ahead of it at the
+        measured rate (an idle worker always takes one)."""
+        return self.rate.expected_wait_s(self._admitted)
+
+    def _admit(self, nbytes: int) -> None:
+        """Raise ``Overloaded`` unless an item of ``nbytes`` can be taken: its expected wait within
+        ``max_queue_wait_s``, and the bytes and items held within their guards."""
+        wait = self.expected_wait_s()
+        self.metrics.expected_wait.set(wait)
+        cfg = self.config
+        if wait > cfg.max_queue_wait_s:
+            self.metrics.refusals.labels(reason="wait").inc()
+            raise Overloaded(
+                f"expected wait {wait:.1f} s ({self._admitted} items ahead at {self.rate.per_s():.1f} items/s)"
+                f" exceeds {cfg.max_queue_wait_s:g} s",
+                wait,
+                "wait",
+            )
+        if self._admitted_bytes + nbytes > cfg.max_queued_bytes or self._admitted >= cfg.max_inflight:
+            self.metrics.refusals.labels(reason="memory").inc()
+            raise Overloaded(
+                f"{self._admitted} items of {self._admitted_bytes} bytes in flight"
+                f" (guards: {cfg.max_inflight} items, {cfg.max_queued_bytes} bytes)",
+                wait,
+                "memory",
+            )
+
+    def _finished(self, key: str, nbytes: int, task: asyncio.Task[EncodeOutcome]) -> None:
         self._admitted -= 1
+        self._admitted_bytes -= nbytes
+        self.rate.finished()
         self.metrics.inflight.set(self._admitted)
         del self._inflight[key]
         if not task.cancelled():
@@ -406,9 +458,16 @@ def build_app(config: WorkerConfig, loaded: LoadedEncoder | None = None) -> Star
         except MediaError as e:
             w.metrics.requests.labels(outcome="error").inc()
             return _error(e.status, e.kind, e.message, item)
-        except (QueueFull, Overloaded) as e:
+        except Overloaded as e:
             w.metrics.requests.labels(outcome="overloaded").inc()
-            return _error(503, "overloaded", str(e), item, headers={"Retry-After": "1"})
+            return _error(
+                503, "overloaded", str(e), item, headers={"Retry-After": retry_after_header(e.retry_after_s)}
+            )
+        except QueueFull as e:
+            w.metrics.requests.labels(outcome="overloaded").inc()
+            w.metrics.refusals.labels(reason="memory").inc()
+            retry = retry_after_header(w.expected_wait_s())
+            return _error(503, "overloaded", str(e), item, headers={"Retry-After": retry})
         except ValueError as e:  # patches the model cannot take (a preprocessing bug or odd input)
             w.metrics.requests.labels(outcome="error").inc()
             return _error(400, "bad_media", str(e), item)

@@ -239,3 +239,66 @@ def test_plan_workers_cpu_spends_cores_on_single_threaded_streams(monkeypatch: p
     assert WorkerConfig(device="cpu", patch_budget=100).batch_budget() == 100
     with pytest.raises(ValueError, match="forward_streams"):
         WorkerConfig(forward_streams=0)
+
+
+def _burst(sock: str, items: list[bytes]) -> list[tuple[int, dict, dict]]:
+    async def go() -> list[tuple[int, dict, dict]]:
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=sock, limit=0)) as s:
+
+            async def one(i: int, data: bytes) -> tuple[int, dict, dict]:
+                async with s.post("http://worker/encode", data=data, params={"item": f"b{i}"}) as r:
+                    return r.status, await r.json(), dict(r.headers)
+
+            return await asyncio.gather(*(one(i, d) for i, d in enumerate(items)))
+
+    return asyncio.run(go())
+
+
+def test_a_burst_the_worker_drains_in_time_is_taken_whole(served: Served) -> None:
+    # 200 distinct uploads at once: far past the old fixed limit of 64 in flight, but drained in
+    # well under the 10 s deadline, so every one is served
+    items = [png(56, 56, seed=70_000 + i) for i in range(200)]
+    got = _burst(served.sock, items)
+    assert [status for status, _, _ in got] == [200] * 200, [b for s, b, _ in got if s != 200][:3]
+    assert len({body["ref"]["key"] for _, body, _ in got}) == 200
+    _, metrics, _ = served.request("GET", "/metrics")
+    assert b'epd_encoder_refusals_total{reason="wait"}' not in metrics
+
+
+@pytest.fixture(scope="module")
+def slow_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """A worker that believes it serves 1 item/s and may let an item wait 0.5 s: one item ahead is
+    already too many. Its batcher holds a lone item for 1 s, so a burst finds the first in flight."""
+    root = tmp_path_factory.mktemp("slow-worker")
+    save_vision_checkpoint(random_encoder(CFG, seed=21), root / "ckpt")
+    sock = str(root / "w.sock")
+    config = WorkerConfig(
+        uds=sock, model_path=str(root / "ckpt"), cache_root=str(root / "cache"), cache_namespace="slow",
+        max_wait_ms=1000.0, patch_budget=4096, max_queue_wait_s=0.5, admission_seed_items_per_s=1.0,
+    )  # fmt: skip
+    server = uvicorn.Server(uvicorn.Config(build_app(config), uds=sock, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "worker did not start"
+        time.sleep(0.02)
+    yield Served(config, sock)
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_an_item_that_would_wait_past_the_deadline_is_refused_with_the_expected_wait(
+    slow_worker: Served,
+) -> None:
+    got = _burst(slow_worker.sock, [png(56, 56, seed=80_000 + i) for i in range(6)])
+    statuses = sorted(status for status, _, _ in got)
+    assert statuses == [200] + [503] * 5, statuses
+    for status, body, headers in got:
+        if status == 503:
+            assert body["error"]["type"] == "overloaded" and "expected wait 1.0 s" in body["error"]["message"]
+            assert headers["Retry-After"] == "1"  # one item ahead at 1 item/s
+    _, metrics, _ = slow_worker.request("GET", "/metrics")
+    assert b'epd_encoder_refusals_total{reason="wait"} 5.0' in metrics
+    # once the queue drained, the next item is taken
+    assert _burst(slow_worker.sock, [png(56, 56, seed=80_100)])[0][0] == 200

@@ -1,0 +1,45 @@
+"""The expected-wait estimate: seeded until measured, measured over busy time only."""
+
+from __future__ import annotations
+
+import pytest
+
+from epd_common.admission import ServiceRate, retry_after_header
+
+
+def test_the_seed_holds_until_enough_completions() -> None:
+    rate = ServiceRate(seed_per_s=20.0, min_samples=4)
+    assert rate.expected_wait_s(40) == pytest.approx(2.0)
+    for t in range(3):
+        rate.started(now=float(t))
+        rate.finished(now=t + 0.5)
+    assert rate.per_s() == 20.0  # three samples: still the seed
+
+
+def test_a_pipelined_stage_is_measured_by_its_completion_spacing() -> None:
+    rate = ServiceRate(seed_per_s=1.0, min_samples=4)
+    # 10 items admitted at once at t = 0, done every 0.1 s: 10 items/s whatever the latency
+    for _ in range(10):
+        rate.started(now=0.0)
+    for i in range(10):
+        rate.finished(now=0.1 * (i + 1))
+    assert rate.per_s() == pytest.approx(10.0)
+    assert rate.expected_wait_s(50) == pytest.approx(5.0)
+
+
+def test_idle_time_does_not_count() -> None:
+    rate = ServiceRate(seed_per_s=1.0, min_samples=2)
+    for t0 in (0.0, 100.0, 500.0):  # one item per visit, 0.25 s each, long idle gaps between
+        rate.started(now=t0)
+        rate.finished(now=t0 + 0.25)
+    assert rate.per_s() == pytest.approx(4.0)
+
+
+def test_finished_without_started_is_a_bug() -> None:
+    with pytest.raises(AssertionError):
+        ServiceRate(1.0).finished(now=0.0)
+
+
+@pytest.mark.parametrize(("wait", "header"), [(0.0, "1"), (0.2, "1"), (1.0, "1"), (1.01, "2"), (7.5, "8")])
+def test_retry_after_is_whole_seconds_rounded_up(wait: float, header: str) -> None:
+    assert retry_after_header(wait) == header
