@@ -32,7 +32,7 @@ clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
 
 # The peers bench.llm_peer runs against (not part of `make test`): llama.cpp's llama-server and its
-# HF -> GGUF converter (own venv), built from the llama-cpp-python sdist into .peers/ (~6 min on
+# HF -> GGUF converter (own venv), built from the llama-cpp-python sdist into .peers/ (~9 min on
 # 2 cores the first time; a stamp makes re-runs instant).
 PEERS_DIR ?= .peers
 peers: $(STAMP)

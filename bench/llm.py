@@ -59,6 +59,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,13 +113,19 @@ def tiny_qwen_dir() -> Path:
     from tests.fixtures.qwen2_5_vl import build_tiny_qwen2_5_vl
 
     digest = hashlib.sha256(TINY_QWEN_FIXTURE.read_bytes() + transformers.__version__.encode()).hexdigest()
-    path = cache_dir() / f"tiny-qwen2_5_vl-{digest[:12]}"
+    return build_once(cache_dir() / f"tiny-qwen2_5_vl-{digest[:12]}", build_tiny_qwen2_5_vl)
+
+
+def build_once(path: Path, build: Callable[[Path], object]) -> Path:
+    """``path`` (a checkpoint directory: ready when it has a config.json), made on first use by
+    ``build(tmp)`` in a temporary sibling renamed into place, so a concurrent first use never sees a
+    half-written directory (the loser of a race keeps the winner's) and a failed build leaves none."""
     if (path / "config.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
     try:
-        build_tiny_qwen2_5_vl(tmp)
+        build(tmp)
         tmp.rename(path)
     except OSError:
         if not (path / "config.json").is_file():  # not a concurrent build that won the rename

@@ -43,7 +43,6 @@ import json
 import random
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -61,7 +60,7 @@ from bench.common import (
     write_json,
 )
 from bench.gguf_stage import convert_to_gguf
-from bench.llm import cache_dir
+from bench.llm import build_once, cache_dir
 from bench.peers import Peers
 from bench.service_proc import ServiceProcess, free_port
 
@@ -126,17 +125,14 @@ def ensure_checkpoint(name: str, cfg: Any, seed: int) -> Path:
     from llm_core.models.random_init import init_random_weights
     from llm_core.prompts.tokenizer import save_default_tokenizer
 
+    def build(tmp: Path) -> None:
+        model = DecoderForCausalLM(cfg)
+        init_random_weights(model, seed)
+        write_checkpoint(model, tmp)
+        save_default_tokenizer(tmp)
+
     key = hashlib.sha256(repr((cfg, seed)).encode()).hexdigest()[:12]
-    out = cache_dir() / f"llm-{name}-{key}"
-    if (out / "config.json").is_file():
-        return out
-    tmp = Path(tempfile.mkdtemp(prefix=f".llm-{name}-", dir=cache_dir()))
-    model = DecoderForCausalLM(cfg)
-    init_random_weights(model, seed)
-    write_checkpoint(model, tmp)
-    save_default_tokenizer(tmp)
-    tmp.rename(out)
-    return out
+    return build_once(cache_dir() / f"llm-{name}-{key}", build)
 
 
 def model_dirs(sizes: list[str]) -> dict[str, Path]:

@@ -102,8 +102,8 @@ def _run_waves(
 
 def run(ks: list[int], batches: list[int], max_tokens: int, seed: int, repeats: int) -> list[dict[str, Any]]:
     """Every (k, batch) ``repeats`` times, interleaved (each repeat runs every k on the same prompts
-    before the next repeat), so that a slow spell of a shared machine hits all k alike; a row
-    reports the median repeat's tokens/s."""
+    before the next repeat, the k going first rotating), so that a slow spell of a shared machine
+    hits all k alike; a row reports the median repeat's tokens/s."""
     engines: dict[int, LLMEngine] = {}
     try:
         for k in ks:
@@ -120,23 +120,24 @@ def run(ks: list[int], batches: list[int], max_tokens: int, seed: int, repeats: 
                 # at least MIN_REQUESTS requests, in waves of b: how fast drafts are accepted varies
                 # much from prompt to prompt, and one request is too few to say
                 prompts = _prompts(max(b, MIN_REQUESTS), seed + 1000 * rep + b)
-                reference: list[list[int]] | None = None
-                for k in ks:
+                outputs: dict[int, list[list[int]]] = {}
+                order = ks[rep % len(ks) :] + ks[: rep % len(ks)]  # which k goes first rotates
+                for k in order:
                     spec = engines[k].runner.speculator
                     before = spec.counters() if spec is not None else None
-                    wall, ids = _run_waves(engines[k], prompts, b, max_tokens)
-                    reference = ids if reference is None else reference
-                    rates[k, b].append(sum(len(x) for x in ids) / wall)
+                    wall, outputs[k] = _run_waves(engines[k], prompts, b, max_tokens)
+                    rates[k, b].append(sum(len(x) for x in outputs[k]) / wall)
                     row = rows.setdefault(
                         (k, b),
                         {"k": k, "batch": b, "identical": True, "accepted": 0, "proposed": 0, "steps": 0},
                     )
-                    row["identical"] = row["identical"] and ids == reference
                     if spec is not None and before is not None:
                         after = spec.counters()
                         row["steps"] += after.verify_steps - before.verify_steps
                         row["accepted"] += after.accepted - before.accepted
                         row["proposed"] += after.proposed - before.proposed
+                for k in ks:  # every k against the first (0: no speculation)
+                    rows[k, b]["identical"] = rows[k, b]["identical"] and outputs[k] == outputs[ks[0]]
     finally:
         for engine in engines.values():
             engine.stop()

@@ -13,10 +13,9 @@ written once under the benchmark cache as a real checkpoint, loaded by every sid
 from __future__ import annotations
 
 import hashlib
-import tempfile
 from pathlib import Path
 
-from bench.llm import cache_dir
+from bench.llm import build_once, cache_dir
 from encoder.models.checkpoint import random_encoder, save_vision_checkpoint
 from encoder.models.config import VisionConfig
 
@@ -35,11 +34,7 @@ PIPELINE_TOWER_SEED = 20261202
 def ensure_pipeline_tower() -> Path:
     """The tower's checkpoint directory, created on first use."""
     key = hashlib.sha256(repr((PIPELINE_TOWER, PIPELINE_TOWER_SEED)).encode()).hexdigest()[:12]
-    out = cache_dir() / f"encoder-pipeline-{key}"
-    if (out / "config.json").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".encoder-pipeline-", dir=out.parent))
-    save_vision_checkpoint(random_encoder(PIPELINE_TOWER, PIPELINE_TOWER_SEED), tmp)
-    tmp.rename(out)
-    return out
+    return build_once(
+        cache_dir() / f"encoder-pipeline-{key}",
+        lambda tmp: save_vision_checkpoint(random_encoder(PIPELINE_TOWER, PIPELINE_TOWER_SEED), tmp),
+    )

@@ -58,12 +58,16 @@ class ServiceProcess:
                 self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
             )
         deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise ServiceError(f"{self.name} exited with {self._proc.returncode}:\n{self.log_tail()}")
-            if self._ready():
-                return self
-            time.sleep(0.25)
+        try:
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    raise ServiceError(f"{self.name} exited with {self._proc.returncode}:\n{self.log_tail()}")
+                if self._ready():
+                    return self
+                time.sleep(0.25)
+        except BaseException:  # Ctrl-C or an exit while waiting: its own session never got the signal
+            self.stop()
+            raise
         self.stop()
         raise ServiceError(f"{self.name} not ready after {self.ready_timeout_s:.0f} s:\n{self.log_tail()}")
 

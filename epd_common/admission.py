@@ -11,9 +11,12 @@ stage expects, not a constant.
     if wait > deadline_s: refuse(retry_after=wait)
 
 The rate is measured over busy time only (time with work in flight), so an idle stage keeps the
-rate it last showed rather than decaying towards zero. It is the completions per second over the
-last ``window`` completions; until ``min_samples`` completions it is the seed (a safe guess that
-no benchmark set: being wrong only makes the first burst's estimate wrong for a moment).
+rate it last showed rather than decaying towards zero; and only from completions that had company
+(another unit still in flight), whose spacing is the stage's throughput: a lone unit's completion
+is its latency, which understates a stage that overlaps or batches. Failed units (a bad input
+refused in a millisecond) are not samples either. It is the completions per second over the last
+``window`` samples; until ``min_samples`` it is the seed (a guess no benchmark set: being wrong
+only makes the first burst's estimate wrong for a moment).
 """
 
 from __future__ import annotations
@@ -45,12 +48,14 @@ class ServiceRate:
             self._busy_since = time.monotonic() if now is None else now
         self._in_flight += 1
 
-    def finished(self, now: float | None = None) -> None:
-        """A unit of work left the stage (done or failed: either way it stopped taking capacity)."""
+    def finished(self, now: float | None = None, ok: bool = True) -> None:
+        """A unit of work left the stage; ``ok`` False: it failed (it stops taking capacity, but its
+        time says nothing of the rate)."""
         assert self._in_flight > 0, "finished() without started()"
         now = time.monotonic() if now is None else now
         assert self._busy_since is not None
-        self._samples.append(max(now - self._busy_since, 0.0))
+        if ok and self._in_flight >= 2:
+            self._samples.append(max(now - self._busy_since, 0.0))
         self._busy_since = now
         self._in_flight -= 1
         if self._in_flight == 0:

@@ -101,6 +101,9 @@ class _Metrics:
             registry=r,
         )
         self.inflight = Gauge("epd_encoder_inflight_items", "Items past the cache check", registry=r)
+        self.inflight_peak = Gauge(
+            "epd_encoder_inflight_peak_items", "The most items past the cache check at once", registry=r
+        )
         self.expected_wait = Gauge(
             "epd_encoder_expected_wait_seconds", "What a new item would wait (admission)", registry=r
         )
@@ -159,6 +162,7 @@ class EncoderWorker:
         self._inflight: dict[str, asyncio.Task[EncodeOutcome]] = {}
         self._admitted = 0
         self._admitted_bytes = 0
+        self.peak_admitted = 0  # the most items in flight at once since start
         # Admission by expected wait (``epd_common.admission``): items per busy second, measured
         # from admission to done, so a burst the worker drains within the deadline is taken whole.
         self.rate = ServiceRate(config.admission_seed_items_per_s)
@@ -207,6 +211,8 @@ class EncoderWorker:
             self._admitted_bytes += len(data)
             self.rate.started()
             self.metrics.inflight.set(self._admitted)
+            self.peak_admitted = max(self.peak_admitted, self._admitted)
+            self.metrics.inflight_peak.set(self.peak_admitted)
             size = len(data)
             task.add_done_callback(lambda t: self._finished(key, size, t))
         outcome = await asyncio.shield(task)
@@ -248,7 +254,7 @@ class EncoderWorker:
     def _finished(self, key: str, nbytes: int, task: asyncio.Task[EncodeOutcome]) -> None:
         self._admitted -= 1
         self._admitted_bytes -= nbytes
-        self.rate.finished()
+        self.rate.finished(ok=not task.cancelled() and task.exception() is None)
         self.metrics.inflight.set(self._admitted)
         del self._inflight[key]
         if not task.cancelled():

@@ -42,6 +42,9 @@ from llm_core.models.config import SWA, DecoderConfig
 from llm_core.models.decoder import MiMoAttention, RMSNorm, RopeTables, block_kernel_weights
 from llm_core.models.moe import DenseMLP
 
+# At most this many rows, a head's input mix runs on one torch thread (``MTPHeads.forward_layer``).
+SMALL_MIX_ROWS = 64
+
 # Prefix of the heads' tensors in the loader's state dict (what a family's tensor_name maps them to).
 MTP_PREFIX = "mtp."
 _LAYER = re.compile(r"^layers\.(\d+)\.")
@@ -214,7 +217,8 @@ class MTPHeads(nn.Module):
             # A few rows right after a layer call (the target's or the previous head's), on one
             # thread: the kernel's workers still spin on the other cores (``_pool.h``), and a torch
             # op split over threads would wait for one (~0.1 ms here, the product itself ~10 us).
-            with torch_threads(1):
+            # A prefill chunk's rows are worth the threads.
+            with torch_threads(1 if t <= SMALL_MIX_ROWS else threads):
                 x = head.mix(embed(token_ids), prev_hidden).contiguous()  # [T, hidden]
             residual = torch.empty_like(x)
             cpu_layer.set_threads(threads)

@@ -200,7 +200,8 @@ class Speculator:
                 j, torch.tensor(ids, dtype=torch.int64, device=dev), h, positions, batch, self.kv,
                 self.target.embed, rope, self.target.attention_backend,
             )  # fmt: skip
-            with torch_threads(1):  # a small product right after a layer call (``MTPHeads.forward_layer``)
+            # one row per sequence right after a layer call, on one CPU thread (``MTPHeads.forward_layer``)
+            with torch_threads(1 if dev.type == "cpu" else torch.get_num_threads()):
                 logits = self.target.compute_logits(h.index_select(0, last))  # [B, V] at the frontiers
                 drafts = logits.argmax(-1).tolist()
             for b, r in enumerate(rows):

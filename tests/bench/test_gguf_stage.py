@@ -67,14 +67,15 @@ def test_stage_links_weights_and_writes_a_tokenizer_config(tmp_path: Path) -> No
     stage_checkpoint(src, tmp_path / "staged")
 
 
+def test_the_embedded_default_itself_is_refused_for_its_odd_rotary(tmp_path: Path) -> None:
+    with pytest.raises(StageError, match="rotates 21 of 64"):
+        stage_checkpoint(ensure_default_checkpoint(), tmp_path / "staged")
+
+
 def test_a_checkpoint_without_weights_is_refused(tmp_path: Path) -> None:
-    src = ensure_default_checkpoint()
+    src = ensure_checkpoint("small", small_config(), DEFAULT_SEED)
     bare = tmp_path / "bare"
     bare.mkdir()
-    (bare / "config.json").write_bytes((src / "config.json").read_bytes())
-    with pytest.raises(StageError, match="rotates 21"):  # the default itself
-        stage_checkpoint(src, tmp_path / "staged")
-    src = ensure_checkpoint("small", small_config(), DEFAULT_SEED)
     (bare / "config.json").write_bytes((src / "config.json").read_bytes())
     with pytest.raises(StageError, match="no safetensors"):
         stage_checkpoint(bare, tmp_path / "staged")
