@@ -164,10 +164,13 @@ def test_a_publisher_restart_resets_the_index() -> None:
         try:
             new = trace_batches(5, 11)
             sent = 0
-            while f.resets == 0 and sent < len(new):  # until the reconnected SUB sees one
+            # until the reconnected SUB sees one: 11 batches 0.2 s apart give it 2 s to reconnect
+            # (ZMQ retries every 0.1 s; 0.05 s apart was too short on a loaded machine), all with
+            # numbers below the old 11
+            while f.resets == 0 and sent < len(new):
                 second.publish(new[sent])
                 sent += 1
-                time.sleep(0.05)
+                time.sleep(0.2)
             # its numbers started again at 0 and the first one seen is below the old 11
             assert f.resets == 1, (f.seqs, sent)
             new = new[:sent]
