@@ -31,7 +31,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -235,21 +235,24 @@ class EncoderWorker:
         self.metrics.expected_wait.set(wait)
         cfg = self.config
         if wait > cfg.max_queue_wait_s:
-            self.metrics.refusals.labels(reason="wait").inc()
-            raise Overloaded(
+            self._refuse(
+                "wait",
                 f"expected wait {wait:.1f} s ({self._admitted} items ahead at {self.rate.per_s():.1f} items/s)"
                 f" exceeds {cfg.max_queue_wait_s:g} s",
                 wait,
-                "wait",
             )
         if self._admitted_bytes + nbytes > cfg.max_queued_bytes or self._admitted >= cfg.max_inflight:
-            self.metrics.refusals.labels(reason="memory").inc()
-            raise Overloaded(
+            self._refuse(
+                "memory",
                 f"{self._admitted} items of {self._admitted_bytes} bytes in flight"
                 f" (guards: {cfg.max_inflight} items, {cfg.max_queued_bytes} bytes)",
                 wait,
-                "memory",
             )
+
+    def _refuse(self, reason: str, message: str, wait_s: float) -> NoReturn:
+        """Count a refusal by ``reason`` and raise it (the client retries after ``wait_s``)."""
+        self.metrics.refusals.labels(reason=reason).inc()
+        raise Overloaded(message, wait_s, reason)
 
     def _finished(self, key: str, nbytes: int, task: asyncio.Task[EncodeOutcome]) -> None:
         self._admitted -= 1

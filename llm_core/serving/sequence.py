@@ -272,14 +272,18 @@ class TokenPositions(NamedTuple):
     position: np.ndarray  # its position in that sequence
 
 
-def token_positions(seqs: list[Sequence], num_new_tokens: list[int]) -> TokenPositions:
+def token_positions(
+    seqs: list[Sequence], num_new_tokens: list[int], starts: list[int] | None = None
+) -> TokenPositions:
     """The sequence and position of each of the ``num_new_tokens[b]`` tokens of ``seqs[b]`` that
-    start at ``num_computed_tokens``, packed back to back: array operations, no per-token loop."""
+    start at ``starts[b]`` (default: ``num_computed_tokens``), packed back to back: array
+    operations, no per-token loop."""
     counts = np.array(num_new_tokens, dtype=np.int64)  # [B]
-    starts = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)  # [B]
+    first = [s.num_computed_tokens for s in seqs] if starts is None else starts
+    starts_arr = np.array(first, dtype=np.int64)  # [B]
     first_row = np.cumsum(counts) - counts  # [B] packed row of each sequence's first new token
     # token t of sequence b (row first_row[b] + k) is at position starts[b] + k
-    position = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(starts - first_row, counts)
+    position = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(starts_arr - first_row, counts)
     return TokenPositions(np.repeat(np.arange(len(seqs)), counts), position)
 
 

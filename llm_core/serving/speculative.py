@@ -37,7 +37,7 @@ from llm_core.kernels.attention_batch import AttentionBatch
 from llm_core.models.decoder import RopeTables
 from llm_core.models.mtp import MTPHeads
 from llm_core.serving.sampling import params_of
-from llm_core.serving.sequence import Sequence, TokenPositions, build_page_tables
+from llm_core.serving.sequence import Sequence, build_page_tables, token_positions
 
 
 class TargetModel(Protocol):
@@ -168,15 +168,9 @@ class Speculator:
             self._run_heads(rows)
 
     def _run_heads(self, rows: list[_Rows]) -> None:
-        counts = np.array([r.hi - r.lo for r in rows], dtype=np.int64)  # [B]
-        los = np.array([r.lo for r in rows], dtype=np.int64)
-        first_row = np.cumsum(counts) - counts  # [B] packed row of each sequence's first MTP position
-        # row t of sequence b is position lo[b] + (t - first_row[b])
-        tokens = TokenPositions(
-            np.repeat(np.arange(len(rows)), counts),
-            np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(los - first_row, counts),
-        )
         seqs = [r.seq for r in rows]
+        counts = np.array([r.hi - r.lo for r in rows], dtype=np.int64)  # [B]
+        tokens = token_positions(seqs, counts.tolist(), starts=[r.lo for r in rows])  # from each lo
         tables = build_page_tables(seqs, counts.tolist(), self.page_size, tokens)
         dev = self.kv.layer(0).k.device
         cu = np.zeros(len(rows) + 1, dtype=np.int32)
