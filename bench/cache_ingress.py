@@ -83,7 +83,9 @@ class SimWorkers(EncoderClient):
         self.encodes = 0
         self.copies = 0
 
-    async def encode(self, worker_url: str, data: bytes, modality: str, item: str) -> EncodeReply:
+    async def encode(
+        self, worker_url: str, data: bytes, modality: str, item: str, deadline_s: float | None = None
+    ) -> EncodeReply:
         i = self.item_of_body[data]
         key = self.w.keys[i]
         node = node_of(worker_url)

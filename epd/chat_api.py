@@ -23,6 +23,7 @@ from epd.ingress import Ingress
 from epd.media_pipeline import EncodedItem
 from epd.media_request import chat_prompt
 from epd.prompt_format import ChatTemplateError, UnservedModality, media_item
+from epd_common.admission import request_deadline_s
 from epd_common.errors import APIError, bad_request, error_body, overloaded, unprocessable
 
 # Sampling fields forwarded to the engine unchanged; the engine validates their values.
@@ -75,11 +76,15 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
     model = str(body.get("model") or ingress.config.model_name)
     engines = ingress.engines  # 404 early when no engine is configured
 
-    if ingress.chats_inflight >= ingress.config.max_inflight_chats:
+    if ingress.chats_inflight >= ingress.config.max_inflight_chats:  # a memory guard
+        ingress.metrics.refusals.labels(stage="ingress", reason="memory").inc()
         raise overloaded(f"{ingress.chats_inflight} chat requests in flight; try again shortly")
+    # One deadline for the whole chat: the media resolve against it, the engine gets what is left.
+    deadline = request_deadline_s(request.headers, ingress.config.max_queue_wait_s)
+    deadline_at = time.monotonic() + deadline
     ingress.chats_inflight += 1
     try:
-        items = await ingress.pipeline.resolve_all(prompt.media) if prompt.media else []
+        items = await ingress.pipeline.resolve_all(prompt.media, deadline) if prompt.media else []
     finally:
         ingress.chats_inflight -= 1
     media = [media_item(items[p["index"]].ref) for m in prompt.messages for p in m["content"] if "index" in p]
@@ -97,7 +102,7 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
     chat_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if not stream:
-        out = await engines.complete(engine_body, keys)
+        out = await engines.complete(engine_body, keys, deadline_at)
         choice = out["choices"][0]
         usage = {**out.get("usage", {}), **media_usage}
         return JSONResponse(
@@ -120,7 +125,7 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
         )
 
     # Validate the engine accepts the request before the 200 status line goes out.
-    chunks = engines.stream({**engine_body, "stream_options": {"include_usage": True}}, keys)
+    chunks = engines.stream({**engine_body, "stream_options": {"include_usage": True}}, keys, deadline_at)
     first = await anext(chunks, None)
 
     def frame(delta: dict[str, Any], finish: str | None) -> bytes:
@@ -175,9 +180,10 @@ async def completions(ingress: Ingress, request: Request) -> Response:
         raise unprocessable("use /v1/chat/completions to send media", "multimodal")
     engines = ingress.engines
     keys = engines.cache_keys(body.get("prompt"))
+    deadline_at = time.monotonic() + request_deadline_s(request.headers, ingress.config.max_queue_wait_s)
     if not body.get("stream"):
-        return JSONResponse(await engines.complete(body, keys))
-    chunks = engines.stream(body, keys)
+        return JSONResponse(await engines.complete(body, keys, deadline_at))
+    chunks = engines.stream(body, keys, deadline_at)
     first = await anext(chunks, None)
 
     async def events() -> AsyncIterator[bytes]:

@@ -22,11 +22,16 @@ class IngressConfig:
     llm_router: RouterConfig = field(default_factory=RouterConfig)
     llm_model_dir: str | None = None  # for the tokenizer and chat template; None = embedded default
     model_name: str = "epd-default"
-    # Admission limits: refused with 413 / 503 at the edge, never queued without bound.
+    # Admission: 413 for what is too large; 503 (Retry-After = the expected wait) when a request's
+    # items would not be done within max_queue_wait_s (or the client's shorter X-Request-Timeout)
+    # at the rate this ingress has been resolving them. Under `epd serve` the encoder workers and
+    # engines inherit max_queue_wait_s unless their own flag is given. The two counts are memory
+    # guards, not the admission rule.
     max_body_bytes: int = 256 * 1024 * 1024
     max_items: int = 64
-    max_inflight_items: int = 256
-    max_inflight_chats: int = 128
+    max_queue_wait_s: float = 10.0
+    max_inflight_items: int = 4096
+    max_inflight_chats: int = 1024
     request_timeout_s: float = 600.0
     health_interval_s: float = 1.0
     cache_namespace: str = "default"

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from epd.ingress import Ingress
 from epd.media_pipeline import EncodedItem
 from epd.media_request import MediaSource, check_item_count, json_items_sources, upload_source
+from epd_common.admission import request_deadline_s
 from epd_common.errors import APIError, bad_request
 
 _KEY_RE = re.compile(r"^[0-9a-f]{16,128}$")
@@ -96,9 +97,10 @@ async def encode(ingress: Ingress, request: Request) -> Response:
     fmt = request.query_params.get("format", "json")
     if fmt not in ("json", "safetensors"):
         raise bad_request(f"format must be 'json' or 'safetensors', got {fmt!r}", "format")
-    ingress.pipeline.check_capacity()  # a full pipeline costs a refused request no body parsing
+    deadline = request_deadline_s(request.headers, ingress.config.max_queue_wait_s)
+    ingress.pipeline.check_capacity(1, deadline)  # a full pipeline costs a refused request no parsing
     sources = await _sources(ingress, request)
-    items = await ingress.pipeline.resolve_all(sources)
+    items = await ingress.pipeline.resolve_all(sources, deadline)
     body: dict[str, Any] = {"object": "list", "data": [_item_json(it) for it in items]}
     if not with_embeddings:
         return JSONResponse(body)

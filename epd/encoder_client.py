@@ -2,7 +2,8 @@
 
 A 4xx from a worker is the item's fault (bad media) and is raised as ``APIError`` carrying the
 worker's status and message; connection errors, 429 and 5xx raise the router's
-``WorkerUnavailable`` so that it tries the next worker of the ring.
+``WorkerUnavailable`` so that it tries the next worker of the ring (a refusal for load carries the
+worker's Retry-After, its expected wait).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from safetensors.torch import load as load_safetensors
 
 from encoder.caches.embedding_ref import EmbeddingRef
 from encoder.serving.router import WorkerUnavailable
+from epd_common.admission import DEADLINE_HEADER
 from epd_common.errors import APIError
 
 
@@ -31,11 +33,15 @@ class EncoderClient:
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
-    async def encode(self, worker_url: str, data: bytes, modality: str, item: str) -> EncodeReply:
+    async def encode(
+        self, worker_url: str, data: bytes, modality: str, item: str, deadline_s: float | None = None
+    ) -> EncodeReply:
+        """``deadline_s``: what is left of the client's deadline (the worker admits against it)."""
         params = {"modality": modality, "item": item}
+        headers = {DEADLINE_HEADER: f"{deadline_s:.3f}"} if deadline_s is not None else None
         try:
             async with self.session.post(
-                f"{worker_url}/encode", data=data, params=params, timeout=self.timeout
+                f"{worker_url}/encode", data=data, params=params, timeout=self.timeout, headers=headers
             ) as resp:
                 body = await _json_or_none(resp)
                 if resp.status == 200 and body is not None:
@@ -48,7 +54,13 @@ class EncoderClient:
                         type=str(err.get("type", "bad_media")),
                         param=item,
                     )
-                raise WorkerUnavailable(worker_url, f"answered {resp.status}", status=resp.status)
+                message = str(((body or {}).get("error") or {}).get("message", ""))
+                raise WorkerUnavailable(
+                    worker_url,
+                    f"answered {resp.status}" + (f": {message}" if message else ""),
+                    status=resp.status,
+                    retry_after_s=_retry_after(resp) if resp.status in (429, 503) else None,
+                )
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise WorkerUnavailable(worker_url, f"{type(exc).__name__}: {exc}") from exc
 
@@ -71,6 +83,14 @@ class EncoderClient:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise WorkerUnavailable(ref_url, str(exc)) from exc
         return load_safetensors(payload)["embedding"]
+
+
+def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
+    """A Retry-After given in seconds (the workers' form); None when absent or a date."""
+    try:
+        return float(resp.headers.get("Retry-After", ""))
+    except ValueError:
+        return None
 
 
 async def _json_or_none(resp: aiohttp.ClientResponse) -> dict[str, Any] | None:

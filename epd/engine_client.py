@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 
+from epd_common.admission import DEADLINE_HEADER
 from epd_common.errors import APIError
 
 
@@ -27,15 +28,18 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
 
-    async def complete(self, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
+    async def complete(
+        self, body: dict[str, Any], request_id: str | None = None, deadline_s: float | None = None
+    ) -> dict[str, Any]:
         """Non-streaming completion -> the engine's JSON body. ``request_id`` goes out as
-        ``X-Request-Id``: the engine lists it in its /health while it holds the request."""
+        ``X-Request-Id``: the engine lists it in its /health while it holds the request;
+        ``deadline_s`` as ``X-Request-Timeout``: the engine admits against it."""
         try:
             async with self.session.post(
                 f"{self.base_url}/v1/completions",
                 json={**body, "stream": False},
                 timeout=self.timeout,
-                headers=_id_header(request_id),
+                headers=_headers(request_id, deadline_s),
             ) as resp:
                 payload = await _read_json(resp)
                 _raise_for_engine_status(resp, payload)
@@ -44,7 +48,7 @@ class EngineClient:
             raise engine_unavailable(f"{type(exc).__name__}: {exc}") from exc
 
     async def stream(
-        self, body: dict[str, Any], request_id: str | None = None
+        self, body: dict[str, Any], request_id: str | None = None, deadline_s: float | None = None
     ) -> AsyncGenerator[dict[str, Any], None]:
         """Streaming completion: yields each SSE ``data:`` JSON chunk until ``[DONE]``.
 
@@ -56,7 +60,7 @@ class EngineClient:
                 f"{self.base_url}/v1/completions",
                 json={**body, "stream": True},
                 timeout=self.timeout,
-                headers=_id_header(request_id),
+                headers=_headers(request_id, deadline_s),
             ) as resp:
                 if resp.status != 200:
                     _raise_for_engine_status(resp, await _read_json(resp))
@@ -87,8 +91,11 @@ class EngineClient:
             return None
 
 
-def _id_header(request_id: str | None) -> dict[str, str]:
-    return {"X-Request-Id": request_id} if request_id else {}
+def _headers(request_id: str | None, deadline_s: float | None) -> dict[str, str]:
+    out = {"X-Request-Id": request_id} if request_id else {}
+    if deadline_s is not None:
+        out[DEADLINE_HEADER] = f"{deadline_s:.3f}"
+    return out
 
 
 async def _read_json(resp: aiohttp.ClientResponse) -> dict[str, Any]:

@@ -71,6 +71,11 @@ class RoutingMetrics:
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
+        self.refused = Counter(
+            "epd_llm_engine_refusals",
+            "Engine refusals for load the pool saw (the request went to the next engine, or got 503)",
+            registry=r,
+        )
         self.failovers = Counter(
             "epd_llm_failovers", "Requests re-routed because an engine could not be reached", registry=r
         )
@@ -192,41 +197,50 @@ class EnginePool:
         except MediaSpanError:
             return ids
 
-    async def complete(self, body: dict[str, Any], keys: list[int]) -> dict[str, Any]:
-        """A non-streamed completion (through a prefill and a decode engine when roles are split)."""
+    async def complete(
+        self, body: dict[str, Any], keys: list[int], deadline_at: float | None = None
+    ) -> dict[str, Any]:
+        """A non-streamed completion (through a prefill and a decode engine when roles are split).
+        ``deadline_at`` (monotonic): each engine is told what is left of it (``X-Request-Timeout``)."""
         if not self.split:
-            return (await self._complete_on(self.router, body, keys))[0]
-        pre = await self._prefill(body, keys)
+            return (await self._complete_on(self.router, body, keys, deadline_at=deadline_at))[0]
+        pre = await self._prefill(body, keys, deadline_at)
         if pre.done is not None:
             return pre.done
         assert self.decode_router is not None
-        out, _ = await self._complete_on(self.decode_router, pre.decode_body, keys, pre)
+        out, _ = await self._complete_on(
+            self.decode_router, pre.decode_body, keys, pre, deadline_at=deadline_at
+        )
         return _with_prefill_usage(out, pre)
 
-    async def stream(self, body: dict[str, Any], keys: list[int]) -> AsyncGenerator[dict[str, Any], None]:
+    async def stream(
+        self, body: dict[str, Any], keys: list[int], deadline_at: float | None = None
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """Streamed chunks (the decode engine's when roles are split); re-routes only before the
         first chunk."""
         if not self.split:
-            async for chunk in self._stream_on(self.router, body, keys):
+            async for chunk in self._stream_on(self.router, body, keys, deadline_at=deadline_at):
                 yield chunk
             return
-        pre = await self._prefill(body, keys)
+        pre = await self._prefill(body, keys, deadline_at)
         if pre.done is not None:
             for chunk in _as_chunks(pre.done, body):
                 yield chunk
             return
         assert self.decode_router is not None
-        async for chunk in self._stream_on(self.decode_router, pre.decode_body, keys, pre):
+        async for chunk in self._stream_on(self.decode_router, pre.decode_body, keys, pre, deadline_at):
             yield _with_prefill_usage(chunk, pre) if chunk.get("usage") else chunk
 
-    async def _prefill(self, body: dict[str, Any], keys: list[int]) -> _Prefilled:
+    async def _prefill(self, body: dict[str, Any], keys: list[int], deadline_at: float | None) -> _Prefilled:
         """Run the prompt on a prefill engine (one token, KV exported); what the decode engine
         is to be sent. With no prefill engine reachable, the decode engine gets the plain body."""
         want = body.get("max_tokens")
         pre_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         pre_body.update(max_tokens=1, return_token_ids=True, kv_transfer={"export": True})
         try:
-            out, url = await self._complete_on(self.router, pre_body, keys, max_tokens=1)
+            out, url = await self._complete_on(
+                self.router, pre_body, keys, max_tokens=1, deadline_at=deadline_at
+            )
         except APIError as exc:
             if not _unreachable(exc):
                 raise  # the prompt itself was refused: the decode engine would refuse it too
@@ -256,17 +270,23 @@ class EnginePool:
         keys: list[int],
         pre: _Prefilled | None = None,
         max_tokens: int | None = None,
+        deadline_at: float | None = None,
     ) -> tuple[dict[str, Any], str]:
         """The engine's body and which engine answered."""
         tried: set[str] = set()
+        refusals: list[APIError] = []
         while True:
-            dispatch, rid = self._route(router, body, keys, tried, max_tokens)
+            dispatch, rid = self._route(router, body, keys, tried, max_tokens, refusals)
             started = time.perf_counter()
             try:
-                out = await self.clients[dispatch.url].complete(body, request_id=rid)
+                out = await self.clients[dispatch.url].complete(body, rid, _left(deadline_at))
             except APIError as exc:
                 if _unreachable(exc) and self._failover(dispatch, tried):
                     continue
+                if self._refused_elsewhere(router, exc, tried, refusals):
+                    continue
+                if _refused(exc):
+                    raise _all_refused(refusals) from exc
                 raise
             finally:
                 dispatch.finish()
@@ -276,13 +296,19 @@ class EnginePool:
             return out, dispatch.url
 
     async def _stream_on(
-        self, router: LLMRouter, body: dict[str, Any], keys: list[int], pre: _Prefilled | None = None
+        self,
+        router: LLMRouter,
+        body: dict[str, Any],
+        keys: list[int],
+        pre: _Prefilled | None = None,
+        deadline_at: float | None = None,
     ) -> AsyncGenerator[dict[str, Any], None]:
         tried: set[str] = set()
+        refusals: list[APIError] = []
         while True:
-            dispatch, rid = self._route(router, body, keys, tried)
+            dispatch, rid = self._route(router, body, keys, tried, None, refusals)
             started = time.perf_counter()
-            chunks = self.clients[dispatch.url].stream(body, request_id=rid)
+            chunks = self.clients[dispatch.url].stream(body, rid, _left(deadline_at))
             got_any = False
             usage: dict[str, Any] = {}
             transfer: Any = None
@@ -303,6 +329,10 @@ class EnginePool:
             except APIError as exc:
                 if not got_any and _unreachable(exc) and self._failover(dispatch, tried):
                     continue
+                if not got_any and self._refused_elsewhere(router, exc, tried, refusals):
+                    continue
+                if not got_any and _refused(exc):
+                    raise _all_refused(refusals) from exc
                 raise
             finally:
                 dispatch.finish()
@@ -317,6 +347,7 @@ class EnginePool:
         keys: list[int],
         tried: set[str],
         max_tokens: int | None = None,
+        refusals: list[APIError] | None = None,
     ) -> tuple[Dispatch, str]:
         rid = f"epd-{uuid.uuid4().hex[:24]}"
         n_prompt = len(keys) if keys else 1
@@ -324,9 +355,11 @@ class EnginePool:
             want = body.get("max_tokens")
             max_tokens = int(want) if isinstance(want, int) else 16
         try:
-            # an engine tried already was marked down by _failover, so the router skips it
-            dispatch = router.route(keys, n_prompt, max_tokens, rid)
+            # an engine tried already was marked down by _failover or refused: the router skips it
+            dispatch = router.route(keys, n_prompt, max_tokens, rid, exclude=tried)
         except NoEngineAvailable as exc:
+            if refusals:
+                raise _all_refused(refusals) from exc
             raise APIError(503, str(exc), type="engine_unavailable", retry_after_s=2.0) from exc
         tried.add(dispatch.url)
         self.metrics.routed.labels(engine=dispatch.url).inc()
@@ -340,6 +373,17 @@ class EnginePool:
             self.metrics.failovers.inc()
             log.warning("LLM engine %s unreachable; request %s re-routed", dispatch.url, dispatch.request_id)
         return bool(left)
+
+    def _refused_elsewhere(
+        self, router: LLMRouter, exc: APIError, tried: set[str], refusals: list[APIError]
+    ) -> bool:
+        """An engine refused for load (its expected wait is past the deadline): True when another
+        live engine of ``router`` is left to try, as the encoder router does on the ring."""
+        if not _refused(exc):
+            return False
+        refusals.append(exc)
+        self.metrics.refused.inc()
+        return any(self.up.get(u) and u not in tried for u in router.engine_urls)
 
     def _record(
         self,
@@ -399,6 +443,28 @@ def _as_chunks(out: dict[str, Any], body: dict[str, Any]) -> list[dict[str, Any]
     if (body.get("stream_options") or {}).get("include_usage") and out.get("usage"):
         chunks.append({**chunk, "choices": [], "usage": out["usage"]})
     return chunks
+
+
+def _refused(exc: APIError) -> bool:
+    """The engine refused the request for load (503 or 429 with its expected wait)."""
+    return exc.status in (429, 503) and exc.type == "overloaded"
+
+
+def _all_refused(refusals: list[APIError]) -> APIError:
+    """Every engine tried refused for load: 503 with the shortest wait one of them named."""
+    waits = [r.retry_after_s for r in refusals if r.retry_after_s is not None]
+    detail = "; ".join(r.message for r in refusals)
+    return APIError(
+        503,
+        f"all {len(refusals)} LLM engines refused for load: {detail}",
+        type="overloaded",
+        retry_after_s=min(waits) if waits else 1.0,
+    )
+
+
+def _left(deadline_at: float | None) -> float | None:
+    """What is left of a deadline, in seconds (at least a millisecond: the engine refuses then)."""
+    return None if deadline_at is None else max(deadline_at - time.monotonic(), 0.001)
 
 
 def _unreachable(exc: APIError) -> bool:

@@ -21,6 +21,7 @@ from epd.media_pipeline import MediaPipeline
 from epd.metrics import IngressMetrics
 from epd.prompt_format import PromptFormat
 from epd_common.errors import APIError
+from epd_common.runtime import CLIENT_KEEP_ALIVE_S
 from epd_common.store.guarded import GuardedStore
 from epd_common.store_config import build_store
 from llm_core.prompts.tokenizer import Tokenizer, load_tokenizer
@@ -60,7 +61,9 @@ class Ingress:
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEP_ALIVE_S)
+        )
         self.encoder_client = EncoderClient(self._session, timeout_s=self.config.request_timeout_s)
         self._fetcher = Fetcher(self.config.fetch)
         await self._fetcher.__aenter__()
@@ -90,6 +93,7 @@ class Ingress:
             fingerprint=self.fingerprint,
             metrics=self.metrics,
             max_inflight=self.config.max_inflight_items,
+            max_queue_wait_s=self.config.max_queue_wait_s,
             tier=tier,
         )
         await self.poll_health()

@@ -19,6 +19,7 @@ from epd.body_limit import BodyLimitMiddleware
 from epd.config import IngressConfig
 from epd.ingress import Ingress
 from epd_common.errors import APIError, error_body, error_response
+from epd_common.runtime import freeze_startup_objects
 from media_io.errors import MediaError
 
 Handler = Callable[[Ingress, Request], Awaitable[Response]]
@@ -99,6 +100,7 @@ def build_app(config: IngressConfig) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         await ingress.start()
+        freeze_startup_objects()
         try:
             yield
         finally:

@@ -9,6 +9,18 @@
 
 The event loop only awaits: hashing of large bodies runs in the default executor; decode and the
 forward run in the encoder processes.
+
+Admission is by expected wait (``epd_common.admission``), in items: a request's items are taken
+while the items in flight plus its own would be done within its deadline at the items per second
+this ingress has been resolving (hits included: they are part of the mix it serves). The deadline
+travels on: each worker call carries what is left of it (``X-Request-Timeout``), so a worker
+refuses an item that would finish too late for the client rather than encode it for nobody. When
+every worker of the ring refuses, the 503's Retry-After is the shortest wait they named. A
+worker whose last refusal, counted down, is still past a request's deadline is passed by without
+being sent the item (``EncoderRouter``), so a refusal costs the workers nothing; while that holds
+for every worker, a request is refused before its body is read (the parsing and hashing are most
+of what a refused request costs the event loop, which must stay free for ``/health`` and for
+the admitted requests).
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from encoder.serving.router import AllAttemptsFailed, EncoderRouter, NoWorkerAva
 from epd.encoder_client import EncoderClient
 from epd.media_request import MediaSource
 from epd.metrics import IngressMetrics
+from epd_common.admission import ServiceRate
 from epd_common.errors import APIError, bad_request, overloaded
 from media_io.config import PreprocessConfig
 from media_io.errors import MediaError
@@ -54,9 +67,14 @@ class MediaPipeline:
         preprocess: PreprocessConfig,
         fingerprint: str,
         metrics: IngressMetrics,
-        max_inflight: int = 256,
+        max_inflight: int = 4096,
+        max_queue_wait_s: float = 10.0,
+        seed_items_per_s: float = 50.0,
         tier: EmbeddingTier | None = None,
     ) -> None:
+        """``max_queue_wait_s``: the deadline of a request that sends none (``X-Request-Timeout``
+        shortens it); ``max_inflight``: a memory guard on items at once; ``seed_items_per_s``: the
+        rate assumed until measured."""
         self.fetcher = fetcher
         self.router = router
         self.cache = cache
@@ -65,30 +83,81 @@ class MediaPipeline:
         self.fingerprint = fingerprint
         self.metrics = metrics
         self.tier = tier
-        # Bounded admission: items beyond this many in flight are refused with 503, not queued.
         self.max_inflight = max_inflight
+        self.max_queue_wait_s = max_queue_wait_s
+        self.rate = ServiceRate(seed_items_per_s)
         self._inflight = 0
 
-    def check_capacity(self) -> None:
-        """Refuse early (503) when no item could be admitted, before a request body is parsed."""
-        if self._inflight >= self.max_inflight:
-            raise overloaded(f"the encoder pipeline is full ({self._inflight} items in flight)")
+    @property
+    def inflight(self) -> int:
+        return self._inflight
 
-    async def resolve_all(self, sources: Sequence[MediaSource]) -> list[EncodedItem]:
-        """Resolve every item concurrently; the first failure fails the request (others are cancelled)."""
-        if self._inflight + len(sources) > self.max_inflight:
-            raise overloaded(f"the encoder pipeline is full ({self._inflight} items in flight)")
+    def expected_wait_s(self, items: int = 0) -> float:
+        """When ``items`` more would be done: the items in flight and theirs at the measured rate."""
+        return self.rate.expected_wait_s(self._inflight + items)
+
+    def check_capacity(self, items: int = 1, deadline_s: float | None = None) -> None:
+        """Refuse (503, Retry-After the expected wait) unless ``items`` more can be taken: done within
+        the deadline (an idle pipeline takes any request), and within the memory guard. Called
+        before a body is parsed too, so a refused request costs no parsing."""
+        deadline = self.max_queue_wait_s if deadline_s is None else deadline_s
+        wait = self.expected_wait_s(items)
+        self.metrics.expected_wait.set(wait)
+        behind = self.router.expected_wait_s()
+        if behind > deadline:
+            # Every worker refused lately and, counted down, is still past the deadline: refuse
+            # before the body is read or hashed. Cache hits are refused too: telling them apart
+            # costs the parsing and hashing that refusing early saves the event loop.
+            self.metrics.refusals.labels(stage="encoder", reason="wait").inc()
+            raise overloaded(
+                f"every encoder worker is {behind:.1f} s behind (from its last refusal), past the"
+                f" {deadline:g} s deadline",
+                retry_after_s=behind,
+            )
+        if self._inflight and wait > deadline:
+            self.metrics.refusals.labels(stage="ingress", reason="wait").inc()
+            raise overloaded(
+                f"expected wait {wait:.1f} s ({self._inflight} items in flight and {items} of this request at"
+                f" {self.rate.per_s():.1f} items/s) exceeds the {deadline:g} s deadline",
+                retry_after_s=wait,
+            )
+        if self._inflight + items > self.max_inflight:
+            self.metrics.refusals.labels(stage="ingress", reason="memory").inc()
+            raise overloaded(
+                f"{self._inflight} items in flight; the guard is {self.max_inflight}", retry_after_s=wait
+            )
+
+    async def resolve_all(
+        self, sources: Sequence[MediaSource], deadline_s: float | None = None
+    ) -> list[EncodedItem]:
+        """Resolve every item concurrently; the first failure fails the request (others are
+        cancelled). ``deadline_s``: the client's (``request_deadline_s``); None: the server's."""
+        deadline = self.max_queue_wait_s if deadline_s is None else deadline_s
+        self.check_capacity(len(sources), deadline)
+        deadline_at = time.monotonic() + deadline
         self._inflight += len(sources)
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self.resolve(src)) for src in sources]
+                tasks = [group.create_task(self._timed(src, deadline_at)) for src in sources]
         except* (APIError, MediaError) as eg:
             raise eg.exceptions[0] from None
         finally:
             self._inflight -= len(sources)
         return [t.result() for t in tasks]
 
-    async def resolve(self, src: MediaSource) -> EncodedItem:
+    async def _timed(self, src: MediaSource, deadline_at: float) -> EncodedItem:
+        """``resolve``, counted in the rate admission measures."""
+        self.rate.started()
+        ok = False
+        try:
+            item = await self.resolve(src, deadline_at)
+            ok = True
+            return item
+        finally:
+            self.rate.finished(ok=ok)
+
+    async def resolve(self, src: MediaSource, deadline_at: float | None = None) -> EncodedItem:
+        """One item; ``deadline_at`` (monotonic): what is left of it goes to the worker."""
         t0 = time.perf_counter()
         data = src.data if src.data is not None else await self.fetcher.fetch(_url(src), item=src.name)
         t_download = time.perf_counter()
@@ -120,7 +189,8 @@ class MediaPipeline:
             self.metrics.store_misses.inc()
 
         async def call(worker_url: str) -> EmbeddingRef:
-            reply = await self.client.encode(worker_url, data, kind.modality, src.name)
+            left = None if deadline_at is None else max(deadline_at - time.monotonic(), 0.001)
+            reply = await self.client.encode(worker_url, data, kind.modality, src.name, left)
             timings.update(reply.timings_ms)
             if not self.cache.contains(reply.ref.key):
                 # The worker is on another node: bring the bytes into this node's cache.
@@ -138,8 +208,16 @@ class MediaPipeline:
             return reply.ref
 
         try:
-            ref = await self.router.call(key, call)
-        except (AllAttemptsFailed, NoWorkerAvailable) as exc:
+            left = None if deadline_at is None else deadline_at - time.monotonic()
+            ref = await self.router.call(key, call, left)
+        except AllAttemptsFailed as exc:
+            self.metrics.refusals.labels(stage="encoder", reason="refused").inc()
+            retry = exc.retry_after_s
+            raise overloaded(
+                f"no encoder worker could take {src.name}: {exc}",
+                retry_after_s=2.0 if retry is None else retry,
+            ) from exc
+        except NoWorkerAvailable as exc:
             raise overloaded(f"no encoder worker could take {src.name}: {exc}", retry_after_s=2.0) from exc
         if ref.key != key:
             raise APIError(

@@ -48,6 +48,17 @@ class IngressMetrics:
         )
         self.media_items = Counter("epd_media_items", "Media items by modality", ["modality"], registry=r)
         self.inflight = Gauge("epd_inflight_requests", "Requests being served by the ingress", registry=r)
+        self.expected_wait = Gauge(
+            "epd_ingress_expected_wait_seconds",
+            "When a one-item request arriving now would be done (admission's estimate)",
+            registry=r,
+        )
+        self.refusals = Counter(
+            "epd_refusals",
+            "Requests refused at admission, by stage (ingress, encoder, engine) and reason",
+            ["stage", "reason"],
+            registry=r,
+        )
         self.encoder_queue_depth = Gauge(
             "epd_encoder_queue_depth", "Items waiting in each encoder worker", ["worker"], registry=r
         )

@@ -160,6 +160,13 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         )
         encoder = dataclasses.replace(encoder, model_path=args.model_dir)
         llm = dataclasses.replace(llm, model_path=args.model_dir)
+    # One deadline for every stage unless a stage's own flag says otherwise.
+    if getattr(args, "encoder_max_queue_wait_s", None) is None:
+        encoder = dataclasses.replace(encoder, max_queue_wait_s=ingress.max_queue_wait_s)
+    if getattr(args, "llm_engine_max_queue_wait_s", None) is None:
+        llm = dataclasses.replace(
+            llm, engine=dataclasses.replace(llm.engine, max_queue_wait_s=ingress.max_queue_wait_s)
+        )
     return ServeConfig(
         ingress=ingress,
         encoder=encoder,
@@ -363,4 +370,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     signal.signal(signal.SIGTERM, _on_sigterm)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return asyncio.run(serve(cfg))
+    # uvloop: the ingress's event loop is its bottleneck under load (HTTP parsing, proxying),
+    # and uvloop with httptools cuts what a request costs it
+    import uvloop
+
+    return uvloop.run(serve(cfg))

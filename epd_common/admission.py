@@ -3,20 +3,33 @@ deadline at the rate this stage has been serving, instead of a fixed count.
 
 A burst that drains in a few seconds is absorbed whole; only real overload (a queue that would take
 longer than the deadline to drain) is refused, and the refusal's Retry-After is the drain time the
-stage expects, not a constant.
+stage expects, not a constant. Work is counted in the stage's own unit (an encoder's patches, an
+engine's tokens, an ingress's items):
 
-    rate = ServiceRate(seed_per_s=20.0)       # a stage's measured completions per busy second
-    rate.started(now); ...; rate.finished(now)
-    wait = rate.expected_wait_s(queued)       # what a new unit of work would wait for its turn
-    if wait > deadline_s: refuse(retry_after=wait)
+    rate = ServiceRate(seed_per_s=2000.0)     # a stage's measured units per busy second
+    rate.started(now); ...; rate.finished(now, units=patches)
+    wait = rate.expected_wait_s(queued + own) # when a new unit of work would be done
+    if wait > deadline_s and queued: refuse(retry_after=wait)
+
+A stage that measures itself step by step (the LLM engine) feeds ``observe(units, seconds)``
+instead of ``started``/``finished``.
 
 The rate is measured over busy time only (time with work in flight), so an idle stage keeps the
 rate it last showed rather than decaying towards zero; and only from completions that had company
 (another unit still in flight), whose spacing is the stage's throughput: a lone unit's completion
 is its latency, which understates a stage that overlaps or batches. Failed units (a bad input
-refused in a millisecond) are not samples either. It is the completions per second over the last
-``window`` samples; until ``min_samples`` it is the seed (a guess no benchmark set: being wrong
-only makes the first burst's estimate wrong for a moment).
+refused in a millisecond) are not samples either. It is the units completed per busy second over
+the samples of the last ``max_age_s`` seconds (at most ``window``, at least ``min_samples`` of
+the newest whatever their age): a batching stage completes in clumps (a batch of 20 is 19
+samples of zero time and one long one), so a few seconds of them are needed for a steady
+figure, while a slow stage keeps its last few samples however old. Until ``min_samples`` it is
+the seed (a guess no benchmark set: being wrong only makes the first burst's estimate wrong for
+a moment).
+
+The deadline is the server's (``max_queue_wait_s``) unless the client sends a shorter one
+(``request_deadline_s``): a client that gives up after 2 s is better told at once than left to
+time out in the queue; a longer client timeout does not lengthen the server's queue, which bounds
+every other client's wait too.
 """
 
 from __future__ import annotations
@@ -24,19 +37,31 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Mapping
+
+# Headers that carry the client's own timeout, in seconds: ours (the ingress forwards what is left
+# of a request's deadline under it), and the one OpenAI's SDKs send with their read timeout.
+DEADLINE_HEADERS = ("x-request-timeout", "x-stainless-read-timeout")
+DEADLINE_HEADER = "X-Request-Timeout"
 
 
 class ServiceRate:
     """Completions per busy second of one stage (not thread-safe: call from one thread or loop)."""
 
-    def __init__(self, seed_per_s: float, window: int = 64, min_samples: int = 4) -> None:
-        assert seed_per_s > 0 and window >= 1 and min_samples >= 1
+    def __init__(
+        self, seed_per_s: float, window: int = 1024, min_samples: int = 4, max_age_s: float = 5.0
+    ) -> None:
+        assert seed_per_s > 0 and window >= min_samples >= 1 and max_age_s > 0
         self.seed_per_s = seed_per_s
         self.window = window
         self.min_samples = min_samples
+        self.max_age_s = max_age_s
         self._in_flight = 0
         self._busy_since: float | None = None  # when the current busy period (or sample) began
-        self._samples: deque[float] = deque(maxlen=window)  # busy seconds between completions
+        # (when, units done, busy seconds) per sample: a completion and the busy time since the last
+        self._samples: deque[tuple[float, float, float]] = deque()
+        self._units = 0.0  # sums over the samples (per_s is asked on every admission)
+        self._busy = 0.0
 
     @property
     def in_flight(self) -> int:
@@ -48,29 +73,70 @@ class ServiceRate:
             self._busy_since = time.monotonic() if now is None else now
         self._in_flight += 1
 
-    def finished(self, now: float | None = None, ok: bool = True) -> None:
-        """A unit of work left the stage; ``ok`` False: it failed (it stops taking capacity, but its
-        time says nothing of the rate)."""
+    def finished(self, now: float | None = None, ok: bool = True, units: float = 1.0) -> None:
+        """A piece of work of ``units`` left the stage; ``ok`` False: it failed (it stops taking
+        capacity, but its time says nothing of the rate)."""
         assert self._in_flight > 0, "finished() without started()"
         now = time.monotonic() if now is None else now
         assert self._busy_since is not None
         if ok and self._in_flight >= 2:
-            self._samples.append(max(now - self._busy_since, 0.0))
+            self._add(now, units, max(now - self._busy_since, 0.0))
         self._busy_since = now
         self._in_flight -= 1
         if self._in_flight == 0:
             self._busy_since = None
 
+    def observe(self, units: float, seconds: float, now: float | None = None) -> None:
+        """One measured stretch of busy time directly (a stage that times its own steps)."""
+        if units > 0 and seconds > 0:
+            self._add(time.monotonic() if now is None else now, units, seconds)
+
+    def _add(self, now: float, units: float, seconds: float) -> None:
+        self._samples.append((now, units, seconds))
+        self._units += units
+        self._busy += seconds
+        while len(self._samples) > self.window or (
+            len(self._samples) > self.min_samples and now - self._samples[0][0] > self.max_age_s
+        ):
+            _, u, b = self._samples.popleft()
+            self._units -= u
+            self._busy -= b
+
+    @property
+    def measured(self) -> bool:
+        """Whether the rate is measured yet (else it is the seed)."""
+        return len(self._samples) >= self.min_samples
+
     def per_s(self) -> float:
-        """Completions per busy second over the recent window (the seed until enough samples)."""
-        if len(self._samples) < self.min_samples:
+        """Units per busy second over the recent window (the seed until enough samples)."""
+        if not self.measured:
             return self.seed_per_s
-        busy = sum(self._samples)
-        return len(self._samples) / busy if busy > 0 else self.seed_per_s
+        units, busy = self._units, self._busy  # callers on other threads hold the stage's lock
+        return units / busy if busy > 1e-9 else self.seed_per_s
+
+    def mean_sample_s(self) -> float:
+        """Busy seconds per sample (per step, for a stage that observes its steps)."""
+        return self._busy / len(self._samples) if self._samples else 0.0
 
     def expected_wait_s(self, units: float) -> float:
         """How long ``units`` of work (e.g. those queued ahead of a new one) take at ``per_s``."""
         return max(units, 0.0) / self.per_s()
+
+
+def request_deadline_s(headers: Mapping[str, str], server_s: float) -> float:
+    """The deadline a request is admitted against: ``server_s`` or the client's shorter timeout
+    (``DEADLINE_HEADERS``; a value that is not a positive number is ignored)."""
+    for name in DEADLINE_HEADERS:
+        raw = headers.get(name)
+        if raw is None:
+            continue
+        try:
+            value = float(raw)
+        except ValueError:
+            continue
+        if math.isfinite(value) and value > 0:
+            return min(server_s, value)
+    return server_s
 
 
 def retry_after_header(wait_s: float) -> str:

@@ -13,6 +13,8 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from epd_common.admission import retry_after_header
+
 
 class APIError(Exception):
     """A request-level error with an HTTP status, an error type and the parameter it concerns."""
@@ -56,7 +58,7 @@ def error_response(exc: Exception) -> JSONResponse:
     if isinstance(exc, APIError):
         headers = {}
         if exc.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+            headers["Retry-After"] = retry_after_header(exc.retry_after_s)  # never before the wait
         return JSONResponse(
             error_body(exc.status, exc.type, exc.message, exc.param), status_code=exc.status, headers=headers
         )

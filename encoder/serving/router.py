@@ -15,7 +15,14 @@ that worker's node cache), and a membership change moves only the keys it must:
   is down the router tries all of them anyway (a panic mode: better a likely failure than a
   certain one).
 - Retry: a call that fails with a retryable error (connection failure, timeout, 5xx) moves on
-  to the next worker in ``ring_order``; other errors (a 4xx for bad media) fail at once.
+  to the next worker in ``ring_order``; other errors (a 4xx for bad media) fail at once. A worker
+  that refused for load (503 with Retry-After: its expected wait) is tried past the same way;
+  when every worker refused, ``AllAttemptsFailed.retry_after_s`` is the shortest wait one named.
+- Refused workers: the router remembers each refusal's wait and counts it down (the worker's
+  queue drains at about that pace while nothing is added), so until it is within a call's
+  deadline the call passes the worker by without sending it the item: a refusal costs the
+  worker nothing (``worker_wait_s``; ``expected_wait_s``: the least of them, which the ingress
+  checks before it even reads a request).
 - Single-flight: concurrent ``call``s for one key share one in-flight attempt.
 
 This module knows nothing of what the call does; it only chooses URLs.
@@ -26,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
@@ -47,9 +55,13 @@ class WorkerUnavailable(Exception):
     """Raise from a ``call`` function when the worker answered 5xx or could not be reached:
     the router retries on the next worker of the ring."""
 
-    def __init__(self, url: str, message: str, status: int | None = None) -> None:
+    def __init__(
+        self, url: str, message: str, status: int | None = None, retry_after_s: float | None = None
+    ) -> None:
+        """``retry_after_s``: the worker refused for load and named when to come back."""
         self.url = url
         self.status = status
+        self.retry_after_s = retry_after_s
         super().__init__(f"{url}: {message}")
 
 
@@ -82,6 +94,16 @@ class AllAttemptsFailed(Exception):
         self.attempts = attempts
         tried = "; ".join(f"{a.url}: {a.error!r}" for a in attempts)
         super().__init__(f"all {len(attempts)} encoder workers failed for key {key[:16]}: {tried}")
+
+    @property
+    def retry_after_s(self) -> float | None:
+        """The shortest wait a refusing worker named (None: none refused for load)."""
+        waits = [
+            a.error.retry_after_s
+            for a in self.attempts
+            if isinstance(a.error, WorkerUnavailable) and a.error.retry_after_s is not None
+        ]
+        return min(waits) if waits else None
 
 
 def is_retryable(error: BaseException) -> bool:
@@ -155,6 +177,7 @@ class EncoderRouter:
         self._fails: dict[str, int] = {}
         self._passes: dict[str, int] = {}
         self._inflight: dict[str, asyncio.Task[Any]] = {}
+        self._refused: dict[str, tuple[float, float]] = {}  # url -> (monotonic time, wait it named)
         self._live_ring = _Ring([], vnodes)
         self._all_ring = _Ring([], vnodes)
         self.set_workers(workers)
@@ -214,15 +237,34 @@ class EncoderRouter:
         """Live workers in the order a call for ``key`` tries them (owner first)."""
         return self._ring().order(key)
 
-    async def call(self, key: str, fn: Callable[[str], Awaitable[T]]) -> T:
-        """Run ``fn(url)`` on the owner of ``key``, retrying on the next workers of the ring.
+    def worker_wait_s(self, url: str, now: float | None = None) -> float:
+        """What ``url`` would make a new item wait, from its last refusal counted down (0: it has
+        not refused, or its queue should have drained to nothing since)."""
+        seen = self._refused.get(url)
+        if seen is None:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        return max(seen[1] - (now - seen[0]), 0.0)
+
+    def expected_wait_s(self) -> float:
+        """The shortest wait any live worker would give a new item (``worker_wait_s``)."""
+        now = time.monotonic()
+        return min((self.worker_wait_s(u, now) for u in self.live_workers), default=0.0)
+
+    def note_refusal(self, url: str, wait_s: float) -> None:
+        """``url`` refused an item for load, naming ``wait_s``."""
+        self._refused[url] = (time.monotonic(), wait_s)
+
+    async def call(self, key: str, fn: Callable[[str], Awaitable[T]], deadline_s: float | None = None) -> T:
+        """Run ``fn(url)`` on the owner of ``key``, retrying on the next workers of the ring; with
+        ``deadline_s``, workers whose counted-down refusal is past it are passed by.
 
         Concurrent calls for the same key share one attempt and all get its result (or its
         exception); cancelling one caller does not cancel the others' attempt.
         """
         task = self._inflight.get(key)
         if task is None:
-            task = asyncio.ensure_future(self._attempts(key, fn))
+            task = asyncio.ensure_future(self._attempts(key, fn, deadline_s))
             self._inflight[key] = task
             task.add_done_callback(functools.partial(self._finished, key))
         return await asyncio.shield(task)  # type: ignore[no-any-return]
@@ -237,7 +279,7 @@ class EncoderRouter:
         """Keys with an attempt in progress."""
         return len(self._inflight)
 
-    async def _attempts(self, key: str, fn: Callable[[str], Awaitable[T]]) -> T:
+    async def _attempts(self, key: str, fn: Callable[[str], Awaitable[T]], deadline_s: float | None) -> T:
         order = self.ring_order(key)
         if not order:
             raise NoWorkerAvailable("the encoder router has no workers configured")
@@ -245,11 +287,20 @@ class EncoderRouter:
             order = order[: self.max_attempts]
         failures: list[AttemptFailure] = []
         for url in order:
+            wait = self.worker_wait_s(url)
+            if deadline_s is not None and wait > deadline_s:
+                message = (
+                    f"refused recently; expected wait {wait:.1f} s is past the {deadline_s:g} s deadline"
+                )
+                failures.append(AttemptFailure(url, WorkerUnavailable(url, message, 503, wait)))
+                continue
             try:
                 return await fn(url)
             except Exception as e:
                 if not self.retryable(e):
                     raise
+                if isinstance(e, WorkerUnavailable) and e.retry_after_s is not None:
+                    self.note_refusal(url, e.retry_after_s)
                 failures.append(AttemptFailure(url, e))
                 log.warning("encoder worker %s failed for key %s: %r; trying the next", url, key[:16], e)
                 if self.down_on_connection_error and _is_connection_error(e):

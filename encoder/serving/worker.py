@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from epd_common.runtime import check_dtype, resolve_device, resolve_dtype
+from epd_common.runtime import INTERNAL_KEEP_ALIVE_S, check_dtype, resolve_device, resolve_dtype
 from epd_common.store_config import StoreConfig
 from media_io.config import MediaLimits, PreprocessConfig
 
@@ -40,9 +40,11 @@ class WorkerConfig:
     of its share, one thread each; a GPU worker one stream). ``patch_budget`` None means 16384 on
     a GPU and 4096 on a CPU (where batching buys no throughput and a big batch only delays its
     first items). Admission (items past the cache check: decoding, preprocessing or queued for the
-    forward) is by expected wait: an item is refused (503, Retry-After the expected wait) when the
-    items ahead of it would take longer than ``max_queue_wait_s`` at the measured rate (seeded with
-    ``admission_seed_items_per_s``); ``max_queued_bytes`` and ``max_inflight`` are memory guards.
+    forward) is by expected wait, in patches: an item is refused (503, Retry-After the expected
+    wait) when the patches admitted ahead of it plus its own would take longer than
+    ``max_queue_wait_s`` (or the client's shorter timeout) at the measured patches per second
+    (seeded with ``admission_seed_patches_per_s``); ``max_queued_bytes`` and ``max_inflight`` are
+    memory guards.
     """
 
     host: str = "127.0.0.1"
@@ -60,7 +62,7 @@ class WorkerConfig:
     max_inflight: int = 1024  # memory guard (items); admission is by expected wait
     max_queued_bytes: int = 512 << 20  # memory guard: compressed bytes of the admitted items
     max_queue_wait_s: float = 10.0  # admission deadline: the expected wait a new item may have
-    admission_seed_items_per_s: float = 50.0  # the rate assumed until measured
+    admission_seed_patches_per_s: float = 20000.0  # the rate assumed until measured
     decode_threads: int = 2  # decode + preprocess executor threads
     video_decode_workers: int | None = 1  # processes per video decode (1: in the decode thread)
     preprocess_backend: str = "cpu"  # "cpu" | "dali"
@@ -81,7 +83,7 @@ class WorkerConfig:
         for name in ("max_inflight", "decode_threads", "max_queued_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"WorkerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_queue_wait_s", "admission_seed_items_per_s"):
+        for name in ("max_queue_wait_s", "admission_seed_patches_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"WorkerConfig.{name} must be > 0, got {getattr(self, name)}")
         for name in ("torch_threads", "forward_streams", "patch_budget"):
@@ -164,9 +166,15 @@ def serve_worker(config: WorkerConfig) -> None:
     app = build_app(config)
     if config.uds:
         Path(config.uds).unlink(missing_ok=True)  # a stale socket from a killed worker
-        uvicorn.run(app, uds=config.uds, log_level=config.log_level)
+        uvicorn.run(app, uds=config.uds, log_level=config.log_level, timeout_keep_alive=INTERNAL_KEEP_ALIVE_S)
     else:
-        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+        uvicorn.run(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            timeout_keep_alive=INTERNAL_KEEP_ALIVE_S,
+        )
 
 
 run_worker = serve_worker  # the name the agreed API uses

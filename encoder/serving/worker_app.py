@@ -12,11 +12,14 @@
 
 The event loop only awaits: hashing, decoding, preprocessing and cache I/O run in the decode
 pool, the forward in the batcher's thread, so the next items are decoded while a forward runs.
-Admission is by expected wait (``epd_common.admission``): an item is taken while the items ahead of
-it would drain within ``max_queue_wait_s`` at the rate the worker has been serving; beyond it, or
-past the memory guards (``max_queued_bytes``, ``max_inflight`` items, ``max_queue_patches`` in the
-batcher), the answer is 503 with Retry-After = the expected wait. A bad item fails alone with the status
-of its MediaError and a JSON body naming it.
+Admission is by expected wait (``epd_common.admission``), in patches: an item is taken while the
+patches admitted ahead of it, plus its own (``media_io.work_estimate``: from the image header, a
+video's from the recent mean), would be done within the deadline at the patches per second the
+worker has been serving. The deadline is ``max_queue_wait_s``, or the client's shorter timeout
+(``X-Request-Timeout``, which the ingress sets to what is left of its own). Beyond it, or past the
+memory guards (``max_queued_bytes``, ``max_inflight`` items, ``max_queue_patches`` in the
+batcher), the answer is 503 with Retry-After = the expected wait. A bad item fails alone with the
+status of its MediaError and a JSON body naming it.
 """
 
 from __future__ import annotations
@@ -49,13 +52,15 @@ from encoder.models.checkpoint import LoadedEncoder, load_encoder
 from encoder.serving.batcher import EncodeBatcher, QueueFull
 from encoder.serving.worker import WorkerConfig
 from epd_common.active_paths import report
-from epd_common.admission import ServiceRate, retry_after_header
+from epd_common.admission import ServiceRate, request_deadline_s, retry_after_header
+from epd_common.runtime import freeze_startup_objects
 from epd_common.store_config import build_store
 from media_io.active_paths import media_paths
 from media_io.errors import BadMedia, MediaError, MediaTooLarge
 from media_io.preprocess import Patches, PreprocessBackend, get_backend
 from media_io.sniff import sniff
 from media_io.video import decode_video
+from media_io.work_estimate import PatchEstimator
 
 log = logging.getLogger("epd.encoder.worker")
 STAGES = ("decode", "preprocess", "queue", "forward")
@@ -163,9 +168,12 @@ class EncoderWorker:
         self._admitted = 0
         self._admitted_bytes = 0
         self.peak_admitted = 0  # the most items in flight at once since start
-        # Admission by expected wait (``epd_common.admission``): items per busy second, measured
+        # Admission by expected wait (``epd_common.admission``): patches per busy second, measured
         # from admission to done, so a burst the worker drains within the deadline is taken whole.
-        self.rate = ServiceRate(config.admission_seed_items_per_s)
+        self.rate = ServiceRate(config.admission_seed_patches_per_s)
+        self.estimator = PatchEstimator(config.preprocess)
+        self._units: dict[str, float] = {}  # per admitted key: its patches (estimated, then real)
+        self._queued_units = 0.0  # their sum: the work ahead of a new item
 
     @property
     def fingerprint(self) -> str:
@@ -184,8 +192,11 @@ class EncoderWorker:
         self.cache.close()
 
     # -- encode ------------------------------------------------------------------------------------
-    async def encode(self, data: bytes, modality: str | None, item: str | None) -> EncodeOutcome:
-        """Encode one item's bytes (or find it in the node cache)."""
+    async def encode(
+        self, data: bytes, modality: str | None, item: str | None, deadline_s: float | None = None
+    ) -> EncodeOutcome:
+        """Encode one item's bytes (or find it in the node cache). ``deadline_s``: the client's
+        timeout (admission uses the shorter of it and ``max_queue_wait_s``)."""
         if len(data) > self.config.limits.max_bytes:
             raise MediaTooLarge(f"body of {len(data)} bytes exceeds {self.config.limits.max_bytes}", item)
         kind = sniff(data)
@@ -202,13 +213,16 @@ class EncoderWorker:
         task = self._inflight.get(key)
         shared = task is not None
         if task is None:
-            self._admit(len(data))
+            units = self.estimator.estimate(data, kind.modality)
+            self._admit(len(data), units, deadline_s)
             # A task of its own: if this request goes away, the encode still lands in the cache, and
             # concurrent requests for the same media (other ingresses) share it.
             task = asyncio.create_task(self._encode_miss(data, kind.modality, key, item))
             self._inflight[key] = task
             self._admitted += 1
             self._admitted_bytes += len(data)
+            self._units[key] = units
+            self._queued_units += units
             self.rate.started()
             self.metrics.inflight.set(self._admitted)
             self.peak_admitted = max(self.peak_admitted, self._admitted)
@@ -223,22 +237,24 @@ class EncoderWorker:
             self.metrics.requests.labels(outcome="miss").inc()
         return outcome
 
-    def expected_wait_s(self) -> float:
-        """What a new item would wait before its own turn: the items admitted ahead of it at the
-        measured rate (an idle worker always takes one)."""
-        return self.rate.expected_wait_s(self._admitted)
+    def expected_wait_s(self, units: float = 0.0) -> float:
+        """When a new item of ``units`` patches would be done: the patches admitted ahead of it
+        and its own at the measured rate."""
+        return self.rate.expected_wait_s(self._queued_units + units)
 
-    def _admit(self, nbytes: int) -> None:
-        """Raise ``Overloaded`` unless an item of ``nbytes`` can be taken: its expected wait within
-        ``max_queue_wait_s``, and the bytes and items held within their guards."""
-        wait = self.expected_wait_s()
+    def _admit(self, nbytes: int, units: float, deadline_s: float | None) -> None:
+        """Raise ``Overloaded`` unless an item of ``nbytes`` and ``units`` patches can be taken: done
+        within the deadline (an idle worker always takes one, however large), and the bytes and
+        items held within their guards."""
+        wait = self.expected_wait_s(units)
         self.metrics.expected_wait.set(wait)
         cfg = self.config
-        if wait > cfg.max_queue_wait_s:
+        deadline = cfg.max_queue_wait_s if deadline_s is None else min(deadline_s, cfg.max_queue_wait_s)
+        if wait > deadline and self._admitted:
             self._refuse(
                 "wait",
-                f"expected wait {wait:.1f} s ({self._admitted} items ahead at {self.rate.per_s():.1f} items/s)"
-                f" exceeds {cfg.max_queue_wait_s:g} s",
+                f"expected wait {wait:.1f} s ({self._queued_units:.0f} patches ahead and {units:.0f} of"
+                f" its own at {self.rate.per_s():.0f} patches/s) exceeds the {deadline:g} s deadline",
                 wait,
             )
         if self._admitted_bytes + nbytes > cfg.max_queued_bytes or self._admitted >= cfg.max_inflight:
@@ -257,8 +273,11 @@ class EncoderWorker:
     def _finished(self, key: str, nbytes: int, task: asyncio.Task[EncodeOutcome]) -> None:
         self._admitted -= 1
         self._admitted_bytes -= nbytes
-        self.rate.finished(ok=not task.cancelled() and task.exception() is None)
+        units = self._units.pop(key)
+        self._queued_units = max(self._queued_units - units, 0.0) if self._units else 0.0
+        self.rate.finished(ok=not task.cancelled() and task.exception() is None, units=units)
         self.metrics.inflight.set(self._admitted)
+        self.metrics.expected_wait.set(self.expected_wait_s())
         del self._inflight[key]
         if not task.cancelled():
             task.exception()  # retrieved here: the awaiting requests re-raise it
@@ -275,6 +294,7 @@ class EncoderWorker:
                     ref = await self.tier.wait_for(key, self.io_pool, self.tier.claim_ttl_s)
             if ref is not None:
                 self.metrics.requests.labels(outcome="store").inc()
+                self._correct(key, 0.0)  # nothing was encoded: no work done, no work ahead
                 return EncodeOutcome(self._public(ref), True, dict.fromkeys(STAGES, 0.0))
         try:
             outcome = await self._compute(data, modality, key, item)
@@ -285,6 +305,13 @@ class EncoderWorker:
         if self.tier is not None:
             self._background(self._publish, key, claimed)
         return outcome
+
+    def _correct(self, key: str, units: float) -> None:
+        """An admitted item's real patch count replaces its estimate (in the work ahead of later
+        items, and as what its completion measures)."""
+        if key in self._units:
+            self._queued_units += units - self._units[key]
+            self._units[key] = units
 
     def _publish(self, key: str, claimed: bool) -> None:
         """After the reply: the new embedding goes to the shared store, then the claim is let go."""
@@ -303,6 +330,8 @@ class EncoderWorker:
         patches, timing = await loop.run_in_executor(
             self.pool, self._decode_preprocess, data, modality, item, timings
         )
+        self.estimator.observe(modality, patches.num_patches)
+        self._correct(key, float(patches.num_patches))
         result = await self.batcher.encode_timed(patches)
         timings["queue"] = result.queue_ms
         timings["forward"] = result.forward_ms
@@ -381,6 +410,9 @@ class EncoderWorker:
             "queue_depth": s.queue_items,
             "queue_patches": s.queue_patches,
             "inflight": self._admitted,
+            "expected_wait_s": round(self.expected_wait_s(), 4),
+            "patches_per_s": round(self.rate.per_s(), 1),
+            "rate_measured": self.rate.measured,
             "last_batch_items": s.last_batch_items,
             "batches": s.batches,
             "device": str(self.loaded.model.device),
@@ -442,6 +474,7 @@ def build_app(config: WorkerConfig, loaded: LoadedEncoder | None = None) -> Star
 
         w = await asyncio.get_running_loop().run_in_executor(None, open_all)
         await w.start()
+        freeze_startup_objects()  # the model is loaded: its objects need no collecting
         state["worker"] = w
         log.info("encoder worker ready: fingerprint %s on %s", w.fingerprint[:16], w.loaded.model.device)
         try:
@@ -462,8 +495,9 @@ def build_app(config: WorkerConfig, loaded: LoadedEncoder | None = None) -> Star
             msg = f"body of {declared} bytes exceeds {config.limits.max_bytes}"
             return _error(413, MediaTooLarge.kind, msg, item)
         data = await request.body()
+        deadline = request_deadline_s(request.headers, config.max_queue_wait_s)
         try:
-            outcome = await w.encode(data, modality, item)
+            outcome = await w.encode(data, modality, item, deadline)
         except MediaError as e:
             w.metrics.requests.labels(outcome="error").inc()
             return _error(e.status, e.kind, e.message, item)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit
@@ -291,14 +291,22 @@ class LLMRouter:
 
     # -- routing ------------------------------------------------------------------------------
     def route(
-        self, cache_keys: list[int], num_prompt_tokens: int, max_tokens: int, request_id: str
+        self,
+        cache_keys: list[int],
+        num_prompt_tokens: int,
+        max_tokens: int,
+        request_id: str,
+        exclude: Collection[str] = (),
     ) -> Dispatch:
         """Choose an engine for a prompt and count it there; ``finish`` the returned dispatch when
         the request ends, however it ends. ``cache_keys``: the prompt's ids with media runs as
-        their pseudo-ids (``sequence.build_cache_keys``)."""
-        live = [e for e in self._engines.values() if e.live]
+        their pseudo-ids (``sequence.build_cache_keys``); ``exclude``: engines this request tried
+        already (one that refused it for load)."""
+        live = [e for e in self._engines.values() if e.live and e.url not in exclude]
         if not live:
-            raise NoEngineAvailable(f"all {len(self._engines)} LLM engines are down: {list(self._engines)}")
+            raise NoEngineAvailable(
+                f"all {len(self._engines)} LLM engines are down or tried: {list(self._engines)}"
+            )
         limit = num_prompt_tokens - 1
         hashes: dict[int, list[int]] = {}
 

@@ -10,9 +10,11 @@
 The thread alone runs the model and touches the KV tensors. The scheduler is shared with
 ``submit`` under one lock that is never held during the forward, so a submit waits for at most a
 schedule or update, never a whole step; torch releases the GIL inside kernels, so the event loop
-stays responsive while a step runs. Admission is bounded: with ``max_waiting`` requests waiting,
-``submit`` raises ``EngineOverloaded`` (the server answers 503 with Retry-After) instead of
-queueing more, and requests that can never fit raise ``EngineRequestError`` before any streaming.
+stays responsive while a step runs. Admission is by expected wait (``admission.py``): ``submit``
+raises ``EngineOverloaded`` (the server answers 503, Retry-After = the wait) when the tokens of
+work ahead plus the request's own would not be done within its deadline at the tokens per busy
+second the engine has been serving; ``max_waiting`` requests waiting is a memory guard. Requests
+that can never fit raise ``EngineRequestError`` before any streaming.
 
 Detokenization, stop strings and the thread-to-loop hand-off live in ``request_stream.py``. The
 engine knows nothing of HTTP; it speaks token ids, ``SamplingParams`` and ``MultimodalInput``.
@@ -44,6 +46,7 @@ from llm_core.models.config import DecoderConfig
 from llm_core.models.mtp import MTPHeads
 from llm_core.models.positions import PositionScheme
 from llm_core.prompts.tokenizer import Tokenizer
+from llm_core.serving.admission import EngineAdmission
 from llm_core.serving.engine_stats import EngineLoad, EngineStats, ThroughputMeter
 from llm_core.serving.kv_event_publisher import KVEventPublisher
 from llm_core.serving.kv_handoff import KVHandoff
@@ -69,10 +72,12 @@ class EngineRequestError(ValueError):
 
 
 class EngineOverloaded(RuntimeError):
-    """The waiting queue is full; retry after ``retry_after_s``."""
+    """The request would wait past its deadline ("wait") or the waiting queue is at its guard
+    ("memory"); retry after ``retry_after_s`` (the expected wait)."""
 
-    def __init__(self, message: str, retry_after_s: float) -> None:
+    def __init__(self, message: str, retry_after_s: float, reason: str = "wait") -> None:
         self.retry_after_s = retry_after_s
+        self.reason = reason
         super().__init__(message)
 
 
@@ -151,6 +156,10 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._requests: dict[str, RequestState] = {}
         self._meter = ThroughputMeter()
+        self.admission = EngineAdmission(self.config.admission_seed_tokens_per_s)
+        self._expected_wait_s = 0.0  # the last estimate (a gauge)
+        self._busy_since: float | None = None  # end of the last busy step (None after idling)
+        self._refusals: collections.Counter[str] = collections.Counter()
         self._prompt_tokens_total = 0
         self._cached_tokens_total = 0
         self._steps = 0
@@ -191,16 +200,19 @@ class LLMEngine:
         *,
         kv_import: KVImport | None = None,
         kv_export: bool = False,
+        deadline_s: float | None = None,
     ) -> RequestStream:
         """Queue a request and return its output stream.
 
         ``kv_import``: the prompt's KV from a prefill engine (copied in, not computed);
         ``kv_export``: hand the prompt's KV to ``handoff`` when its prefill completes
-        (``pop_export`` has the handle once the request finished).
+        (``pop_export`` has the handle once the request finished). ``deadline_s``: the client's
+        timeout (admission uses the shorter of it and ``max_queue_wait_s``).
 
-        Raises ``EngineRequestError`` (bad request) or ``EngineOverloaded`` (queue full) right away,
-        so the server can answer with a status before any streaming starts. Must be called from a
-        running event loop; outputs flow once ``start()`` has been called.
+        Raises ``EngineRequestError`` (bad request) or ``EngineOverloaded`` (it would wait past its
+        deadline, or the queue is at its guard) right away, so the server can answer with a status
+        before any streaming starts. Must be called from a running event loop; outputs flow once
+        ``start()`` has been called.
         """
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
@@ -209,18 +221,39 @@ class LLMEngine:
             raise EngineRequestError("this engine has no KV transport to export with", "kv_transfer")
         seq.kv_source, seq.kv_export = kv_import, kv_export
         req = RequestState.create(seq, sampling, self.tokenizer, loop)
+        cfg = self.config
+        deadline = cfg.max_queue_wait_s if deadline_s is None else min(deadline_s, cfg.max_queue_wait_s)
         with self._lock:
-            if self.scheduler.num_waiting >= self.config.max_waiting:
+            est = self.admission.estimate(self.scheduler.waiting, seq)
+            self._expected_wait_s = est.wait_s
+            held_any = bool(self._requests)
+            if held_any and est.wait_s > deadline:  # an idle engine takes anything that fits
+                self._refusals["wait"] += 1
                 raise EngineOverloaded(
-                    f"{self.scheduler.num_waiting} requests are waiting for the LLM engine", retry_after_s=1.0
+                    f"expected wait {est.wait_s:.1f} s ({est.tokens_ahead:.0f} tokens of work waiting"
+                    f" ahead at {est.tokens_per_s:.0f} tokens/s, then its {est.prompt_own:.0f} prompt"
+                    f" and {est.output_own:.0f} output tokens at {est.step_s * 1e3:.0f} ms a step;"
+                    f" x{est.correction:.2f} for how late recent requests were) exceeds the"
+                    f" {deadline:g} s deadline",
+                    retry_after_s=est.wait_s,
+                )
+            if self.scheduler.num_waiting >= cfg.max_waiting:
+                self._refusals["memory"] += 1
+                raise EngineOverloaded(
+                    f"{self.scheduler.num_waiting} requests are waiting for the LLM engine (the guard)",
+                    retry_after_s=est.wait_s,
+                    reason="memory",
                 )
             try:
                 self.scheduler.add(seq)
             except QueueFull as e:
-                raise EngineOverloaded(str(e), retry_after_s=1.0) from e
+                self._refusals["memory"] += 1
+                raise EngineOverloaded(str(e), retry_after_s=est.wait_s, reason="memory") from e
             except SchedulerError as e:
                 raise EngineRequestError(str(e), "prompt") from e
             self._requests[rid] = req
+            if held_any:  # an idle engine's start says nothing of the estimate's error
+                self.admission.admitted(rid, est, time.perf_counter())
             self._prompt_tokens_total += seq.num_prompt_tokens
         self._wake.set()
         return RequestStream(rid, req.queue, self.abort)
@@ -307,6 +340,7 @@ class LLMEngine:
                     self._fail([r.seq for r in self._requests.values()])
                 busy = True
             if not busy:
+                self._busy_since = None  # the wait below is idle time, not the rate's
                 self._wake.wait(0.05)  # idle, or nothing fits in KV until a sequence finishes
         with self._lock:
             for rid in list(self._requests):
@@ -315,6 +349,7 @@ class LLMEngine:
 
     def _step(self) -> bool:
         """Schedule, run and publish one step; False when there was nothing to run."""
+        t_step = time.perf_counter()
         with self._lock:
             self._drain_aborts()
             batch = self.scheduler.schedule() if self.scheduler.has_work() else None
@@ -341,11 +376,23 @@ class LLMEngine:
                 if n > 1 and s.kv_source is None and s.num_computed_tokens + n <= s.num_tokens
             )
             host.cost.observe_prefill(computed, time.perf_counter() - t0)
+        # Admission's unit of work: prompt tokens this step computed, and tokens it sampled.
+        prompt_done = sum(
+            max(min(s.num_computed_tokens + n, s.num_prompt_tokens) - s.num_computed_tokens, 0)
+            for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+        )
         with self._lock:
             finished = self.scheduler.update(batch, sampled)
             self._steps += 1
             outs = self._publish(batch.seqs, sampled, finished)
             self._flush_kv_events()
+            sampled_n = sum(len(t) if isinstance(t, list) else int(t is not None) for t in sampled)
+            # From the end of the last busy step, not this step's start: what happens between
+            # steps (handing outputs to the event loop, the GIL it holds) is part of the pace.
+            now = time.perf_counter()
+            begin = t_step if self._busy_since is None else self._busy_since
+            self.admission.observe_step(prompt_done + sampled_n, now - begin)
+            self._busy_since = now
         deliver_outputs(outs)
         return True
 
@@ -412,7 +459,12 @@ class LLMEngine:
         return outs
 
     def _finish(self, req: RequestState, reason: str, ids: list[int], deliver: bool = True) -> StepOutput:
-        self._requests.pop(str(req.seq.seq_id), None)
+        rid = str(req.seq.seq_id)
+        self._requests.pop(rid, None)
+        ran = reason in ("stop", "length")
+        self.admission.ended(rid, time.perf_counter(), ran)
+        if ran:
+            self.admission.observe_finished(req.seq)
         self.runner.release(req.seq.seq_id)
         self._cached_tokens_total += req.seq.num_cached_tokens
         out = req.output(ids, finished=True, reason=reason)
@@ -444,6 +496,9 @@ class LLMEngine:
             tokens_per_s=self._meter.rate(),
             steps_total=self._steps,
             max_waiting=self.config.max_waiting,
+            expected_wait_s=self._expected_wait_s,
+            admission_tokens_per_s=self.admission.rate.per_s(),
+            refusals=dict(self._refusals),
             **self._spec_stats(),
         )
 

@@ -20,6 +20,9 @@ class EngineStats(NamedTuple):
     tokens_per_s: float  # generated tokens per second over the last few seconds
     steps_total: int
     max_waiting: int
+    expected_wait_s: float  # admission's last estimate (when a request arriving then would be done)
+    admission_tokens_per_s: float  # prompt + sampled tokens per busy second (the seed until measured)
+    refusals: dict[str, int]  # requests refused at admission, by reason ("wait", "memory")
     # speculative decoding (0 when off): drafts verified, drafts accepted, mean tokens per verify
     spec_draft_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0

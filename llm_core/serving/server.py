@@ -29,7 +29,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from epd_common.active_paths import report
+from epd_common.admission import request_deadline_s
 from epd_common.errors import APIError, bad_request, error_body, error_response, overloaded
+from epd_common.runtime import INTERNAL_KEEP_ALIVE_S, freeze_startup_objects
 from epd_common.store_config import build_store
 from llm_core.kernels.active_paths import llm_paths
 from llm_core.serving.completion_request import (
@@ -69,6 +71,19 @@ class _Metrics:
             "epd_llm_speculative", "Speculative decoding: drafts verified / accepted, mean tokens per verify",
             ["field"], registry=r,
         )  # fmt: skip
+        self.expected_wait = Gauge(
+            "epd_llm_expected_wait_seconds",
+            "When the last request to arrive would be done (admission's estimate)",
+            registry=r,
+        )
+        self.admission_rate = Gauge(
+            "epd_llm_admission_tokens_per_second",
+            "Prompt plus sampled tokens per busy second (the seed until measured)",
+            registry=r,
+        )
+        self.refusals = Gauge(
+            "epd_llm_refusals_total", "Requests refused at admission, by reason", ["reason"], registry=r
+        )
         self.kv_tier = Gauge(
             "epd_llm_kv_tier",
             "The KV tiers below the prefix cache: sizes and counters",
@@ -89,6 +104,10 @@ class _Metrics:
         self.spec.labels(field="draft_tokens_total").set(s.spec_draft_tokens_total)
         self.spec.labels(field="accepted_tokens_total").set(s.spec_accepted_tokens_total)
         self.spec.labels(field="acceptance_length").set(s.spec_acceptance_length)
+        self.expected_wait.set(s.expected_wait_s)
+        self.admission_rate.set(s.admission_tokens_per_s)
+        for reason in ("wait", "memory"):
+            self.refusals.labels(reason=reason).set(s.refusals.get(reason, 0))
         for tier, fields in engine.kv_tier_stats().items():
             for name, value in fields.items():
                 if isinstance(value, int | float) and not isinstance(value, bool):
@@ -138,7 +157,9 @@ def create_app(
         )
         return req, body.get("kv_transfer")
 
-    async def submit(req: CompletionRequest, transfer: Any) -> tuple[RequestStream, dict[str, Any] | None]:
+    async def submit(
+        req: CompletionRequest, transfer: Any, deadline_s: float | None = None
+    ) -> tuple[RequestStream, dict[str, Any] | None]:
         """Queue the request; with ``kv_transfer`` ``{"export": true}`` its prompt's KV is handed
         over after the prefill, with ``{"import": handle, "first_token": id}`` it is taken in (or,
         when that fails, recomputed: the returned info says which)."""
@@ -169,6 +190,7 @@ def create_app(
                 request_id=req.request_id,
                 kv_import=kv_import,
                 kv_export=export,
+                deadline_s=deadline_s,
             )
         except EngineRequestError as e:
             raise bad_request(str(e), e.param) from e
@@ -178,7 +200,8 @@ def create_app(
 
     async def completions(request: Request) -> Response:
         req, transfer = await read_request(request)
-        stream, info = await submit(req, transfer)
+        deadline = request_deadline_s(request.headers, engine.config.max_queue_wait_s)
+        stream, info = await submit(req, transfer, deadline)
         if req.stream:
             return StreamingResponse(
                 _events(req, stream, info),
@@ -299,6 +322,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        freeze_startup_objects()  # the model is loaded: its objects need no collecting
         engine.start()
         try:
             yield
@@ -349,6 +373,12 @@ def serve_llm(config: LLMServerConfig) -> None:
         torch.set_num_threads(config.torch_threads)  # the process's own: the engine thread reads it
     app = build_app(config)
     if config.uds:
-        uvicorn.run(app, uds=config.uds, log_level=config.log_level)
+        uvicorn.run(app, uds=config.uds, log_level=config.log_level, timeout_keep_alive=INTERNAL_KEEP_ALIVE_S)
     else:
-        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+        uvicorn.run(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            timeout_keep_alive=INTERNAL_KEEP_ALIVE_S,
+        )

@@ -22,8 +22,11 @@ class EngineConfig:
     """Limits of one engine instance.
 
     ``max_num_batched_tokens`` bounds the tokens of one forward (prefill is chunked to fit);
-    ``max_num_seqs`` the sequences decoded together; ``max_waiting`` the requests queued before the
-    server answers 503. ``kv_memory_bytes`` is split into the full and SWA pools.
+    ``max_num_seqs`` the sequences decoded together. Admission is by expected wait
+    (``llm_core.serving.admission``): a request is refused (503) when the work ahead and its own
+    would take longer than ``max_queue_wait_s`` (or the client's shorter timeout) at the measured
+    tokens per second (``admission_seed_tokens_per_s`` until measured); ``max_waiting`` requests
+    waiting is a memory guard. ``kv_memory_bytes`` is split into the full and SWA pools.
     """
 
     kv_memory_bytes: int = 64 * 1024 * 1024
@@ -32,7 +35,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int | None = None  # per-sequence cap on one step's prefill chunk
-    max_waiting: int = 256
+    max_waiting: int = 4096  # memory guard (requests waiting); admission is by expected wait
+    max_queue_wait_s: float = 10.0  # admission deadline of a request that sends no timeout
+    admission_seed_tokens_per_s: float = 1000.0  # the rate assumed until measured
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     enable_prefix_cache: bool = True
     # host memory for pages the prefix cache evicts (copied back when a prefix returns); 0: none
@@ -54,6 +59,9 @@ class EngineConfig:
         for name in ("kv_memory_bytes", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_queue_wait_s", "admission_seed_tokens_per_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.speculative_steps < 0:
             raise ValueError(f"EngineConfig.speculative_steps must be >= 0, got {self.speculative_steps}")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epd_common.admission import ServiceRate, retry_after_header
+from epd_common.admission import ServiceRate, request_deadline_s, retry_after_header
 
 
 def test_the_seed_holds_until_enough_completions() -> None:
@@ -60,3 +60,53 @@ def test_finished_without_started_is_a_bug() -> None:
 @pytest.mark.parametrize(("wait", "header"), [(0.0, "1"), (0.2, "1"), (1.0, "1"), (1.01, "2"), (7.5, "8")])
 def test_retry_after_is_whole_seconds_rounded_up(wait: float, header: str) -> None:
     assert retry_after_header(wait) == header
+
+
+def test_units_weigh_completions() -> None:
+    rate = ServiceRate(seed_per_s=1.0, min_samples=2)
+    for _ in range(3):
+        rate.started(now=0.0)
+    rate.finished(now=0.1, units=64)  # a large item
+    rate.finished(now=0.2, units=16)  # a small one
+    rate.finished(now=0.3, units=16)  # alone: not a sample
+    assert rate.per_s() == pytest.approx(80 / 0.2)
+
+
+def test_a_stage_that_times_its_steps_observes_directly() -> None:
+    rate = ServiceRate(seed_per_s=5.0, min_samples=2)
+    rate.observe(0, 0.1)  # an empty step says nothing
+    rate.observe(100, 0.0)
+    assert not rate.measured
+    rate.observe(300, 0.1)
+    rate.observe(100, 0.1)
+    assert rate.measured and rate.per_s() == pytest.approx(2000.0)
+
+
+@pytest.mark.parametrize(
+    ("headers", "deadline"),
+    [
+        ({}, 10.0),
+        ({"x-request-timeout": "2.5"}, 2.5),
+        ({"x-stainless-read-timeout": "600"}, 10.0),  # a longer client timeout is not the queue's
+        ({"x-stainless-read-timeout": "3"}, 3.0),
+        ({"x-request-timeout": "soon"}, 10.0),
+        ({"x-request-timeout": "-1"}, 10.0),
+        ({"x-request-timeout": "nan"}, 10.0),
+        ({"x-request-timeout": "inf"}, 10.0),
+    ],
+)
+def test_the_deadline_is_the_servers_or_the_clients_shorter_timeout(
+    headers: dict[str, str], deadline: float
+) -> None:
+    assert request_deadline_s(headers, 10.0) == deadline
+
+
+def test_old_samples_age_out_but_a_slow_stage_keeps_its_last_few() -> None:
+    rate = ServiceRate(seed_per_s=1.0, min_samples=2, max_age_s=5.0)
+    for i in range(10):  # 10 units/s, long ago
+        rate.observe(1, 0.1, now=float(i))
+    for i in range(10):  # 100 units/s now: the old ones drop out
+        rate.observe(10, 0.1, now=100.0 + i * 0.1)
+    assert rate.per_s() == pytest.approx(100.0)
+    rate.observe(1, 1.0, now=1000.0)  # a slow stage: the newest two count, however old
+    assert rate.per_s() == pytest.approx(11 / 1.1)

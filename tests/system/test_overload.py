@@ -1,17 +1,24 @@
-"""Overload: offered load far above capacity is refused at the edge, not queued.
+"""Sustained overload is refused by expected wait, not queued without bound and not refused early.
 
-1. closed loop, one client at a time: the unloaded latency (P99) of a small-image encode;
-2. closed loop, as many clients as the admission limit: the capacity (requests/s);
-3. open loop at 3x capacity (evenly spaced arrivals, fresh images: every one a cache miss):
-   admitted requests keep P99 within 3x the unloaded P99, the rest get 503/429 with
-   Retry-After; the ingress's RSS stays bounded; ``/health`` answers within 100 ms throughout.
+For uploads (``epd serve --no-llm``, one encoder worker) and for chats (the engine), defaults:
+
+1. closed loop, many clients: the capacity (requests/s);
+2. open loop at 3x capacity for 20 s (evenly spaced arrivals, every upload a cache miss, every
+   chat a distinct prompt), then one deadline more of the same load, so that every refusal of
+   the 20 s has its drain happen under the load it was predicted for;
+3. admitted requests' P99 stays within the deadline (``--max-queue-wait-s``, 10 s); the rest get
+   503 with a Retry-After within 2x of the real drain time (for a refusal at t: the time until
+   the last request admitted before t was done); RSS stays bounded; ``/health`` answers within
+   100 ms throughout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import aiohttp
@@ -20,73 +27,65 @@ import pytest
 from tests.epd.conftest import ServeProcess, image_bytes, multipart, photo, start_serve
 from tests.system.conftest import HealthPoller, percentile, shm_entries, stop_checked, vm_rss_kib
 
-UNLOADED_S = 3.0
-CAPACITY_S = 4.0
-OVERLOAD_S = 10.0  # the issue allows up to 20 s; 10 s of 3x load already refuses hundreds
+DEADLINE_S = 10.0  # the default --max-queue-wait-s
+CAPACITY_S = 5.0
+CAPACITY_CLIENTS = 32
+OVERLOAD_S = 20.0
 OVERLOAD_FACTOR = 3.0
-RSS_GROWTH_LIMIT_KIB = 150 * 1024
-# Items admitted at once. Admitted latency is bounded by the queue a request can find ahead of it,
-# so a P99 within 3x the unloaded one needs a limit near the worker's own concurrency.
-MAX_INFLIGHT_ITEMS = 1
+RSS_GROWTH_LIMIT_KIB = 300 * 1024
+# Of the refusals, the share whose Retry-After must be within 2x of the drain time they predicted
+# (the first ones come while the rate estimate is still converging).
+RETRY_AFTER_SHARE = 0.9
 
-
-@pytest.fixture(scope="module")
-def small_svc() -> Iterator[ServeProcess]:
-    """Encode only (no engine), one worker, a tight admission limit."""
-    before = shm_entries("serve-")
-    server = start_serve(["--no-llm", "--max-inflight-items", str(MAX_INFLIGHT_ITEMS)])
-    try:
-        yield server
-    finally:
-        stop_checked(server, before)
-
-
-_seed = iter(range(50_000, 10**9))
-
-
-def fresh_body() -> tuple[bytes, dict[str, str]]:
-    """A multipart upload of one small PNG nobody sent before (a guaranteed cache miss)."""
-    return multipart([("p.png", image_bytes(photo(56, 56, next(_seed)), "PNG"), "image/png")])
+Body = tuple[bytes, dict[str, str]]
 
 
 @dataclass(frozen=True)
 class Outcome:
     status: int
-    latency_s: float
+    sent: float  # perf_counter
+    done: float
     retry_after: str | None
+    message: str = ""  # a refusal's: which stage refused and why
+
+    @property
+    def latency_s(self) -> float:
+        return self.done - self.sent
 
 
-async def _post(session: aiohttp.ClientSession, url: str, body: tuple[bytes, dict[str, str]]) -> Outcome:
+async def _post(session: aiohttp.ClientSession, url: str, body: Body) -> Outcome:
     t0 = time.perf_counter()
     try:
         async with session.post(url, data=body[0], headers=body[1]) as resp:
-            await resp.read()
-            return Outcome(resp.status, time.perf_counter() - t0, resp.headers.get("Retry-After"))
+            payload = await resp.read()
+            done = time.perf_counter()
+            message = payload[:300].decode("utf-8", "replace") if resp.status != 200 else ""
+            return Outcome(resp.status, t0, done, resp.headers.get("Retry-After"), message)
     except (aiohttp.ClientError, TimeoutError) as exc:  # a hang or a reset: recorded, then asserted on
-        return Outcome(-1, time.perf_counter() - t0, type(exc).__name__)
+        return Outcome(-1, t0, time.perf_counter(), type(exc).__name__)
 
 
-async def _closed_loop(url: str, clients: int, seconds: float) -> list[Outcome]:
+def _session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=120), connector=aiohttp.TCPConnector(limit=0)
+    )
+
+
+async def _closed_loop(url: str, make: Callable[[], Body], clients: int, seconds: float) -> list[Outcome]:
     out: list[Outcome] = []
-    bodies = [fresh_body() for _ in range(400)]
     deadline = time.perf_counter() + seconds
-    timeout = aiohttp.ClientTimeout(total=60)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with _session() as session:
 
         async def client() -> None:
-            while time.perf_counter() < deadline and bodies:
-                out.append(await _post(session, url, bodies.pop()))
+            while time.perf_counter() < deadline:
+                out.append(await _post(session, url, make()))
 
         await asyncio.gather(*(client() for _ in range(clients)))
     return out
 
 
-async def _open_loop(url: str, rate: float, seconds: float) -> list[Outcome]:
-    n = max(1, int(rate * seconds))
-    bodies = [fresh_body() for _ in range(n)]  # built before the clock starts
-    timeout = aiohttp.ClientTimeout(total=60)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+async def _open_loop(url: str, bodies: list[Body], rate: float) -> list[Outcome]:
+    async with _session() as session:
         t0 = time.perf_counter()
         tasks = []
         for i, body in enumerate(bodies):
@@ -95,40 +94,65 @@ async def _open_loop(url: str, rate: float, seconds: float) -> list[Outcome]:
         return list(await asyncio.gather(*tasks))
 
 
-def _latency_failures(url: str, health_url: str) -> list[str]:
-    """One overload round. Structural expectations are asserted here; the timing ones (admitted
-    P99, /health latency) come back as messages so the caller can give a noisy machine one more
-    round. Returns the timing failures."""
-    unloaded = asyncio.run(_closed_loop(url, 1, UNLOADED_S))
-    assert unloaded and all(o.status == 200 for o in unloaded), unloaded
-    unloaded_p99 = percentile([o.latency_s for o in unloaded], 99)
+def drain_ratios(outcomes: list[Outcome], until: float) -> list[float]:
+    """Retry-After over the real drain time, per refusal sent before ``until``: the drain time of a
+    refusal at t is how long the requests admitted before t (in flight at t) took to be done."""
+    admitted = sorted((o for o in outcomes if o.status == 200), key=lambda o: o.sent)
+    ratios = []
+    for r in (o for o in outcomes if o.status == 503 and o.sent < until):
+        t = r.done  # the refusal is decided on arrival; its answer is when the client learns it
+        before_t = itertools.takewhile(lambda a, t=t: a.sent < t, admitted)  # type: ignore[misc]
+        in_flight = [a.done for a in before_t if a.done > t]
+        if in_flight:
+            assert r.retry_after is not None
+            ratios.append(float(r.retry_after) / (max(in_flight) - t))
+    return ratios
 
-    t0 = time.perf_counter()
-    # As many clients as the server admits at once: the most it serves without refusing.
-    measured = asyncio.run(_closed_loop(url, MAX_INFLIGHT_ITEMS, CAPACITY_S))
-    capacity = len(measured) / (time.perf_counter() - t0)
-    assert all(o.status == 200 for o in measured), measured
 
-    with HealthPoller(health_url) as health:
-        offered = asyncio.run(_open_loop(url, OVERLOAD_FACTOR * capacity, OVERLOAD_S))
+def _round(server: ServeProcess, path: str, make: Callable[[], Body]) -> list[str]:
+    """One overload round. Structural expectations are asserted here; the timing ones come back as
+    messages so the caller can give a noisy machine one more round."""
+    url = f"{server.url}{path}"
+    measured = asyncio.run(_closed_loop(url, make, CAPACITY_CLIENTS, CAPACITY_S))
+    assert measured and all(o.status == 200 for o in measured), [o for o in measured if o.status != 200][:5]
+    capacity = len(measured) / (max(o.done for o in measured) - min(o.sent for o in measured))
+
+    rate = OVERLOAD_FACTOR * capacity
+    bodies = [make() for _ in range(int(rate * (OVERLOAD_S + DEADLINE_S)))]  # before the clock starts
+    with HealthPoller(server.url) as health:
+        everything = asyncio.run(_open_loop(url, bodies, rate))
+    start = min(o.sent for o in everything)
+    offered = [o for o in everything if o.sent < start + OVERLOAD_S]  # what is judged
 
     admitted = [o for o in offered if o.status == 200]
-    refused = [o for o in offered if o.status in (429, 503)]
-    other = [o for o in offered if o.status not in (200, 429, 503)]
+    refused = [o for o in offered if o.status == 503]
+    other = [o for o in everything if o.status not in (200, 503)]
+    ratios = drain_ratios(everything, until=start + OVERLOAD_S)
     summary = (
-        f"capacity {capacity:.1f}/s, offered {len(offered)}, admitted {len(admitted)}, "
-        f"refused {len(refused)}, unloaded P99 {unloaded_p99 * 1e3:.0f} ms"
+        f"{path}: capacity {capacity:.1f}/s, offered {len(offered)} at {rate:.1f}/s, admitted {len(admitted)} "
+        f"({len(admitted) / OVERLOAD_S:.1f}/s), refused {len(refused)}, admitted P50/P99 "
+        f"{percentile([o.latency_s for o in admitted], 50):.2f}/{percentile([o.latency_s for o in admitted], 99):.2f} s, "
+        f"Retry-After/drain P10/P50/P90 {percentile(ratios, 10):.2f}/{percentile(ratios, 50):.2f}/"
+        f"{percentile(ratios, 90):.2f}"
+        if admitted and ratios
+        else f"{path}: admitted {len(admitted)}, refused {len(refused)}"
     )
+    print(summary)
     assert not other, f"{summary}; unexpected outcomes: {other[:5]}"
     assert refused, f"nothing was refused at {OVERLOAD_FACTOR}x capacity ({summary})"
-    assert admitted, summary
+    # Refused only past the deadline: at least about the capacity was served all along.
+    assert len(admitted) >= 0.7 * capacity * OVERLOAD_S, summary
     assert all(o.retry_after is not None and int(o.retry_after) >= 1 for o in refused), refused[:5]
     assert health.samples and all(s == 200 for s, _ in health.samples), health.samples[:10]
+    assert ratios, summary
 
     failures = []
     admitted_p99 = percentile([o.latency_s for o in admitted], 99)
-    if admitted_p99 > 3 * unloaded_p99:
-        failures.append(f"admitted P99 {admitted_p99 * 1e3:.0f} ms > 3x unloaded ({summary})")
+    if admitted_p99 > DEADLINE_S:
+        failures.append(f"admitted P99 {admitted_p99:.2f} s > the {DEADLINE_S:g} s deadline ({summary})")
+    within = sum(0.5 <= r <= 2.0 for r in ratios) / len(ratios)
+    if within < RETRY_AFTER_SHARE:
+        failures.append(f"only {within:.0%} of Retry-Afters within 2x of the drain time ({summary})")
     if health.worst_s >= 0.1:
         failures.append(
             f"/health took {health.worst_s * 1e3:.0f} ms under overload "
@@ -137,15 +161,69 @@ def _latency_failures(url: str, health_url: str) -> list[str]:
     return failures
 
 
-@pytest.mark.timeout(180)
-def test_overload_refuses_excess_keeps_admitted_latency_and_health(small_svc: ServeProcess) -> None:
-    url = f"{small_svc.url}/v1/encode"
-    rss_before = vm_rss_kib(small_svc.proc.pid)
+def _overload(server: ServeProcess, path: str, make: Callable[[], Body]) -> None:
+    rss_before = vm_rss_kib(server.proc.pid)
     # Timing on a shared 2-core machine: one more full round before a latency bound counts as
     # broken (every refusal, status and Retry-After expectation is checked in both rounds).
-    failures = _latency_failures(url, small_svc.url)
+    failures = _round(server, path, make)
     if failures:
-        failures = _latency_failures(url, small_svc.url)
-    rss_after = vm_rss_kib(small_svc.proc.pid)
+        print("first round:", failures)
+        failures = _round(server, path, make)
+    rss_after = vm_rss_kib(server.proc.pid)
     assert not failures, failures
     assert rss_after - rss_before < RSS_GROWTH_LIMIT_KIB, (rss_before, rss_after)
+
+
+@pytest.fixture(scope="module")
+def encode_svc() -> Iterator[ServeProcess]:
+    before = shm_entries("serve-")
+    server = start_serve(["--no-llm"])
+    try:
+        yield server
+    finally:
+        stop_checked(server, before)
+
+
+_seed = itertools.count(50_000)
+
+
+def fresh_upload() -> Body:
+    """A multipart upload of a 672x672 JPEG nobody sent before (a guaranteed cache miss). Its
+    encode (2304 patches) is the bottleneck, as the encoder is in production; with thumbnails the
+    bottleneck would be the ingress's HTTP parsing on these two cores, shared with this client."""
+    return multipart([("p.jpg", image_bytes(photo(672, 672, next(_seed)), "JPEG"), "image/jpeg")])
+
+
+@pytest.mark.timeout(300)
+def test_sustained_upload_overload_is_refused_by_expected_wait(encode_svc: ServeProcess) -> None:
+    _overload(encode_svc, "/v1/encode", fresh_upload)
+
+
+@pytest.fixture(scope="module")
+def chat_svc() -> Iterator[ServeProcess]:
+    before = shm_entries("serve-")
+    server = start_serve([])
+    try:
+        yield server
+    finally:
+        stop_checked(server, before)
+
+
+def fresh_chat() -> Body:
+    """A text chat with a prompt of its own (no prefix shared beyond the template) and a 64-token
+    answer: the engine's decode is the bottleneck, as it is in production, not the ingress's
+    HTTP handling on these two cores (shared with this client)."""
+    n = next(_seed)
+    words = " ".join(f"w{(n * 31 + i) % 997}" for i in range(40))
+    body = {
+        "messages": [{"role": "user", "content": f"request {n}: {words}"}],
+        "max_tokens": 64,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    return json.dumps(body).encode(), {"Content-Type": "application/json"}
+
+
+@pytest.mark.timeout(300)
+def test_sustained_chat_overload_is_refused_by_expected_wait(chat_svc: ServeProcess) -> None:
+    _overload(chat_svc, "/v1/chat/completions", fresh_chat)

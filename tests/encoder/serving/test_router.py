@@ -140,6 +140,30 @@ def test_all_workers_failing_reports_every_attempt() -> None:
     assert [a.url for a in info.value.attempts] == router.ring_order(KEYS[0])[:2]
 
 
+def test_a_refused_worker_passes_the_item_on_and_all_refusing_names_the_shortest_wait() -> None:
+    router = EncoderRouter([WorkerSpec(u) for u in URLS[:3]])
+    order = router.ring_order(KEYS[1])
+    waits = dict(zip(order, (7.0, 3.0, 12.0), strict=True))
+    tried: list[str] = []
+
+    async def refuse(url: str) -> str:
+        tried.append(url)
+        raise WorkerUnavailable(url, "answered 503", status=503, retry_after_s=waits[url])
+
+    with pytest.raises(AllAttemptsFailed) as info:
+        asyncio.run(router.call(KEYS[1], refuse))
+    assert tried == order  # the owner, then the rest of the ring
+    assert info.value.retry_after_s == 3.0
+    assert router.live_workers == URLS[:3]  # a refusal for load takes no worker out
+
+    async def owner_refuses(url: str) -> str:
+        if url == order[0]:
+            raise WorkerUnavailable(url, "answered 503", status=503, retry_after_s=20.0)
+        return url
+
+    assert asyncio.run(router.call(KEYS[1], owner_refuses)) == order[1]
+
+
 def test_single_flight_ten_concurrent_calls_one_encode() -> None:
     router = EncoderRouter([WorkerSpec(u) for u in URLS[:4]])
     encodes: list[str] = []

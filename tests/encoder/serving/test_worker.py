@@ -289,16 +289,21 @@ def test_a_burst_the_worker_drains_in_time_is_taken_whole(tmp_path: Path) -> Non
     assert float(peak.split()[1]) > 64  # more at once than the old fixed limit let in
 
 
+SMALL_PATCHES = 16  # a 56x56 image: a 4x4 grid of 14-pixel patches
+
+
 @pytest.fixture(scope="module")
 def slow_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """A worker that believes it serves 1 item/s and may let an item wait 0.5 s: one item ahead is
-    already too many. Its batcher holds a lone item for 1 s, so a burst finds the first in flight."""
+    """A worker that believes it serves 16 patches (one 56x56 image) per second and may let an item
+    be done in 2.5 s: one small item ahead fits, two do not. Its batcher holds a lone item for
+    1 s, so a request sent right after another finds it in flight."""
     root = tmp_path_factory.mktemp("slow-worker")
     save_vision_checkpoint(random_encoder(CFG, seed=21), root / "ckpt")
     sock = str(root / "w.sock")
     config = WorkerConfig(
         uds=sock, model_path=str(root / "ckpt"), cache_root=str(root / "cache"), cache_namespace="slow",
-        max_wait_ms=1000.0, patch_budget=4096, max_queue_wait_s=0.5, admission_seed_items_per_s=1.0,
+        max_wait_ms=1000.0, patch_budget=4096, max_queue_wait_s=2.5,
+        admission_seed_patches_per_s=float(SMALL_PATCHES),
     )  # fmt: skip
     with _serving(config) as served:
         yield served
@@ -309,12 +314,47 @@ def test_an_item_that_would_wait_past_the_deadline_is_refused_with_the_expected_
 ) -> None:
     got = _burst(slow_worker.sock, [png(56, 56, seed=80_000 + i) for i in range(6)])
     statuses = sorted(status for status, _, _ in got)
-    assert statuses == [200] + [503] * 5, statuses
+    assert statuses == [200] * 2 + [503] * 4, statuses
     for status, body, headers in got:
         if status == 503:
-            assert body["error"]["type"] == "overloaded" and "expected wait 1.0 s" in body["error"]["message"]
-            assert headers["Retry-After"] == "1"  # one item ahead at 1 item/s
+            assert body["error"]["type"] == "overloaded" and "expected wait 3.0 s" in body["error"]["message"]
+            assert headers["Retry-After"] == "3"  # two items ahead and its own at 1 item/s
     _, metrics, _ = slow_worker.request("GET", "/metrics")
-    assert b'epd_encoder_refusals_total{reason="wait"} 5.0' in metrics
+    assert b'epd_encoder_refusals_total{reason="wait"} 4.0' in metrics
     # once the queue drained, the next item is taken
     assert _burst(slow_worker.sock, [png(56, 56, seed=80_100)])[0][0] == 200
+
+
+def _after_one_in_flight(sock: str, then: list[tuple[bytes, dict[str, str]]]) -> list[tuple[int, dict]]:
+    """Send one small item, and while the batcher holds it, each of ``then`` in turn."""
+
+    async def go() -> list[tuple[int, dict]]:
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=sock, limit=0)) as s:
+
+            async def post(data: bytes, headers: dict[str, str]) -> tuple[int, dict]:
+                async with s.post("http://worker/encode", data=data, headers=headers) as r:
+                    return r.status, await r.json()
+
+            first = asyncio.create_task(post(png(56, 56, seed=81_000), {}))
+            await asyncio.sleep(0.3)
+            out = [await post(data, headers) for data, headers in then]
+            assert (await first)[0] == 200
+            return out
+
+    return asyncio.run(go())
+
+
+def test_admission_counts_patches_and_honours_a_shorter_client_timeout(slow_worker: Served) -> None:
+    large = png(112, 112, seed=81_001)  # 64 patches: 4x a small one
+    got = _after_one_in_flight(
+        slow_worker.sock,
+        [
+            (large, {}),  # (16 + 64) / 16 = 5 s > 2.5 s
+            (png(56, 56, seed=81_002), {"X-Request-Timeout": "1.5"}),  # 2 s > the client's 1.5 s
+            (png(56, 56, seed=81_003), {"X-Request-Timeout": "60"}),  # 2 s: a longer timeout is not
+            # the server's deadline, but 2 s is within both
+        ],
+    )
+    assert [status for status, _ in got] == [503, 503, 200], got
+    assert "64 of its own" in got[0][1]["error"]["message"]
+    assert "1.5 s deadline" in got[1][1]["error"]["message"]

@@ -1,0 +1,127 @@
+"""The LLM engine's admission by expected wait: when a new request would be done, from the tokens
+of work waiting ahead of it, the tokens per busy second and the seconds per step the engine has
+been serving at.
+
+A request's work is its prompt tokens left to compute plus the output tokens it is expected to
+produce; the engine's rate is the same two kinds of tokens per second of its steps (idle time not
+counted). Both are measured from what the engine actually does, so the mix (long prompts or long
+answers, batched decode, speculative steps) is in the rate, not in a cost model. With continuous
+batching a request starts once the requests waiting ahead of it have started, which takes about
+their work at the engine's rate (the running ones free their slots at that pace), and then it
+needs one step per output token, however many run beside it:
+
+    work(seq)   = prompt tokens left + expected output - output so far
+    prompt left = prompt * (1 - hit)          for a request not started (hit: the prefix-cache
+                = prompt - computed           share of recent prompts), else what is left
+    expected    = max_new_tokens * fill       (fill: output / max_tokens of recent requests)
+    wait(new)   = (work of the waiting requests + its prompt) / tokens per busy second
+                  + its expected output * seconds per step
+
+The rate moves while a request waits (a prompt mix that changes, a machine shared with other
+work), and a request admitted at the deadline's edge is late whenever it slows. So the estimate
+learns its own error: of the recent requests admitted behind others, how much longer they took
+than estimated (the 90th percentile of actual / estimated, at least 1, at most 3), and scales
+the wait by it. The refusal's Retry-After is the scaled wait too.
+
+``fill`` keeps a client that asks for 4096 tokens and stops at 50 from counting as 4096, and
+``hit`` a shared system prompt from counting as computed again (both seeded pessimistically, at 1
+and 0: until requests finish, max_tokens is taken at its word and no prompt is cached). A request is refused (503,
+Retry-After = the wait) only when something is ahead of it and the wait exceeds its deadline:
+an idle engine takes any request that fits at all.
+
+Called under the engine's lock (the step thread observes, the event loop estimates).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from epd_common.admission import ServiceRate
+from llm_core.serving.sequence import Sequence
+
+
+class WaitEstimate(NamedTuple):
+    wait_s: float  # when the new request would be done
+    tokens_ahead: float  # work of the requests waiting, in tokens
+    prompt_own: float  # the new request's prompt tokens to compute
+    output_own: float  # and the output tokens it is expected to produce
+    tokens_per_s: float  # the rate (measured, or the seed)
+    step_s: float  # seconds per step (measured, or one token's time at the seed rate)
+    correction: float  # how much longer than estimated recent requests took (wait_s includes it)
+    measured: bool  # the rate is measured (else the seed: its error says nothing of the model)
+
+
+class EngineAdmission:
+    def __init__(self, seed_tokens_per_s: float, window_requests: int = 64) -> None:
+        # steps: the last few seconds of them (ServiceRate's age bound), at least 8
+        self.rate = ServiceRate(seed_tokens_per_s, min_samples=8)
+        self._fills: deque[float] = deque(maxlen=window_requests)
+        self._hits: deque[float] = deque(maxlen=window_requests)
+        self._errors: deque[float] = deque(maxlen=window_requests)  # actual / estimated
+        self._pending: dict[object, tuple[float, float]] = {}  # request -> (admitted at, estimate)
+
+    def fill(self) -> float:
+        """Output tokens over max_tokens of recent finished requests (1.0 until one finished)."""
+        return sum(self._fills) / len(self._fills) if self._fills else 1.0
+
+    def hit(self) -> float:
+        """The prefix-cache share of recent finished requests' prompts (0.0 until one finished)."""
+        return sum(self._hits) / len(self._hits) if self._hits else 0.0
+
+    @staticmethod
+    def prompt_left(seq: Sequence, hit: float) -> float:
+        if seq.num_computed_tokens == 0:  # not started: its own prefix hit is not known yet
+            return seq.num_prompt_tokens * (1.0 - hit)
+        return max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
+
+    @staticmethod
+    def output_left(seq: Sequence, fill: float) -> float:
+        return max(max(seq.max_new_tokens * fill, 1.0) - len(seq.output_ids), 1.0)
+
+    def work(self, seq: Sequence, fill: float, hit: float = 0.0) -> float:
+        """Tokens ``seq`` still costs: its prompt left to compute and its expected output left."""
+        return self.prompt_left(seq, hit) + self.output_left(seq, fill)
+
+    def estimate(self, waiting: Iterable[Sequence], new: Sequence) -> WaitEstimate:
+        """When ``new`` would be done with ``waiting`` queued ahead of it."""
+        fill, hit = self.fill(), self.hit()
+        ahead = sum(self.work(s, fill, hit) for s in waiting)
+        prompt, output = self.prompt_left(new, hit), self.output_left(new, fill)
+        per_s = self.rate.per_s()
+        step_s = self.rate.mean_sample_s() if self.rate.measured else 1.0 / per_s
+        correction = self.correction()
+        wait = ((ahead + prompt) / per_s + output * step_s) * correction
+        return WaitEstimate(wait, ahead, prompt, output, per_s, step_s, correction, self.rate.measured)
+
+    def correction(self) -> float:
+        """The 90th percentile of actual / estimated over recent requests, within [1, 3] (1 until
+        8 are known)."""
+        if len(self._errors) < 8:
+            return 1.0
+        ordered = sorted(self._errors)
+        return min(max(ordered[int(0.9 * (len(ordered) - 1))], 1.0), 3.0)
+
+    def admitted(self, request: object, estimate: WaitEstimate, now: float) -> None:
+        """``request`` was admitted behind others with ``estimate`` (what its end is compared with;
+        an estimate from the seed rate is not: it is a guess, not the model)."""
+        if estimate.measured:
+            self._pending[request] = (now, estimate.wait_s / estimate.correction)
+
+    def ended(self, request: object, now: float, ok: bool) -> None:
+        """``request`` left the engine; ``ok``: it ran to its end (an abort says nothing of time)."""
+        start = self._pending.pop(request, None)
+        if start is not None and ok and start[1] > 0:
+            self._errors.append((now - start[0]) / start[1])
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """One step: prompt tokens computed plus tokens sampled, in ``seconds`` of busy time."""
+        self.rate.observe(tokens, seconds)
+
+    def observe_finished(self, seq: Sequence) -> None:
+        """A request ended normally (aborted and failed ones say nothing of the output length)."""
+        if seq.max_new_tokens > 0:
+            self._fills.append(min(len(seq.output_ids) / seq.max_new_tokens, 1.0))
+        if seq.num_prompt_tokens > 0:
+            self._hits.append(min(seq.num_cached_tokens / seq.num_prompt_tokens, 1.0))

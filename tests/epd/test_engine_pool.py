@@ -1,0 +1,119 @@
+"""The engine pool over real engine servers on loopback: an engine that refuses a chat for load
+passes it to another live engine; when every engine refuses, the 503 carries the shortest wait."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from epd.engine_pool import EnginePool
+from epd.llm_routing.policy import RouterConfig
+from epd_common.errors import APIError
+from llm_core.models.checkpoint import LoadedLLM, load_llm
+from llm_core.prompts.tokenizer import load_tokenizer
+from llm_core.serving.engine import LLMEngine
+from llm_core.serving.sampling import SamplingParams
+from llm_core.serving.server import create_app
+from llm_core.serving.server_config import EngineConfig
+from tests.epd.conftest import free_port
+from tests.llm_core.conftest import build_tiny_mimo
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedLLM:
+    return load_llm(build_tiny_mimo(tmp_path_factory.mktemp("pool_mimo")))
+
+
+def make_engine(loaded: LoadedLLM, **kw: Any) -> LLMEngine:
+    cfg = EngineConfig(**{"kv_memory_bytes": 4 << 20, "max_model_len": 256, **kw})
+    return LLMEngine(loaded.model, loaded.config, load_tokenizer(loaded.model_dir), cfg)
+
+
+def busy_engine(loaded: LoadedLLM, seed_tokens_per_s: float) -> LLMEngine:
+    """An engine that never steps, holding one request of 103 tokens of work: at the seeded rate
+    anything more would wait past a 1 s deadline."""
+    engine = make_engine(loaded, admission_seed_tokens_per_s=seed_tokens_per_s)
+
+    async def fill() -> None:
+        engine.submit([1, 2, 3], SamplingParams(max_tokens=100))
+
+    asyncio.run(fill())
+    return engine
+
+
+@contextmanager
+def served(engine: LLMEngine, start: bool) -> Iterator[str]:
+    """``engine``'s server on a loopback port (``start``: with its step thread) until the block ends."""
+    port = free_port()
+    config = uvicorn.Config(
+        create_app(engine),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        lifespan="on" if start else "off",
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "engine server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+
+async def _complete(urls: list[str], loaded: LoadedLLM) -> tuple[Any, EnginePool]:
+    async with aiohttp.ClientSession() as session:
+        pool = EnginePool(
+            session, urls, load_tokenizer(loaded.model_dir), RouterConfig(policy="round_robin"),
+            CollectorRegistry(),
+        )  # fmt: skip
+        await pool.poll()
+        assert all(pool.up.values()), pool.up
+        try:
+            out: Any = await pool.complete(
+                dict(BODY), pool.cache_keys(BODY["prompt"]), time.monotonic() + 1.0
+            )
+        except APIError as exc:
+            out = exc
+        return out, pool
+
+
+def test_a_refusing_engine_passes_the_request_to_the_next(loaded: LoadedLLM) -> None:
+    with (
+        served(busy_engine(loaded, 10.0), start=False) as busy,
+        served(make_engine(loaded), start=True) as free,
+    ):
+        out, pool = asyncio.run(_complete([busy, free], loaded))  # round robin: the busy one first
+    assert not isinstance(out, APIError), out
+    assert out["choices"][0]["finish_reason"] == "length"  # all 4 tokens, from the free engine
+    assert pool.metrics.refused._value.get() == 1  # the busy engine refused once
+
+
+def test_every_engine_refusing_answers_with_the_shortest_wait(loaded: LoadedLLM) -> None:
+    slow, slower = busy_engine(loaded, 10.0), busy_engine(loaded, 5.0)
+    with served(slow, start=False) as a, served(slower, start=False) as b:
+        out, pool = asyncio.run(_complete([a, b], loaded))
+    assert isinstance(out, APIError), out
+    assert out.status == 503 and out.type == "overloaded"
+    # (103 waiting ahead + 4 prompt) / rate + 4 output tokens x 1 / rate: 11.1 s at 10 tokens/s,
+    # 22.2 s at 5; Retry-After goes in whole seconds, rounded up
+    assert out.retry_after_s == 12.0
+    assert "all 2 LLM engines refused for load" in out.message
+    assert pool.metrics.refused._value.get() == 2
