@@ -112,7 +112,10 @@ def _raise_for_engine_status(resp: aiohttp.ClientResponse, payload: dict[str, An
     err = payload.get("error", {}) if isinstance(payload.get("error"), dict) else {}
     message = str(err.get("message", f"engine answered {resp.status}"))
     if resp.status in (429, 503):
-        retry = float(resp.headers.get("Retry-After", "1"))
+        try:
+            retry = float(resp.headers.get("Retry-After", "1"))
+        except ValueError:  # an HTTP date (a proxy's): not what the engines send
+            retry = 1.0
         raise APIError(resp.status, message, type=str(err.get("type", "overloaded")), retry_after_s=retry)
     if 400 <= resp.status < 500:
         raise APIError(

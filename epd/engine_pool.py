@@ -285,7 +285,7 @@ class EnginePool:
                     continue
                 if self._refused_elsewhere(router, exc, tried, refusals):
                     continue
-                if _refused(exc):
+                if _refused(exc) or (refusals and _unreachable(exc)):
                     raise _all_refused(refusals) from exc
                 raise
             finally:
@@ -331,7 +331,7 @@ class EnginePool:
                     continue
                 if not got_any and self._refused_elsewhere(router, exc, tried, refusals):
                     continue
-                if not got_any and _refused(exc):
+                if not got_any and (_refused(exc) or (refusals and _unreachable(exc))):
                     raise _all_refused(refusals) from exc
                 raise
             finally:

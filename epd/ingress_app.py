@@ -50,7 +50,15 @@ def build_app(config: IngressConfig) -> Starlette:
     async def health(ing: Ingress, __: Request) -> Response:
         # Answers from memory only, so it stays fast under full load (the roles' paths are from
         # the last health poll).
-        return JSONResponse({"status": "ok", **ing.active_paths(), "llm_routing": ing.routing_stats()})
+        admission = {
+            "inflight_items": ing.pipeline.inflight,
+            "expected_wait_s": round(ing.pipeline.expected_wait_s(1), 4),
+            "items_per_s": round(ing.pipeline.rate.per_s(), 2),
+            "rate_measured": ing.pipeline.rate.measured,
+        }
+        return JSONResponse(
+            {"status": "ok", "admission": admission, **ing.active_paths(), "llm_routing": ing.routing_stats()}
+        )
 
     async def ready(ing: Ingress, _: Request) -> Response:
         up = len(ing.router.live_workers)

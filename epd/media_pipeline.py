@@ -208,11 +208,12 @@ class MediaPipeline:
             return reply.ref
 
         try:
-            left = None if deadline_at is None else deadline_at - time.monotonic()
+            left = None if deadline_at is None else max(deadline_at - time.monotonic(), 0.001)
             ref = await self.router.call(key, call, left)
         except AllAttemptsFailed as exc:
-            self.metrics.refusals.labels(stage="encoder", reason="refused").inc()
             retry = exc.retry_after_s
+            if retry is not None:  # refused for load (else: unreachable or failing)
+                self.metrics.refusals.labels(stage="encoder", reason="wait").inc()
             raise overloaded(
                 f"no encoder worker could take {src.name}: {exc}",
                 retry_after_s=2.0 if retry is None else retry,

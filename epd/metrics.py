@@ -55,7 +55,7 @@ class IngressMetrics:
         )
         self.refusals = Counter(
             "epd_refusals",
-            "Requests refused at admission, by stage (ingress, encoder, engine) and reason",
+            "Requests refused at admission, by stage (ingress; encoder: every worker refused) and reason",
             ["stage", "reason"],
             registry=r,
         )

@@ -112,7 +112,8 @@ class ServiceRate:
         if not self.measured:
             return self.seed_per_s
         units, busy = self._units, self._busy  # callers on other threads hold the stage's lock
-        return units / busy if busy > 1e-9 else self.seed_per_s
+        # nothing done in the window (every completion a store hit, say): no rate to speak of
+        return units / busy if busy > 1e-9 and units > 1e-9 else self.seed_per_s
 
     def mean_sample_s(self) -> float:
         """Busy seconds per sample (per step, for a stage that observes its steps)."""

@@ -288,7 +288,7 @@ class EncoderRouter:
         failures: list[AttemptFailure] = []
         for url in order:
             wait = self.worker_wait_s(url)
-            if deadline_s is not None and wait > deadline_s:
+            if deadline_s is not None and wait > 0 and wait > deadline_s:
                 message = (
                     f"refused recently; expected wait {wait:.1f} s is past the {deadline_s:g} s deadline"
                 )
@@ -299,10 +299,12 @@ class EncoderRouter:
             except Exception as e:
                 if not self.retryable(e):
                     raise
-                if isinstance(e, WorkerUnavailable) and e.retry_after_s is not None:
-                    self.note_refusal(url, e.retry_after_s)
                 failures.append(AttemptFailure(url, e))
-                log.warning("encoder worker %s failed for key %s: %r; trying the next", url, key[:16], e)
+                if isinstance(e, WorkerUnavailable) and e.retry_after_s is not None:
+                    self.note_refusal(url, e.retry_after_s)  # routine under load: not a warning
+                    log.debug("encoder worker %s refused key %s: %s", url, key[:16], e)
+                else:
+                    log.warning("encoder worker %s failed for key %s: %r; trying the next", url, key[:16], e)
                 if self.down_on_connection_error and _is_connection_error(e):
                     self.mark_down(url)
         raise AllAttemptsFailed(key, failures)

@@ -244,12 +244,16 @@ class EncoderWorker:
 
     def _admit(self, nbytes: int, units: float, deadline_s: float | None) -> None:
         """Raise ``Overloaded`` unless an item of ``nbytes`` and ``units`` patches can be taken: done
-        within the deadline (an idle worker always takes one, however large), and the bytes and
-        items held within their guards."""
+        within the deadline, and the bytes and items held within their guards. An idle worker
+        takes any item; one whose own encode alone would outlast the deadline (a long video) is
+        judged by the wait before its turn, or it could never be taken while others are."""
+        deadline = self.config.max_queue_wait_s
+        deadline = deadline if deadline_s is None else min(deadline_s, deadline)
         wait = self.expected_wait_s(units)
+        if self.rate.expected_wait_s(units) > deadline:
+            wait = self.expected_wait_s()
         self.metrics.expected_wait.set(wait)
         cfg = self.config
-        deadline = cfg.max_queue_wait_s if deadline_s is None else min(deadline_s, cfg.max_queue_wait_s)
         if wait > deadline and self._admitted:
             self._refuse(
                 "wait",
@@ -271,6 +275,7 @@ class EncoderWorker:
         raise Overloaded(message, wait_s, reason)
 
     def _finished(self, key: str, nbytes: int, task: asyncio.Task[EncodeOutcome]) -> None:
+        del self._inflight[key]  # first: nothing below may leave a done task in the map
         self._admitted -= 1
         self._admitted_bytes -= nbytes
         units = self._units.pop(key)
@@ -278,7 +283,6 @@ class EncoderWorker:
         self.rate.finished(ok=not task.cancelled() and task.exception() is None, units=units)
         self.metrics.inflight.set(self._admitted)
         self.metrics.expected_wait.set(self.expected_wait_s())
-        del self._inflight[key]
         if not task.cancelled():
             task.exception()  # retrieved here: the awaiting requests re-raise it
 

@@ -1,33 +1,34 @@
-"""The LLM engine's admission by expected wait: when a new request would be done, from the tokens
-of work waiting ahead of it, the tokens per busy second and the seconds per step the engine has
-been serving at.
+"""The LLM engine's admission by expected wait: when a new request's first token would come, from
+the tokens of work waiting ahead of it and the tokens per busy second the engine has been serving.
 
 A request's work is its prompt tokens left to compute plus the output tokens it is expected to
 produce; the engine's rate is the same two kinds of tokens per second of its steps (idle time not
 counted). Both are measured from what the engine actually does, so the mix (long prompts or long
 answers, batched decode, speculative steps) is in the rate, not in a cost model. With continuous
 batching a request starts once the requests waiting ahead of it have started, which takes about
-their work at the engine's rate (the running ones free their slots at that pace), and then it
-needs one step per output token, however many run beside it:
+their work at the engine's rate (the running ones free their slots at that pace); its first token
+follows its own prompt:
 
     work(seq)   = prompt tokens left + expected output - output so far
     prompt left = prompt * (1 - hit)          for a request not started (hit: the prefix-cache
-                = prompt - computed           share of recent prompts), else what is left
+                = prompt - computed           share of recent prompts), else what is left; none
+                                              for a prompt whose KV is imported
     expected    = max_new_tokens * fill       (fill: output / max_tokens of recent requests)
     wait(new)   = (work of the waiting requests + its prompt) / tokens per busy second
-                  + its expected output * seconds per step
+
+The deadline bounds that wait, the time to first token (what a streaming client's read timeout
+measures, and the part the engine's load decides): a request's own decode is its max_tokens'
+doing, and counting it would refuse every long answer whenever anything else runs.
 
 The rate moves while a request waits (a prompt mix that changes, a machine shared with other
 work), and a request admitted at the deadline's edge is late whenever it slows. So the estimate
-learns its own error: of the recent requests admitted behind others, how much longer they took
-than estimated (the 90th percentile of actual / estimated, at least 1, at most 3), and scales
-the wait by it. The refusal's Retry-After is the scaled wait too.
+learns its own error: of the recent requests admitted behind others (with a measured rate), how
+much later their first token came than estimated (the 90th percentile of actual / estimated, at
+least 1, at most 3), and scales the wait by it. The refusal's Retry-After is the scaled wait too.
 
 ``fill`` keeps a client that asks for 4096 tokens and stops at 50 from counting as 4096, and
 ``hit`` a shared system prompt from counting as computed again (both seeded pessimistically, at 1
-and 0: until requests finish, max_tokens is taken at its word and no prompt is cached). A request is refused (503,
-Retry-After = the wait) only when something is ahead of it and the wait exceeds its deadline:
-an idle engine takes any request that fits at all.
+and 0: until requests finish, max_tokens is taken at its word and no prompt is cached).
 
 Called under the engine's lock (the step thread observes, the event loop estimates).
 """
@@ -41,14 +42,15 @@ from typing import NamedTuple
 from epd_common.admission import ServiceRate
 from llm_core.serving.sequence import Sequence
 
+MIN_ESTIMATE_S = 0.5  # estimates the error is learned from
+
 
 class WaitEstimate(NamedTuple):
-    wait_s: float  # when the new request would be done
+    wait_s: float  # when the new request's first token would come
+    start_s: float  # when it would start (the work ahead alone), scaled the same way
     tokens_ahead: float  # work of the requests waiting, in tokens
     prompt_own: float  # the new request's prompt tokens to compute
-    output_own: float  # and the output tokens it is expected to produce
     tokens_per_s: float  # the rate (measured, or the seed)
-    step_s: float  # seconds per step (measured, or one token's time at the seed rate)
     correction: float  # how much longer than estimated recent requests took (wait_s includes it)
     measured: bool  # the rate is measured (else the seed: its error says nothing of the model)
 
@@ -72,6 +74,8 @@ class EngineAdmission:
 
     @staticmethod
     def prompt_left(seq: Sequence, hit: float) -> float:
+        if seq.kv_source is not None:  # imported from a prefill engine: copied, not computed
+            return 0.0
         if seq.num_computed_tokens == 0:  # not started: its own prefix hit is not known yet
             return seq.num_prompt_tokens * (1.0 - hit)
         return max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
@@ -85,15 +89,20 @@ class EngineAdmission:
         return self.prompt_left(seq, hit) + self.output_left(seq, fill)
 
     def estimate(self, waiting: Iterable[Sequence], new: Sequence) -> WaitEstimate:
-        """When ``new`` would be done with ``waiting`` queued ahead of it."""
+        """When ``new``'s first token would come with ``waiting`` queued ahead of it."""
         fill, hit = self.fill(), self.hit()
         ahead = sum(self.work(s, fill, hit) for s in waiting)
-        prompt, output = self.prompt_left(new, hit), self.output_left(new, fill)
-        per_s = self.rate.per_s()
-        step_s = self.rate.mean_sample_s() if self.rate.measured else 1.0 / per_s
-        correction = self.correction()
-        wait = ((ahead + prompt) / per_s + output * step_s) * correction
-        return WaitEstimate(wait, ahead, prompt, output, per_s, step_s, correction, self.rate.measured)
+        prompt = self.prompt_left(new, hit)
+        per_s, correction = self.rate.per_s(), self.correction()
+        return WaitEstimate(
+            (ahead + prompt) / per_s * correction,
+            ahead / per_s * correction,
+            ahead,
+            prompt,
+            per_s,
+            correction,
+            self.rate.measured,
+        )
 
     def correction(self) -> float:
         """The 90th percentile of actual / estimated over recent requests, within [1, 3] (1 until
@@ -104,16 +113,22 @@ class EngineAdmission:
         return min(max(ordered[int(0.9 * (len(ordered) - 1))], 1.0), 3.0)
 
     def admitted(self, request: object, estimate: WaitEstimate, now: float) -> None:
-        """``request`` was admitted behind others with ``estimate`` (what its end is compared with;
-        an estimate from the seed rate is not: it is a guess, not the model)."""
+        """``request`` was admitted behind others with ``estimate`` (what its first token is
+        compared with; an estimate from the seed rate is not: it is a guess, not the model)."""
         if estimate.measured:
             self._pending[request] = (now, estimate.wait_s / estimate.correction)
 
-    def ended(self, request: object, now: float, ok: bool) -> None:
-        """``request`` left the engine; ``ok``: it ran to its end (an abort says nothing of time)."""
+    def first_token(self, request: object, now: float) -> None:
+        """``request`` produced its first token: how late was it against the estimate? (Only
+        estimates of half a second or more: below, a step's fixed cost is most of the wait and
+        the ratio says nothing of the queue.)"""
         start = self._pending.pop(request, None)
-        if start is not None and ok and start[1] > 0:
+        if start is not None and start[1] >= MIN_ESTIMATE_S:
             self._errors.append((now - start[0]) / start[1])
+
+    def ended(self, request: object) -> None:
+        """``request`` left the engine (before its first token, if it was aborted or failed)."""
+        self._pending.pop(request, None)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """One step: prompt tokens computed plus tokens sampled, in ``seconds`` of busy time."""

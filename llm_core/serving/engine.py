@@ -11,9 +11,10 @@ The thread alone runs the model and touches the KV tensors. The scheduler is sha
 ``submit`` under one lock that is never held during the forward, so a submit waits for at most a
 schedule or update, never a whole step; torch releases the GIL inside kernels, so the event loop
 stays responsive while a step runs. Admission is by expected wait (``admission.py``): ``submit``
-raises ``EngineOverloaded`` (the server answers 503, Retry-After = the wait) when the tokens of
-work ahead plus the request's own would not be done within its deadline at the tokens per busy
-second the engine has been serving; ``max_waiting`` requests waiting is a memory guard. Requests
+raises ``EngineOverloaded`` (the server answers 503, Retry-After = the wait) when the request's
+first token would not come within its deadline, from the tokens of work waiting ahead and its
+prompt at the tokens per busy second the engine has been serving; ``max_waiting`` requests
+waiting is a memory guard. Requests
 that can never fit raise ``EngineRequestError`` before any streaming.
 
 Detokenization, stop strings and the thread-to-loop hand-off live in ``request_stream.py``. The
@@ -225,17 +226,19 @@ class LLMEngine:
         deadline = cfg.max_queue_wait_s if deadline_s is None else min(deadline_s, cfg.max_queue_wait_s)
         with self._lock:
             est = self.admission.estimate(self.scheduler.waiting, seq)
-            self._expected_wait_s = est.wait_s
+            # A prompt that alone outlasts the deadline is judged by its start, or it could never
+            # be taken while anything else runs.
+            wait = est.wait_s if est.wait_s - est.start_s <= deadline else est.start_s
+            self._expected_wait_s = wait
             held_any = bool(self._requests)
-            if held_any and est.wait_s > deadline:  # an idle engine takes anything that fits
+            if held_any and wait > deadline:  # an idle engine takes anything that fits
                 self._refusals["wait"] += 1
                 raise EngineOverloaded(
-                    f"expected wait {est.wait_s:.1f} s ({est.tokens_ahead:.0f} tokens of work waiting"
-                    f" ahead at {est.tokens_per_s:.0f} tokens/s, then its {est.prompt_own:.0f} prompt"
-                    f" and {est.output_own:.0f} output tokens at {est.step_s * 1e3:.0f} ms a step;"
-                    f" x{est.correction:.2f} for how late recent requests were) exceeds the"
-                    f" {deadline:g} s deadline",
-                    retry_after_s=est.wait_s,
+                    f"expected wait {wait:.1f} s for the first token ({est.tokens_ahead:.0f} tokens of"
+                    f" work waiting ahead and {est.prompt_own:.0f} of its prompt at"
+                    f" {est.tokens_per_s:.0f} tokens/s; x{est.correction:.2f} for how late recent"
+                    f" requests were) exceeds the {deadline:g} s deadline",
+                    retry_after_s=wait,
                 )
             if self.scheduler.num_waiting >= cfg.max_waiting:
                 self._refusals["memory"] += 1
@@ -438,6 +441,8 @@ class LLMEngine:
             if req is None or req.done or tok is None:
                 continue
             toks = tok if isinstance(tok, list) else [tok]
+            if len(s.output_ids) == len(toks):  # its first tokens (update appended them)
+                self.admission.first_token(str(s.seq_id), time.perf_counter())
             done = id(s) in done_ids
             emitted: list[int] = []
             stopped = False
@@ -461,9 +466,8 @@ class LLMEngine:
     def _finish(self, req: RequestState, reason: str, ids: list[int], deliver: bool = True) -> StepOutput:
         rid = str(req.seq.seq_id)
         self._requests.pop(rid, None)
-        ran = reason in ("stop", "length")
-        self.admission.ended(rid, time.perf_counter(), ran)
-        if ran:
+        self.admission.ended(rid)
+        if reason in ("stop", "length"):
             self.admission.observe_finished(req.seq)
         self.runner.release(req.seq.seq_id)
         self._cached_tokens_total += req.seq.num_cached_tokens

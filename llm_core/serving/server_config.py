@@ -23,9 +23,9 @@ class EngineConfig:
 
     ``max_num_batched_tokens`` bounds the tokens of one forward (prefill is chunked to fit);
     ``max_num_seqs`` the sequences decoded together. Admission is by expected wait
-    (``llm_core.serving.admission``): a request is refused (503) when the work ahead and its own
-    would take longer than ``max_queue_wait_s`` (or the client's shorter timeout) at the measured
-    tokens per second (``admission_seed_tokens_per_s`` until measured); ``max_waiting`` requests
+    (``llm_core.serving.admission``): a request is refused (503) when its first token would come
+    later than ``max_queue_wait_s`` (or the client's shorter timeout) at the measured tokens per
+    second (``admission_seed_tokens_per_s`` until measured); ``max_waiting`` requests
     waiting is a memory guard. ``kv_memory_bytes`` is split into the full and SWA pools.
     """
 

@@ -112,8 +112,8 @@ def test_every_engine_refusing_answers_with_the_shortest_wait(loaded: LoadedLLM)
         out, pool = asyncio.run(_complete([a, b], loaded))
     assert isinstance(out, APIError), out
     assert out.status == 503 and out.type == "overloaded"
-    # (103 waiting ahead + 4 prompt) / rate + 4 output tokens x 1 / rate: 11.1 s at 10 tokens/s,
-    # 22.2 s at 5; Retry-After goes in whole seconds, rounded up
-    assert out.retry_after_s == 12.0
+    # the first token after 103 tokens waiting ahead and its 4 prompt tokens: 10.7 s at 10 tokens/s,
+    # 21.4 s at 5; Retry-After goes in whole seconds, rounded up
+    assert out.retry_after_s == 11.0
     assert "all 2 LLM engines refused for load" in out.message
     assert pool.metrics.refused._value.get() == 2

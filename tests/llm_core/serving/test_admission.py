@@ -1,5 +1,6 @@
-"""The engine's admission by expected wait: tokens of work ahead over measured tokens per second,
-refusals with the wait as Retry-After, the client's shorter timeout, an idle engine takes anything."""
+"""The engine's admission by expected wait: the first token's wait from the tokens of work waiting
+ahead over measured tokens per second, refusals with the wait as Retry-After, the client's shorter
+timeout, an idle engine takes anything, a long answer is not refused for its own decode."""
 
 from __future__ import annotations
 
@@ -30,18 +31,16 @@ def test_work_is_the_prompt_left_and_the_expected_output_left() -> None:
     assert a.work(seq(40, 10), a.fill()) == 50  # nothing computed, max_tokens at its word
     assert a.work(seq(40, 10, computed=40, out=4), a.fill()) == 6
     est = a.estimate([seq(40, 10), seq(40, 10, computed=40, out=4)], seq(30, 20))
-    assert (est.tokens_ahead, est.prompt_own, est.output_own) == (56, 30, 20)
-    # not measured yet: a step is one token's time at the seed rate
-    assert est.wait_s == pytest.approx((56 + 30) / 100.0 + 20 * 0.01)
+    assert (est.tokens_ahead, est.prompt_own) == (56, 30)
+    assert est.wait_s == pytest.approx((56 + 30) / 100.0)  # its first token: after its prompt
+    assert est.start_s == pytest.approx(56 / 100.0)
 
 
-def test_a_request_needs_a_step_per_output_token_however_many_run_beside_it() -> None:
+def test_an_imported_prompt_costs_no_prompt_work() -> None:
     a = EngineAdmission(seed_tokens_per_s=100.0)
-    for _ in range(8):  # 32 sequences decoding, 20 ms a step: 1600 tokens/s
-        a.observe_step(tokens=32, seconds=0.02)
-    est = a.estimate([seq(100, 60)], seq(40, 50))
-    assert est.tokens_per_s == pytest.approx(1600.0) and est.step_s == pytest.approx(0.02)
-    assert est.wait_s == pytest.approx((160 + 40) / 1600.0 + 50 * 0.02)
+    imported = seq(40, 10)
+    imported.kv_source = object()  # type: ignore[assignment]
+    assert a.work(imported, fill=1.0) == 10
 
 
 def test_the_output_estimate_learns_how_much_of_max_tokens_requests_use() -> None:
@@ -86,15 +85,25 @@ def test_submit_refuses_past_the_deadline_and_an_idle_engine_takes_anything(load
         big = SamplingParams(max_tokens=100)  # 103 tokens of work: 10 s, taken by an idle engine
         engine.submit([1, 2, 3], big)
         with pytest.raises(EngineOverloaded) as exc:
-            engine.submit([4, 5, 6], SamplingParams(max_tokens=1))  # (103 + 4) / 10 = 10.7 s
+            engine.submit([4, 5, 6], SamplingParams(max_tokens=1))  # first token: (103 + 3) / 10 s
         assert exc.value.reason == "wait"
-        assert exc.value.retry_after_s == pytest.approx(10.7)
-        assert "103 tokens of work waiting ahead" in str(exc.value) and "3 prompt and 1 output" in str(
-            exc.value
-        )
+        assert exc.value.retry_after_s == pytest.approx(10.6)
+        assert "103 tokens of work waiting ahead and 3 of its prompt" in str(exc.value)
 
     asyncio.run(go())
     assert engine.stats().refusals == {"wait": 1}
+
+
+def test_a_long_answer_is_not_refused_for_its_own_decode(loaded: Any) -> None:
+    engine = make_engine(loaded, admission_seed_tokens_per_s=10.0, max_queue_wait_s=3.0)
+
+    async def go() -> None:
+        engine.submit([1, 2, 3], SamplingParams(max_tokens=5))  # 8 tokens ahead: 0.8 s
+        # 200 output tokens at 10 tokens/s would take 20 s, but its first token comes in 1.1 s
+        engine.submit([4, 5, 6], SamplingParams(max_tokens=200))
+
+    asyncio.run(go())
+    assert engine.stats().refusals == {}
 
 
 def test_the_client_timeout_shortens_the_deadline_over_http(loaded: Any) -> None:
@@ -106,33 +115,34 @@ def test_the_client_timeout_shortens_the_deadline_over_http(loaded: Any) -> None
     asyncio.run(fill())
     client = TestClient(create_app(engine))  # no lifespan: the step thread does not start
     body = {"prompt": [4, 5, 6], "max_tokens": 7}
-    r = client.post("/v1/completions", json=body, headers={"X-Request-Timeout": "1.5"})
+    r = client.post("/v1/completions", json=body, headers={"X-Request-Timeout": "1.2"})
     assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded"
-    assert r.headers["Retry-After"] == "2"  # (10 + 10) / 10 = 2 s, rounded up
-    assert "1.5 s deadline" in r.json()["error"]["message"]
+    assert r.headers["Retry-After"] == "2"  # (10 + 3) / 10 = 1.3 s, rounded up
+    assert "1.2 s deadline" in r.json()["error"]["message"]
     text = client.get("/metrics").text
     assert 'epd_llm_refusals_total{reason="wait"} 1.0' in text
-    assert "epd_llm_expected_wait_seconds 2.0" in text
+    assert "epd_llm_expected_wait_seconds 1.3" in text
 
 
 def test_the_estimate_learns_how_late_requests_admitted_behind_others_were() -> None:
     a = EngineAdmission(seed_tokens_per_s=100.0)
     guess = a.estimate([seq(50, 50)], seq(10, 10))
     a.admitted("seeded", guess, now=0.0)
-    a.ended("seeded", now=100.0, ok=True)  # the seed rate's error is not the model's
+    a.first_token("seeded", now=100.0)  # the seed rate's error is not the model's
     for _ in range(8):
         a.observe_step(tokens=10, seconds=0.1)
     est = a.estimate([seq(50, 50)], seq(10, 10))
     assert est.measured and est.correction == 1.0
-    for i in range(10):  # each took 1.5x its estimate (the machine slowed down meanwhile)
+    for i in range(10):  # each first token came 1.5x later than estimated (the machine slowed)
         a.admitted(i, est, now=0.0)
-        a.ended(i, now=1.5 * est.wait_s, ok=True)
+        a.first_token(i, now=1.5 * est.wait_s)
+        a.ended(i)
     a.admitted("aborted", est, now=0.0)
-    a.ended("aborted", now=100.0, ok=False)  # an abort says nothing of time
+    a.ended("aborted")  # gone before its first token: says nothing of time
     later = a.estimate([seq(50, 50)], seq(10, 10))
     assert later.correction == pytest.approx(1.5)
     assert later.wait_s == pytest.approx(1.5 * est.wait_s)
     for i in range(64):  # faster than estimated: never made optimistic below 1
         a.admitted(i, est, now=0.0)
-        a.ended(i, now=0.5 * est.wait_s, ok=True)
+        a.first_token(i, now=0.5 * est.wait_s)
     assert a.correction() == 1.0
