@@ -58,6 +58,7 @@ class ServiceRate:
         self.max_age_s = max_age_s
         self._in_flight = 0
         self._busy_since: float | None = None  # when the current busy period (or sample) began
+        self._spaced = False  # a completion happened in this busy period (the next one is spacing)
         # (when, units done, busy seconds) per sample: a completion and the busy time since the last
         self._samples: deque[tuple[float, float, float]] = deque()
         self._units = 0.0  # sums over the samples (per_s is asked on every admission)
@@ -71,6 +72,7 @@ class ServiceRate:
         """A unit of work entered the stage."""
         if self._in_flight == 0:
             self._busy_since = time.monotonic() if now is None else now
+            self._spaced = False
         self._in_flight += 1
 
     def finished(self, now: float | None = None, ok: bool = True, units: float = 1.0) -> None:
@@ -79,8 +81,11 @@ class ServiceRate:
         assert self._in_flight > 0, "finished() without started()"
         now = time.monotonic() if now is None else now
         assert self._busy_since is not None
-        if ok and self._in_flight >= 2:
+        # The first completion of a busy period is the pipeline's latency, not its spacing: a burst
+        # of 200 into an idle stage would read as a few items per second and be refused.
+        if ok and self._in_flight >= 2 and self._spaced:
             self._add(now, units, max(now - self._busy_since, 0.0))
+        self._spaced = True
         self._busy_since = now
         self._in_flight -= 1
         if self._in_flight == 0:

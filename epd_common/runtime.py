@@ -7,6 +7,7 @@ import gc
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -86,3 +87,13 @@ def freeze_startup_objects() -> None:
     gc.freeze()
     young, middle, _ = gc.get_threshold()
     gc.set_threshold(young, middle, 100)
+
+
+def serve_internal(app: Any, *, uds: str | None, host: str, port: int, log_level: str) -> None:
+    """Serve an internal role's app (encoder worker, LLM engine) with uvicorn until interrupted:
+    on the unix socket ``uds`` when set, else ``host:port``; its keep-alive outlasts the
+    ingress's pool (``INTERNAL_KEEP_ALIVE_S``). uvicorn picks uvloop and httptools up itself."""
+    import uvicorn
+
+    where: dict[str, Any] = {"uds": uds} if uds else {"host": host, "port": port}
+    uvicorn.run(app, log_level=log_level, timeout_keep_alive=INTERNAL_KEEP_ALIVE_S, **where)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from epd_common.runtime import INTERNAL_KEEP_ALIVE_S, check_dtype, resolve_device, resolve_dtype
+from epd_common.runtime import check_dtype, resolve_device, resolve_dtype, serve_internal
 from epd_common.store_config import StoreConfig
 from media_io.config import MediaLimits, PreprocessConfig
 
@@ -157,8 +157,6 @@ def plan_workers(base: WorkerConfig, cpu_workers: int = 1) -> list[WorkerConfig]
 def serve_worker(config: WorkerConfig) -> None:
     """Run one encoder worker until interrupted (blocks). The model loads during start-up, so the
     server answers /health only once it can encode."""
-    import uvicorn
-
     from encoder.serving.worker_app import build_app
 
     if config.torch_threads:
@@ -166,15 +164,7 @@ def serve_worker(config: WorkerConfig) -> None:
     app = build_app(config)
     if config.uds:
         Path(config.uds).unlink(missing_ok=True)  # a stale socket from a killed worker
-        uvicorn.run(app, uds=config.uds, log_level=config.log_level, timeout_keep_alive=INTERNAL_KEEP_ALIVE_S)
-    else:
-        uvicorn.run(
-            app,
-            host=config.host,
-            port=config.port,
-            log_level=config.log_level,
-            timeout_keep_alive=INTERNAL_KEEP_ALIVE_S,
-        )
+    serve_internal(app, uds=config.uds, host=config.host, port=config.port, log_level=config.log_level)
 
 
 run_worker = serve_worker  # the name the agreed API uses

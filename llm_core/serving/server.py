@@ -31,7 +31,7 @@ from starlette.routing import Route
 from epd_common.active_paths import report
 from epd_common.admission import request_deadline_s
 from epd_common.errors import APIError, bad_request, error_body, error_response, overloaded
-from epd_common.runtime import INTERNAL_KEEP_ALIVE_S, freeze_startup_objects
+from epd_common.runtime import freeze_startup_objects, serve_internal
 from epd_common.store_config import build_store
 from llm_core.kernels.active_paths import llm_paths
 from llm_core.serving.completion_request import (
@@ -367,18 +367,8 @@ def build_app(config: LLMServerConfig) -> Starlette:
 def serve_llm(config: LLMServerConfig) -> None:
     """Run the engine process until interrupted (``epd llm``)."""
     import torch
-    import uvicorn
 
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)  # the process's own: the engine thread reads it
     app = build_app(config)
-    if config.uds:
-        uvicorn.run(app, uds=config.uds, log_level=config.log_level, timeout_keep_alive=INTERNAL_KEEP_ALIVE_S)
-    else:
-        uvicorn.run(
-            app,
-            host=config.host,
-            port=config.port,
-            log_level=config.log_level,
-            timeout_keep_alive=INTERNAL_KEEP_ALIVE_S,
-        )
+    serve_internal(app, uds=config.uds, host=config.host, port=config.port, log_level=config.log_level)

@@ -4,7 +4,6 @@ passes it to another live engine; when every engine refuses, the 503 carries the
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from llm_core.serving.server import create_app
 from llm_core.serving.server_config import EngineConfig
 from tests.epd.conftest import free_port
 from tests.llm_core.conftest import build_tiny_mimo
+from tests.uvicorn_thread import serve_in_thread
 
 
 @pytest.fixture(scope="module")
@@ -61,18 +61,8 @@ def served(engine: LLMEngine, start: bool) -> Iterator[str]:
         log_level="warning",
         lifespan="on" if start else "off",
     )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "engine server did not start"
-        time.sleep(0.02)
-    try:
+    with serve_in_thread(config, "engine server"):
         yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0, "ignore_eos": True}

@@ -34,11 +34,12 @@ def test_lone_items_and_idle_time_are_not_samples() -> None:
         rate.started(now=t0)
         rate.finished(now=t0 + 0.25)
     assert rate.per_s() == 7.0
-    for visit, t0 in enumerate((600.0, 900.0)):  # two at a time, 0.1 s apart, idle in between
-        rate.started(now=t0)
-        rate.started(now=t0)
-        rate.finished(now=t0 + 0.1)  # a sample: 0.1 s of busy time
-        rate.finished(now=t0 + 0.2)  # alone: not one
+    for visit, t0 in enumerate((600.0, 900.0)):  # three at a time, 0.1 s apart, idle in between
+        for _ in range(3):
+            rate.started(now=t0)
+        rate.finished(now=t0 + 0.5)  # the first of a busy period: its latency, not a sample
+        rate.finished(now=t0 + 0.6)  # a sample: 0.1 s of busy time
+        rate.finished(now=t0 + 0.7)  # alone: not one
         assert rate.in_flight == 0, visit
     assert rate.per_s() == pytest.approx(10.0)
 
@@ -64,11 +65,12 @@ def test_retry_after_is_whole_seconds_rounded_up(wait: float, header: str) -> No
 
 def test_units_weigh_completions() -> None:
     rate = ServiceRate(seed_per_s=1.0, min_samples=2)
-    for _ in range(3):
+    for _ in range(4):
         rate.started(now=0.0)
-    rate.finished(now=0.1, units=64)  # a large item
-    rate.finished(now=0.2, units=16)  # a small one
-    rate.finished(now=0.3, units=16)  # alone: not a sample
+    rate.finished(now=0.5, units=16)  # the first of the busy period: not a sample
+    rate.finished(now=0.6, units=64)  # a large item
+    rate.finished(now=0.7, units=16)  # a small one
+    rate.finished(now=0.8, units=16)  # alone: not a sample
     assert rate.per_s() == pytest.approx(80 / 0.2)
 
 

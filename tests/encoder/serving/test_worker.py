@@ -6,8 +6,6 @@ import asyncio
 import contextlib
 import io
 import json
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ from media_io.config import MediaLimits
 from media_io.image import decode_image
 from media_io.preprocess import get_backend
 from media_io.video import decode_video
+from tests.uvicorn_thread import serve_in_thread
 
 CFG = VisionConfig(
     depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=16,
@@ -71,18 +70,8 @@ class Served:
 def _serving(config: WorkerConfig) -> Iterator[Served]:
     """The worker app of ``config`` served on its unix socket in a thread, until the block ends."""
     assert config.uds is not None
-    server = uvicorn.Server(uvicorn.Config(build_app(config), uds=config.uds, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "worker did not start"
-        time.sleep(0.02)
-    try:
+    with serve_in_thread(uvicorn.Config(build_app(config), uds=config.uds, log_level="warning"), "worker"):
         yield Served(config, config.uds)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
