@@ -36,6 +36,7 @@ from epd.engine_client import EngineClient
 from epd.llm_routing.llm_router import LLMRouter, NoEngineAvailable
 from epd.llm_routing.load_counters import Dispatch
 from epd.llm_routing.policy import RouterConfig
+from epd_common.admission import seconds_left
 from epd_common.errors import APIError
 from llm_core.prompts.tokenizer import Tokenizer
 from llm_core.serving.sequence import MediaSpanError, build_cache_keys, media_spans
@@ -279,15 +280,10 @@ class EnginePool:
             dispatch, rid = self._route(router, body, keys, tried, max_tokens, refusals)
             started = time.perf_counter()
             try:
-                out = await self.clients[dispatch.url].complete(body, rid, _left(deadline_at))
+                out = await self.clients[dispatch.url].complete(body, rid, seconds_left(deadline_at))
             except APIError as exc:
-                if _unreachable(exc) and self._failover(dispatch, tried):
-                    continue
-                if self._refused_elsewhere(router, exc, tried, refusals):
-                    continue
-                if _refused(exc) or (refusals and _unreachable(exc)):
-                    raise _all_refused(refusals) from exc
-                raise
+                self._retry_or_raise(router, dispatch, exc, tried, refusals)
+                continue
             finally:
                 dispatch.finish()
             self._record(router, dispatch, out.get("usage") or {}, out.get("kv_transfer"), pre, started)
@@ -308,7 +304,7 @@ class EnginePool:
         while True:
             dispatch, rid = self._route(router, body, keys, tried, None, refusals)
             started = time.perf_counter()
-            chunks = self.clients[dispatch.url].stream(body, rid, _left(deadline_at))
+            chunks = self.clients[dispatch.url].stream(body, rid, seconds_left(deadline_at))
             got_any = False
             usage: dict[str, Any] = {}
             transfer: Any = None
@@ -327,13 +323,10 @@ class EnginePool:
                         usage = chunk["usage"]
                     yield chunk
             except APIError as exc:
-                if not got_any and _unreachable(exc) and self._failover(dispatch, tried):
-                    continue
-                if not got_any and self._refused_elsewhere(router, exc, tried, refusals):
-                    continue
-                if not got_any and (_refused(exc) or (refusals and _unreachable(exc))):
-                    raise _all_refused(refusals) from exc
-                raise
+                if got_any:  # the client has chunks already: no other engine can take over
+                    raise
+                self._retry_or_raise(router, dispatch, exc, tried, refusals)
+                continue
             finally:
                 dispatch.finish()
                 await chunks.aclose()
@@ -373,6 +366,20 @@ class EnginePool:
             self.metrics.failovers.inc()
             log.warning("LLM engine %s unreachable; request %s re-routed", dispatch.url, dispatch.request_id)
         return bool(left)
+
+    def _retry_or_raise(
+        self, router: LLMRouter, dispatch: Dispatch, exc: APIError, tried: set[str], refusals: list[APIError]
+    ) -> None:
+        """Return when the request should go to another engine of ``router`` (``dispatch``'s was
+        unreachable, or refused it for load); else raise what the client gets: every refusal's
+        shortest wait once an engine refused, ``exc`` itself otherwise (a 4xx, say)."""
+        if _unreachable(exc) and self._failover(dispatch, tried):
+            return
+        if self._refused_elsewhere(router, exc, tried, refusals):
+            return
+        if _refused(exc) or (refusals and _unreachable(exc)):
+            raise _all_refused(refusals) from exc
+        raise exc
 
     def _refused_elsewhere(
         self, router: LLMRouter, exc: APIError, tried: set[str], refusals: list[APIError]
@@ -460,11 +467,6 @@ def _all_refused(refusals: list[APIError]) -> APIError:
         type="overloaded",
         retry_after_s=min(waits) if waits else 1.0,
     )
-
-
-def _left(deadline_at: float | None) -> float | None:
-    """What is left of a deadline, in seconds (at least a millisecond: the engine refuses then)."""
-    return None if deadline_at is None else max(deadline_at - time.monotonic(), 0.001)
 
 
 def _unreachable(exc: APIError) -> bool:

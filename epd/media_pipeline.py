@@ -38,7 +38,7 @@ from encoder.serving.router import AllAttemptsFailed, EncoderRouter, NoWorkerAva
 from epd.encoder_client import EncoderClient
 from epd.media_request import MediaSource
 from epd.metrics import IngressMetrics
-from epd_common.admission import ServiceRate
+from epd_common.admission import ServiceRate, seconds_left
 from epd_common.errors import APIError, bad_request, overloaded
 from media_io.config import PreprocessConfig
 from media_io.errors import MediaError
@@ -189,8 +189,9 @@ class MediaPipeline:
             self.metrics.store_misses.inc()
 
         async def call(worker_url: str) -> EmbeddingRef:
-            left = None if deadline_at is None else max(deadline_at - time.monotonic(), 0.001)
-            reply = await self.client.encode(worker_url, data, kind.modality, src.name, left)
+            reply = await self.client.encode(
+                worker_url, data, kind.modality, src.name, seconds_left(deadline_at)
+            )
             timings.update(reply.timings_ms)
             if not self.cache.contains(reply.ref.key):
                 # The worker is on another node: bring the bytes into this node's cache.
@@ -208,8 +209,7 @@ class MediaPipeline:
             return reply.ref
 
         try:
-            left = None if deadline_at is None else max(deadline_at - time.monotonic(), 0.001)
-            ref = await self.router.call(key, call, left)
+            ref = await self.router.call(key, call, seconds_left(deadline_at))
         except AllAttemptsFailed as exc:
             retry = exc.retry_after_s
             if retry is not None:  # refused for load (else: unreachable or failing)

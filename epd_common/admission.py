@@ -145,6 +145,12 @@ def request_deadline_s(headers: Mapping[str, str], server_s: float) -> float:
     return server_s
 
 
+def seconds_left(deadline_at: float | None) -> float | None:
+    """What is left of a ``time.monotonic()`` deadline, in seconds, to send on (at least a
+    millisecond: the next stage then refuses, rather than reading 0 as no deadline)."""
+    return None if deadline_at is None else max(deadline_at - time.monotonic(), 0.001)
+
+
 def retry_after_header(wait_s: float) -> str:
     """An HTTP Retry-After value (whole seconds, at least 1) for an expected wait."""
     return str(max(1, math.ceil(wait_s)))
