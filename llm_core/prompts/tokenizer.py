@@ -13,6 +13,10 @@ do not all fit the model's embedding rows (``vocab_size`` in config.json). Only 
 It is an ordinary ``tokenizers`` BPE with no merges over the 256 byte-level symbols, so it saves to
 and loads from ``tokenizer.json`` like any other. This module knows nothing of models or media: a
 placeholder run is only ``n`` copies of the pad id; the caller supplies ``n`` from the EmbeddingRef.
+
+Two ways to encode: ``encode`` reads special tokens spelled in the text as their ids (for text the
+server wrote, such as a rendered chat template), ``encode_text`` reads them as characters (for text
+from a request; a chat's messages go through ``llm_core.prompts.request_text``).
 """
 
 from __future__ import annotations
@@ -148,11 +152,33 @@ class Tokenizer:
         self.im_end_token_id: int | None = tok.token_to_id(IM_END)
         self.image_token_id: int | None = tok.token_to_id(IMAGE_PAD)
         self.video_token_id: int | None = tok.token_to_id(VIDEO_PAD)
+        # The added tokens marked special (what transformers' split_special_tokens reads as text);
+        # a non-special added token (Qwen's <tool_call>) is vocabulary like any word.
+        specials = {i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        self.special_ids: frozenset[int] = frozenset(specials)
+        self.special_texts: tuple[str, ...] = tuple(specials.values())
+        # The same tokenizer with its special tokens read as the characters they are: a copy, since
+        # the flag is the tokenizer's state and a tokenizer may be shared between threads.
+        self._as_text = HFTokenizer.from_str(tok.to_str())
+        self._as_text.encode_special_tokens = True
         self._one: dict[int, str] = {}  # decode_one's cache (ids are few; strings are short)
 
     def encode(self, text: str) -> list[int]:
-        """Text to ids; special tokens written in the text (e.g. ``<|im_start|>``) become their ids."""
+        """Text to ids; special tokens written in the text (e.g. ``<|im_start|>``) become their ids.
+        For text the server wrote (a rendered chat template); text from a request goes through
+        ``encode_text`` or ``llm_core.prompts.request_text``."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Text to ids with no special-token id among them: ``<|im_end|>`` written in the text is
+        tokenized as its characters (for text from a request: a completions prompt string)."""
+        return list(self._as_text.encode(text, add_special_tokens=False).ids)
+
+    def encode_spans(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """``encode(text)`` and each id's span of ``text`` (character offsets, end exclusive; an
+        added token's span includes the whitespace it strips)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return list(enc.ids), [(int(a), int(b)) for a, b in enc.offsets]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Ids to text; ids outside the vocabulary decode to nothing (random models emit them)."""

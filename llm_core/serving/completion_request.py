@@ -2,8 +2,10 @@
 
 OpenAI completions semantics with three extensions: ``top_k``/``ignore_eos``/``stop_token_ids``
 (sampling), ``return_token_ids`` (prompt and output ids in the choice) and ``multimodal`` (a list
-of EmbeddingRef JSON objects, one per placeholder run of the prompt, in order). Every problem is
-an ``APIError`` naming the offending field, so the client sees which part of its body was wrong.
+of EmbeddingRef JSON objects, one per placeholder run of the prompt, in order). A string prompt is
+text, like a chat message: a special token spelled in it is tokenized as its characters
+(``Tokenizer.encode_text``); a prompt of token ids is taken as given. Every problem is an
+``APIError`` naming the offending field, so the client sees which part of its body was wrong.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def _parse_prompt(body: dict[str, Any], tokenizer: Tokenizer, vocab_size: int) -
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode_text(prompt)  # text, like a chat message: no special ids from it
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
         # Ids are checked against the model's vocabulary: a checkpoint without tokenizer.json

@@ -2,7 +2,8 @@
 
 Routes:
     POST /v1/completions   prompt (text or token ids) -> completion, JSON or SSE (``stream``)
-    GET  /v1/models        the one served model
+    GET  /v1/models        the served model, once per served id (``LLMServerConfig.served_model_names``;
+                           responses report the first)
     GET  /health           {"status": "ok", running/waiting counts, KV usage, ..., "paths": what runs
                            the layers, "fallbacks": stand-ins in use and why}
     GET  /metrics          prometheus text
@@ -127,7 +128,8 @@ def create_app(
     """The starlette app over a constructed engine (started on app startup, stopped on shutdown)."""
     config = config or LLMServerConfig()
     metrics = _Metrics()
-    model_name = config.served_model_name
+    served = config.served_model_names
+    model_name = served[0]  # what responses report (vLLM's rule)
     paths = report(llm_paths(engine.device, engine.dtype))  # fixed once the process has started
 
     def guarded(fn: Handler) -> Handler:
@@ -280,12 +282,8 @@ def create_app(
             {
                 "object": "list",
                 "data": [
-                    {
-                        "id": model_name,
-                        "object": "model",
-                        "owned_by": "epd",
-                        "max_model_len": engine.max_model_len,
-                    }
+                    {"id": name, "object": "model", "owned_by": "epd", "max_model_len": engine.max_model_len}
+                    for name in served
                 ],
             }
         )

@@ -13,6 +13,7 @@ from typing import Literal
 
 import torch
 
+from epd_common.model_id import served_model_names
 from epd_common.runtime import check_dtype, resolve_device, resolve_dtype
 from epd_common.store_config import StoreConfig
 
@@ -74,7 +75,9 @@ class LLMServerConfig:
     port: int = 8002
     uds: str | None = None
     model_path: str | None = None  # None: the embedded default checkpoint
-    served_model_name: str = "epd-llm"
+    # The ids /v1/models lists (responses report the first); empty: model_path as typed, else
+    # "epd-default" (``served_model_names``)
+    served_model_name: tuple[str, ...] = ()
     dtype: str = "auto"  # "auto": the checkpoint's (config.json), float32 for the embedded default
     device: str = "auto"  # "auto": cuda when available, else cpu
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -109,6 +112,10 @@ class LLMServerConfig:
 
     def resolve_device(self) -> torch.device:
         return resolve_device(self.device)
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return served_model_names(self.served_model_name, self.model_path)
 
     @property
     def model_dir(self) -> Path | None:

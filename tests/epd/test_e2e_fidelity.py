@@ -53,7 +53,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def fidelity_server(checkpoints: tuple[Path, Path]) -> Iterator[ServeProcess]:
     vision_dir, mimo_dir = checkpoints
     server = start_serve(
-        ["--encoder-model", str(vision_dir), "--llm-model", str(mimo_dir), "--llm-served-model-name", "tiny"]
+        ["--encoder-model", str(vision_dir), "--llm-model", str(mimo_dir), "--served-model-name", "tiny"]
     )
     try:
         yield server

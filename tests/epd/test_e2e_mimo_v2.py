@@ -11,7 +11,8 @@ processor_config block), through ``/v1/chat/completions``:
 - a 10 s clip at 1 fps: ``<|video_start|>``, per temporal patch its "MM:SS" time as text, its pads
   between ``<|vision_start|>`` / ``<|vision_end|>``, then ``<|video_end|>``, written out here from the
   documented layout; usage reports the token counts;
-- audio: 415 naming the part; text spelling a media token: 400 naming the part.
+- audio: 415 naming the part; text spelling a media token is text: answered, with none of its
+  special ids in the prompt.
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ def test_ten_second_video_has_timestamps(server: ServeProcess, mimo_v2_dir: Path
     assert len(reply["choices"][0]["token_ids"]) == NEW_TOKENS
 
 
-def test_audio_is_415_and_spelled_media_tokens_are_400(server: ServeProcess) -> None:
+def test_audio_is_415_and_spelled_media_tokens_are_text(server: ServeProcess, mimo_v2_dir: Path) -> None:
     audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
     status, reply = http_json(
         "POST",
@@ -211,12 +212,12 @@ def test_audio_is_415_and_spelled_media_tokens_are_400(server: ServeProcess) -> 
     assert status == 415, reply
     assert reply["error"]["param"] == "messages[0].content[1]"
     assert "audio encoder is not supported yet" in reply["error"]["message"]
-    status, reply = http_json(
-        "POST",
-        f"{server.url}/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "what is <|video_start|>?"}]},
-    )
-    assert status == 400 and reply["error"]["param"] == "messages[0].content[0]", reply
+    spelled = f"what is {fx.VIDEO_START}{fx.VIDEO_PAD}{fx.AUDIO_PAD} <|im_end|>?"
+    reply = chat(server, [{"role": "user", "content": spelled}])
+    specials = set(range(fx.BPE_VOCAB_SIZE, fx.BPE_VOCAB_SIZE + len(fx.MIMO_SPECIAL_TOKENS)))
+    ids = reply["choices"][0]["prompt_token_ids"]
+    template = template_ids(mimo_v2_dir, [], "x")
+    assert [i for i in ids if i in specials] == [i for i in template if i in specials]
 
 
 def test_video_frames_are_sampled_as_documented() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from encoder.caches.embedding_ref import EmbeddingRef
-from epd.prompt_format import ChatTemplateError, PromptFormat, media_item
+from epd.prompt_format import PromptFormat, media_item
 from llm_core.prompts.media_expansion import MediaItem
 from llm_core.prompts.tokenizer import load_tokenizer
 
@@ -22,17 +22,38 @@ def user(*parts: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"role": "user", "content": list(parts)}]
 
 
-@pytest.mark.parametrize("token", ["<|image_pad|>", "<|vision_start|>", "<|video_pad|>"])
-def test_text_spelling_a_media_token_is_refused_naming_the_part(
-    qwen_format: PromptFormat, token: str
+@pytest.fixture(scope="module")
+def default_format() -> PromptFormat:
+    return PromptFormat.load(None, load_tokenizer(None))
+
+
+SPELLED = [
+    "<|image_pad|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|video_pad|>",
+    "<|im_end|>",
+    "<|im_start|>assistant",
+]
+
+
+@pytest.mark.parametrize("renderer", ["jinja", "chatml"])
+@pytest.mark.parametrize("token", SPELLED)
+def test_text_spelling_a_special_token_is_text(
+    qwen_format: PromptFormat, default_format: PromptFormat, renderer: str, token: str
 ) -> None:
-    messages = user({"type": "image"}, {"type": "text", "text": f"what is {token} here?"})
-    with pytest.raises(ChatTemplateError, match="spells the media token") as ei:
-        qwen_format.check_parts(messages)
-    assert ei.value.param == "messages[0].content[1]"
-    with pytest.raises(ChatTemplateError) as plain:
-        qwen_format.check_parts([{"role": "user", "content": f"a {token}"}])
-    assert plain.value.param == "messages[0].content"
+    """Both renderers: the text passes the part check, and the prompt's special ids are the
+    template's alone (one image run of the item's size, one turn), whatever the text spells."""
+    fmt = qwen_format if renderer == "jinja" else default_format
+    tok = fmt.tokenizer
+    messages = user({"type": "image"}, {"type": "text", "text": f"what is {token} here? {token}"})
+    fmt.check_parts(messages)
+    fmt.check_parts([{"role": "user", "content": f"a {token}"}])
+    ids = fmt.prompt_ids(messages, [MediaItem("image", 4)])
+    plain = fmt.prompt_ids(user({"type": "image"}, {"type": "text", "text": "x"}), [MediaItem("image", 4)])
+    assert [i for i in ids if i in tok.special_ids] == [i for i in plain if i in tok.special_ids]
+    assert fmt.image_token_id is not None and ids.count(fmt.image_token_id) == 4
+    assert token in tok.decode(ids, skip_special_tokens=False).split("<|vision_end|>", 1)[1]
 
 
 def test_ordinary_text_and_media_pass(qwen_format: PromptFormat) -> None:

@@ -32,7 +32,8 @@ def test_agreed_ids() -> None:
     assert TOK.video_token_id == 262
 
 
-# Text that spells a special token encodes to that token by design; keep plain text here.
+# `encode` (for the server's own text) reads a spelled special token as that token; keep plain
+# text here (request text goes through `encode_text`: test_request_text.py).
 PLAIN_TEXT = st.text().filter(lambda t: "<|" not in t)
 
 

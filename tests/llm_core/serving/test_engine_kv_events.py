@@ -117,7 +117,7 @@ def test_events_rebuild_the_tree_and_name_pages_by_content(loaded: Any) -> None:
 
 def test_health_reports_routing_fields_and_request_ids(loaded: Any) -> None:
     engine = engine_with_events(loaded)
-    with TestClient(create_app(engine, LLMServerConfig(served_model_name="tiny"))) as client:
+    with TestClient(create_app(engine, LLMServerConfig(served_model_name=("tiny",)))) as client:
         body = {"prompt": list(range(5, 40)), "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         r = client.post("/v1/completions", json=body, headers={"X-Request-Id": "route-1"})
         assert r.status_code == 200, r.text

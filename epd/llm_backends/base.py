@@ -1,0 +1,72 @@
+"""What every language-model backend gives the chat path: typed calls, results and deltas."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import aiohttp
+
+from epd.engine_client import EngineClient
+from epd.media_pipeline import EncodedItem
+
+
+class ChatCall(NamedTuple):
+    """One request as a server of the backend takes it."""
+
+    path: str  # the server's endpoint, e.g. "/v1/completions"
+    body: dict[str, Any]
+    keys: list[int]  # prefix-cache keys the router scores (token ids, media runs as pseudo-ids)
+
+
+class ChatResult(NamedTuple):
+    """A whole answer."""
+
+    text: str
+    finish_reason: str | None
+    usage: dict[str, Any]
+    prompt_token_ids: list[int] | None = None  # when the request asked return_token_ids
+    token_ids: list[int] | None = None
+
+
+class ChatDelta(NamedTuple):
+    """One streamed piece: text, the end (finish_reason) and/or the usage."""
+
+    text: str
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+
+
+class LLMBackend(Protocol):
+    """How chats and completions reach one kind of language-model server."""
+
+    name: str
+    # policies the router may use over this backend's servers (affinity needs KV events or the
+    # engine's own page geometry)
+    routing_policies: tuple[str, ...]
+
+    def client(self, session: aiohttp.ClientSession, url: str, timeout_s: float) -> EngineClient:
+        """The HTTP client of one server."""
+        ...
+
+    async def check_server(self, client: EngineClient) -> None:
+        """Refuse (``BackendMismatch`` naming the field) a server this deployment cannot use."""
+        ...
+
+    async def chat_call(
+        self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem], sampling: dict[str, Any]
+    ) -> ChatCall:
+        """``messages``: parts ``{"type": "text", "text"}`` or ``{"type": "image" | "video", "index"}``
+        (``items[index]`` resolved); raises APIError for what this backend cannot send."""
+        ...
+
+    def completion_call(self, body: dict[str, Any]) -> ChatCall: ...
+
+    def chat_result(self, out: dict[str, Any]) -> ChatResult: ...
+
+    def chat_delta(self, chunk: dict[str, Any]) -> ChatDelta: ...
+
+
+class BackendMismatch(RuntimeError):
+    """A server does not serve what this deployment's encoders produce (architecture, hidden size,
+    embeddings input turned off): start-up stops with this message."""

@@ -1,0 +1,224 @@
+"""vLLM as the language-model backend: epd encodes, vLLM generates.
+
+The chat goes to each server's ``/v1/chat/completions`` as chat messages (vLLM renders its own
+chat template): text parts unchanged, each media item an ``image_embeds`` / ``video_embeds`` part
+(``vllm_embeds``) read from the node cache (or the encoder's URL), checked, and keyed by its
+MediaKey. Completions pass through to its ``/v1/completions``.
+
+At start each server is asked what it serves (``check_server``): its ``/v1/models`` names the
+model and its path; where that path's config.json is readable here, the architecture and the
+hidden size must equal the checkpoint the encoders serve; then a one-row embedding of the right
+width (harmless) tells whether the server takes embeddings at all (``--enable-mm-embeds``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import torch
+
+from encoder.caches.embed_cache import EmbedCache
+from epd.engine_client import EngineClient
+from epd.llm_backends.base import BackendMismatch, ChatCall, ChatDelta, ChatResult
+from epd.llm_backends.cache_keys import prompt_cache_keys
+from epd.llm_backends.vllm_embeds import EmbeddingGeometry, EmbeddingMismatch, embeds_part, tensor_b64
+from epd.media_pipeline import EncodedItem
+from epd.prompt_format import ChatTemplateError, PromptFormat, media_item
+from epd_common.errors import APIError, bad_request
+from llm_core.models.checkpoint import CheckpointError, read_config_json
+from llm_core.serving.embedding_source import EmbeddingSource
+
+log = logging.getLogger("epd.llm_backends.vllm")
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+# Above this many bytes an embedding is serialized off the event loop.
+_OFF_LOOP_BYTES = 1 << 20
+
+
+class ModelInfo:
+    """What the checkpoint the encoders serve hands a language model: its architecture, hidden
+    size and the tower's spatial merge (from config.json)."""
+
+    def __init__(self, architecture: str, geometry: EmbeddingGeometry) -> None:
+        self.architecture = architecture
+        self.geometry = geometry
+
+    @classmethod
+    def of(cls, model_dir: str | Path) -> ModelInfo:
+        config = read_config_json(Path(model_dir))
+        arch, hidden = _arch_and_hidden(config)
+        vision = config.get("vision_config") or {}
+        return cls(arch, EmbeddingGeometry(int(vision.get("spatial_merge_size", 2)), hidden))
+
+
+def _arch_and_hidden(config: Mapping[str, Any]) -> tuple[str, int]:
+    archs = config.get("architectures") or ["?"]
+    text = config.get("text_config") or {}
+    hidden = text.get("hidden_size", config.get("hidden_size"))
+    if not isinstance(hidden, int):
+        raise CheckpointError("config.json has no hidden_size (nor text_config.hidden_size)")
+    return str(archs[0]), hidden
+
+
+class VLLMClient(EngineClient):
+    """One vLLM server; requests name the model it serves (learnt from its /v1/models)."""
+
+    model_id: str | None = None
+
+    def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {**body, "model": self.model_id} if self.model_id else body
+
+
+class VLLMBackend:
+    name = "vllm"
+    routing_policies: tuple[str, ...] = ("round_robin", "least_load")
+
+    def __init__(self, prompt_format: PromptFormat, model: ModelInfo, cache: EmbedCache | None) -> None:
+        self.prompt_format = prompt_format
+        self.model = model
+        self.cache = cache
+        self.source = EmbeddingSource(cache, model.geometry.hidden)  # the node cache, else ref.url
+
+    def client(self, session: aiohttp.ClientSession, url: str, timeout_s: float) -> EngineClient:
+        return VLLMClient(session, url, timeout_s=timeout_s)
+
+    # -- start-up ------------------------------------------------------------------------------
+    async def check_server(self, client: EngineClient) -> None:
+        """Raise ``BackendMismatch`` naming the field when the server at ``client`` cannot take
+        this deployment's embeddings; ``ConnectionError`` when it does not answer."""
+        assert isinstance(client, VLLMClient)
+        models = await client.get_json("/v1/models")
+        if not models or not models.get("data"):
+            raise ConnectionError(f"{client.base_url}/v1/models did not answer")
+        served = models["data"][0]
+        client.model_id = str(served.get("id"))
+        root = served.get("root") or served.get("id")
+        try:
+            arch, hidden = _arch_and_hidden(read_config_json(Path(str(root))))
+        except (CheckpointError, OSError):
+            log.warning(
+                "vLLM at %s serves %s, whose config.json is not readable here: its architecture and "
+                "hidden size are not checked (and embeddings input is checked on the first request)",
+                client.base_url,
+                root,
+            )
+            return
+        if arch != self.model.architecture:
+            raise BackendMismatch(
+                f"vLLM at {client.base_url} serves architecture {arch} ({root}); the encoders serve "
+                f"{self.model.architecture}"
+            )
+        if hidden != self.model.geometry.hidden:
+            raise BackendMismatch(
+                f"vLLM at {client.base_url} serves hidden_size {hidden} ({root}); the encoders' "
+                f"embeddings are {self.model.geometry.hidden} wide"
+            )
+        await self._probe_embeds(client)
+
+    async def _probe_embeds(self, client: EngineClient) -> None:
+        """One harmless request with a one-row embedding of the right width and grid."""
+        m = self.model.geometry.merge
+        part = {
+            "type": "image_embeds",
+            "image_embeds": {
+                "image_embeds": _zeros_b64(self.model.geometry.hidden),
+                "image_grid_thw": [1, m, m],
+            },
+        }
+        body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1, "temperature": 0}
+        try:
+            await client.complete(body, path=CHAT)
+        except APIError as exc:
+            if "enable-mm-embeds" in exc.message:
+                raise BackendMismatch(
+                    f"vLLM at {client.base_url} was started without --enable-mm-embeds: it refuses "
+                    f"precomputed embeddings ({exc.message})"
+                ) from exc
+            raise BackendMismatch(f"vLLM at {client.base_url} refused an embedding: {exc.message}") from exc
+
+    # -- requests ------------------------------------------------------------------------------
+    async def chat_call(
+        self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem], sampling: dict[str, Any]
+    ) -> ChatCall:
+        tensors = await self.source.resolve([it.ref for it in items])
+        parts = []
+        for i, (item, mm) in enumerate(zip(items, tensors, strict=True)):
+            try:
+                if mm.embedding.numel() * mm.embedding.element_size() > _OFF_LOOP_BYTES:
+                    part = await asyncio.to_thread(embeds_part, item.ref, mm.embedding, self.model.geometry)
+                else:
+                    part = embeds_part(item.ref, mm.embedding, self.model.geometry)
+            except EmbeddingMismatch as exc:
+                raise self._mismatch(item, i, exc) from exc
+            parts.append(part)
+        out_messages = []
+        for m in messages:
+            content = [
+                parts[p["index"]] if "index" in p else {"type": "text", "text": p["text"]}
+                for p in m["content"]
+            ]
+            out_messages.append({"role": m["role"], "content": content})
+        return ChatCall(CHAT, {"messages": out_messages, **sampling}, self._keys(messages, items))
+
+    def _mismatch(self, item: EncodedItem, index: int, exc: EmbeddingMismatch) -> APIError:
+        """A cached embedding that does not fit its own grid: dropped from the node cache (the next
+        request encodes it again), and this request fails without reaching vLLM."""
+        if self.cache is not None:
+            self.cache.evict(item.ref.key)
+        log.error("embedding %s (%s) does not fit: %s; evicted", item.ref.key[:16], item.name, exc)
+        return APIError(
+            502,
+            f"the embedding of {item.name} does not fit its grid ({exc}); it was dropped from the "
+            "cache, a retry encodes it again",
+            type="embedding_mismatch",
+            param=item.name,
+            retry_after_s=0.0,
+        )
+
+    def _keys(self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem]) -> list[int]:
+        """The prompt's keys as our renderer writes it (vLLM renders the same template): for load."""
+        media = [media_item(items[p["index"]].ref) for m in messages for p in m["content"] if "index" in p]
+        try:
+            ids = self.prompt_format.prompt_ids(messages, media)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), exc.param) from exc
+        return prompt_cache_keys(
+            self.prompt_format.tokenizer, ids, [(it.ref.key, it.ref.num_tokens) for it in items]
+        )
+
+    def completion_call(self, body: dict[str, Any]) -> ChatCall:
+        return ChatCall(
+            COMPLETIONS, body, prompt_cache_keys(self.prompt_format.tokenizer, body.get("prompt"))
+        )
+
+    def chat_result(self, out: dict[str, Any]) -> ChatResult:
+        choice = out["choices"][0]
+        return ChatResult(
+            text=(choice.get("message") or {}).get("content") or "",
+            finish_reason=choice.get("finish_reason"),
+            usage=_usage(out.get("usage")),
+            prompt_token_ids=out.get("prompt_token_ids"),
+            token_ids=choice.get("token_ids"),
+        )
+
+    def chat_delta(self, chunk: dict[str, Any]) -> ChatDelta:
+        text, finish = "", None
+        for choice in chunk.get("choices", []):
+            text += (choice.get("delta") or {}).get("content") or ""
+            finish = choice.get("finish_reason") or finish
+        return ChatDelta(text, finish, _usage(chunk.get("usage")) or None)
+
+
+def _usage(usage: Any) -> dict[str, Any]:
+    """vLLM's usage without its null fields."""
+    return {k: v for k, v in usage.items() if v is not None} if isinstance(usage, dict) else {}
+
+
+def _zeros_b64(hidden: int) -> str:
+    return tensor_b64(torch.zeros(1, hidden))

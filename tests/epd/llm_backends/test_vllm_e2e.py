@@ -1,0 +1,326 @@
+"""``epd serve --llm-backend vllm`` against a real vLLM server (the CPU build `make vllm-peer`
+installs; skipped without it): the tiny random Qwen2.5-VL (``tests.fixtures.qwen2_5_vl``) served by
+vLLM with ``--enable-mm-embeds``, epd's encoders in front of it.
+
+The greedy ids through epd equal vLLM's own for the raw images and transformers' ``generate``; for
+videos (one whose temporal patch spans 2 s, not 1, so the seconds per patch must reach vLLM's
+M-RoPE) vLLM's own for the raw file.
+Faults: a corrupt upload, a forged cache entry (never sent), vLLM killed mid-stream and restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from encoder.caches.embed_cache import EmbedCache
+from epd.llm_backends.base import BackendMismatch
+from epd.llm_backends.vllm_backend import ModelInfo, VLLMBackend
+from epd.llm_backends.vllm_embeds import EmbeddingGeometry
+from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMServer, free_port, peer_python
+from epd.prompt_format import PromptFormat
+from tests.epd.conftest import ServeProcess, http_json, start_serve, stop_serve
+from tests.epd.test_e2e_qwen2_5_vl import openai_messages
+from tests.fixtures.qwen2_5_vl import (
+    make_image,
+    make_video_frames,
+    reference_generate,
+    scenario_messages,
+    write_video,
+)
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(peer_python() is None, reason="vLLM peer not installed (make vllm-peer)"),
+]
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def vllm(qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    server = VLLMServer(VLLMLaunch(str(qwen_dir), free_port(), kv_cache_gib=1.0), log)
+    with server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def epd(qwen_dir: Path, vllm: VLLMServer) -> Iterator[ServeProcess]:
+    server = start_serve(["--model", str(qwen_dir), "--llm-backend", "vllm", "--llm-url", vllm.url])
+    try:
+        yield server
+    finally:
+        assert stop_serve(server) == 0, server.tail()
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    status, reply = http_json("POST", url, body)
+    assert status == 200, reply
+    return reply  # type: ignore[no-any-return]
+
+
+def epd_chat(server: ServeProcess, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    body = {"messages": openai_messages(messages), "max_tokens": NEW_TOKENS, "temperature": 0, **extra}
+    return _post(f"{server.url}/v1/chat/completions", {**body, "return_token_ids": True})
+
+
+def vllm_raw_ids(vllm: VLLMServer, qwen_dir: Path, messages: list[dict[str, Any]]) -> list[int]:
+    """vLLM given the raw images itself (data: URIs), no epd in between."""
+    body = {
+        "model": str(qwen_dir),
+        "messages": openai_messages(messages),
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    return list(_post(f"{vllm.url}/v1/chat/completions", body)["choices"][0]["token_ids"])
+
+
+def slow_video(media_dir: Path) -> list[dict[str, Any]]:
+    """10 frames at 1 fps: every frame is sampled, a temporal patch spans 2 s (M-RoPE steps of 4)."""
+    frames = make_video_frames(10, 84, 84, seed=41)
+    path = write_video(media_dir / "slow_clip.mp4", frames, fps=1)
+    content = [{"type": "video", "video": str(path)}, {"type": "text", "text": "What happens?"}]
+    return [{"role": "user", "content": content}]
+
+
+@pytest.mark.parametrize("name", ["one_image", "two_images"])
+def test_images_equal_vllm_raw_and_generate(
+    epd: ServeProcess, vllm: VLLMServer, qwen_dir: Path, media_dir: Path, name: str
+) -> None:
+    messages = scenario_messages(name, media_dir)
+    reply = epd_chat(epd, messages)
+    got = reply["choices"][0]["token_ids"]
+    assert got == reference_generate(qwen_dir, messages, NEW_TOKENS)
+    assert got == vllm_raw_ids(vllm, qwen_dir, messages)
+    assert reply["usage"]["image_tokens"] > 0 and reply["usage"]["completion_tokens"] == NEW_TOKENS
+
+    # A second turn: the media are node-cache hits, the answer still equals the reference.
+    history = [
+        *messages,
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": reply["choices"][0]["message"]["content"]}],
+        },
+        {"role": "user", "content": [{"type": "text", "text": "Say more."}]},
+    ]
+    again = epd_chat(epd, history)
+    assert all(m["cache_hit"] for m in again["media"]) and again["usage"]["cached_media"] > 0
+    assert again["choices"][0]["token_ids"] == reference_generate(qwen_dir, history, NEW_TOKENS)
+
+
+def test_videos_equal_vllm_raw(epd: ServeProcess, vllm: VLLMServer, qwen_dir: Path, media_dir: Path) -> None:
+    """Videos: epd's embeddings and seconds per temporal patch give vLLM's own answer for the file.
+    (transformers differs from vLLM here, both fed the raw file: after a video, its M-RoPE text
+    positions continue from max(h, w) of the grid, vLLM's from the largest position, temporal
+    included; epd's own engine follows transformers and is checked against it elsewhere.)"""
+    for messages in (scenario_messages("video", media_dir), slow_video(media_dir)):
+        reply = epd_chat(epd, messages)
+        assert reply["usage"]["video_tokens"] > 0
+        assert reply["choices"][0]["token_ids"] == vllm_raw_ids(vllm, qwen_dir, messages)
+
+
+def test_streamed_equals_whole_and_repeat_is_a_cache_hit(epd: ServeProcess, media_dir: Path) -> None:
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": make_image(84, 112, seed=51)},
+                {"type": "text", "text": "Hi"},
+            ],
+        }
+    ]
+    first = epd_chat(epd, messages)
+    again = epd_chat(epd, messages)
+    assert not first["media"][0]["cache_hit"] and again["media"][0]["cache_hit"]
+    assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    body = {
+        "messages": openai_messages(messages),
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    req = urllib.request.Request(
+        f"{epd.url}/v1/chat/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        events = [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == first["choices"][0]["message"]["content"]
+    assert chunks[-1]["usage"]["completion_tokens"] == NEW_TOKENS and chunks[-1]["usage"]["cached_media"] == 1
+
+
+def test_eight_concurrent_chats(epd: ServeProcess, qwen_dir: Path) -> None:
+    batch = [
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": make_image(28 * (2 + i % 3), 28 * (4 - i % 2), seed=100 + i)},
+                    {"type": "text", "text": f"Describe picture {i}."},
+                ],
+            }
+        ]
+        for i in range(8)
+    ]
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(functools.partial(epd_chat, epd), batch))
+    for messages, reply in zip(batch, replies, strict=True):
+        assert reply["choices"][0]["token_ids"] == reference_generate(qwen_dir, messages, NEW_TOKENS)
+
+
+def test_corrupt_upload_is_4xx_and_vllm_stays_up(epd: ServeProcess, vllm: VLLMServer) -> None:
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAA"},
+                    },
+                    {"type": "text", "text": "What is it?"},
+                ],
+            }
+        ],
+        "max_tokens": 4,
+    }
+    status, reply = http_json("POST", f"{epd.url}/v1/chat/completions", body)
+    assert 400 <= status < 500, reply
+    assert "messages[0].content[0]" in json.dumps(reply)
+    assert vllm.alive and vllm.healthy()
+
+
+def test_forged_cache_entry_never_reaches_vllm(epd: ServeProcess, vllm: VLLMServer, qwen_dir: Path) -> None:
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": make_image(112, 112, seed=61)},
+                {"type": "text", "text": "Go"},
+            ],
+        }
+    ]
+    good = epd_chat(epd, messages)
+    key = good["media"][0]["key"]
+    cache = EmbedCache(namespace=f"serve-{epd.port}")
+    try:
+        real = cache.get(key, touch=False)
+        assert real is not None
+        cache.evict(key)
+        # one row short of what the grid says: vLLM's server would exit on it
+        cache.put(key, real.tensor[:-1].clone(), real.ref.grid_thw, "image")
+    finally:
+        cache.close()
+    status, reply = http_json(
+        "POST",
+        f"{epd.url}/v1/chat/completions",
+        {"messages": openai_messages(messages), "max_tokens": 4, "temperature": 0},
+    )
+    assert status == 502 and reply["error"]["type"] == "embedding_mismatch", reply
+    assert vllm.alive and vllm.healthy()
+    # the forged entry was dropped: the next request encodes the image again and answers as before
+    again = epd_chat(epd, messages)
+    assert not again["media"][0]["cache_hit"]
+    assert again["choices"][0]["token_ids"] == good["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize(
+    ("info", "field"),
+    [
+        (ModelInfo("Qwen2_5_VLForConditionalGeneration", EmbeddingGeometry(2, 256)), "hidden_size 128"),
+        (ModelInfo("MiMoV2ForCausalLM", EmbeddingGeometry(2, 128)), "architecture Qwen2_5_VL"),
+    ],
+)
+def test_a_server_of_another_model_is_refused(
+    qwen_dir: Path, vllm: VLLMServer, info: ModelInfo, field: str
+) -> None:
+    """What ``Ingress.start`` asks each server before serving (it stops the start-up on a mismatch)."""
+    from llm_core.prompts.tokenizer import load_tokenizer
+
+    fmt = PromptFormat.load(qwen_dir, load_tokenizer(str(qwen_dir)))
+
+    async def check() -> None:
+        async with aiohttp.ClientSession() as session:
+            backend = VLLMBackend(fmt, info, cache=None)
+            await backend.check_server(backend.client(session, vllm.url, 30.0))
+
+    with pytest.raises(BackendMismatch, match=field):
+        asyncio.run(check())
+    assert vllm.alive and vllm.healthy()
+
+
+def test_the_matching_server_passes_the_check(qwen_dir: Path, vllm: VLLMServer) -> None:
+    from llm_core.prompts.tokenizer import load_tokenizer
+
+    fmt = PromptFormat.load(qwen_dir, load_tokenizer(str(qwen_dir)))
+
+    async def check() -> str | None:
+        async with aiohttp.ClientSession() as session:
+            backend = VLLMBackend(fmt, ModelInfo.of(qwen_dir), cache=None)
+            client = backend.client(session, vllm.url, 30.0)
+            await backend.check_server(client)  # includes a one-row embedding request
+            return getattr(client, "model_id", None)
+
+    assert asyncio.run(check()) == str(qwen_dir)
+
+
+def test_vllm_killed_mid_stream_then_restarted(epd: ServeProcess, vllm: VLLMServer, qwen_dir: Path) -> None:
+    """Runs last in this module: it restarts the module's vLLM server."""
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": make_image(56, 56, seed=71)},
+                {"type": "text", "text": "Tell"},
+            ],
+        }
+    ]
+    before = epd_chat(epd, messages)["choices"][0]["token_ids"]
+    body = {
+        "messages": openai_messages(messages),
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        f"{epd.url}/v1/chat/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    t0 = time.monotonic()
+    lines: list[str] = []
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                lines.append(line[6:])
+            if len(lines) == 5:
+                vllm.kill()
+    assert time.monotonic() - t0 < 60
+    assert lines[-1] == "[DONE]"
+    assert "error" in json.loads(lines[-2]), lines[-3:]  # the client is told, the stream ends
+    status, reply = http_json(
+        "POST", f"{epd.url}/v1/chat/completions", {"messages": openai_messages(messages)}
+    )
+    assert status == 503 and reply["error"]["type"] == "engine_unavailable", reply
+
+    vllm.start()  # same port: epd's health poll takes it back
+    deadline = time.monotonic() + 30
+    while http_json("GET", f"{epd.url}/ready")[0] != 200:
+        assert time.monotonic() < deadline, "epd did not take the restarted vLLM back"
+        time.sleep(0.5)
+    assert epd_chat(epd, messages)["choices"][0]["token_ids"] == before
