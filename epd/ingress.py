@@ -22,6 +22,7 @@ from epd.engine_pool import EnginePool
 from epd.llm_backends.base import LLMBackend
 from epd.llm_backends.epd_engine import EpdEngineBackend
 from epd.llm_backends.vllm_backend import ModelInfo, VLLMBackend
+from epd.llm_backends.vllm_ec import ECFolder
 from epd.media_pipeline import MediaPipeline
 from epd.metrics import IngressMetrics
 from epd.prompt_format import PromptFormat
@@ -135,7 +136,12 @@ class Ingress:
             return EpdEngineBackend(self.prompt_format)
         if self.config.llm_model_dir is None:
             raise ValueError("--llm-backend vllm needs the checkpoint directory (--model DIR)")
-        return VLLMBackend(self.prompt_format, ModelInfo.of(self.config.llm_model_dir), self.cache)
+        return VLLMBackend(
+            self.prompt_format,
+            ModelInfo.of(self.config.llm_model_dir),
+            self.cache,
+            ec=ECFolder.of(self.config),  # --vllm-ec-path: the embeddings as files vLLM reads
+        )
 
     async def _check_servers(self, urls: Sequence[str]) -> None:
         """Ask each server what it serves: a mismatch stops the start-up (``BackendMismatch``); a

@@ -248,11 +248,14 @@ def vllm_child(cfg: ServeConfig, port: int) -> ChildSpec:
             python=cfg.vllm_python,
             kv_cache_gib=cfg.vllm_kv_cache_gib,
             extra_args=cfg.vllm_args,
+            ec_path=cfg.ingress.vllm_ec_path,  # an encoder-cache consumer of that folder
         )
         argv = tuple(launch.argv())
     except VLLMNotFound as exc:
         raise SystemExit(f"epd serve: {exc}") from exc
-    return ChildSpec("vllm", argv, f"{launch.url}/health", env=launch.environ(), ready_timeout_s=600.0)
+    return ChildSpec(
+        "vllm", argv, f"{launch.url}/health", env=launch.environ(), ready_timeout_s=600.0, own_group=True
+    )
 
 
 def plan(cfg: ServeConfig) -> Plan:

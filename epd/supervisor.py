@@ -41,6 +41,9 @@ class ChildSpec:
     uds: str | None = None  # when the child listens on a unix socket, the health check goes through it
     env: dict[str, str] = field(default_factory=dict)
     ready_timeout_s: float | None = None  # this child's start-up limit (None: the supervisor's)
+    # The child starts processes of its own that do not stop with it (vLLM's engine core and
+    # workers): it gets its own process group, and stop / restart signal the whole group.
+    own_group: bool = False
 
 
 Callback = Callable[[ChildSpec], Awaitable[None] | None]
@@ -69,6 +72,7 @@ class Supervisor:
         self.restarts: dict[str, int] = {c.name: 0 for c in children}
         self._stopping = False
         self._monitor: asyncio.Task[None] | None = None
+        self._groups: set[int] = set()  # pids that lead a process group of their own
 
     async def start(self) -> None:
         """Start every child and wait until all answer their health check."""
@@ -84,9 +88,15 @@ class Supervisor:
     async def _spawn(self, spec: ChildSpec) -> None:
         env = {**os.environ, **spec.env}
         proc = await asyncio.create_subprocess_exec(
-            *spec.argv, env=env, preexec_fn=_die_with_parent, stdin=asyncio.subprocess.DEVNULL
+            *spec.argv,
+            env=env,
+            preexec_fn=_die_with_parent,
+            stdin=asyncio.subprocess.DEVNULL,
+            start_new_session=spec.own_group,
         )
         self.procs[spec.name] = proc
+        if spec.own_group:
+            self._groups.add(proc.pid)
         log.info("started %s (pid %d)", spec.name, proc.pid)
 
     async def _wait_healthy(self, spec: ChildSpec) -> None:
@@ -117,6 +127,7 @@ class Supervisor:
                 name = next(n for n, t in waits.items() if t is task)
                 spec = by_name[name]
                 log.warning("%s exited with code %s; restarting", name, task.result())
+                self._signal(self.procs[name].pid, signal.SIGKILL)  # what it left of its group
                 await _call(self.on_down, spec)
                 self.restarts[name] += 1
                 await asyncio.sleep(self.restart_backoff_s)
@@ -138,8 +149,7 @@ class Supervisor:
                 await self._monitor
         for proc in self.procs.values():
             if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
+                self._signal(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for name, proc in self.procs.items():
             remaining = max(0.0, deadline - time.monotonic())
@@ -147,9 +157,37 @@ class Supervisor:
                 await asyncio.wait_for(proc.wait(), timeout=remaining)
             except TimeoutError:
                 log.warning("%s did not stop in time; killing it", name)
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
+                self._signal(proc.pid, signal.SIGKILL)
                 await proc.wait()
+        for pid in self._groups:  # the group's other processes, however its leader ended
+            await self._drain_group(pid, deadline)
+
+    def _signal(self, pid: int, sig: int) -> None:
+        """``sig`` to the child, or to its whole group when it leads one."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if pid in self._groups:
+                os.killpg(pid, sig)
+            else:
+                os.kill(pid, sig)
+
+    async def _drain_group(self, pgid: int, deadline: float) -> None:
+        """Wait for group ``pgid`` to empty until ``deadline``, then SIGKILL what is left."""
+        while _group_alive(pgid):
+            if time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+                return
+            await asyncio.sleep(0.1)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 async def _call(cb: Callback | None, spec: ChildSpec) -> None:

@@ -9,12 +9,18 @@ At start each server is asked what it serves (``check_server``): its ``/v1/model
 model and its path; where that path's config.json is readable here, the architecture and the
 hidden size must equal the checkpoint the encoders serve; then a one-row embedding of the right
 width (harmless) tells whether the server takes embeddings at all (``--enable-mm-embeds``).
+
+With an ``ECFolder`` (``--vllm-ec-path DIR``, ``vllm_ec``) each checked embedding is written to
+``DIR/<MediaKey>/encoder_cache.safetensors`` instead, and the part carries only its grid and uuid;
+the start-up check then also makes sure the server reads that folder (else a part would kill it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +32,14 @@ from encoder.caches.embed_cache import EmbedCache
 from epd.engine_client import EngineClient
 from epd.llm_backends.base import BackendMismatch, ChatCall, ChatDelta, ChatResult
 from epd.llm_backends.cache_keys import prompt_cache_keys
-from epd.llm_backends.vllm_embeds import EmbeddingGeometry, EmbeddingMismatch, embeds_part, tensor_b64
+from epd.llm_backends.vllm_ec import ECFolder, ec_transfer_config, metadata_keys, metadata_part
+from epd.llm_backends.vllm_embeds import (
+    EmbeddingGeometry,
+    EmbeddingMismatch,
+    check_embedding,
+    embeds_part,
+    tensor_b64,
+)
 from epd.media_pipeline import EncodedItem
 from epd.prompt_format import ChatTemplateError, PromptFormat, media_item
 from epd_common.errors import APIError, bad_request
@@ -70,8 +83,17 @@ class VLLMClient(EngineClient):
     """One vLLM server; requests name the model it serves (learnt from its /v1/models)."""
 
     model_id: str | None = None
+    ec: ECFolder | None = None  # the encoder-cache folder the metadata-only parts name
 
     def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.ec is not None and (keys := metadata_keys(body)) and not self.ec.mark_used(keys):
+            # vLLM's engine would die on it: fail this request instead (a retry writes it again)
+            raise APIError(
+                502,
+                "an embedding file of this request was removed from the encoder-cache folder before "
+                "it was sent; retry",
+                type="embedding_missing",
+            )
         return {**body, "model": self.model_id} if self.model_id else body
 
 
@@ -79,14 +101,23 @@ class VLLMBackend:
     name = "vllm"
     routing_policies: tuple[str, ...] = ("round_robin", "least_load")
 
-    def __init__(self, prompt_format: PromptFormat, model: ModelInfo, cache: EmbedCache | None) -> None:
+    def __init__(
+        self,
+        prompt_format: PromptFormat,
+        model: ModelInfo,
+        cache: EmbedCache | None,
+        ec: ECFolder | None = None,
+    ) -> None:
         self.prompt_format = prompt_format
         self.model = model
         self.cache = cache
+        self.ec = ec  # None: the embeddings go inline (the default)
         self.source = EmbeddingSource(cache, model.geometry.hidden)  # the node cache, else ref.url
 
     def client(self, session: aiohttp.ClientSession, url: str, timeout_s: float) -> EngineClient:
-        return VLLMClient(session, url, timeout_s=timeout_s)
+        client = VLLMClient(session, url, timeout_s=timeout_s)
+        client.ec = self.ec
+        return client
 
     # -- start-up ------------------------------------------------------------------------------
     async def check_server(self, client: EngineClient) -> None:
@@ -108,6 +139,13 @@ class VLLMBackend:
                 client.base_url,
                 root,
             )
+            if self.ec is not None:
+                log.warning(
+                    "vLLM at %s is not checked to read %s either: a part whose file it cannot find "
+                    "stops its engine",
+                    client.base_url,
+                    self.ec.root,
+                )
             return
         if arch != self.model.architecture:
             raise BackendMismatch(
@@ -120,6 +158,8 @@ class VLLMBackend:
                 f"embeddings are {self.model.geometry.hidden} wide"
             )
         await self._probe_embeds(client)
+        if self.ec is not None:
+            await self._probe_ec(client)
 
     async def _probe_embeds(self, client: EngineClient) -> None:
         """One harmless request with a one-row embedding of the right width and grid."""
@@ -142,10 +182,77 @@ class VLLMBackend:
                 ) from exc
             raise BackendMismatch(f"vLLM at {client.base_url} refused an embedding: {exc.message}") from exc
 
+    async def _probe_ec(self, client: EngineClient) -> None:
+        """The server reads ``self.ec``'s folder under the uuid: vLLM's consumer creates
+        ``<its folder>/<identifier>/`` for each item it is asked about, so a harmless inline probe
+        whose uuid names a fresh folder must make it appear here."""
+        assert self.ec is not None
+        key = f"epd-ec-probe-{uuid.uuid4().hex}"
+        m = self.model.geometry.merge
+        part = {
+            "type": "image_embeds",
+            "uuid": key,
+            "image_embeds": {
+                "image_embeds": _zeros_b64(self.model.geometry.hidden),
+                "image_grid_thw": [1, m, m],
+            },
+        }
+        body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1, "temperature": 0}
+        probe = self.ec.root / key
+        try:
+            await client.complete(body, path=CHAT)
+            seen = probe.is_dir()
+        finally:
+            with contextlib.suppress(OSError):
+                probe.rmdir()
+        if not seen:
+            raise BackendMismatch(
+                f"vLLM at {client.base_url} does not read the encoder-cache folder {self.ec.root} "
+                "(--vllm-ec-path) under the parts' uuid: start it with --ec-transfer-config "
+                f"'{ec_transfer_config(self.ec.root)}' (that folder, as its host sees it) and "
+                "without --mm-processor-kwargs"
+            )
+
     # -- requests ------------------------------------------------------------------------------
     async def chat_call(
         self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem], sampling: dict[str, Any]
     ) -> ChatCall:
+        if self.ec is not None:
+            parts = await self._ec_parts(items)
+        else:
+            parts = await self._inline_parts(items)
+        out_messages = []
+        for m in messages:
+            content = [
+                parts[p["index"]] if "index" in p else {"type": "text", "text": p["text"]}
+                for p in m["content"]
+            ]
+            out_messages.append({"role": m["role"], "content": content})
+        return ChatCall(CHAT, {"messages": out_messages, **sampling}, self._keys(messages, items))
+
+    async def _ec_parts(self, items: Sequence[EncodedItem]) -> list[dict[str, Any]]:
+        """Metadata-only parts whose files are in place: those already there (header checked) are
+        not read again; the others are resolved, checked as inline ones and written. An item whose
+        file cannot be written goes inline."""
+        ec, geometry = self.ec, self.model.geometry
+        assert ec is not None
+        present = await asyncio.to_thread(lambda: [ec.has(it.ref, geometry) for it in items])
+        missing = [i for i, ok in enumerate(present) if not ok]
+        tensors = await self.source.resolve([items[i].ref for i in missing]) if missing else []
+        inline: dict[int, dict[str, Any]] = {}
+        for i, mm in zip(missing, tensors, strict=True):
+            try:
+                check_embedding(items[i].ref, mm.embedding, geometry)
+            except EmbeddingMismatch as exc:
+                raise self._mismatch(items[i], i, exc) from exc
+        for i, mm in zip(missing, tensors, strict=True):
+            if not await asyncio.to_thread(ec.write, items[i].ref, mm.embedding):
+                part = await asyncio.to_thread(embeds_part, items[i].ref, mm.embedding, geometry)
+                # not under the key: vLLM prefers a file of that name, and a wrong one may be there
+                inline[i] = {**part, "uuid": f"{items[i].ref.key}-inline"}
+        return [inline[i] if i in inline else metadata_part(it.ref) for i, it in enumerate(items)]
+
+    async def _inline_parts(self, items: Sequence[EncodedItem]) -> list[dict[str, Any]]:
         tensors = await self.source.resolve([it.ref for it in items])
         parts = []
         for i, (item, mm) in enumerate(zip(items, tensors, strict=True)):
@@ -157,14 +264,7 @@ class VLLMBackend:
             except EmbeddingMismatch as exc:
                 raise self._mismatch(item, i, exc) from exc
             parts.append(part)
-        out_messages = []
-        for m in messages:
-            content = [
-                parts[p["index"]] if "index" in p else {"type": "text", "text": p["text"]}
-                for p in m["content"]
-            ]
-            out_messages.append({"role": m["role"], "content": content})
-        return ChatCall(CHAT, {"messages": out_messages, **sampling}, self._keys(messages, items))
+        return parts
 
     def _mismatch(self, item: EncodedItem, index: int, exc: EmbeddingMismatch) -> APIError:
         """A cached embedding that does not fit its own grid: dropped from the node cache (the next

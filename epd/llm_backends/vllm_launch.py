@@ -10,6 +10,7 @@ cannot find its own metadata: the server is always started as ``python -m`` its 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -27,6 +28,17 @@ from types import TracebackType
 VLLM_PEER_VERSION = "0.32.0"
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _CHECKOUT = Path(__file__).resolve().parent.parent.parent
+
+
+def ec_transfer_config(path: str | os.PathLike[str]) -> str:
+    """``--ec-transfer-config`` of an encoder-cache consumer that reads ``path`` (``vllm_ec``)."""
+    return json.dumps(
+        {
+            "ec_connector": "ECExampleConnector",
+            "ec_role": "ec_consumer",
+            "ec_connector_extra_config": {"shared_storage_path": str(path)},
+        }
+    )
 
 
 class VLLMNotFound(RuntimeError):
@@ -77,6 +89,8 @@ class VLLMLaunch:
     kv_cache_gib: float = 2.0  # VLLM_CPU_KVCACHE_SPACE: its CPU backend's KV space
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    # --vllm-ec-path: read the embeddings from this folder (ECExampleConnector consumer); None: inline
+    ec_path: str | None = None
 
     @property
     def url(self) -> str:
@@ -99,6 +113,8 @@ class VLLMLaunch:
             out += ["--served-model-name", *self.served_model_names]
         if self.max_model_len:
             out += ["--max-model-len", str(self.max_model_len)]
+        if self.ec_path:
+            out += ["--ec-transfer-config", ec_transfer_config(self.ec_path)]
         return out + list(self.extra_args)
 
     def environ(self) -> dict[str, str]:

@@ -1,6 +1,6 @@
-"""``epd serve --llm-backend vllm`` against a real vLLM server (the CPU build `make vllm-peer`
+"""``epd serve --llm-backend vllm`` with a real vLLM server (the CPU build `make vllm-peer`
 installs; skipped without it): the tiny random Qwen2.5-VL (``tests.fixtures.qwen2_5_vl``) served by
-vLLM with ``--enable-mm-embeds``, epd's encoders in front of it.
+the vLLM that epd starts and supervises itself (``--enable-mm-embeds``), epd's encoders in front.
 
 The greedy ids through epd equal vLLM's own for the raw images and transformers' ``generate``; for
 videos (one whose temporal patch spans 2 s, not 1, so the seconds per patch must reach vLLM's
@@ -13,10 +13,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
+import signal
 import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +30,7 @@ from encoder.caches.embed_cache import EmbedCache
 from epd.llm_backends.base import BackendMismatch
 from epd.llm_backends.vllm_backend import ModelInfo, VLLMBackend
 from epd.llm_backends.vllm_embeds import EmbeddingGeometry
-from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMServer, free_port, peer_python
+from epd.llm_backends.vllm_launch import free_port, peer_python
 from epd.prompt_format import PromptFormat
 from tests.epd.conftest import ServeProcess, http_json, start_serve, stop_serve
 from tests.epd.test_e2e_qwen2_5_vl import openai_messages
@@ -47,21 +50,83 @@ pytestmark = [
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def vllm(qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    server = VLLMServer(VLLMLaunch(str(qwen_dir), free_port(), kv_cache_gib=1.0), log)
-    with server:
-        yield server
+@dataclass(frozen=True)
+class SupervisedVLLM:
+    """The vLLM server ``epd serve --llm-backend vllm`` started (and supervises) on loopback."""
+
+    url: str
+
+    def pid(self) -> int | None:
+        port = self.url.rsplit(":", 1)[1]
+        for proc in Path("/proc").iterdir():
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"vllm.entrypoints.openai.api_server" in argv and port.encode() in argv:
+                return int(proc.name)
+        return None
+
+    @property
+    def alive(self) -> bool:
+        return self.pid() is not None
+
+    def healthy(self) -> bool:
+        try:
+            return http_json("GET", f"{self.url}/health", timeout=5)[0] == 200
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        pid = self.pid()
+        assert pid is not None, f"no vLLM server process on {self.url}"
+        os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
-def epd(qwen_dir: Path, vllm: VLLMServer) -> Iterator[ServeProcess]:
-    server = start_serve(["--model", str(qwen_dir), "--llm-backend", "vllm", "--llm-url", vllm.url])
+def epd(qwen_dir: Path) -> Iterator[ServeProcess]:
+    """epd with the local vLLM it starts itself on the same directory (no --llm-url)."""
+    server = start_serve(
+        ["--model", str(qwen_dir), "--llm-backend", "vllm", "--vllm-kv-cache-gib", "1"], timeout_s=600
+    )
     try:
         yield server
     finally:
+        # the group must empty out: vLLM and its engine processes stop with epd
         assert stop_serve(server) == 0, server.tail()
+
+
+@pytest.fixture(scope="module")
+def vllm(epd: ServeProcess) -> Iterator[SupervisedVLLM]:
+    (url,) = [e["url"] for e in http_json("GET", f"{epd.url}/health")[1]["llm_routing"]["engines"]]
+    server = SupervisedVLLM(url)
+    assert server.alive and server.healthy()
+    yield server
+    # epd is stopped after this fixture's end: wait for that in the epd fixture's own teardown
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_stops_with_epd(qwen_dir: Path) -> Iterator[None]:
+    """After the module: no vLLM process of this checkpoint is left (epd stops its whole group)."""
+    yield
+    deadline = time.monotonic() + 30
+    while _processes_naming(str(qwen_dir)):
+        assert time.monotonic() < deadline, (
+            f"vLLM processes outlived epd serve: {_processes_naming(str(qwen_dir))}"
+        )
+        time.sleep(0.5)
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Processes whose command line contains ``text``."""
+    out = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and text.encode() in (p / "cmdline").read_bytes():
+                out.append(int(p.name))
+        except OSError:
+            continue
+    return out
 
 
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -75,7 +140,7 @@ def epd_chat(server: ServeProcess, messages: list[dict[str, Any]], **extra: Any)
     return _post(f"{server.url}/v1/chat/completions", {**body, "return_token_ids": True})
 
 
-def vllm_raw_ids(vllm: VLLMServer, qwen_dir: Path, messages: list[dict[str, Any]]) -> list[int]:
+def vllm_raw_ids(vllm: SupervisedVLLM, qwen_dir: Path, messages: list[dict[str, Any]]) -> list[int]:
     """vLLM given the raw images itself (data: URIs), no epd in between."""
     body = {
         "model": str(qwen_dir),
@@ -97,7 +162,7 @@ def slow_video(media_dir: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("name", ["one_image", "two_images"])
 def test_images_equal_vllm_raw_and_generate(
-    epd: ServeProcess, vllm: VLLMServer, qwen_dir: Path, media_dir: Path, name: str
+    epd: ServeProcess, vllm: SupervisedVLLM, qwen_dir: Path, media_dir: Path, name: str
 ) -> None:
     messages = scenario_messages(name, media_dir)
     reply = epd_chat(epd, messages)
@@ -120,7 +185,9 @@ def test_images_equal_vllm_raw_and_generate(
     assert again["choices"][0]["token_ids"] == reference_generate(qwen_dir, history, NEW_TOKENS)
 
 
-def test_videos_equal_vllm_raw(epd: ServeProcess, vllm: VLLMServer, qwen_dir: Path, media_dir: Path) -> None:
+def test_videos_equal_vllm_raw(
+    epd: ServeProcess, vllm: SupervisedVLLM, qwen_dir: Path, media_dir: Path
+) -> None:
     """Videos: epd's embeddings and seconds per temporal patch give vLLM's own answer for the file.
     (transformers differs from vLLM here, both fed the raw file: after a video, its M-RoPE text
     positions continue from max(h, w) of the grid, vLLM's from the largest position, temporal
@@ -183,7 +250,7 @@ def test_eight_concurrent_chats(epd: ServeProcess, qwen_dir: Path) -> None:
         assert reply["choices"][0]["token_ids"] == reference_generate(qwen_dir, messages, NEW_TOKENS)
 
 
-def test_corrupt_upload_is_4xx_and_vllm_stays_up(epd: ServeProcess, vllm: VLLMServer) -> None:
+def test_corrupt_upload_is_4xx_and_vllm_stays_up(epd: ServeProcess, vllm: SupervisedVLLM) -> None:
     body = {
         "messages": [
             {
@@ -205,7 +272,9 @@ def test_corrupt_upload_is_4xx_and_vllm_stays_up(epd: ServeProcess, vllm: VLLMSe
     assert vllm.alive and vllm.healthy()
 
 
-def test_forged_cache_entry_never_reaches_vllm(epd: ServeProcess, vllm: VLLMServer, qwen_dir: Path) -> None:
+def test_forged_cache_entry_never_reaches_vllm(
+    epd: ServeProcess, vllm: SupervisedVLLM, qwen_dir: Path
+) -> None:
     messages = [
         {
             "role": "user",
@@ -247,7 +316,7 @@ def test_forged_cache_entry_never_reaches_vllm(epd: ServeProcess, vllm: VLLMServ
     ],
 )
 def test_a_server_of_another_model_is_refused(
-    qwen_dir: Path, vllm: VLLMServer, info: ModelInfo, field: str
+    qwen_dir: Path, vllm: SupervisedVLLM, info: ModelInfo, field: str
 ) -> None:
     """What ``Ingress.start`` asks each server before serving (it stops the start-up on a mismatch)."""
     from llm_core.prompts.tokenizer import load_tokenizer
@@ -264,7 +333,7 @@ def test_a_server_of_another_model_is_refused(
     assert vllm.alive and vllm.healthy()
 
 
-def test_the_matching_server_passes_the_check(qwen_dir: Path, vllm: VLLMServer) -> None:
+def test_the_matching_server_passes_the_check(qwen_dir: Path, vllm: SupervisedVLLM) -> None:
     from llm_core.prompts.tokenizer import load_tokenizer
 
     fmt = PromptFormat.load(qwen_dir, load_tokenizer(str(qwen_dir)))
@@ -279,8 +348,30 @@ def test_the_matching_server_passes_the_check(qwen_dir: Path, vllm: VLLMServer) 
     assert asyncio.run(check()) == str(qwen_dir)
 
 
-def test_vllm_killed_mid_stream_then_restarted(epd: ServeProcess, vllm: VLLMServer, qwen_dir: Path) -> None:
-    """Runs last in this module: it restarts the module's vLLM server."""
+def test_a_dead_server_is_out_of_the_set(qwen_dir: Path, vllm: SupervisedVLLM) -> None:
+    """Two servers given, one never up: every chat is answered by the live one."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    server = start_serve(
+        ["--model", str(qwen_dir), "--llm-backend", "vllm", "--llm-url", dead, "--llm-url", vllm.url]
+    )
+    try:
+        messages = [
+            {"role": "user", "content": [{"type": "text", "text": f"Count to {n}."}]} for n in range(4)
+        ]
+        for m in messages:
+            reply = epd_chat(server, [m])
+            assert reply["usage"]["completion_tokens"] == NEW_TOKENS
+        routing = http_json("GET", f"{server.url}/health")[1]["llm_routing"]
+        live = {e["url"]: e["live"] for e in routing["engines"]}
+        assert live == {dead: False, vllm.url: True}, routing
+    finally:
+        assert stop_serve(server) == 0, server.tail()
+
+
+def test_vllm_killed_mid_stream_then_restarted(
+    epd: ServeProcess, vllm: SupervisedVLLM, qwen_dir: Path
+) -> None:
+    """Runs last in this module: the supervisor restarts the killed vLLM."""
     messages = [
         {
             "role": "user",
@@ -308,8 +399,8 @@ def test_vllm_killed_mid_stream_then_restarted(epd: ServeProcess, vllm: VLLMServ
             line = raw.decode().strip()
             if line.startswith("data: "):
                 lines.append(line[6:])
-            if len(lines) == 5:
-                vllm.kill()
+                if len(lines) == 5:
+                    vllm.kill()  # mid-answer
     assert time.monotonic() - t0 < 60
     assert lines[-1] == "[DONE]"
     assert "error" in json.loads(lines[-2]), lines[-3:]  # the client is told, the stream ends
@@ -318,9 +409,9 @@ def test_vllm_killed_mid_stream_then_restarted(epd: ServeProcess, vllm: VLLMServ
     )
     assert status == 503 and reply["error"]["type"] == "engine_unavailable", reply
 
-    vllm.start()  # same port: epd's health poll takes it back
-    deadline = time.monotonic() + 30
+    # epd's supervisor restarts it on the same port; the health poll takes it back
+    deadline = time.monotonic() + 600
     while http_json("GET", f"{epd.url}/ready")[0] != 200:
         assert time.monotonic() < deadline, "epd did not take the restarted vLLM back"
-        time.sleep(0.5)
+        time.sleep(1.0)
     assert epd_chat(epd, messages)["choices"][0]["token_ids"] == before

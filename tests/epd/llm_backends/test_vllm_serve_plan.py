@@ -1,0 +1,69 @@
+"""What ``epd serve --llm-backend vllm`` starts: no epd engine; one supervised local vLLM on the same
+checkpoint without --llm-url, none with it (epd/serve_cmd.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from epd.cli import build_parser
+from epd.serve_cmd import ServeConfig, config_from_args, plan
+
+
+def serve_config(*argv: str) -> ServeConfig:
+    return config_from_args(build_parser(only="serve").parse_args(["serve", *argv]))
+
+
+def test_local_vllm_child(qwen_dir: Path) -> None:
+    cfg = serve_config(
+        "--model",
+        str(qwen_dir),
+        "--llm-backend",
+        "vllm",
+        "--vllm-python",
+        sys.executable,
+        "--vllm-arg=--max-num-seqs 8",
+    )
+    p = plan(cfg)
+    names = [c.name for c in p.children]
+    assert "vllm" in names and not any(n.startswith("llm") for n in names)
+    child = next(c for c in p.children if c.name == "vllm")
+    assert child.argv[:3] == (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
+    assert child.argv[child.argv.index("--model") + 1] == str(qwen_dir)
+    assert child.argv[-2:] == ("--max-num-seqs", "8")
+    assert p.ingress.llm_backend == "vllm"
+    assert p.ingress.llm_urls == (child.health_url.removesuffix("/health"),)
+    assert p.llm_children == {"vllm": p.ingress.llm_urls[0]}  # the supervisor marks it down and up
+
+
+def test_remote_vllm_servers_start_nothing(qwen_dir: Path) -> None:
+    cfg = serve_config(
+        "--model",
+        str(qwen_dir),
+        "--llm-backend",
+        "vllm",
+        "--llm-url",
+        "http://a:8000",
+        "--llm-url",
+        "http://b:8000",
+    )
+    p = plan(cfg)
+    assert [c.name for c in p.children if not c.name.startswith("encoder")] == []
+    assert p.ingress.llm_urls == ("http://a:8000", "http://b:8000")
+
+
+def test_no_split_roles_with_vllm(qwen_dir: Path) -> None:
+    cfg = serve_config(
+        "--model",
+        str(qwen_dir),
+        "--llm-backend",
+        "vllm",
+        "--llm-prefill-instances",
+        "1",
+        "--llm-decode-instances",
+        "1",
+    )
+    with pytest.raises(SystemExit, match="no prefill/decode split"):
+        plan(cfg)
