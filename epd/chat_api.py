@@ -95,7 +95,8 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
     chat_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if not stream:
-        result = backend.chat_result(await engines.complete(call.body, call.keys, deadline_at, call.path))
+        out = await engines.complete(call.body, call.keys, deadline_at, call.path, call.prompt_tokens)
+        result = backend.chat_result(out)
         ids = {"prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids}
         return JSONResponse(
             {
@@ -118,7 +119,11 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
 
     # Validate the engine accepts the request before the 200 status line goes out.
     chunks = engines.stream(
-        {**call.body, "stream_options": {"include_usage": True}}, call.keys, deadline_at, call.path
+        {**call.body, "stream_options": {"include_usage": True}},
+        call.keys,
+        deadline_at,
+        call.path,
+        call.prompt_tokens,
     )
     first = await anext(chunks, None)
 
@@ -177,9 +182,12 @@ async def completions(ingress: Ingress, request: Request) -> Response:
     if not body.get("stream"):
         # the served id the client asked by, whatever the backend's server calls its model
         return JSONResponse(
-            {**await engines.complete(call.body, call.keys, deadline_at, call.path), "model": model}
+            {
+                **await engines.complete(call.body, call.keys, deadline_at, call.path, call.prompt_tokens),
+                "model": model,
+            }
         )
-    chunks = engines.stream(call.body, call.keys, deadline_at, call.path)
+    chunks = engines.stream(call.body, call.keys, deadline_at, call.path, call.prompt_tokens)
     first = await anext(chunks, None)
 
     async def events() -> AsyncIterator[bytes]:

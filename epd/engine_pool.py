@@ -192,12 +192,20 @@ class EnginePool:
         return prompt_cache_keys(self.tokenizer, prompt, media)
 
     async def complete(
-        self, body: dict[str, Any], keys: list[int], deadline_at: float | None = None, path: str = COMPLETIONS
+        self,
+        body: dict[str, Any],
+        keys: list[int],
+        deadline_at: float | None = None,
+        path: str = COMPLETIONS,
+        prompt_tokens: int | None = None,
     ) -> dict[str, Any]:
         """A non-streamed completion (through a prefill and a decode engine when roles are split).
         ``deadline_at`` (monotonic): each engine is told what is left of it (``X-Request-Timeout``)."""
         if not self.split:
-            return (await self._complete_on(self.router, body, keys, deadline_at=deadline_at, path=path))[0]
+            out, _ = await self._complete_on(
+                self.router, body, keys, deadline_at=deadline_at, path=path, prompt_tokens=prompt_tokens
+            )
+            return out
         pre = await self._prefill(body, keys, deadline_at)
         if pre.done is not None:
             return pre.done
@@ -208,12 +216,20 @@ class EnginePool:
         return _with_prefill_usage(out, pre)
 
     async def stream(
-        self, body: dict[str, Any], keys: list[int], deadline_at: float | None = None, path: str = COMPLETIONS
+        self,
+        body: dict[str, Any],
+        keys: list[int],
+        deadline_at: float | None = None,
+        path: str = COMPLETIONS,
+        prompt_tokens: int | None = None,
     ) -> AsyncGenerator[dict[str, Any], None]:
         """Streamed chunks (the decode engine's when roles are split); re-routes only before the
         first chunk."""
         if not self.split:
-            async for chunk in self._stream_on(self.router, body, keys, deadline_at=deadline_at, path=path):
+            chunks = self._stream_on(
+                self.router, body, keys, deadline_at=deadline_at, path=path, prompt_tokens=prompt_tokens
+            )
+            async for chunk in chunks:
                 yield chunk
             return
         pre = await self._prefill(body, keys, deadline_at)
@@ -266,12 +282,13 @@ class EnginePool:
         max_tokens: int | None = None,
         deadline_at: float | None = None,
         path: str = COMPLETIONS,
+        prompt_tokens: int | None = None,
     ) -> tuple[dict[str, Any], str]:
         """The engine's body and which engine answered."""
         tried: set[str] = set()
         refusals: list[APIError] = []
         while True:
-            dispatch, rid = self._route(router, body, keys, tried, max_tokens, refusals)
+            dispatch, rid = self._route(router, body, keys, tried, max_tokens, refusals, prompt_tokens)
             started = time.perf_counter()
             try:
                 out = await self.clients[dispatch.url].complete(body, rid, seconds_left(deadline_at), path)
@@ -293,11 +310,12 @@ class EnginePool:
         pre: _Prefilled | None = None,
         deadline_at: float | None = None,
         path: str = COMPLETIONS,
+        prompt_tokens: int | None = None,
     ) -> AsyncGenerator[dict[str, Any], None]:
         tried: set[str] = set()
         refusals: list[APIError] = []
         while True:
-            dispatch, rid = self._route(router, body, keys, tried, None, refusals)
+            dispatch, rid = self._route(router, body, keys, tried, None, refusals, prompt_tokens)
             started = time.perf_counter()
             chunks = self.clients[dispatch.url].stream(body, rid, seconds_left(deadline_at), path)
             got_any = False
@@ -334,9 +352,12 @@ class EnginePool:
         tried: set[str],
         max_tokens: int | None = None,
         refusals: list[APIError] | None = None,
+        prompt_tokens: int | None = None,
     ) -> tuple[Dispatch, str]:
+        """``prompt_tokens``: the prompt's size when ``keys`` do not give it (a backend that routes
+        by load only sends none)."""
         rid = f"epd-{uuid.uuid4().hex[:24]}"
-        n_prompt = len(keys) if keys else 1
+        n_prompt = prompt_tokens or len(keys) or 1
         if max_tokens is None:
             want = body.get("max_tokens")
             max_tokens = int(want) if isinstance(want, int) else 16

@@ -17,6 +17,7 @@ class ChatCall(NamedTuple):
     path: str  # the server's endpoint, e.g. "/v1/completions"
     body: dict[str, Any]
     keys: list[int]  # prefix-cache keys the router scores (token ids, media runs as pseudo-ids)
+    prompt_tokens: int | None = None  # the prompt's size for load counting, when keys are not sent
 
 
 class ChatResult(NamedTuple):

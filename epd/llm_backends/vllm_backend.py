@@ -31,7 +31,6 @@ import torch
 from encoder.caches.embed_cache import EmbedCache
 from epd.engine_client import EngineClient
 from epd.llm_backends.base import BackendMismatch, ChatCall, ChatDelta, ChatResult
-from epd.llm_backends.cache_keys import prompt_cache_keys
 from epd.llm_backends.vllm_ec import ECFolder, ec_transfer_config, metadata_keys, metadata_part
 from epd.llm_backends.vllm_embeds import (
     EmbeddingGeometry,
@@ -41,8 +40,8 @@ from epd.llm_backends.vllm_embeds import (
     tensor_b64,
 )
 from epd.media_pipeline import EncodedItem
-from epd.prompt_format import ChatTemplateError, PromptFormat, media_item
-from epd_common.errors import APIError, bad_request
+from epd.prompt_format import PromptFormat
+from epd_common.errors import APIError
 from llm_core.models.checkpoint import CheckpointError, read_config_json
 from llm_core.serving.embedding_source import EmbeddingSource
 
@@ -228,7 +227,7 @@ class VLLMBackend:
                 for p in m["content"]
             ]
             out_messages.append({"role": m["role"], "content": content})
-        return ChatCall(CHAT, {"messages": out_messages, **sampling}, self._keys(messages, items))
+        return ChatCall(CHAT, {"messages": out_messages, **sampling}, [], _prompt_estimate(messages, items))
 
     async def _ec_parts(self, items: Sequence[EncodedItem]) -> list[dict[str, Any]]:
         """Metadata-only parts whose files are in place: those already there (header checked) are
@@ -281,21 +280,10 @@ class VLLMBackend:
             retry_after_s=0.0,
         )
 
-    def _keys(self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem]) -> list[int]:
-        """The prompt's keys as our renderer writes it (vLLM renders the same template): for load."""
-        media = [media_item(items[p["index"]].ref) for m in messages for p in m["content"] if "index" in p]
-        try:
-            ids = self.prompt_format.prompt_ids(messages, media)
-        except ChatTemplateError as exc:
-            raise bad_request(str(exc), exc.param) from exc
-        return prompt_cache_keys(
-            self.prompt_format.tokenizer, ids, [(it.ref.key, it.ref.num_tokens) for it in items]
-        )
-
     def completion_call(self, body: dict[str, Any]) -> ChatCall:
-        return ChatCall(
-            COMPLETIONS, body, prompt_cache_keys(self.prompt_format.tokenizer, body.get("prompt"))
-        )
+        prompt = body.get("prompt")
+        size = len(prompt) // 4 if isinstance(prompt, str) else len(prompt) if isinstance(prompt, list) else 1
+        return ChatCall(COMPLETIONS, body, [], max(size, 1))
 
     def chat_result(self, out: dict[str, Any]) -> ChatResult:
         choice = out["choices"][0]
@@ -313,6 +301,13 @@ class VLLMBackend:
             text += (choice.get("delta") or {}).get("content") or ""
             finish = choice.get("finish_reason") or finish
         return ChatDelta(text, finish, _usage(chunk.get("usage")) or None)
+
+
+def _prompt_estimate(messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem]) -> int:
+    """The prompt's tokens for the router's load counts (least-load or round robin over vLLM need
+    no prefix keys): every media row, and ~4 characters a text token; vLLM renders the real ids."""
+    chars = sum(len(p.get("text", "")) for m in messages for p in m["content"] if p.get("type") == "text")
+    return sum(it.ref.num_tokens for it in items) + chars // 4 + 8 * len(messages)
 
 
 def _usage(usage: Any) -> dict[str, Any]:
