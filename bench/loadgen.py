@@ -19,7 +19,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple
 
 import aiohttp
@@ -95,6 +95,11 @@ async def send_one(
     return Outcome(index, start, time.perf_counter() - t0, status, cache_hit, error, server_ms)
 
 
+# Sends one request: (session, endpoint, body, index, t0) -> its Outcome; ``send_one`` by default,
+# another API's client (e.g. chats) where the answer has another shape. Never raises for a failure.
+SendFn = Callable[[aiohttp.ClientSession, str, dict[str, Any], int, float], Awaitable[Outcome]]
+
+
 async def closed_loop(
     session: aiohttp.ClientSession,
     endpoint: str,
@@ -103,6 +108,7 @@ async def closed_loop(
     concurrency: int,
     requests: int,
     on_done: DoneFn | None = None,
+    send: SendFn = send_one,
 ) -> LoadResult:
     """Send ``requests`` requests from ``concurrency`` workers that each wait for their answer."""
     if concurrency < 1 or requests < 1:
@@ -118,7 +124,7 @@ async def closed_loop(
         while next_index < requests:
             i = next_index
             next_index += 1  # no await between the check and the claim: single-threaded loop
-            outcomes.append(await send_one(session, endpoint, body(i), i, t0))
+            outcomes.append(await send(session, endpoint, body(i), i, t0))
             if on_done is not None:
                 on_done()
 
@@ -148,13 +154,14 @@ async def open_loop(
     requests: int,
     seed: int = 0,
     on_done: DoneFn | None = None,
+    send: SendFn = send_one,
 ) -> LoadResult:
     """Send ``requests`` requests at Poisson arrival times of mean ``rate``/s, never waiting for answers."""
     schedule = poisson_schedule(rate, requests, seed)
     t0 = time.perf_counter()
 
     async def one(i: int) -> Outcome:
-        out = await send_one(session, endpoint, body(i), i, t0)
+        out = await send(session, endpoint, body(i), i, t0)
         if on_done is not None:
             on_done()
         return out

@@ -97,6 +97,11 @@ class ServiceProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(5.0)
 
+    @property
+    def pid(self) -> int | None:
+        """The leader's pid while it runs (its process group's id too)."""
+        return self._proc.pid if self._proc is not None else None
+
     def cpu_seconds(self) -> float | None:
         """CPU time (user + system) used so far by the service and every live descendant (its
         workers), from /proc; None when not running or not on Linux."""

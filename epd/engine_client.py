@@ -44,11 +44,8 @@ class EngineClient:
         ``X-Request-Id``: the engine lists it in its /health while it holds the request;
         ``deadline_s`` as ``X-Request-Timeout``: the engine admits against it."""
         try:
-            async with self.session.post(
-                f"{self.base_url}{path}",
-                json={**self.prepare(body), "stream": False},
-                timeout=self.timeout,
-                headers=_headers(request_id, deadline_s),
+            async with await self._post(
+                path, {**self.prepare(body), "stream": False}, request_id, deadline_s
             ) as resp:
                 payload = await _read_json(resp)
                 _raise_for_engine_status(resp, payload)
@@ -69,11 +66,8 @@ class EngineClient:
         request in the engine.
         """
         try:
-            async with self.session.post(
-                f"{self.base_url}{path}",
-                json={**self.prepare(body), "stream": True},
-                timeout=self.timeout,
-                headers=_headers(request_id, deadline_s),
+            async with await self._post(
+                path, {**self.prepare(body), "stream": True}, request_id, deadline_s
             ) as resp:
                 if resp.status != 200:
                     _raise_for_engine_status(resp, await _read_json(resp))
@@ -93,6 +87,25 @@ class EngineClient:
                     yield chunk
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise engine_unavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    async def _post(
+        self, path: str, body: dict[str, Any], request_id: str | None, deadline_s: float | None
+    ) -> aiohttp.ClientResponse:
+        """POST ``body``; once more on a fresh connection when a pooled one turns out closed by the
+        server before it answered (a server whose keep-alive is shorter than the pool's: vLLM's
+        uvicorn keeps idle connections 5 s, the pool 15). A refused connection is not retried."""
+        for attempt in (0, 1):
+            try:
+                return await self.session.post(
+                    f"{self.base_url}{path}",
+                    json=body,
+                    timeout=self.timeout,
+                    headers=_headers(request_id, deadline_s),
+                )
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if attempt or isinstance(exc, aiohttp.ClientConnectorError):
+                    raise  # refused, or a second failure: the server is down
+        raise AssertionError("unreachable")
 
     async def get_json(self, path: str, timeout_s: float = 5.0) -> dict[str, Any] | None:
         """GET ``path`` -> its JSON object, or None when unreachable or not 200."""
