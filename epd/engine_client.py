@@ -7,6 +7,7 @@ becomes a 503 with Retry-After so that clients retry once the supervisor has res
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -29,6 +30,8 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
 
+    large_bodies = False  # a backend whose requests carry tensors serializes them off the loop
+
     def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
         """The body as this server takes it (a backend's client names its served model here)."""
         return body
@@ -48,7 +51,7 @@ class EngineClient:
                 path, {**self.prepare(body), "stream": False}, request_id, deadline_s
             ) as resp:
                 payload = await _read_json(resp)
-                _raise_for_engine_status(resp, payload)
+                self.raise_for_status(resp, payload)
                 return payload
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise engine_unavailable(f"{type(exc).__name__}: {exc}") from exc
@@ -70,7 +73,7 @@ class EngineClient:
                 path, {**self.prepare(body), "stream": True}, request_id, deadline_s
             ) as resp:
                 if resp.status != 200:
-                    _raise_for_engine_status(resp, await _read_json(resp))
+                    self.raise_for_status(resp, await _read_json(resp))
                 async for raw in resp.content:
                     line = raw.decode("utf-8", "replace").strip()
                     if not line.startswith("data:"):
@@ -88,19 +91,24 @@ class EngineClient:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise engine_unavailable(f"{type(exc).__name__}: {exc}") from exc
 
+    def raise_for_status(self, resp: aiohttp.ClientResponse, payload: dict[str, Any]) -> None:
+        """A non-200 answer as the APIError the client gets (a backend's client may map its
+        server's statuses otherwise)."""
+        _raise_for_engine_status(resp, payload)
+
     async def _post(
         self, path: str, body: dict[str, Any], request_id: str | None, deadline_s: float | None
     ) -> aiohttp.ClientResponse:
         """POST ``body``; once more on a fresh connection when a pooled one turns out closed by the
         server before it answered (a server whose keep-alive is shorter than the pool's: vLLM's
         uvicorn keeps idle connections 5 s, the pool 15). A refused connection is not retried."""
+        # a body of embeddings is megabytes of base64: serialized off the event loop, once
+        data = await asyncio.to_thread(_dumps, body) if self.large_bodies else _dumps(body)
+        headers = {**_headers(request_id, deadline_s), "Content-Type": "application/json"}
         for attempt in (0, 1):
             try:
                 return await self.session.post(
-                    f"{self.base_url}{path}",
-                    json=body,
-                    timeout=self.timeout,
-                    headers=_headers(request_id, deadline_s),
+                    f"{self.base_url}{path}", data=data, timeout=self.timeout, headers=headers
                 )
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 if attempt or isinstance(exc, aiohttp.ClientConnectorError):
@@ -120,6 +128,10 @@ class EngineClient:
     async def health(self, timeout_s: float = 2.0) -> dict[str, Any] | None:
         """The /health body ({} for a server that answers 200 with none), None when down."""
         return await self.get_json("/health", timeout_s)
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
 
 
 def _headers(request_id: str | None, deadline_s: float | None) -> dict[str, str]:

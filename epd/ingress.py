@@ -19,7 +19,7 @@ from encoder.serving.router import EncoderRouter, WorkerSpec
 from epd.config import IngressConfig
 from epd.encoder_client import EncoderClient
 from epd.engine_pool import EnginePool
-from epd.llm_backends.base import LLMBackend
+from epd.llm_backends.base import BackendMismatch, LLMBackend
 from epd.llm_backends.epd_engine import EpdEngineBackend
 from epd.llm_backends.vllm_backend import ModelInfo, VLLMBackend
 from epd.llm_backends.vllm_ec import ECFolder
@@ -65,7 +65,10 @@ class Ingress:
         self.chats_inflight = 0
         self.store: GuardedStore | None = None
         self.backend: LLMBackend = EpdEngineBackend(self.prompt_format)
-        self._unchecked: set[str] = set()  # LLM servers not yet asked what they serve
+        # LLM servers that passed the backend's check since they were last down (vLLM: the model,
+        # its width, embeddings input); only these are routed to
+        self._checked: set[str] = set()
+        self._check_errors: dict[str, str] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -94,7 +97,8 @@ class Ingress:
                 make_client=self.backend.client,
             )
             self._engines.start()
-            await self._check_servers(self.config.llm_urls)
+            if self.backend.checks_servers:
+                await self._check_servers(self.config.llm_urls, at_start=True)
         self.fingerprint = await self._encoder_fingerprint()
         self.store = build_store(self.config.store)
         tier = None
@@ -123,6 +127,7 @@ class Ingress:
                 await self._health_task
         if self._engines is not None:
             self._engines.close()
+            await self.backend.close()
         if self.store is not None:
             self.store.close()
         if self._fetcher is not None:
@@ -143,18 +148,47 @@ class Ingress:
             ec=ECFolder.of(self.config),  # --vllm-ec-path: the embeddings as files vLLM reads
         )
 
-    async def _check_servers(self, urls: Sequence[str]) -> None:
-        """Ask each server what it serves: a mismatch stops the start-up (``BackendMismatch``); a
-        server that does not answer yet is checked when it first comes up, out of routing until."""
+    async def _check_servers(self, urls: Sequence[str], at_start: bool = False) -> None:
+        """Ask each server what it serves, and route to it only once it passed (``_checked``).
+        At start a mismatch stops the start-up (``BackendMismatch``); later (a server that was
+        down at start, or came back: it may be another model now) it keeps the server out of
+        routing, with an error logged once per message."""
         engines = self.engines
         for url in urls:
             try:
                 await self.backend.check_server(engines.clients[url])
-                self._unchecked.discard(url)
-            except ConnectionError as exc:
-                if url not in self._unchecked:
-                    log.warning("LLM server %s not checked yet (%s): out of routing until it is", url, exc)
-                self._unchecked.add(url)
+            except (ConnectionError, APIError, BackendMismatch) as exc:
+                if at_start and isinstance(exc, BackendMismatch):
+                    raise
+                if self._check_errors.get(url) != str(exc):
+                    self._check_errors[url] = str(exc)
+                    log.error("LLM server %s kept out of routing: %s", url, exc)
+                engines.mark(url, False)
+                continue
+            self._checked.add(url)
+            self._check_errors.pop(url, None)
+            engines.mark(url, True)
+
+    def llm_server_up(self, url: str) -> None:
+        """The supervisor restarted ``url``'s server: into routing now, or (a backend that checks
+        its servers) once the next health round has checked it again."""
+        if self.backend.checks_servers:
+            self._checked.discard(url)
+        else:
+            self.engines.mark(url, True)
+
+    async def _recheck_servers(self) -> None:
+        """After a health round: servers that answer but have not passed their check since they
+        were last down are taken out of routing and asked again."""
+        engines = self.engines
+        for url, up in engines.up.items():
+            if not up:
+                self._checked.discard(url)
+        pending = [u for u, up in engines.up.items() if up and u not in self._checked]
+        for url in pending:
+            engines.mark(url, False)  # nothing is routed there while it is asked
+        if pending:
+            await self._check_servers(pending)
 
     @property
     def pipeline(self) -> MediaPipeline:
@@ -196,10 +230,8 @@ class Ingress:
         self.metrics.encoders_up.set(len(self.router.live_workers))
         if self._engines is not None:
             await self._engines.poll()
-            if self._unchecked:
-                await self._check_servers([u for u in self._unchecked if self._engines.up.get(u)])
-                for url in self._unchecked:
-                    self._engines.mark(url, False)
+            if self.backend.checks_servers:
+                await self._recheck_servers()
             healths = [self._engines.healths[u] for u, up in self._engines.up.items() if up]
             if healths:
                 self.engine_paths = _paths_of(healths[0])

@@ -64,6 +64,7 @@ class ServeConfig:
     vllm_python: str | None = None
     vllm_args: tuple[str, ...] = ()
     vllm_kv_cache_gib: float = 2.0
+    vllm_dtype: str = "auto"
 
 
 # Fields that `epd serve` derives itself instead of taking from flags.
@@ -168,6 +169,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--vllm-arg='--max-num-seqs 64'",
     )
     vllm.add_argument(
+        "--vllm-dtype",
+        default="auto",
+        help="the local vLLM server's --dtype (default: auto, vLLM's choice for the checkpoint; "
+        "float32 gives transformers' float32 results)",
+    )
+    vllm.add_argument(
         "--vllm-kv-cache-gib",
         type=float,
         default=2.0,
@@ -217,6 +224,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         vllm_python=args.vllm_python,
         vllm_args=launch_args(args.vllm_args),
         vllm_kv_cache_gib=args.vllm_kv_cache_gib,
+        vllm_dtype=args.vllm_dtype,
     )
 
 
@@ -247,6 +255,9 @@ def vllm_child(cfg: ServeConfig, port: int) -> ChildSpec:
             port,
             python=cfg.vllm_python,
             kv_cache_gib=cfg.vllm_kv_cache_gib,
+            dtype=cfg.vllm_dtype,
+            max_model_len=None,  # the checkpoint's own context (--vllm-arg to cap it)
+            served_model_names=cfg.ingress.served_model_names,  # the ids epd serves
             extra_args=cfg.vllm_args,
             ec_path=cfg.ingress.vllm_ec_path,  # an encoder-cache consumer of that folder
         )
@@ -358,7 +369,7 @@ async def serve(cfg: ServeConfig) -> int:
         if spec.name in p.encoder_children:
             ingress.router.mark_up(p.encoder_children[spec.name])
         if spec.name in p.llm_children:
-            ingress.engines.mark(p.llm_children[spec.name], True)
+            ingress.llm_server_up(p.llm_children[spec.name])
 
     sup = Supervisor(p.children, on_down=on_down, on_up=on_up)
     redis: LocalRedis | None = None

@@ -127,7 +127,10 @@ class Supervisor:
                 name = next(n for n, t in waits.items() if t is task)
                 spec = by_name[name]
                 log.warning("%s exited with code %s; restarting", name, task.result())
-                self._signal(self.procs[name].pid, signal.SIGKILL)  # what it left of its group
+                gone = self.procs[name].pid
+                if gone in self._groups:  # what it left of its group (a lone child is reaped)
+                    self._signal(gone, signal.SIGKILL)
+                    self._groups.discard(gone)
                 await _call(self.on_down, spec)
                 self.restarts[name] += 1
                 await asyncio.sleep(self.restart_backoff_s)

@@ -45,6 +45,9 @@ class LLMBackend(Protocol):
     # policies the router may use over this backend's servers (affinity needs KV events or the
     # engine's own page geometry)
     routing_policies: tuple[str, ...]
+    # whether servers must pass ``check_server`` before anything is routed to them (and again each
+    # time they come back up)
+    checks_servers: bool
 
     def client(self, session: aiohttp.ClientSession, url: str, timeout_s: float) -> EngineClient:
         """The HTTP client of one server."""
@@ -62,6 +65,10 @@ class LLMBackend(Protocol):
         ...
 
     def completion_call(self, body: dict[str, Any]) -> ChatCall: ...
+
+    async def close(self) -> None:
+        """Release what the backend opened (HTTP sessions)."""
+        ...
 
     def chat_result(self, out: dict[str, Any]) -> ChatResult: ...
 

@@ -21,6 +21,7 @@ COMPLETIONS = "/v1/completions"
 class EpdEngineBackend:
     name = "epd"
     routing_policies: tuple[str, ...] = ("affinity", "round_robin", "least_load")
+    checks_servers = False  # `epd serve` started them from the same checkpoint
 
     def __init__(self, prompt_format: PromptFormat) -> None:
         self.prompt_format = prompt_format
@@ -49,6 +50,9 @@ class EpdEngineBackend:
         return ChatCall(
             COMPLETIONS, body, prompt_cache_keys(self.prompt_format.tokenizer, body.get("prompt"))
         )
+
+    async def close(self) -> None:
+        return None
 
     def chat_result(self, out: dict[str, Any]) -> ChatResult:
         choice = out["choices"][0]

@@ -36,14 +36,16 @@ from epd.llm_backends.vllm_embeds import (
     EmbeddingGeometry,
     EmbeddingMismatch,
     check_embedding,
+    check_seconds,
     embeds_part,
     tensor_b64,
 )
 from epd.media_pipeline import EncodedItem
 from epd.prompt_format import PromptFormat
-from epd_common.errors import APIError
+from epd_common.errors import APIError, bad_request
 from llm_core.models.checkpoint import CheckpointError, read_config_json
 from llm_core.serving.embedding_source import EmbeddingSource
+from llm_core.serving.model_runner import MultimodalInput
 
 log = logging.getLogger("epd.llm_backends.vllm")
 
@@ -82,6 +84,7 @@ class VLLMClient(EngineClient):
     """One vLLM server; requests name the model it serves (learnt from its /v1/models)."""
 
     model_id: str | None = None
+    large_bodies = True  # inline embeddings
     ec: ECFolder | None = None  # the encoder-cache folder the metadata-only parts name
 
     def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -95,10 +98,23 @@ class VLLMClient(EngineClient):
             )
         return {**body, "model": self.model_id} if self.model_id else body
 
+    def raise_for_status(self, resp: aiohttp.ClientResponse, payload: dict[str, Any]) -> None:
+        """vLLM answers 500 when a request broke its engine (which then exits): that request is
+        answered 502 and not sent to the next server (it might break that one too); the server,
+        once unreachable, is taken out by the next call or health round."""
+        if resp.status >= 500 and resp.status != 503:
+            err = payload.get("error") if isinstance(payload.get("error"), dict) else {}
+            message = str((err or {}).get("message", "")) or f"HTTP {resp.status}"
+            raise APIError(
+                502, f"vLLM at {self.base_url} failed this request: {message}", type="upstream_error"
+            )
+        super().raise_for_status(resp, payload)
+
 
 class VLLMBackend:
     name = "vllm"
     routing_policies: tuple[str, ...] = ("round_robin", "least_load")
+    checks_servers = True  # a server of another model or without embeddings input would die
 
     def __init__(
         self,
@@ -235,9 +251,14 @@ class VLLMBackend:
         file cannot be written goes inline."""
         ec, geometry = self.ec, self.model.geometry
         assert ec is not None
+        for i, it in enumerate(items):
+            try:
+                check_seconds(it.ref)  # a file in place is not checked again below
+            except EmbeddingMismatch as exc:
+                raise self._mismatch(it, i, exc) from exc
         present = await asyncio.to_thread(lambda: [ec.has(it.ref, geometry) for it in items])
         missing = [i for i, ok in enumerate(present) if not ok]
-        tensors = await self.source.resolve([items[i].ref for i in missing]) if missing else []
+        tensors = await self._resolve([items[i] for i in missing])
         inline: dict[int, dict[str, Any]] = {}
         for i, mm in zip(missing, tensors, strict=True):
             try:
@@ -251,8 +272,31 @@ class VLLMBackend:
                 inline[i] = {**part, "uuid": f"{items[i].ref.key}-inline"}
         return [inline[i] if i in inline else metadata_part(it.ref) for i, it in enumerate(items)]
 
+    async def _resolve(self, items: Sequence[EncodedItem]) -> list[MultimodalInput]:
+        """The items' tensors (node cache, else the encoder's URL). A cache entry that disagrees
+        with its own header is a mismatch of ours (evicted, 502); an entry evicted since the
+        ingress resolved it is a retryable 503, not the client's fault."""
+        out = []
+        for i, item in enumerate(items):
+            try:
+                (mm,) = await self.source.resolve([item.ref])
+            except APIError as exc:
+                if exc.status != 400:
+                    raise
+                if self.cache is not None and self.cache.contains(item.ref.key):
+                    raise self._mismatch(item, i, EmbeddingMismatch(exc.message)) from exc
+                raise APIError(
+                    503,
+                    f"the embedding of {item.name} left the node cache before it was sent; retry",
+                    type="embedding_evicted",
+                    param=item.name,
+                    retry_after_s=0.0,
+                ) from exc
+            out.append(mm)
+        return out
+
     async def _inline_parts(self, items: Sequence[EncodedItem]) -> list[dict[str, Any]]:
-        tensors = await self.source.resolve([it.ref for it in items])
+        tensors = await self._resolve(items)
         parts = []
         for i, (item, mm) in enumerate(zip(items, tensors, strict=True)):
             try:
@@ -281,9 +325,14 @@ class VLLMBackend:
         )
 
     def completion_call(self, body: dict[str, Any]) -> ChatCall:
+        if "prompt_embeds" in body:  # tensors epd has not checked: a malformed one kills vLLM
+            raise bad_request("prompt_embeds are not passed on to the language model", "prompt_embeds")
         prompt = body.get("prompt")
         size = len(prompt) // 4 if isinstance(prompt, str) else len(prompt) if isinstance(prompt, list) else 1
         return ChatCall(COMPLETIONS, body, [], max(size, 1))
+
+    async def close(self) -> None:
+        await self.source.close()  # its session for remote refs; the node cache is the ingress's
 
     def chat_result(self, out: dict[str, Any]) -> ChatResult:
         choice = out["choices"][0]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -33,6 +34,22 @@ class EmbeddingGeometry(NamedTuple):
 
 class EmbeddingMismatch(ValueError):
     """An embedding that does not fit its grid or the model: never sent."""
+
+
+# A temporal patch spans two sampled frames: more than an hour is no video's (and an out-of-range
+# value drives vLLM's M-RoPE positions out of bounds).
+MAX_SECONDS_PER_PATCH = 3600.0
+
+
+def check_seconds(ref: EmbeddingRef) -> None:
+    """A video's seconds per temporal patch must be finite and in (0, MAX_SECONDS_PER_PATCH]."""
+    s = ref.seconds_per_grid_t
+    if (
+        ref.modality == "video"
+        and s is not None
+        and not (math.isfinite(s) and 0 < s <= MAX_SECONDS_PER_PATCH)
+    ):
+        raise EmbeddingMismatch(f"seconds per temporal patch {s} is not in (0, {MAX_SECONDS_PER_PATCH:g}]")
 
 
 def expected_rows(grid_thw: tuple[int, int, int], merge: int) -> int:
@@ -62,6 +79,7 @@ def check_embedding(ref: EmbeddingRef, tensor: torch.Tensor, geometry: Embedding
         )
     if ref.modality == "image" and ref.grid_thw[0][0] != 1:
         raise EmbeddingMismatch(f"an image grid must have t = 1, got {list(ref.grid_thw[0])}")
+    check_seconds(ref)
 
 
 def tensor_b64(tensor: torch.Tensor) -> str:

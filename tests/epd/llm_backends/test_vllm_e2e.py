@@ -87,7 +87,17 @@ class SupervisedVLLM:
 def epd(qwen_dir: Path) -> Iterator[ServeProcess]:
     """epd with the local vLLM it starts itself on the same directory (no --llm-url)."""
     server = start_serve(
-        ["--model", str(qwen_dir), "--llm-backend", "vllm", "--vllm-kv-cache-gib", "1"], timeout_s=600
+        [
+            "--model",
+            str(qwen_dir),
+            "--llm-backend",
+            "vllm",
+            "--vllm-kv-cache-gib",
+            "1",
+            "--vllm-dtype",
+            "float32",
+        ],
+        timeout_s=600,
     )
     try:
         yield server

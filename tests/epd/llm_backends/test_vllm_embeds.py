@@ -88,3 +88,9 @@ def test_video_part_carries_seconds_per_patch_as_a_scalar() -> None:
     assert part["type"] == "video_embeds" and payload["video_grid_thw"] == [2, 8, 8]
     seconds = load(payload["second_per_grid_ts"])
     assert seconds.dim() == 0 and seconds.item() == 2.0  # a 1-d tensor kills vLLM's engine core
+
+
+@pytest.mark.parametrize("seconds", [0.0, -1.0, float("inf"), float("nan"), 1e9])
+def test_seconds_per_patch_out_of_range_is_refused(seconds: float) -> None:
+    with pytest.raises(EmbeddingMismatch, match="seconds per temporal patch"):
+        embeds_part(ref(32, (2, 8, 8), "video", seconds=seconds), torch.ones(32, 8), GEO)
