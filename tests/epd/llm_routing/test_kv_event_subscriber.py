@@ -152,6 +152,17 @@ def test_sync_on_start_reads_what_the_engine_published_before(publisher: KVEvent
 
 
 def test_a_publisher_restart_resets_the_index() -> None:
+    # Up to three restarts, each on fresh ports: now and then (about one run in three on this
+    # 2-core machine) the SUB socket has not reconnected to the rebound publisher within the
+    # eleven batches' 5.5 s, and sees none of them (an idle replay to the closed publisher is the
+    # only thing the subscriber did meanwhile); the property is what the subscriber does once it
+    # sees the restarted stream.
+    for attempt in range(3):
+        if _restart_once(last_attempt=attempt == 2):
+            return
+
+
+def _restart_once(last_attempt: bool) -> bool:
     first = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
     endpoint, replay = first.endpoint, first.replay_endpoint
     old = trace_batches(4, 12)
@@ -164,19 +175,21 @@ def test_a_publisher_restart_resets_the_index() -> None:
         try:
             new = trace_batches(5, 11)
             sent = 0
-            # until the reconnected SUB sees one: 11 batches 0.2 s apart give it 2 s to reconnect
-            # (ZMQ retries every 0.1 s; 0.05 s apart was too short on a loaded machine), all with
-            # numbers below the old 11
+            # until the reconnected SUB sees one: 11 batches 0.5 s apart, all with numbers below
+            # the old 11
             while f.resets == 0 and sent < len(new):
                 second.publish(new[sent])
                 sent += 1
-                time.sleep(0.2)
+                time.sleep(0.5)
+            if f.resets == 0 and sub.counters().batches == len(old) and not last_attempt:
+                return False  # the restarted stream never reached the SUB: try again
             # its numbers started again at 0 and the first one seen is below the old 11
-            assert f.resets == 1, (f.seqs, sent)
+            assert f.resets == 1, (f.seqs[-15:], sent, sub.counters())
             new = new[:sent]
             assert wait_for(lambda: f.seqs[-1:] == [sent - 1]), f.seqs
             assert f.index._pages == reference(new)  # nothing of the old engine's pages is left
             assert sub.counters().resets == f.resets
+            return True
         finally:
             second.close()
     finally:
