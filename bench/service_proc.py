@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+from epd.supervisor import group_alive
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the usual bind-to-0 trick; races are harmless here)."""
@@ -90,7 +92,7 @@ class ServiceProcess:
             proc.wait(timeout_s)
         # Children get a moment to finish their own shutdown after the leader.
         deadline = time.monotonic() + 3.0
-        while time.monotonic() < deadline and _group_alive(pgid):
+        while time.monotonic() < deadline and group_alive(pgid):
             time.sleep(0.1)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
@@ -155,13 +157,3 @@ def tree_cpu_seconds(root: int) -> float | None:
         total += ticks.get(pid, 0)
         stack.extend(children.get(pid, []))
     return total / os.sysconf("SC_CLK_TCK")
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

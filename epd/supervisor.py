@@ -175,7 +175,7 @@ class Supervisor:
 
     async def _drain_group(self, pgid: int, deadline: float) -> None:
         """Wait for group ``pgid`` to empty until ``deadline``, then SIGKILL what is left."""
-        while _group_alive(pgid):
+        while group_alive(pgid):
             if time.monotonic() > deadline:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pgid, signal.SIGKILL)
@@ -183,7 +183,8 @@ class Supervisor:
             await asyncio.sleep(0.1)
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
+    """Whether any process is left in process group ``pgid``."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:

@@ -176,19 +176,19 @@ class VLLMBackend:
         if self.ec is not None:
             await self._probe_ec(client)
 
-    async def _probe_embeds(self, client: EngineClient) -> None:
-        """One harmless request with a one-row embedding of the right width and grid."""
+    def _probe_body(self, uuid_: str | None = None) -> dict[str, Any]:
+        """A harmless request: one zero row of the right width for the smallest grid."""
         m = self.model.geometry.merge
-        part = {
-            "type": "image_embeds",
-            "image_embeds": {
-                "image_embeds": _zeros_b64(self.model.geometry.hidden),
-                "image_grid_thw": [1, m, m],
-            },
-        }
-        body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1, "temperature": 0}
+        payload = {"image_embeds": _zeros_b64(self.model.geometry.hidden), "image_grid_thw": [1, m, m]}
+        part: dict[str, Any] = {"type": "image_embeds", "image_embeds": payload}
+        if uuid_ is not None:
+            part["uuid"] = uuid_
+        return {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1, "temperature": 0}
+
+    async def _probe_embeds(self, client: EngineClient) -> None:
+        """The server takes a one-row embedding of the right width and grid."""
         try:
-            await client.complete(body, path=CHAT)
+            await client.complete(self._probe_body(), path=CHAT)
         except APIError as exc:
             if "enable-mm-embeds" in exc.message:
                 raise BackendMismatch(
@@ -203,19 +203,9 @@ class VLLMBackend:
         whose uuid names a fresh folder must make it appear here."""
         assert self.ec is not None
         key = f"epd-ec-probe-{uuid.uuid4().hex}"
-        m = self.model.geometry.merge
-        part = {
-            "type": "image_embeds",
-            "uuid": key,
-            "image_embeds": {
-                "image_embeds": _zeros_b64(self.model.geometry.hidden),
-                "image_grid_thw": [1, m, m],
-            },
-        }
-        body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1, "temperature": 0}
         probe = self.ec.root / key
         try:
-            await client.complete(body, path=CHAT)
+            await client.complete(self._probe_body(key), path=CHAT)
             seen = probe.is_dir()
         finally:
             with contextlib.suppress(OSError):

@@ -46,7 +46,7 @@ from safetensors.torch import save as save_safetensors
 
 from encoder.caches.cache_types import InvalidKey, check_key
 from encoder.caches.embedding_ref import EmbeddingRef
-from epd.llm_backends.vllm_embeds import EmbeddingGeometry, EmbeddingMismatch, expected_rows, tensor_b64
+from epd.llm_backends.vllm_embeds import EmbeddingGeometry, EmbeddingMismatch, expected_rows, metadata_part
 from epd.llm_backends.vllm_launch import ec_transfer_config
 
 if TYPE_CHECKING:
@@ -63,17 +63,6 @@ _TMP_PREFIX = ".epd-tmp-"
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 _TOUCH_EVERY_S = 10.0  # an entry's mtime is refreshed at most this often (other ingresses read it)
 _PRUNE_EVERY_S = 1.0
-
-
-def metadata_part(ref: EmbeddingRef) -> dict[str, Any]:
-    """The chat part that names the file by its key and carries only what sizes the placeholders."""
-    kind = "image" if ref.modality == "image" else "video"
-    payload: dict[str, Any] = {f"{kind}_grid_thw": list(ref.grid_thw[0])}
-    if kind == "video" and ref.seconds_per_grid_t is not None:
-        payload["second_per_grid_ts"] = tensor_b64(
-            torch.tensor(float(ref.seconds_per_grid_t), dtype=torch.float64)
-        )
-    return {"type": f"{kind}_embeds", f"{kind}_embeds": payload, "uuid": ref.key}
 
 
 def metadata_keys(body: dict[str, Any]) -> list[str]:

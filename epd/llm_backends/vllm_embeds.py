@@ -89,12 +89,11 @@ def tensor_b64(tensor: torch.Tensor) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def embeds_part(ref: EmbeddingRef, tensor: torch.Tensor, geometry: EmbeddingGeometry) -> dict[str, Any]:
-    """The chat part of one checked item."""
-    check_embedding(ref, tensor, geometry)
+def metadata_part(ref: EmbeddingRef) -> dict[str, Any]:
+    """The chat part of an item without its embedding bytes: the grid that sizes its placeholders,
+    a video's seconds per temporal patch, and the uuid (a file transport names the bytes by it)."""
     kind = "image" if ref.modality == "image" else "video"
     payload: dict[str, Any] = {
-        f"{kind}_embeds": tensor_b64(tensor),
         f"{kind}_grid_thw": list(ref.grid_thw[0]),  # JSON metadata arrays are taken as int tensors
     }
     if kind == "video" and ref.seconds_per_grid_t is not None:
@@ -104,3 +103,11 @@ def embeds_part(ref: EmbeddingRef, tensor: torch.Tensor, geometry: EmbeddingGeom
             torch.tensor(float(ref.seconds_per_grid_t), dtype=torch.float64)
         )
     return {"type": f"{kind}_embeds", f"{kind}_embeds": payload, "uuid": ref.key}
+
+
+def embeds_part(ref: EmbeddingRef, tensor: torch.Tensor, geometry: EmbeddingGeometry) -> dict[str, Any]:
+    """The chat part of one checked item, its embedding inline."""
+    check_embedding(ref, tensor, geometry)
+    part = metadata_part(ref)
+    part[part["type"]][part["type"]] = tensor_b64(tensor)
+    return part

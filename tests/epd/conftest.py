@@ -39,6 +39,7 @@ from PIL import Image
 
 from bench.media_server import MediaServer
 from bench.video_factory import make_clip
+from epd.supervisor import group_alive
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0
@@ -138,21 +139,13 @@ def stop_serve(server: ServeProcess) -> int:
     # The children (encoder worker, engine, their decode pools) share the server's process group;
     # the supervisor stops them before exiting, so the group must empty out within moments.
     deadline = time.monotonic() + 5.0
-    while _group_alive(server.proc.pid):
+    while group_alive(server.proc.pid):
         if time.monotonic() > deadline:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(server.proc.pid, signal.SIGKILL)
             raise AssertionError(f"children of epd serve outlived it:\n{server.tail()}")
         time.sleep(0.1)
     return int(server.proc.returncode)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @dataclass(frozen=True)
