@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -186,7 +185,3 @@ def _part_url(value: Any, where: str) -> str:
     if not isinstance(url, str) or not url:
         raise unprocessable(f"{where}.url must be a non-empty string", f"{where}.url")
     return url
-
-
-def texts_only(messages: Sequence[dict[str, Any]]) -> bool:
-    return all(p["type"] == "text" for m in messages for p in m["content"])

@@ -32,6 +32,7 @@ from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMNotFound, launch_args
 from epd.model_check import ModelDirError, check_model_dir
 from epd.served_model import add_deprecated_name_flags, names_from_args
 from epd.supervisor import ChildFailed, ChildSpec, Supervisor, python_argv
+from epd_common.runtime import AUTO_DTYPE, DTYPES
 from epd_common.store.local_redis import LocalRedis
 from epd_common.store.store import StoreError
 from llm_core.kv_transfer.shm_transport import namespace_files
@@ -151,6 +152,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the cache tier shared by nodes: redis://HOST:PORT[/DB] (Redis or Valkey), or 'local' to "
         "start a redis-server on loopback for this machine (same as --store-url)",
     )
+    parser.add_argument(
+        "--dtype",
+        type=_dtype_arg,
+        help="the compute dtype of every role (auto, float32, bfloat16, float16), as vLLM's --dtype: "
+        "the encoders, the engines and a local vLLM; --encoder-dtype / --llm-dtype / --vllm-dtype "
+        "override it per role (default: auto, the checkpoint's)",
+    )
     parser.add_argument("--no-llm", dest="start_llm", action="store_false", help="serve /v1/encode only")
     vllm = parser.add_argument_group("vLLM backend (--llm-backend vllm)")
     vllm.add_argument(
@@ -170,8 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     vllm.add_argument(
         "--vllm-dtype",
-        default="auto",
-        help="the local vLLM server's --dtype (default: auto, vLLM's choice for the checkpoint; "
+        help="the local vLLM server's --dtype (default: --dtype, else auto: vLLM's choice for the checkpoint; "
         "float32 gives transformers' float32 results)",
     )
     vllm.add_argument(
@@ -183,10 +190,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info")
 
 
+# vLLM's spellings of its --dtype values, so that its users' command lines work as typed.
+_DTYPE_ALIASES = {"float": "float32", "half": "float16"}
+
+
+def _dtype_arg(value: str) -> str:
+    name = _DTYPE_ALIASES.get(value, value)
+    if name != AUTO_DTYPE and name not in DTYPES:
+        choices = ", ".join([AUTO_DTYPE, *sorted(DTYPES), *sorted(_DTYPE_ALIASES)])
+        raise argparse.ArgumentTypeError(f"unknown dtype {value!r}: choose one of {choices}")
+    return name
+
+
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     ingress = dataclass_from_args(IngressConfig, args)
     encoder = dataclass_from_args(WorkerConfig, args, prefix="encoder_")
     llm = dataclass_from_args(LLMServerConfig, args, prefix="llm_")
+    if args.dtype is not None:  # every role's, where its own flag does not say otherwise
+        if getattr(args, "encoder_dtype", None) is None:
+            encoder = dataclasses.replace(encoder, dtype=args.dtype)
+        if getattr(args, "llm_dtype", None) is None:
+            llm = dataclasses.replace(llm, dtype=args.dtype)
     if args.model_dir:
         if encoder.model_path or llm.model_path:
             raise SystemExit("epd serve: give --model DIR, or --encoder-model / --llm-model, not both")
@@ -224,7 +248,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         vllm_python=args.vllm_python,
         vllm_args=launch_args(args.vllm_args),
         vllm_kv_cache_gib=args.vllm_kv_cache_gib,
-        vllm_dtype=args.vllm_dtype,
+        vllm_dtype=args.vllm_dtype or args.dtype or "auto",
     )
 
 

@@ -29,6 +29,7 @@ from media_io.video_decode import (
     SegmentDecodeError,
     decode_in_pool,
     decode_segment,
+    warm_pool,
 )
 from media_io.video_plan import Run, plan_runs, split_segments
 from media_io.video_probe import VideoInfo, probe_video, scan_video
@@ -125,6 +126,14 @@ def _decode_here(
     for segment in split_segments(runs, 1):
         decode_segment(data, segment, out, resize, threads=0, on_frame=on_frame)
     return out
+
+
+def warm_decode_pool(workers: int | None) -> int:
+    """Start the decode pool ``decode_video(..., workers=workers)`` would use, so that the first
+    long video does not pay for starting its processes (seconds each: they import torch). Returns
+    how many processes were started (0 when that setting decodes in-process)."""
+    n_workers = workers if workers is not None else _usable_cpus()
+    return len(warm_pool(n_workers)) if n_workers >= 2 else 0
 
 
 def _usable_cpus() -> int:

@@ -53,13 +53,14 @@ from encoder.serving.batcher import EncodeBatcher, QueueFull
 from encoder.serving.worker import WorkerConfig
 from epd_common.active_paths import report
 from epd_common.admission import ServiceRate, request_deadline_s, retry_after_header
+from epd_common.errors import error_body
 from epd_common.runtime import freeze_startup_objects
 from epd_common.store_config import build_store
 from media_io.active_paths import media_paths
 from media_io.errors import BadMedia, MediaError, MediaTooLarge
 from media_io.preprocess import Patches, PreprocessBackend, get_backend
 from media_io.sniff import sniff
-from media_io.video import decode_video
+from media_io.video import decode_video, warm_decode_pool
 from media_io.work_estimate import PatchEstimator
 
 log = logging.getLogger("epd.encoder.worker")
@@ -451,8 +452,7 @@ def _warm_up(loaded: LoadedEncoder) -> None:
 def _error(
     status: int, kind: str, message: str, param: str | None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    body = {"error": {"type": kind, "message": message, "param": param}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(status, kind, message, param), status_code=status, headers=headers)
 
 
 def build_app(config: WorkerConfig, loaded: LoadedEncoder | None = None) -> Starlette:
@@ -467,6 +467,7 @@ def build_app(config: WorkerConfig, loaded: LoadedEncoder | None = None) -> Star
         def open_all() -> EncoderWorker:
             enc = loaded or load_encoder(config.model_path, config.torch_dtype, config.resolve_device())
             _warm_up(enc)
+            warm_decode_pool(config.video_decode_workers)
             cache = EmbedCache(config.cache_namespace, config.cache_capacity_bytes, config.cache_root)
             store = build_store(config.store)
             tier = (
@@ -529,8 +530,9 @@ def build_app(config: WorkerConfig, loaded: LoadedEncoder | None = None) -> Star
     async def embedding(request: Request) -> Response:
         key = request.path_params["key"]
         try:
+            # cache reads run on the I/O threads: they must not queue behind decodes
             body = await asyncio.get_running_loop().run_in_executor(
-                worker().pool, worker().embedding_body, key
+                worker().io_pool, worker().embedding_body, key
             )
         except InvalidKey as e:
             return _error(400, "invalid_request", str(e), "key")

@@ -180,6 +180,11 @@ class LLMEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                # a step is still running (a long forward): closing the transports and the store
+                # under it would fail that step mid-write; the thread ends at its next stop check
+                log.warning("engine step thread still running after %.1f s; resources left open", timeout_s)
+                return
             self._thread = None
         if self.kv_events is not None:
             self.kv_events.close()
@@ -487,8 +492,11 @@ class LLMEngine:
     # ---- observability -----------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        """A snapshot for /health and /metrics (read without locks: values may be one step old)."""
+        """A snapshot for /health and /metrics. Counters are read without the lock (values may be
+        one step old); the admission rate's running sums are not atomic, so it is read under it."""
         full, swa = self.kv.full_pages, self.kv.swa_pages
+        with self._lock:
+            admission_per_s = self.admission.rate.per_s()
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -501,7 +509,7 @@ class LLMEngine:
             steps_total=self._steps,
             max_waiting=self.config.max_waiting,
             expected_wait_s=self._expected_wait_s,
-            admission_tokens_per_s=self.admission.rate.per_s(),
+            admission_tokens_per_s=admission_per_s,
             refusals=dict(self._refusals),
             **self._spec_stats(),
         )

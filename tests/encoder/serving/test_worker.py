@@ -199,6 +199,13 @@ def test_embeddings_route_errors(served: Served) -> None:
     assert status == 400 and body["error"]["param"] == "key"
 
 
+def test_error_bodies_have_the_shared_shape(served: Served) -> None:
+    # the same {"type", "message", "param", "code"} body as every other role's errors
+    status, body, _ = served.request("GET", "/embeddings/" + "0" * 64)
+    assert status == 404 and set(body["error"]) == {"type", "message", "param", "code"}
+    assert body["error"]["code"] == 404
+
+
 def test_health_and_metrics(served: Served) -> None:
     status, health, _ = served.request("GET", "/health")
     assert status == 200 and health["status"] == "ok"

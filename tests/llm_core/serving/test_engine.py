@@ -243,3 +243,26 @@ def test_failed_forward_fails_only_that_batch(loaded: Any) -> None:
         assert ok[-1].finish_reason == "length" and len(ids_of(ok)) == 4
     finally:
         engine.stop()
+
+
+def test_stop_leaves_resources_open_while_a_step_still_runs(loaded: Any) -> None:
+    """A step thread that outlives stop's join keeps what it writes to: the transports and the
+    store are closed only once the thread is gone (a later stop does it)."""
+    import threading
+
+    engine = make_engine(loaded, start=False)
+    release = threading.Event()
+    closed: list[str] = []
+
+    class Events:
+        def close(self) -> None:
+            closed.append("kv_events")
+
+    engine.kv_events = Events()  # type: ignore[assignment]
+    engine._thread = threading.Thread(target=release.wait, daemon=True)  # a step that will not end yet
+    engine._thread.start()
+    engine.stop(timeout_s=0.05)
+    assert closed == [] and engine._thread is not None
+    release.set()
+    engine.stop()
+    assert closed == ["kv_events"] and engine._thread is None
