@@ -41,7 +41,7 @@ from epd.metrics import IngressMetrics
 from epd_common.admission import ServiceRate, seconds_left
 from epd_common.errors import APIError, bad_request, overloaded
 from media_io.config import PreprocessConfig
-from media_io.errors import MediaError
+from media_io.errors import MediaError, UnsupportedMedia
 from media_io.fetch import Fetcher
 from media_io.sniff import sniff
 
@@ -165,6 +165,10 @@ class MediaPipeline:
             kind = sniff(data)
         except MediaError as exc:  # sniff sees bytes only; name the item so the client knows which
             raise type(exc)(exc.message, exc.item or src.name) from exc
+        if kind.modality == "audio":  # recognized, so that the refusal can say what it is
+            raise UnsupportedMedia(
+                f"audio ({kind.format}) is not supported: the encoders have no audio tower", src.name
+            )
         if src.modality_hint is not None and kind.modality != src.modality_hint:
             raise bad_request(
                 f"{src.name} was sent as {src.modality_hint} but its bytes are {kind.modality} ({kind.format})",

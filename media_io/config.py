@@ -110,6 +110,9 @@ class MediaLimits:
     max_video_seconds: float = 3600.0
     max_video_frames: int = 768
     max_video_pixels_per_frame: int = 3840 * 2160
+    # an audio clip's length (from its header, then counted while decoding): its samples and
+    # features grow with it (one hour at 24 kHz: 345 MB of float32 samples)
+    max_audio_seconds: float = 3600.0
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,7 @@ def image_format(data: bytes, limits: MediaLimits, item: str | None) -> str:
     except (BadMedia, UnsupportedMedia) as exc:
         raise type(exc)(exc.message, item) from exc
     if kind.modality != "image":
-        raise UnsupportedMedia(f"expected an image, got {kind.format} video", item)
+        raise UnsupportedMedia(f"expected an image, got {kind.format} {kind.modality}", item)
     return kind.format
 
 

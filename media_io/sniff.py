@@ -4,8 +4,9 @@ Content-Type headers and file extensions are not trusted: origins mislabel media
 page served with ``image/jpeg`` is common. ``sniff`` reads at most the first few hundred bytes,
 so it is cheap enough to run on the event loop.
 
-Supported: images jpeg, png, webp, gif, bmp; videos mp4, mov, mkv, webm, avi. Recognized but
-refused with a specific message (415): HTML/XML/SVG, plain text, PDF, TIFF, HEIF/AVIF, JPEG 2000,
+Supported: images jpeg, png, webp, gif, bmp; videos mp4, mov, mkv, webm, avi; audio wav, flac,
+mp3, ogg (Vorbis or Opus), m4a (AAC in MP4) and raw AAC (ADTS). Recognized but refused with a
+specific message (415): HTML/XML/SVG, plain text, PDF, TIFF, HEIF/AVIF, JPEG 2000,
 ICO, archives. Empty input is BadMedia (400).
 """
 
@@ -15,18 +16,23 @@ from typing import Literal, NamedTuple
 
 from media_io.errors import BadMedia, UnsupportedMedia
 
-Modality = Literal["image", "video"]
+Modality = Literal["image", "video", "audio"]
 
 
 class MediaKind(NamedTuple):
     """The modality and container/codec format of some media bytes."""
 
     modality: Modality
-    format: str  # "jpeg" | "png" | "webp" | "gif" | "bmp" | "mp4" | "mov" | "mkv" | "webm" | "avi"
+    # image: "jpeg" | "png" | "webp" | "gif" | "bmp"; video: "mp4" | "mov" | "mkv" | "webm" | "avi";
+    # audio: "wav" | "flac" | "mp3" | "ogg" | "m4a" | "aac"
+    format: str
 
 
 IMAGE_FORMATS: frozenset[str] = frozenset({"jpeg", "png", "webp", "gif", "bmp"})
 VIDEO_FORMATS: frozenset[str] = frozenset({"mp4", "mov", "mkv", "webm", "avi"})
+AUDIO_FORMATS: frozenset[str] = frozenset({"wav", "flac", "mp3", "ogg", "m4a", "aac"})
+# ISO-BMFF major brands of audio-only files (iTunes audio, audiobooks, 3GPP audio).
+_AUDIO_BRANDS = frozenset({b"M4A ", b"M4B ", b"M4P ", b"F4A ", b"F4B "})
 
 # Sizes of the BMP info header variants (BITMAPCOREHEADER .. BITMAPV5HEADER). "BM" alone is too
 # weak a signature: plenty of text starts with "BM".
@@ -60,7 +66,7 @@ def sniff(data: bytes) -> MediaKind:
     if not data:
         raise BadMedia("empty media (0 bytes)")
     head = bytes(data[:512])
-    kind = _image_kind(head) or _video_kind(head)
+    kind = _image_kind(head) or _audio_kind(head) or _video_kind(head)
     if kind is not None:
         return kind
     raise UnsupportedMedia(_describe_unsupported(head))
@@ -77,6 +83,31 @@ def _image_kind(h: bytes) -> MediaKind | None:
         return MediaKind("image", "webp")
     if h[:2] == b"BM" and len(h) >= 18 and int.from_bytes(h[14:18], "little") in _BMP_DIB_SIZES:
         return MediaKind("image", "bmp")
+    return None
+
+
+def _audio_kind(h: bytes) -> MediaKind | None:
+    if h[:4] == b"RIFF" and h[8:12] == b"WAVE":
+        return MediaKind("audio", "wav")
+    if h.startswith(b"fLaC"):
+        return MediaKind("audio", "flac")
+    if h.startswith(b"OggS"):
+        # Ogg also carries Theora video, rare enough on the web that Ogg means Vorbis or Opus here;
+        # a file with no audio stream is refused by the decoder, naming it
+        return MediaKind("audio", "ogg")
+    if h[4:8] == b"ftyp" and h[8:12] in _AUDIO_BRANDS:
+        return MediaKind("audio", "m4a")
+    if h.startswith(b"ID3"):  # an ID3v2 tag leads most MP3 files
+        return MediaKind("audio", "mp3")
+    if len(h) >= 4 and h[0] == 0xFF and h[1] & 0xE0 == 0xE0:
+        # an MPEG audio frame header: 11 sync bits, version (2), layer (2). Layer 00 is ADTS AAC
+        # (whose version bits are 1x); MPEG-1/2 layers I-III are MP3 and its elders.
+        version, layer = (h[1] >> 3) & 0b11, (h[1] >> 1) & 0b11
+        bitrate, rate = h[2] >> 4, (h[2] >> 2) & 0b11
+        if layer == 0:
+            return MediaKind("audio", "aac") if h[1] & 0xF6 == 0xF0 else None
+        if version != 0b01 and bitrate not in (0, 0b1111) and rate != 0b11:
+            return MediaKind("audio", "mp3")
     return None
 
 

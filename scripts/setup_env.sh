@@ -43,6 +43,14 @@ fi
 
 "$PIP" install -q -e '.[test]'
 
+# torchaudio is the tests' reference for the audio features (MiMo-V2.5's processor calls its
+# MelSpectrogram); epd does not use it. No torchaudio wheel matches our torch, and its pins would
+# replace torch, so it comes without its dependencies: the pure-Python transforms the tests call
+# run on our torch. (`/health` "paths" says epd's own log-mel runs.)
+if ! "$VENV/bin/python" -c "import torchaudio" >/dev/null 2>&1; then
+    "$PIP" install -q --no-deps "torchaudio==2.11.0"
+fi
+
 # pillow -> pillow-simd. AVX2 where the CPU has it; on failure keep pillow and say so. Any pip
 # install above may have brought pillow back (torchvision depends on it), overwriting PIL/: then
 # both are removed and pillow-simd is installed again (from pip's wheel cache after the first build).

@@ -57,7 +57,7 @@ from epd_common.errors import error_body
 from epd_common.runtime import freeze_startup_objects
 from epd_common.store_config import build_store
 from media_io.active_paths import media_paths
-from media_io.errors import BadMedia, MediaError, MediaTooLarge
+from media_io.errors import BadMedia, MediaError, MediaTooLarge, UnsupportedMedia
 from media_io.preprocess import Patches, PreprocessBackend, get_backend
 from media_io.sniff import sniff
 from media_io.video import decode_video, warm_decode_pool
@@ -203,6 +203,8 @@ class EncoderWorker:
         kind = sniff(data)
         if modality is not None and modality != kind.modality:
             raise BadMedia(f"sent as {modality} but its bytes are {kind.modality} ({kind.format})", item)
+        if kind.modality == "audio":  # recognized, so that the refusal can say what it is
+            raise UnsupportedMedia(f"audio ({kind.format}) is not supported: this encoder has no audio tower", item)
         loop = asyncio.get_running_loop()
         key = await loop.run_in_executor(
             self.io_pool, media_key, data, kind.modality, self.config.preprocess, self.fingerprint

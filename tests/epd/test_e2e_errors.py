@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from tests.epd.conftest import SHARED_MAX_BODY_BYTES, Media, ServeProcess, http_json, upload
+from tests.media_io.audio_files import encode as encode_audio
+from tests.media_io.audio_files import tone
 
 
 def check_error(status: int, body: Any, expected: int, param: str | None = "<any>") -> dict[str, Any]:
@@ -40,6 +42,11 @@ def test_bad_requests_answer_json_errors_and_server_stays_healthy(
     check_error(status, body, 415, "page.html")
     status, body = http_json("POST", encode, {"items": [{"url": media.server.url("/html")}]})
     check_error(status, body, 415, "items[0]")
+
+    # Audio is recognized by its bytes and refused by name until an audio tower serves it.
+    wav = encode_audio(tone(0.5, 8000, (440.0,)), 8000, "wav")
+    status, body = upload(epd_server, [("clip.wav", wav, "application/octet-stream")])
+    assert "audio (wav)" in check_error(status, body, 415, "clip.wav")["message"]
 
     status, body = upload(epd_server, [("empty.png", b"", "image/png")])
     check_error(status, body, 400, "empty.png")

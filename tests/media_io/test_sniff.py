@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from media_io.errors import BadMedia, MediaError, UnsupportedMedia
-from media_io.sniff import IMAGE_FORMATS, VIDEO_FORMATS, MediaKind, sniff
+from media_io.sniff import AUDIO_FORMATS, IMAGE_FORMATS, VIDEO_FORMATS, MediaKind, sniff
 from tests.media_io.bad_media import HTML_PAGE, small_image
 
 
@@ -62,6 +62,31 @@ def test_quicktime_without_ftyp() -> None:
 def test_supported_format_sets() -> None:
     assert {"jpeg", "png", "webp", "gif", "bmp"} == IMAGE_FORMATS
     assert {"mp4", "mov", "mkv", "webm", "avi"} == VIDEO_FORMATS
+
+
+def test_audio_format_set() -> None:
+    assert {"wav", "flac", "mp3", "ogg", "m4a", "aac"} == AUDIO_FORMATS
+
+
+@pytest.mark.parametrize(
+    ("head", "expected"),
+    [
+        (b"\xff\xfb\x90\x64" + bytes(8), MediaKind("audio", "mp3")),  # MPEG-1 layer III, no ID3 tag
+        (b"\xff\xf3\x64\xc4" + bytes(8), MediaKind("audio", "mp3")),  # MPEG-2 layer III
+        (b"\xff\xf1\x50\x80" + bytes(8), MediaKind("audio", "aac")),  # ADTS, MPEG-4, no CRC
+        (b"ID3\x04\x00" + bytes(8), MediaKind("audio", "mp3")),
+        (b"\x00\x00\x00\x20ftypM4A \x00\x00\x02\x00", MediaKind("audio", "m4a")),
+    ],
+)
+def test_audio_headers(head: bytes, expected: MediaKind) -> None:
+    assert sniff(head) == expected
+
+
+@pytest.mark.parametrize("head", [b"\xff\xfb\xf0\x64", b"\xff\xfb\x9c\x64", b"\xff\xeb\x90\x64"])
+def test_invalid_frame_headers_are_not_audio(head: bytes) -> None:
+    # a free-format or "bad" bitrate index, a reserved sample rate, a reserved version: not MP3
+    with pytest.raises(UnsupportedMedia):
+        sniff(head + bytes(8))
 
 
 def test_empty_is_bad_media() -> None:
@@ -114,7 +139,10 @@ def test_sniff_is_total(data: bytes) -> None:
         kind = sniff(data)
     except MediaError:
         return
-    assert kind.format in (IMAGE_FORMATS if kind.modality == "image" else VIDEO_FORMATS)
+    # (audio joined the modalities: the lookup names all three)
+    assert (
+        kind.format in {"image": IMAGE_FORMATS, "video": VIDEO_FORMATS, "audio": AUDIO_FORMATS}[kind.modality]
+    )
 
 
 @settings(max_examples=50, deadline=None)

@@ -199,6 +199,15 @@ def test_embeddings_route_errors(served: Served) -> None:
     assert status == 400 and body["error"]["param"] == "key"
 
 
+def test_audio_is_recognized_and_refused_by_a_vision_encoder(served: Served) -> None:
+    from tests.media_io.audio_files import encode, tone
+
+    wav = encode(tone(0.5, 8000, (440.0,)), 8000, "wav")
+    status, body, _ = served.request("POST", "/encode", wav, item="clip.wav")
+    assert status == 415 and body["error"]["param"] == "clip.wav"
+    assert "audio (wav)" in body["error"]["message"]
+
+
 def test_error_bodies_have_the_shared_shape(served: Served) -> None:
     # the same {"type", "message", "param", "code"} body as every other role's errors
     status, body, _ = served.request("GET", "/embeddings/" + "0" * 64)

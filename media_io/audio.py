@@ -1,0 +1,138 @@
+"""Audio decode: any container PyAV reads, to float32 mono samples at the model's rate.
+
+    bytes ──open──▶ first audio stream ──decode──▶ frames ──resample (libswresample)──▶
+          [C, n] float32 at ``AudioConfig.sample_rate`` ──mean over channels──▶ [N] float32 mono
+
+The duration cap (``MediaLimits.max_audio_seconds``) is checked twice: on what the header declares,
+before any packet is decoded, and on the samples produced, so that a header that lies (or has no
+duration) cannot make the decoder run on. Channels are averaged after resampling, the downmix the
+reference processors apply to a loaded waveform (``wav.mean(0)``), rather than libswresample's
+own matrix, whose coefficients depend on the layout.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import NamedTuple
+
+import av
+import av.error
+import numpy as np
+
+from media_io.audio_config import AudioConfig
+from media_io.config import MediaLimits
+from media_io.errors import BadMedia, MediaTooLarge, UnsupportedMedia
+
+
+class AudioSource(NamedTuple):
+    """What the container says about the stream that was decoded."""
+
+    codec: str
+    sample_rate: int
+    channels: int
+    declared_s: float  # 0.0 when the header declares no duration
+
+
+class AudioClip(NamedTuple):
+    samples: np.ndarray  # [N] float32, mono, at ``sample_rate``
+    sample_rate: int
+    source: AudioSource
+
+    @property
+    def seconds(self) -> float:
+        return len(self.samples) / self.sample_rate
+
+
+def decode_audio(
+    data: bytes,
+    cfg: AudioConfig = AudioConfig(),
+    limits: MediaLimits = MediaLimits(),
+    item: str | None = None,
+) -> AudioClip:
+    """The first audio stream of ``data`` as mono float32 at ``cfg.sample_rate``.
+
+    Raises:
+        BadMedia: empty, corrupt or truncated bytes, no audio stream, or a stream with no samples.
+        UnsupportedMedia: a codec this build cannot decode.
+        MediaTooLarge: over ``limits.max_bytes`` or ``limits.max_audio_seconds``.
+    """
+    if not data:
+        raise BadMedia("audio is empty (0 bytes)", item)
+    if len(data) > limits.max_bytes:
+        raise MediaTooLarge(f"audio is {len(data)} bytes, above the {limits.max_bytes}-byte limit", item)
+    try:
+        container = av.open(io.BytesIO(data), mode="r")
+    except (av.error.FFmpegError, ValueError, UnicodeDecodeError) as e:
+        raise BadMedia(f"cannot open audio container: {_reason(e)}", item) from e
+    with container:
+        if not container.streams.audio:
+            kinds = sorted({str(s.type) for s in container.streams}) or ["none"]
+            raise BadMedia(f"container has no audio stream (streams: {', '.join(kinds)})", item)
+        stream = container.streams.audio[0]
+        ctx = stream.codec_context
+        if ctx is None or not ctx.name or ctx.name == "none":
+            raise UnsupportedMedia(f"audio codec {stream.codec_tag or 'unknown'!r} cannot be decoded", item)
+        source = AudioSource(
+            ctx.name, int(ctx.sample_rate or 0), int(ctx.channels or 0), _declared(container, stream)
+        )
+        if source.declared_s > limits.max_audio_seconds:
+            raise MediaTooLarge(_too_long(source.declared_s, limits), item)
+        samples = _decode_stream(container, stream, cfg.sample_rate, limits, item)
+    if samples.size == 0:
+        raise BadMedia(f"audio stream ({source.codec}) holds no samples", item)
+    return AudioClip(samples, cfg.sample_rate, source)
+
+
+def _decode_stream(
+    container: av.container.InputContainer,
+    stream: av.audio.stream.AudioStream,
+    rate: int,
+    limits: MediaLimits,
+    item: str | None,
+) -> np.ndarray:
+    """[N] float32 mono at ``rate``. The resampler keeps the source layout (planar float), so
+    that the downmix is the plain channel mean (see the module docstring)."""
+    resampler: av.AudioResampler | None = None
+    cap = int(limits.max_audio_seconds * rate) + rate  # a second of slack for codec padding
+    chunks: list[np.ndarray] = []
+    total = 0
+
+    def take(frames: list[av.AudioFrame]) -> None:
+        nonlocal total
+        for out in frames:
+            planes = out.to_ndarray()  # [C, n] float32 (planar)
+            chunks.append(planes.mean(axis=0, dtype=np.float32) if planes.shape[0] > 1 else planes[0])
+            total += planes.shape[1]
+        if total > cap:
+            raise MediaTooLarge(_too_long(total / rate, limits), item)
+
+    try:
+        for frame in container.decode(stream):
+            if resampler is None:  # the first frame tells the layout (headers may not)
+                resampler = av.AudioResampler(format="fltp", layout=frame.layout.name, rate=rate)
+            take(resampler.resample(frame))
+        if resampler is not None:
+            take(resampler.resample(None))  # what the resampler still holds
+    except av.error.DecoderNotFoundError as e:
+        raise UnsupportedMedia(f"audio codec {stream.codec_context.name!r} cannot be decoded", item) from e
+    except (av.error.FFmpegError, ValueError) as e:
+        raise BadMedia(f"cannot decode audio: {_reason(e)}", item) from e
+    if not chunks:
+        return np.zeros(0, np.float32)
+    return np.concatenate(chunks).astype(np.float32, copy=False)
+
+
+def _declared(container: av.container.InputContainer, stream: av.audio.stream.AudioStream) -> float:
+    if stream.duration is not None and stream.time_base is not None and stream.duration > 0:
+        return float(stream.duration * stream.time_base)
+    if container.duration is not None and container.duration > 0:
+        return container.duration / av.time_base
+    return 0.0
+
+
+def _too_long(seconds: float, limits: MediaLimits) -> str:
+    return f"audio is {seconds:.1f} s long, above the {limits.max_audio_seconds:g}-second limit"
+
+
+def _reason(e: BaseException) -> str:
+    return getattr(e, "strerror", None) or str(e) or type(e).__name__
