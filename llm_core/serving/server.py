@@ -9,8 +9,14 @@ Routes:
     GET  /metrics          prometheus text
 
 Every request error is answered before the first byte of a stream goes out, as JSON
-``{"error": {"type", "message", "param"}}`` with its status (400 bad field, 503 + Retry-After
-when the engine's waiting queue is full). A client that disconnects aborts its request, which
+``{"error": {"type", "message", "param", "code"}}`` with its status: 400 for a bad field, 503 +
+Retry-After when admission refuses. Admission is by expected wait (``admission.py`` over
+``epd_common.admission``): a request is refused when its first token would not come within its
+deadline (``max_queue_wait_s``, or the client's shorter ``X-Request-Timeout`` /
+``X-Stainless-Read-Timeout``), judged from the tokens of work waiting ahead and its own prompt at
+the tokens per busy second the engine has been serving; Retry-After is that expected wait. An idle
+engine takes any request that fits; ``max_waiting`` waiting requests (and a full scheduler queue)
+are a memory guard that refuses with 503 too. A client that disconnects aborts its request, which
 frees its KV pages at the next step.
 """
 
