@@ -1,8 +1,9 @@
 """The benchmark's media: a generated corpus of camera-like JPEGs and 1-minute video clips.
 
 Base images are synthetic photos (``media_io.preprocess.synthetic``) at sizes from 448x448 up to
-1920x1080; clips are H.264 MP4 from the test clip factory. Both are generated once and cached as
-files under a directory, keyed by their parameters, so a second run starts at once.
+1920x1080; clips are H.264 MP4 from the test clip factory (``tests.fixtures.video_factory``). Both
+are generated once and cached as files under a directory, keyed by their parameters, so a second
+run starts at once.
 
 Cold-cache requests need *new bytes* every time (the MediaKey hashes the raw bytes) while doing
 the same decode work as the base image. :func:`unique_variant` gets both by inserting a JPEG
@@ -25,8 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from bench.video_factory import make_clip
 from media_io.preprocess.synthetic import encode, synthetic_photo
+from tests.fixtures.video_factory import make_clip
 
 # (width, height): a spread from the smallest common upload to 1080p, landscape and portrait.
 DEFAULT_IMAGE_SIZES: tuple[tuple[int, int], ...] = (

@@ -34,7 +34,7 @@ from bench.common import add_common_args, format_machine, machine_info, print_ta
 from bench.kv_capacity import metadata_kv, pro_layout
 from llm_core.caches.kv_pool import KVLayout
 from llm_core.serving.scheduler import Scheduler, SchedulerConfig
-from llm_core.serving.sequence import Sequence
+from llm_core.serving.sequence import Sampled, Sequence
 
 GIB = 1 << 30
 STEP_S = 0.02  # simulated seconds per model step (the scheduler's waiting-time term uses it)
@@ -114,7 +114,7 @@ def run_trace(layout: KVLayout, budget: int, trace: TraceConfig, swa_aware: bool
             step = max(step + 1, pending[0].ready_at if pending else step + 1)
             continue
         computed += sum(batch.num_new_tokens)
-        sampled: list[int | None] = [
+        sampled: list[Sampled] = [
             60000 + (s.num_tokens % 1000) if s.num_computed_tokens + n == s.num_tokens else None
             for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
         ]

@@ -76,7 +76,8 @@ TARGET_SPEEDUP = 3.0
 # ... or, where that is out of reach, at most this multiple of the decode + resize floor.
 TARGET_FLOOR_RATIO = 1.3
 
-Batch = Callable[[Sequence[bytes]], list[torch.Tensor]]
+# a throughput-phase method: JPEGs in; pixel_values out (the floor: resized images, see _batch_methods)
+Batch = Callable[[Sequence[bytes]], list[torch.Tensor] | list[Image.Image]]
 _SETTLE_S = 0.05
 
 

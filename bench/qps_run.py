@@ -30,10 +30,10 @@ from bench.media_corpus import (
     unique_variant,
     video_corpus,
 )
-from bench.media_server import MediaServer
 from bench.qps_summary import interleaved_ceiling, summarize
 from bench.service_proc import ServiceProcess, free_port
 from encoder.serving.worker import WorkerConfig, usable_cores
+from tests.fixtures.media_server import MediaServer
 
 ENCODE_PATH = "/v1/encode"
 

@@ -296,13 +296,16 @@ def _children_cpu(pids: set[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+VariantKind = Literal["baseline", "threaded", "baseline_sws", "threaded_sws", "extra", "ours", "floor"]
+
+
 @dataclass(frozen=True)
 class Variant:
     """One row: ``run`` returns the frames it produced, or the number of frames it decoded."""
 
     name: str
     run: Callable[[], np.ndarray | int]
-    kind: Literal["baseline", "threaded", "baseline_sws", "threaded_sws", "extra", "ours", "floor"]
+    kind: VariantKind
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -356,11 +359,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     variants: list[Variant] = []
     for sws in (False, True):
-        suffix, extra = ("+sws", "_sws") if sws else ("", "")
+        suffix = "+sws" if sws else ""
+        one: VariantKind = "baseline_sws" if sws else "baseline"
+        many: VariantKind = "threaded_sws" if sws else "threaded"
         variants += [
-            Variant(f"pass-1thread{suffix}", sampled("SLICE", 1, sws), "baseline" + extra),
-            Variant(f"pass-slice({workers}){suffix}", sampled("SLICE", workers, sws), "threaded" + extra),
-            Variant(f"pass-frame({workers}){suffix}", sampled("FRAME", workers, sws), "threaded" + extra),
+            Variant(f"pass-1thread{suffix}", sampled("SLICE", 1, sws), one),
+            Variant(f"pass-slice({workers}){suffix}", sampled("SLICE", workers, sws), many),
+            Variant(f"pass-frame({workers}){suffix}", sampled("FRAME", workers, sws), many),
         ]
     variants += [
         Variant("convert-all", convert_all, "extra"),

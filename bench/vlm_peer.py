@@ -120,8 +120,8 @@ from bench.media_corpus import (
     image_corpus,
     unique_variant,
 )
-from bench.media_server import MediaServer
 from bench.service_proc import ServiceProcess, free_port, tree_cpu_seconds
+from tests.fixtures.media_server import MediaServer
 
 SIDES = ("vllm", "epd+vllm", "epd")
 WORKLOADS = ("cold", "zipf", "text")

@@ -13,7 +13,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("epd.serve_cmd", "start ingress, encoder workers and the LLM engine on this machine"),
     "cache": ("epd.cache_cmd", "inspect and manage the node embedding cache"),
     "encoder": ("epd.encoder_cmd", "run encoder workers alone (POST /encode, GET /embeddings/{key})"),
-    "bench": ("epd.bench_cmd", "run a benchmark against baselines (encoder: encode QPS and latency)"),
+    "bench": (
+        "epd.bench_cmd",
+        "run a benchmark against baselines (encoder: encode QPS and latency; from a source checkout)",
+    ),
     "llm": ("epd.llm_cmd", "run the LLM engine role alone (OpenAI-compatible /v1/completions)"),
 }
 

@@ -27,10 +27,10 @@ naming the tensor; so does a truncated or corrupt shard (naming the file and the
 bytes are cut off). The router (``mlp.gate.*``) stays fp32 whatever ``dtype`` is asked for.
 
 The embedded default (``load_llm(None)``) is generated once from a fixed seed with the agreed small
-config, plus ``DEFAULT_MTP_LAYERS`` MTP heads distilled from it (``mtp_distill``; its report is saved
-beside the weights as ``mtp_distill.json``), and stored under ``default_model_dir()/llm-<hash of the
-recipe>``; it is written to a temporary directory and renamed into place so concurrent first starts
-never see a half-written checkpoint.
+config, plus ``DEFAULT_MTP_LAYERS`` MTP heads distilled from it (``llm_core.tools.mtp_distill``; its
+report is saved beside the weights as ``mtp_distill.json``), and stored under
+``default_model_dir()/llm-<hash of the recipe>``; it is written to a temporary directory and
+renamed into place so concurrent first starts never see a half-written checkpoint.
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ from llm_core.models.decoder import DecoderForCausalLM
 from llm_core.models.family import TensorFormatError, tensor_converter_of
 from llm_core.models.moe import TopKRouter
 from llm_core.models.mtp import MTP_PREFIX, MTPFormatError, MTPHeads, num_layers_in, split_mtp_state
-from llm_core.models.mtp_distill import DistillRecipe, distill_mtp_heads
 from llm_core.models.positions import LinearPositions, PositionScheme
 from llm_core.models.random_init import init_random_weights
+from llm_core.tools.mtp_distill import DistillRecipe, distill_mtp_heads
 
 DEFAULT_SEED = 20260101
 # Bump when the default's generation (init_random_weights, the tokenizer, the heads' distillation)

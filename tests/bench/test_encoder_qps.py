@@ -32,8 +32,8 @@ from bench.loadgen import (
 )
 from bench.media_corpus import image_corpus, unique_variant
 from bench.qps_summary import interleaved_ceiling, summarize
-from bench.video_factory import make_clip
 from media_io.sniff import sniff
+from tests.fixtures.video_factory import make_clip
 
 # -- media ------------------------------------------------------------------------------------------
 

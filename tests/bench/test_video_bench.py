@@ -21,11 +21,11 @@ from bench.video import (
     sample_plan,
     single_pass,
 )
-from bench.video_factory import make_clip as make_barcoded_clip
-from bench.video_factory import read_barcode
 from media_io.config import PreprocessConfig
 from media_io.video import decode_video
 from media_io.video_probe import scan_video
+from tests.fixtures.video_factory import make_clip as make_barcoded_clip
+from tests.fixtures.video_factory import read_barcode
 
 
 @pytest.fixture(scope="module")

@@ -37,9 +37,9 @@ import pytest
 import torch
 from PIL import Image
 
-from bench.media_server import MediaServer
-from bench.video_factory import make_clip
 from epd.supervisor import group_alive
+from tests.fixtures.media_server import MediaServer
+from tests.fixtures.video_factory import make_clip
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0

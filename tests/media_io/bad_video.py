@@ -17,7 +17,7 @@ import io
 import av
 import numpy as np
 
-from bench.video_factory import make_clip, make_vfr_clip
+from tests.fixtures.video_factory import make_clip, make_vfr_clip
 
 
 def audio_only_mp4(seconds: float = 0.5, rate: int = 16000) -> bytes:

@@ -13,7 +13,6 @@ from urllib.parse import quote
 
 import pytest
 
-from bench.media_server import MediaServer
 from media_io.config import FetchConfig
 from media_io.errors import (
     BadMedia,
@@ -26,6 +25,7 @@ from media_io.errors import (
 )
 from media_io.fetch import Fetcher, _open_beneath, decode_data_url
 from media_io.image import decode_image
+from tests.fixtures.media_server import MediaServer
 from tests.media_io.bad_media import small_image
 
 LOCAL = FetchConfig(allow_cidrs=("127.0.0.0/8", "::1/128"), connect_timeout_s=2.0, total_timeout_s=10.0)

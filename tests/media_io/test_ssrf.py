@@ -9,11 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.media_server import MediaServer
 from media_io.config import FetchConfig
 from media_io.errors import FetchRefused
 from media_io.fetch import Fetcher
 from media_io.ssrf import AddressPolicy, GuardedResolver, non_global_reason, parse_ip_literal
+from tests.fixtures.media_server import MediaServer
 
 LOOPBACK_ALLOWED = FetchConfig(allow_cidrs=("127.0.0.0/8", "::1/128"))
 

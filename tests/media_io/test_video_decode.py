@@ -7,7 +7,6 @@ import os
 import numpy as np
 import pytest
 
-from bench.video_factory import make_clip, make_vfr_clip, read_barcode
 from media_io.config import PreprocessConfig
 from media_io.errors import BadMedia
 from media_io.preprocess import get_backend
@@ -16,6 +15,7 @@ from media_io.video_decode import SHM_PREFIX, SegmentDecodeError, decode_in_pool
 from media_io.video_plan import Run, Segment, Target, plan_runs, split_segments
 from media_io.video_probe import scan_video
 from media_io.video_sampling import sample_frame_indices, target_size
+from tests.fixtures.video_factory import make_clip, make_vfr_clip, read_barcode
 from tests.media_io import bad_video
 from tests.media_io.configs import CONFIGS
 

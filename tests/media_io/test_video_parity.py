@@ -24,10 +24,10 @@ import torch
 from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 from transformers.video_utils import VideoMetadata, read_video_pyav
 
-from bench.video_factory import make_clip, make_vfr_clip
 from media_io.config import PreprocessConfig
 from media_io.preprocess import get_backend
 from media_io.video import decode_video
+from tests.fixtures.video_factory import make_clip, make_vfr_clip
 
 
 def _decode_all(data: bytes) -> tuple[VideoMetadata, np.ndarray]:

@@ -6,11 +6,11 @@ import av
 import numpy as np
 import pytest
 
-from bench.video_factory import make_clip, make_vfr_clip
 from media_io.config import MediaLimits
 from media_io.errors import BadMedia, MediaError, MediaTooLarge
 from media_io.video import decode_video, probe_video
 from media_io.video_probe import scan_video
+from tests.fixtures.video_factory import make_clip, make_vfr_clip
 from tests.media_io import bad_video
 
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
-from bench.media_server import MediaServer
 from tests.epd.conftest import Reply, ServeProcess, start_serve, stop_serve
+from tests.fixtures.media_server import MediaServer
 
 # The download timeout of ``svc``: a trickling origin must hit it quickly.
 SVC_FETCH_TOTAL_TIMEOUT_S = 2.0

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.media_server import MediaServer
 from media_io.errors import BadMedia, MediaError, MediaTooLarge, UnsupportedMedia
 from tests.epd.conftest import Reply, ServeProcess, multipart, request, unique_png
+from tests.fixtures.media_server import MediaServer
 from tests.media_io import bad_video
 from tests.media_io.bad_media import EXPECTED, bad_image_corpus
 from tests.system.conftest import SVC_MAX_BODY_BYTES, check_error

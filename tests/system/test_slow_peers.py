@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from bench.media_server import MediaServer
 from tests.epd.conftest import Reply, ServeProcess, multipart, request, unique_png
+from tests.fixtures.media_server import MediaServer
 from tests.system.conftest import SVC_FETCH_TOTAL_TIMEOUT_S, check_error
 
 PROMPT_S = 20.0  # "promptly" on a loaded 2-core machine: far below the stalled stream's lifetime

@@ -18,7 +18,6 @@ import uvicorn
 from PIL import Image
 from safetensors.torch import load as load_safetensors
 
-from bench.video_factory import make_clip
 from encoder.caches.embed_cache import EmbedCache
 from encoder.caches.media_key import media_key
 from encoder.models.checkpoint import load_encoder, random_encoder, save_vision_checkpoint
@@ -29,6 +28,7 @@ from media_io.config import MediaLimits
 from media_io.image import decode_image
 from media_io.preprocess import get_backend
 from media_io.video import decode_video
+from tests.fixtures.video_factory import make_clip
 from tests.uvicorn_thread import serve_in_thread
 
 CFG = VisionConfig(

@@ -1,7 +1,8 @@
-"""The embedded default's distilled MTP heads (llm_core/models/mtp_distill.py, checkpoint.py) and
-MiMo-V2-Flash's model.mtp.* loading: the default loads with 3 trained heads that draft better than
-random ones, a short distillation lowers the loss and is deterministic, the greedy data are the
-dense reference's, and the acceptance shortcut equals explicit draft chains."""
+"""The embedded default's distilled MTP heads (llm_core/tools/mtp_distill.py,
+llm_core/models/checkpoint.py) and MiMo-V2-Flash's model.mtp.* loading: the default loads with 3
+trained heads that draft better than random ones, a short distillation lowers the loss and is
+deterministic, the greedy data are the dense reference's, and the acceptance shortcut equals
+explicit draft chains."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from llm_core.models.checkpoint import (
 )
 from llm_core.models.decoder import DecoderForCausalLM
 from llm_core.models.mtp import MTPHeads
-from llm_core.models.mtp_distill import (
+from llm_core.tools.mtp_distill import (
     DistillRecipe,
     acceptance_lengths,
     chain_logits,
