@@ -10,9 +10,11 @@ whose tensors are all absent leave ``mtp`` None, as in a checkpoint stripped of 
 with ``MTP_NEEDS_DECLARATION`` (MiMo-V2-Flash) reads its ``model.mtp.*`` only when the count is
 declared. For MiMo-V2-Flash:
 
-Accepted layouts (config.json + weights):
+Accepted layouts (config.json + weights, both read by the readers every role shares,
+``epd_common.checkpoint``):
 
-- ``model.safetensors`` or sharded ``model.safetensors.index.json`` + shards;
+- ``model.safetensors``, or sharded ``model.safetensors.index.json`` + shards (in sub-folders
+  too), or loose shards without an index;
 - experts per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``, what transformers'
   ``save_pretrained`` and the original release write) or fused (``mlp.experts.gate_up_proj``
   [E, 2I, H] / ``mlp.experts.down_proj`` [E, H, I], transformers' in-memory layout);
@@ -46,10 +48,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from epd_common.checkpoint.config_json import CONFIG_FILE, read_config_json
+from epd_common.checkpoint.errors import CheckpointError
+from epd_common.checkpoint.shards import read_tensors, shard_map
 from epd_common.settings import default_checkpoint_dir, epd_home
 from llm_core.models import UnknownArchitecture, family_for, mimo_v2_flash
 from llm_core.models.config import ConfigError, DecoderConfig
@@ -72,10 +76,6 @@ DEFAULT_DISTILL = DistillRecipe()
 DISTILL_REPORT = "mtp_distill.json"
 MTP_LAYERS_KEY = "num_nextn_predict_layers"  # config.json's head count
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-class CheckpointError(Exception):
-    """A checkpoint directory that cannot be loaded; the message names the file or tensor."""
 
 
 class LoadedLLM(NamedTuple):
@@ -119,56 +119,24 @@ def default_model_dir() -> Path:
 # ---- reading tensors -------------------------------------------------------------------------------
 
 
-def weight_files(model_dir: Path, wanted: Callable[[str], bool]) -> list[Path]:
-    """The safetensors files holding tensors ``wanted`` accepts: with an index, only the shards
-    that list one (a vision tower's shards are never opened by the LLM); without, every file."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index ({e})") from e
-        files = [model_dir / name for name in sorted({f for t, f in weight_map.items() if wanted(t)})]
-        if not files:
-            raise CheckpointError(f"{index} lists none of the tensors this role reads")
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors weights in {model_dir}")
-    for f in files:
-        if not f.is_file():
-            raise CheckpointError(f"weight shard {f} listed in the index is missing")
-    return files
-
-
 def read_state_dict(model_dir: Path, rename: Callable[[str], str | None] | None = None) -> dict[str, Tensor]:
     """The checkpoint's tensors under their state-dict names. ``rename`` maps an on-disk name to
-    ours, or to None for a tensor that is not this role's (never read); by default the MiMo
-    family's decoder tensors (names kept, ``model.mtp.*`` skipped). Tensors are read through
-    safetensors' memory map, one at a time. An unreadable file raises ``CheckpointError`` naming it (and, when it is
-    cut short, the first tensor whose bytes are missing)."""
+    ours, or to None for a tensor that is not this role's (never read; with an index, shards
+    holding only such tensors are never opened); by default the MiMo family's decoder tensors
+    (names kept, ``model.mtp.*`` skipped). Tensors are read through safetensors' memory map. An
+    unreadable file raises ``CheckpointError`` naming it (and, when it is cut short, the first
+    tensor whose bytes are missing)."""
     rename = rename or _decoder_only(mimo_v2_flash.tensor_name)
+    shards = shard_map(model_dir)
+    if shards.index is not None and not shards.file_list(lambda n: rename(n) is not None):
+        raise CheckpointError(f"{shards.index} lists none of the tensors this role reads")
     tensors: dict[str, Tensor] = {}
-    for path in weight_files(model_dir, lambda name: rename(name) is not None):
-        disk_name = None
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for disk_name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                    name = rename(disk_name)
-                    if name is None:
-                        continue
-                    if name in tensors:
-                        raise CheckpointError(
-                            f"tensor {disk_name!r} ({name}) appears more than once in {model_dir}"
-                        )
-                    tensors[name] = f.get_tensor(disk_name)
-        except CheckpointError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            where = f" reading tensor {disk_name!r}" if disk_name is not None else ""
-            raise CheckpointError(
-                f"{path}: unreadable safetensors file{where} ({e}){_truncation(path)}"
-            ) from e
+    for disk_name, t in read_tensors(shards, lambda n: rename(n) is not None).tensors.items():
+        name = rename(disk_name)
+        assert name is not None  # read only when renamed
+        if name in tensors:
+            raise CheckpointError(f"tensor {disk_name!r} ({name}) appears more than once in {model_dir}")
+        tensors[name] = t
     return tensors
 
 
@@ -192,30 +160,6 @@ def declared_mtp_layers(raw: dict[str, Any]) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ConfigError(f"{MTP_LAYERS_KEY}={value!r} is not a count of MTP layers")
     return value
-
-
-def _truncation(path: Path) -> str:
-    """'; ...' naming the first tensor whose bytes lie past the end of ``path``, or '' when the file
-    is not cut short (or its header cannot tell)."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if size < 8 + n:
-                return f"; the file is truncated: {size} bytes, its header alone needs {8 + n}"
-            header = json.loads(f.read(n))
-    except (OSError, ValueError):
-        return ""
-    data = size - 8 - n
-    cut = [
-        (int(v["data_offsets"][1]), k)
-        for k, v in header.items()
-        if isinstance(v, dict) and "data_offsets" in v and int(v["data_offsets"][1]) > data
-    ]
-    if not cut:
-        return ""
-    end, name = min(cut)
-    return f"; the file is truncated: tensor {name!r} needs {end} data bytes, the file holds {data}"
 
 
 def to_model_layout(raw: dict[str, Tensor], config: DecoderConfig) -> dict[str, Tensor]:
@@ -297,7 +241,7 @@ def load_llm(
         convert = tensor_converter_of(family)(raw, config, dtype)
         declared = declared_mtp_layers(raw)
     except (ConfigError, UnknownArchitecture) as e:
-        raise CheckpointError(f"{model_dir}/config.json: {e}") from e
+        raise CheckpointError(f"{model_dir / CONFIG_FILE}: {e}") from e
     # whether model.mtp.* are read at all: by the declared count, else by the family's convention
     wants_mtp = declared > 0 if declared is not None else not getattr(family, "MTP_NEEDS_DECLARATION", False)
     rename = family.tensor_name if wants_mtp else _decoder_only(family.tensor_name)
@@ -347,20 +291,6 @@ def _load_mtp(
     heads = skeleton.to_empty(device="cpu").to(dtype)
     load_state_dict_strict(heads, state, prefix="model." + MTP_PREFIX)
     return heads.to(device).eval().requires_grad_(False)
-
-
-def read_config_json(model_dir: Path) -> dict[str, Any]:
-    """``model_dir/config.json`` as a dict; ``CheckpointError`` naming the file otherwise."""
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{path} not found")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: not a JSON object")
-    return raw
 
 
 # ---- the embedded default ------------------------------------------------------------------------
