@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
@@ -33,6 +30,7 @@ from encoder.models.config import VisionConfig
 from encoder.models.family import PATCH_EMBED, VisionFamily, VisionTower, VisionTowerConfig
 from epd_common.checkpoint.config_json import CONFIG_FILE, read_config_json
 from epd_common.checkpoint.errors import CheckpointError, UnknownArchitecture
+from epd_common.checkpoint.generated import write_once
 from epd_common.checkpoint.shards import read_tensors, shard_map
 from epd_common.settings import default_checkpoint_dir, epd_home
 
@@ -196,26 +194,17 @@ def ensure_default_checkpoint(root: Path | None = None) -> Path:
     """Create the embedded default checkpoint under ``root/encoder-<recipe hash>`` once; return it.
 
     The directory name hashes the config, seed and recipe version, so changing the default never
-    loads a checkpoint an older release generated. Written into a temporary sibling directory and renamed into place, so concurrent workers see
-    either no checkpoint or a complete one; the loser of a race discards its copy.
+    loads a checkpoint an older release generated. Concurrent workers see either no checkpoint or a
+    complete one (``epd_common.checkpoint.generated.write_once``).
     """
     target = default_checkpoint_dir(
         root or default_model_dir(), "encoder", (DEFAULT_CONFIG, DEFAULT_SEED, DEFAULT_RECIPE_VERSION)
     )
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".encoder-tmp-", dir=target.parent))
-    try:
-        save_vision_checkpoint(random_encoder(DEFAULT_CONFIG, DEFAULT_SEED), tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return write_once(
+        target,
+        lambda tmp: save_vision_checkpoint(random_encoder(DEFAULT_CONFIG, DEFAULT_SEED), tmp),
+        complete=lambda d: (d / CONFIG_FILE).is_file(),
+    )
 
 
 def load_encoder(

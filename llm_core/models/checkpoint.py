@@ -38,10 +38,7 @@ never see a half-written checkpoint.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -53,6 +50,7 @@ from torch import Tensor, nn
 
 from epd_common.checkpoint.config_json import CONFIG_FILE, read_config_json
 from epd_common.checkpoint.errors import CheckpointError
+from epd_common.checkpoint.generated import write_once
 from epd_common.checkpoint.shards import read_tensors, shard_map
 from epd_common.settings import default_checkpoint_dir, epd_home
 from llm_core.models import UnknownArchitecture, family_for, mimo_v2_flash
@@ -365,28 +363,24 @@ def ensure_default_checkpoint(root: Path | None = None) -> Path:
     distillation recipe, so changing the default never loads a checkpoint an older release
     generated."""
     target = default_checkpoint_dir(root or default_model_dir(), "llm", _default_recipe())
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".llm-", dir=target.parent))
+    return write_once(
+        target,
+        _write_default,
+        complete=lambda d: (d / CONFIG_FILE).is_file() and (d / "model.safetensors").is_file(),
+    )
+
+
+def _write_default(out_dir: Path) -> None:
+    """The embedded default's files (see ``ensure_default_checkpoint``) into ``out_dir``."""
+    model = DecoderForCausalLM(default_llm_config())
+    init_random_weights(model, DEFAULT_SEED)
+    write_checkpoint(model, out_dir)  # the target alone: loaded back to distill the heads from
+    heads, report = _distilled_default_heads(out_dir)
+    write_checkpoint(model, out_dir, mtp=heads)
+    (out_dir / DISTILL_REPORT).write_text(json.dumps(report, indent=2) + "\n")
     try:
-        model = DecoderForCausalLM(default_llm_config())
-        init_random_weights(model, DEFAULT_SEED)
-        write_checkpoint(model, tmp)  # the target alone: loaded back to distill the heads from
-        heads, report = _distilled_default_heads(tmp)
-        write_checkpoint(model, tmp, mtp=heads)
-        (tmp / DISTILL_REPORT).write_text(json.dumps(report, indent=2) + "\n")
-        try:
-            from llm_core.prompts.tokenizer import save_default_tokenizer
-        except ImportError:
-            pass
-        else:
-            save_default_tokenizer(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # not a lost race with another writer
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+        from llm_core.prompts.tokenizer import save_default_tokenizer
+    except ImportError:
+        pass
+    else:
+        save_default_tokenizer(out_dir)
