@@ -26,6 +26,7 @@ from encoder.models import family_for as vision_family_for
 from encoder.models.checkpoint import VISION_ANCHOR, read_vision_config
 from epd_common.checkpoint.config_json import read_config_json
 from epd_common.checkpoint.errors import CheckpointError, UnknownArchitecture
+from epd_common.checkpoint.registry import language_architecture
 from epd_common.checkpoint.shards import TensorHeader, shard_map, tensor_headers
 from llm_core.models import family_for
 from llm_core.models.config import ConfigError
@@ -101,8 +102,7 @@ def check_model_dir(path: str | Path) -> ModelSummary:
     language = {n: s for n, s in shapes.items() if family.tensor_name(n) is not None and n not in vision}
     if not language:
         raise ModelDirError(f"{root}: no language-model tensors in the weights")
-    architecture = str((raw.get("architectures") or [family.ARCHITECTURES[0]])[0])
-    return ModelSummary(root, architecture, _role(vision), _role(language))
+    return ModelSummary(root, language_architecture(raw).name, _role(vision), _role(language))
 
 
 def _role(headers: dict[str, TensorHeader]) -> RoleWeights:

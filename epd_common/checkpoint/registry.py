@@ -105,8 +105,9 @@ def find_architecture(raw: dict[str, Any]) -> Architecture | None:
     return _BY_MODEL_TYPE.get(str(model_type)) if model_type else None
 
 
-def language_family(raw: dict[str, Any]) -> ModuleType:
-    """The LLM family module of a config.json dict; ``UnknownArchitecture`` naming the supported."""
+def language_architecture(raw: dict[str, Any]) -> Architecture:
+    """The served architecture of a config.json dict that has a language model;
+    ``UnknownArchitecture`` naming the supported ones."""
     arch = find_architecture(raw)
     if arch is None or arch.language is None:
         asked = [str(a) for a in raw.get("architectures") or []] or [repr(raw.get("model_type"))]
@@ -114,7 +115,12 @@ def language_family(raw: dict[str, Any]) -> ModuleType:
             f"architecture {', '.join(asked)} is not supported; supported: "
             f"{', '.join(supported_language_models())}"
         )
-    return arch.language_module()
+    return arch
+
+
+def language_family(raw: dict[str, Any]) -> ModuleType:
+    """The LLM family module of a config.json dict; ``UnknownArchitecture`` naming the supported."""
+    return language_architecture(raw).language_module()
 
 
 def tower_family(raw: dict[str, Any]) -> ModuleType:

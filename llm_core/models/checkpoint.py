@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from epd_common.checkpoint.config_json import CONFIG_FILE, read_config_json
 from epd_common.checkpoint.errors import CheckpointError
 from epd_common.checkpoint.generated import write_once
+from epd_common.checkpoint.registry import language_architecture
 from epd_common.checkpoint.shards import read_tensors, shard_map
 from epd_common.settings import default_checkpoint_dir, epd_home
 from llm_core.models import UnknownArchitecture, family_for, mimo_v2_flash
@@ -261,7 +262,7 @@ def load_llm(
     model.fuse_weights()
     model.requires_grad_(False)  # serving only; also lets inference-mode tensors mix with weights
     mtp = _load_mtp(mtp_state, config, dtype, device, model_dir, declared) if mtp_state else None
-    architecture = str(family.ARCHITECTURES[0])
+    architecture = language_architecture(raw).name
     return LoadedLLM(model, config, model_dir, family.position_scheme(raw), architecture, mtp)
 
 

@@ -117,10 +117,10 @@ def test_importing_the_registry_loads_no_model_stack() -> None:
 def test_every_row_names_modules_that_exist() -> None:
     for arch in ARCHITECTURES:
         if arch.language is not None:
-            assert arch.name in language_family({"architectures": [arch.name]}).ARCHITECTURES
+            assert callable(language_family({"architectures": [arch.name]}).parse_config)
         if arch.tower is not None:
             for model_type in arch.model_types:
-                assert model_type in tower_family({"model_type": model_type}).MODEL_TYPES
+                assert callable(tower_family({"model_type": model_type}).build_tower)
 
 
 def test_lookup_rules() -> None:
