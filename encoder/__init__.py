@@ -1,4 +1,5 @@
-"""The vision encoder side (the E role): ``models`` (the tower families and checkpoint loading),
+"""The vision encoder side (the E role): ``models`` (the tower families and loading a tower through
+the shared checkpoint reader and registry, ``epd_common.checkpoint``),
 ``kernels`` (varlen attention), ``caches`` (the node-shared embedding cache and the names of what it
 holds) and ``serving`` (the cross-request batcher, the worker process, the consistent-hash router).
 

@@ -22,13 +22,13 @@ from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
-from safetensors import safe_open
-
 from encoder.models import family_for as vision_family_for
 from encoder.models.checkpoint import VISION_ANCHOR, read_vision_config
-from encoder.models.checkpoint import CheckpointError as EncoderCheckpointError
-from llm_core.models import UnknownArchitecture, family_for
-from llm_core.models.checkpoint import CheckpointError, read_config_json, weight_files
+from epd_common.checkpoint.config_json import read_config_json
+from epd_common.checkpoint.errors import CheckpointError, UnknownArchitecture
+from epd_common.checkpoint.registry import language_architecture
+from epd_common.checkpoint.shards import TensorHeader, shard_map, tensor_headers
+from llm_core.models import family_for
 from llm_core.models.config import ConfigError
 from llm_core.models.fp8 import SCALE_SUFFIX
 from llm_core.prompts.chat_template import TemplateFileError, load_chat_template
@@ -79,7 +79,6 @@ def check_model_dir(path: str | Path) -> ModelSummary:
         vision_config = read_vision_config(root)
     except (
         CheckpointError,
-        EncoderCheckpointError,
         UnknownArchitecture,
         ConfigError,
         TokenizerError,
@@ -103,11 +102,10 @@ def check_model_dir(path: str | Path) -> ModelSummary:
     language = {n: s for n, s in shapes.items() if family.tensor_name(n) is not None and n not in vision}
     if not language:
         raise ModelDirError(f"{root}: no language-model tensors in the weights")
-    architecture = str((raw.get("architectures") or [family.ARCHITECTURES[0]])[0])
-    return ModelSummary(root, architecture, _role(vision), _role(language))
+    return ModelSummary(root, language_architecture(raw).name, _role(vision), _role(language))
 
 
-def _role(headers: dict[str, tuple[int, str]]) -> RoleWeights:
+def _role(headers: dict[str, TensorHeader]) -> RoleWeights:
     """Parameters, stored bytes and dtype of one role's tensors. Block-quantization scales
     (``<weight>_scale_inv``) count in the bytes but are not parameters; the dtype is the one most
     parameters are stored in (an FP8 checkpoint has about as many fp32 scale tensors as weights)."""
@@ -120,22 +118,9 @@ def _role(headers: dict[str, tuple[int, str]]) -> RoleWeights:
     return RoleWeights(params, size, dtypes.most_common(1)[0][0] if dtypes else "-")
 
 
-def _tensor_headers(root: Path) -> dict[str, tuple[int, str]]:
+def _tensor_headers(root: Path) -> dict[str, TensorHeader]:
     """name -> (elements, stored dtype) from every weight file's header (no tensor is read)."""
     try:
-        files = weight_files(root, lambda _: True)
+        return tensor_headers(shard_map(root))
     except CheckpointError as e:
         raise ModelDirError(str(e)) from e
-    out: dict[str, tuple[int, str]] = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                    tensor_slice = handle.get_slice(name)
-                    n = 1
-                    for dim in tensor_slice.get_shape():
-                        n *= int(dim)
-                    out[name] = (n, str(tensor_slice.get_dtype()))
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise ModelDirError(f"{f}: unreadable safetensors file ({e})") from e
-    return out

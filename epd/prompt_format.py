@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from encoder.caches.embedding_ref import EmbeddingRef
+from epd_common.checkpoint.config_json import read_config_json
+from epd_common.checkpoint.errors import CheckpointError
 from llm_core.models import family_for
-from llm_core.models.checkpoint import CheckpointError, read_config_json
 from llm_core.models.family import media_expansion_of
 from llm_core.prompts.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from llm_core.prompts.media_expansion import MediaExpansion, MediaItem, PadRuns

@@ -1,1 +1,8 @@
-"""Leaf modules every epd package may import (no model, media or serving code here)."""
+"""Leaf modules every epd package may import: settings and runtime paths, admission, the client
+error channel, native-build checks, the cluster store (``store``) and what a checkpoint directory is
+(``checkpoint``: the one config.json and safetensors reader, ``CheckpointError``, the architecture
+registry).
+
+May import: third-party libraries only, never ``encoder``, ``llm_core``, ``media_io`` or ``epd``
+(the registry names model families by import path and imports them only when asked).
+"""

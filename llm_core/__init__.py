@@ -1,5 +1,6 @@
-"""The language-model core (the P and D roles): ``models`` (the family registry and the shared
-hybrid-SWA MoE decoder), ``caches`` (dual-pool paged KV, the SWA-aware radix prefix cache),
+"""The language-model core (the P and D roles): ``models`` (the language-model families, found
+through the shared registry ``epd_common.checkpoint.registry``, and the shared hybrid-SWA MoE
+decoder), ``caches`` (dual-pool paged KV, the SWA-aware radix prefix cache),
 ``kernels`` (paged attention and the CPU / Triton paths under the decoder), ``prompts`` (tokenizer,
 chat template), ``serving`` (scheduler, model runner, sampling, the engine and its process) and
 ``tools`` (offline work over the models: MTP head distillation).

@@ -13,8 +13,9 @@ when both are there, as transformers' image processor lets them override ``size`
 budget is 90% of it, in 28x28 units, as the video processor caps frames). Absent fields keep
 ``base``'s values.
 
-MiMo-V2.5 keeps its processor's settings in a ``processor_config`` block inside config.json
-(``patch_size``, ``merge_size``, ``temporal_patch_size``, ``image_min_pixels``,
+MiMo-V2.5 keeps its processor's settings in a ``processor_config`` block inside config.json (the
+shared registry, ``epd_common.checkpoint.registry``, says which architectures have such a block
+and which video rule it selects; ``patch_size``, ``merge_size``, ``temporal_patch_size``, ``image_min_pixels``,
 ``image_max_pixels``, ``video_min_pixels``, ``video_max_pixels``, ``video_total_max_pixels``,
 ``fps``, ``max_frames``, ``min_frames``, ...; token ids and audio settings there change no pixels
 and are not read), next to a Qwen2-VL-style preprocessor_config.json. Its presence selects that
@@ -43,10 +44,12 @@ this one.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
+from epd_common.checkpoint.config_json import CONFIG_FILE, read_json_object
+from epd_common.checkpoint.errors import CheckpointError
+from epd_common.checkpoint.registry import processor_spec
 from media_io.config import PreprocessConfig
 
 
@@ -60,15 +63,16 @@ def preprocess_config_from_dir(
     """``base`` updated with the processor settings found in ``model_dir`` (none: ``base``)."""
     root = Path(model_dir)
     fields = _processor_files(root, base)
-    config_path = root / "config.json"
+    config_path = root / CONFIG_FILE
     config = _read(config_path)
-    block = config.get("processor_config")
+    spec = processor_spec(config)
+    block = config.get(spec.settings_block) if spec.settings_block is not None else None
     if isinstance(block, dict):
         vision = config.get("vision_config")
         stated, defaults = _model_block(
             block, vision if isinstance(vision, dict) else {}, fields, base, config_path
         )
-        fields = {**defaults, **fields, **stated, "video_sampling": "mimo_v2"}
+        fields = {**defaults, **fields, **stated, "video_sampling": spec.video_sampling}
     try:
         return dataclasses.replace(base, **fields)
     except (TypeError, ValueError) as e:
@@ -215,15 +219,13 @@ def _pixel_bounds(d: dict[str, Any]) -> tuple[int | None, int | None]:
 
 
 def _read(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; {} when there is no such file."""
     if not path.is_file():
         return {}
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ProcessorConfigError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(raw, dict):
-        raise ProcessorConfigError(f"{path}: not a JSON object")
-    return raw
+        return read_json_object(path)
+    except CheckpointError as e:
+        raise ProcessorConfigError(str(e)) from e
 
 
 class _naming:

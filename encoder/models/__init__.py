@@ -1,34 +1,23 @@
-"""The vision-tower families: one table from config.json's ``model_type`` to the module that
-describes the family's checkpoints (``family.VisionFamily``), imported when first asked for.
+"""The vision-tower families (one module per family: ``qwen2_5_vl``, ``mimo_v2``), the towers they
+build, and the loader (``checkpoint``) that reads a tower from a checkpoint directory.
 
-Adding a tower family is one module and one line here; an unknown model_type fails with the list
-of supported ones.
+Which family serves a checkpoint is the shared registry's answer
+(``epd_common.checkpoint.registry``, by config.json's model_type); ``family_for`` gives it the
+``family.VisionFamily`` type. Adding a tower family is one module here and one row there.
+
+May import: ``epd_common`` (the checkpoint reader, the registry, the settings); never
+``llm_core``, ``media_io`` or ``epd``.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, cast
 
 from encoder.models.family import VisionFamily
-
-# model_type -> family module
-FAMILIES: dict[str, str] = {
-    "qwen2_5_vl": "encoder.models.qwen2_5_vl",
-    "qwen2_5_vl_vision": "encoder.models.qwen2_5_vl",
-    "mimo_v2": "encoder.models.mimo_v2",
-}
-
-
-class UnknownVisionModel(ValueError):
-    """config.json's model_type names no tower family this build serves."""
+from epd_common.checkpoint.registry import tower_family
 
 
 def family_for(raw: dict[str, Any]) -> VisionFamily:
-    model_type = raw.get("model_type")
-    module = FAMILIES.get(str(model_type))
-    if module is None:
-        raise UnknownVisionModel(
-            f"model_type {model_type!r} is not supported (supported: {', '.join(repr(m) for m in FAMILIES)})"
-        )
-    return cast(VisionFamily, importlib.import_module(module))
+    """The tower family of a config.json dict; ``UnknownArchitecture`` naming the supported
+    model types."""
+    return cast(VisionFamily, tower_family(raw))

@@ -1,9 +1,12 @@
 """Load a vision tower from a Hugging Face checkpoint directory, or the embedded default.
 
-The checkpoint's config.json names the tower family (``encoder.models.FAMILIES``, by model_type);
-the family parses its config, builds its tower and maps the tensors on disk to the tower's state
-dict (``encoder.models.family.VisionFamily``). Weights come as model.safetensors, or sharded via
-model.safetensors.index.json; the tower's tensors sit under one of the family's name prefixes.
+The checkpoint's config.json names the tower family (the shared registry,
+``epd_common.checkpoint.registry``, by model_type); the family parses its config, builds its tower
+and maps the tensors on disk to the tower's state dict (``encoder.models.family.VisionFamily``).
+config.json and the weights are read by the readers every role shares
+(``epd_common.checkpoint``): model.safetensors, or shards listed in model.safetensors.index.json
+(in sub-folders too), or loose shards; the tower's tensors sit under one of the family's name
+prefixes.
 
 Only the vision tensors are read (shards holding only LLM or audio weights are never opened). Key
 sets and shapes are checked strictly; every problem raises ``CheckpointError`` naming the file,
@@ -16,19 +19,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from encoder.models import UnknownVisionModel, family_for
+from encoder.models import family_for
 from encoder.models.config import VisionConfig
 from encoder.models.family import PATCH_EMBED, VisionFamily, VisionTower, VisionTowerConfig
+from epd_common.checkpoint.config_json import CONFIG_FILE, read_config_json
+from epd_common.checkpoint.errors import CheckpointError, UnknownArchitecture
+from epd_common.checkpoint.generated import write_once
+from epd_common.checkpoint.shards import read_tensors, shard_map
 from epd_common.settings import default_checkpoint_dir, epd_home
 
 # The tensor every tower has (the patch embedding), under its family's prefix: finds the prefix.
@@ -52,10 +55,6 @@ DEFAULT_SEED = 20250101
 DEFAULT_RECIPE_VERSION = 1
 
 
-class CheckpointError(Exception):
-    """A checkpoint directory that cannot be loaded; the message names what is wrong and where."""
-
-
 class LoadedEncoder(NamedTuple):
     model: VisionTower
     config: VisionTowerConfig
@@ -74,16 +73,11 @@ def read_vision_config(path: Path) -> VisionTowerConfig:
 
 def _read_vision_family(path: Path) -> tuple[VisionTowerConfig, VisionFamily]:
     """The tower's config and its family (which knows the tensor prefixes), from one config.json read."""
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{cfg_file}: missing config.json")
-    try:
-        raw: dict[str, Any] = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{cfg_file}: unreadable config ({e})") from e
+    raw = read_config_json(path)
+    cfg_file = path / CONFIG_FILE
     try:
         family = family_for(raw)
-    except UnknownVisionModel as e:
+    except UnknownArchitecture as e:
         raise CheckpointError(f"{cfg_file}: {e}") from e
     vision = family.vision_config(raw)
     if vision is None:
@@ -99,68 +93,34 @@ def _family_of(cfg: VisionTowerConfig) -> VisionFamily:
     return family_for(cfg.to_hf_dict())
 
 
-def _weight_map(path: Path) -> dict[str, Path]:
-    """tensor name -> safetensors file, from the index or the single file."""
-    index = path / "model.safetensors.index.json"
-    single = path / "model.safetensors"
-    if index.is_file():
-        try:
-            mapping = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: unreadable shard index ({e})") from e
-        return {str(k): path / str(v) for k, v in mapping.items()}
-    if single.is_file():
-        try:
-            with safe_open(str(single), framework="pt") as f:
-                return dict.fromkeys(f.keys(), single)
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise CheckpointError(f"{single}: unreadable safetensors file ({e})") from e
-    raise CheckpointError(
-        f"{path}: missing weights (neither model.safetensors nor model.safetensors.index.json)"
-    )
-
-
 def _read_tensors(path: Path, cfg: VisionTowerConfig, family: VisionFamily) -> dict[str, torch.Tensor]:
-    """The tower's tensors (names without the prefix), after strict key, shape and dtype checks."""
-    weight_map = _weight_map(path)
+    """The tower's tensors (names without the prefix), after strict key, shape and dtype checks.
+    Only the files holding a tower tensor are opened."""
+    shards = shard_map(path)
     prefixes = family.TENSOR_PREFIXES
-    prefix = next((p for p in prefixes if p + VISION_ANCHOR in weight_map), None)
+    prefix = next((p for p in prefixes if p + VISION_ANCHOR in shards.files), None)
     if prefix is None:
         raise CheckpointError(
             f"{path}: no vision tower weights (looked for {[p + VISION_ANCHOR for p in prefixes]})"
         )
     expected = family.disk_shapes(cfg)
-    ours = {name[len(prefix) :]: f for name, f in weight_map.items() if name.startswith(prefix)}
-    if prefix == "":  # vision-only: everything at top level must belong to the tower
-        ours = dict(weight_map)
-    missing = sorted(set(expected) - set(ours))
+    # vision-only (prefix ""): everything at top level must belong to the tower
+    read = read_tensors(shards, lambda name: name.startswith(prefix))
+    tensors = {name[len(prefix) :]: t for name, t in read.tensors.items()}
+    missing = sorted(set(expected) - set(tensors))
     if missing:
         raise CheckpointError(f"{path}: missing tensor(s) {[prefix + m for m in missing[:8]]}")
-    unexpected = sorted(set(ours) - set(expected))
+    unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise CheckpointError(f"{path}: unexpected tensor(s) {[prefix + u for u in unexpected[:8]]}")
-    tensors: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name, f in ours.items():
-        by_file.setdefault(f, []).append(name)
-    for f, names in sorted(by_file.items()):
-        if not f.is_file():
-            raise CheckpointError(
-                f"{f}: missing weight file (holds {prefix + names[0]} and {len(names) - 1} more)"
-            )
-        try:
-            with safe_open(str(f), framework="pt") as handle:
-                for name in names:
-                    tensors[name] = handle.get_tensor(prefix + name)
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from e
     for name, t in tensors.items():
+        where = read.files[prefix + name]
         if tuple(t.shape) != expected[name]:
             raise CheckpointError(
-                f"{ours[name]}: tensor {prefix + name} has shape {tuple(t.shape)}, expected {expected[name]}"
+                f"{where}: tensor {prefix + name} has shape {tuple(t.shape)}, expected {expected[name]}"
             )
         if not t.is_floating_point():
-            raise CheckpointError(f"{ours[name]}: tensor {prefix + name} has non-float dtype {t.dtype}")
+            raise CheckpointError(f"{where}: tensor {prefix + name} has non-float dtype {t.dtype}")
     return tensors
 
 
@@ -234,26 +194,17 @@ def ensure_default_checkpoint(root: Path | None = None) -> Path:
     """Create the embedded default checkpoint under ``root/encoder-<recipe hash>`` once; return it.
 
     The directory name hashes the config, seed and recipe version, so changing the default never
-    loads a checkpoint an older release generated. Written into a temporary sibling directory and renamed into place, so concurrent workers see
-    either no checkpoint or a complete one; the loser of a race discards its copy.
+    loads a checkpoint an older release generated. Concurrent workers see either no checkpoint or a
+    complete one (``epd_common.checkpoint.generated.write_once``).
     """
     target = default_checkpoint_dir(
         root or default_model_dir(), "encoder", (DEFAULT_CONFIG, DEFAULT_SEED, DEFAULT_RECIPE_VERSION)
     )
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".encoder-tmp-", dir=target.parent))
-    try:
-        save_vision_checkpoint(random_encoder(DEFAULT_CONFIG, DEFAULT_SEED), tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return write_once(
+        target,
+        lambda tmp: save_vision_checkpoint(random_encoder(DEFAULT_CONFIG, DEFAULT_SEED), tmp),
+        complete=lambda d: (d / CONFIG_FILE).is_file(),
+    )
 
 
 def load_encoder(

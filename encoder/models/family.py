@@ -80,7 +80,9 @@ class VisionTower(Protocol):
 
 
 class VisionFamily(Protocol):
-    MODEL_TYPES: tuple[str, ...]  # config.json "model_type" values
+    """A tower family. Implementations are modules with these names; which model types a module
+    serves is the registry's row (``epd_common.checkpoint.registry``)."""
+
     # Name prefixes of the tower's tensors, tried in order ("" = a tower-only checkpoint).
     TENSOR_PREFIXES: tuple[str, ...]
 

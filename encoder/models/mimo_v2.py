@@ -27,7 +27,6 @@ from encoder.models.family import module_shapes, patch_embed_to_conv3d, patch_em
 from encoder.models.mimo_vit import MiMoVisionTransformer
 from encoder.models.mimo_vit_config import MiMoVisionConfig
 
-MODEL_TYPES = ("mimo_v2",)
 TENSOR_PREFIXES = ("visual.", "model.visual.")
 SAVE_PREFIX = "visual."  # what the release uses
 

@@ -18,7 +18,6 @@ from encoder.models.family import module_shapes, patch_embed_to_conv3d, patch_em
 from encoder.models.rope import rope_inv_freq
 from encoder.models.tower import VisionTransformer
 
-MODEL_TYPES = ("qwen2_5_vl", "qwen2_5_vl_vision")
 TENSOR_PREFIXES = ("model.visual.", "visual.", "")
 
 

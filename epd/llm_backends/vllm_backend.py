@@ -42,8 +42,9 @@ from epd.llm_backends.vllm_embeds import (
 )
 from epd.media_pipeline import EncodedItem
 from epd.prompt_format import PromptFormat
+from epd_common.checkpoint.config_json import read_config_json
+from epd_common.checkpoint.errors import CheckpointError
 from epd_common.errors import APIError, bad_request
-from llm_core.models.checkpoint import CheckpointError, read_config_json
 from llm_core.serving.embedding_source import EmbeddingSource
 from llm_core.serving.model_runner import MultimodalInput
 

@@ -10,9 +10,11 @@ whose tensors are all absent leave ``mtp`` None, as in a checkpoint stripped of 
 with ``MTP_NEEDS_DECLARATION`` (MiMo-V2-Flash) reads its ``model.mtp.*`` only when the count is
 declared. For MiMo-V2-Flash:
 
-Accepted layouts (config.json + weights):
+Accepted layouts (config.json + weights, both read by the readers every role shares,
+``epd_common.checkpoint``):
 
-- ``model.safetensors`` or sharded ``model.safetensors.index.json`` + shards;
+- ``model.safetensors``, or sharded ``model.safetensors.index.json`` + shards (in sub-folders
+  too), or loose shards without an index;
 - experts per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``, what transformers'
   ``save_pretrained`` and the original release write) or fused (``mlp.experts.gate_up_proj``
   [E, 2I, H] / ``mlp.experts.down_proj`` [E, H, I], transformers' in-memory layout);
@@ -36,20 +38,21 @@ renamed into place so concurrent first starts never see a half-written checkpoin
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from epd_common.checkpoint.config_json import CONFIG_FILE, read_config_json
+from epd_common.checkpoint.errors import CheckpointError
+from epd_common.checkpoint.generated import write_once
+from epd_common.checkpoint.registry import language_architecture
+from epd_common.checkpoint.shards import read_tensors, shard_map
 from epd_common.settings import default_checkpoint_dir, epd_home
 from llm_core.models import UnknownArchitecture, family_for, mimo_v2_flash
 from llm_core.models.config import ConfigError, DecoderConfig
@@ -72,10 +75,6 @@ DEFAULT_DISTILL = DistillRecipe()
 DISTILL_REPORT = "mtp_distill.json"
 MTP_LAYERS_KEY = "num_nextn_predict_layers"  # config.json's head count
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-class CheckpointError(Exception):
-    """A checkpoint directory that cannot be loaded; the message names the file or tensor."""
 
 
 class LoadedLLM(NamedTuple):
@@ -119,56 +118,24 @@ def default_model_dir() -> Path:
 # ---- reading tensors -------------------------------------------------------------------------------
 
 
-def weight_files(model_dir: Path, wanted: Callable[[str], bool]) -> list[Path]:
-    """The safetensors files holding tensors ``wanted`` accepts: with an index, only the shards
-    that list one (a vision tower's shards are never opened by the LLM); without, every file."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index ({e})") from e
-        files = [model_dir / name for name in sorted({f for t, f in weight_map.items() if wanted(t)})]
-        if not files:
-            raise CheckpointError(f"{index} lists none of the tensors this role reads")
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors weights in {model_dir}")
-    for f in files:
-        if not f.is_file():
-            raise CheckpointError(f"weight shard {f} listed in the index is missing")
-    return files
-
-
 def read_state_dict(model_dir: Path, rename: Callable[[str], str | None] | None = None) -> dict[str, Tensor]:
     """The checkpoint's tensors under their state-dict names. ``rename`` maps an on-disk name to
-    ours, or to None for a tensor that is not this role's (never read); by default the MiMo
-    family's decoder tensors (names kept, ``model.mtp.*`` skipped). Tensors are read through
-    safetensors' memory map, one at a time. An unreadable file raises ``CheckpointError`` naming it (and, when it is
-    cut short, the first tensor whose bytes are missing)."""
+    ours, or to None for a tensor that is not this role's (never read; with an index, shards
+    holding only such tensors are never opened); by default the MiMo family's decoder tensors
+    (names kept, ``model.mtp.*`` skipped). Tensors are read through safetensors' memory map. An
+    unreadable file raises ``CheckpointError`` naming it (and, when it is cut short, the first
+    tensor whose bytes are missing)."""
     rename = rename or _decoder_only(mimo_v2_flash.tensor_name)
+    shards = shard_map(model_dir)
+    if shards.index is not None and not shards.file_list(lambda n: rename(n) is not None):
+        raise CheckpointError(f"{shards.index} lists none of the tensors this role reads")
     tensors: dict[str, Tensor] = {}
-    for path in weight_files(model_dir, lambda name: rename(name) is not None):
-        disk_name = None
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for disk_name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                    name = rename(disk_name)
-                    if name is None:
-                        continue
-                    if name in tensors:
-                        raise CheckpointError(
-                            f"tensor {disk_name!r} ({name}) appears more than once in {model_dir}"
-                        )
-                    tensors[name] = f.get_tensor(disk_name)
-        except CheckpointError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            where = f" reading tensor {disk_name!r}" if disk_name is not None else ""
-            raise CheckpointError(
-                f"{path}: unreadable safetensors file{where} ({e}){_truncation(path)}"
-            ) from e
+    for disk_name, t in read_tensors(shards, lambda n: rename(n) is not None).tensors.items():
+        name = rename(disk_name)
+        assert name is not None  # read only when renamed
+        if name in tensors:
+            raise CheckpointError(f"tensor {disk_name!r} ({name}) appears more than once in {model_dir}")
+        tensors[name] = t
     return tensors
 
 
@@ -192,30 +159,6 @@ def declared_mtp_layers(raw: dict[str, Any]) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ConfigError(f"{MTP_LAYERS_KEY}={value!r} is not a count of MTP layers")
     return value
-
-
-def _truncation(path: Path) -> str:
-    """'; ...' naming the first tensor whose bytes lie past the end of ``path``, or '' when the file
-    is not cut short (or its header cannot tell)."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if size < 8 + n:
-                return f"; the file is truncated: {size} bytes, its header alone needs {8 + n}"
-            header = json.loads(f.read(n))
-    except (OSError, ValueError):
-        return ""
-    data = size - 8 - n
-    cut = [
-        (int(v["data_offsets"][1]), k)
-        for k, v in header.items()
-        if isinstance(v, dict) and "data_offsets" in v and int(v["data_offsets"][1]) > data
-    ]
-    if not cut:
-        return ""
-    end, name = min(cut)
-    return f"; the file is truncated: tensor {name!r} needs {end} data bytes, the file holds {data}"
 
 
 def to_model_layout(raw: dict[str, Tensor], config: DecoderConfig) -> dict[str, Tensor]:
@@ -297,7 +240,7 @@ def load_llm(
         convert = tensor_converter_of(family)(raw, config, dtype)
         declared = declared_mtp_layers(raw)
     except (ConfigError, UnknownArchitecture) as e:
-        raise CheckpointError(f"{model_dir}/config.json: {e}") from e
+        raise CheckpointError(f"{model_dir / CONFIG_FILE}: {e}") from e
     # whether model.mtp.* are read at all: by the declared count, else by the family's convention
     wants_mtp = declared > 0 if declared is not None else not getattr(family, "MTP_NEEDS_DECLARATION", False)
     rename = family.tensor_name if wants_mtp else _decoder_only(family.tensor_name)
@@ -319,7 +262,7 @@ def load_llm(
     model.fuse_weights()
     model.requires_grad_(False)  # serving only; also lets inference-mode tensors mix with weights
     mtp = _load_mtp(mtp_state, config, dtype, device, model_dir, declared) if mtp_state else None
-    architecture = str(family.ARCHITECTURES[0])
+    architecture = language_architecture(raw).name
     return LoadedLLM(model, config, model_dir, family.position_scheme(raw), architecture, mtp)
 
 
@@ -347,20 +290,6 @@ def _load_mtp(
     heads = skeleton.to_empty(device="cpu").to(dtype)
     load_state_dict_strict(heads, state, prefix="model." + MTP_PREFIX)
     return heads.to(device).eval().requires_grad_(False)
-
-
-def read_config_json(model_dir: Path) -> dict[str, Any]:
-    """``model_dir/config.json`` as a dict; ``CheckpointError`` naming the file otherwise."""
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{path} not found")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: not a JSON object")
-    return raw
 
 
 # ---- the embedded default ------------------------------------------------------------------------
@@ -435,28 +364,24 @@ def ensure_default_checkpoint(root: Path | None = None) -> Path:
     distillation recipe, so changing the default never loads a checkpoint an older release
     generated."""
     target = default_checkpoint_dir(root or default_model_dir(), "llm", _default_recipe())
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".llm-", dir=target.parent))
+    return write_once(
+        target,
+        _write_default,
+        complete=lambda d: (d / CONFIG_FILE).is_file() and (d / "model.safetensors").is_file(),
+    )
+
+
+def _write_default(out_dir: Path) -> None:
+    """The embedded default's files (see ``ensure_default_checkpoint``) into ``out_dir``."""
+    model = DecoderForCausalLM(default_llm_config())
+    init_random_weights(model, DEFAULT_SEED)
+    write_checkpoint(model, out_dir)  # the target alone: loaded back to distill the heads from
+    heads, report = _distilled_default_heads(out_dir)
+    write_checkpoint(model, out_dir, mtp=heads)
+    (out_dir / DISTILL_REPORT).write_text(json.dumps(report, indent=2) + "\n")
     try:
-        model = DecoderForCausalLM(default_llm_config())
-        init_random_weights(model, DEFAULT_SEED)
-        write_checkpoint(model, tmp)  # the target alone: loaded back to distill the heads from
-        heads, report = _distilled_default_heads(tmp)
-        write_checkpoint(model, tmp, mtp=heads)
-        (tmp / DISTILL_REPORT).write_text(json.dumps(report, indent=2) + "\n")
-        try:
-            from llm_core.prompts.tokenizer import save_default_tokenizer
-        except ImportError:
-            pass
-        else:
-            save_default_tokenizer(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # not a lost race with another writer
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+        from llm_core.prompts.tokenizer import save_default_tokenizer
+    except ImportError:
+        pass
+    else:
+        save_default_tokenizer(out_dir)

@@ -22,10 +22,12 @@ This module knows nothing about tensors or weights.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from epd_common.checkpoint.config_json import read_config_json
+from epd_common.checkpoint.errors import CheckpointError
 
 FULL = "full_attention"
 SWA = "sliding_attention"
@@ -287,15 +289,12 @@ class DecoderConfig:
 
     @classmethod
     def from_pretrained_dir(cls, path: str | Path) -> DecoderConfig:
-        """Read ``path/config.json``."""
-        cfg_path = Path(path) / "config.json"
-        if not cfg_path.is_file():
-            raise ConfigError(f"no config.json in {Path(path)}")
+        """Read ``path/config.json`` (``ConfigError`` when it is missing or not a JSON object)."""
         try:
-            d = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{cfg_path}: invalid JSON: {e}") from e
-        return cls.from_hf_dict(d)
+            raw = read_config_json(Path(path))
+        except CheckpointError as e:
+            raise ConfigError(str(e)) from e
+        return cls.from_hf_dict(raw)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A transformers-style config.json dict. ``swa_num_key_value_heads`` and the sink flags are

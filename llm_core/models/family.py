@@ -51,10 +51,8 @@ class TensorFormatError(ValueError):
 
 
 class LLMFamily(Protocol):
-    """A model family on the LLM side. Implementations are modules with these names."""
-
-    ARCHITECTURES: tuple[str, ...]  # config.json "architectures" values this family serves
-    MODEL_TYPES: tuple[str, ...]  # config.json "model_type" values (used when architectures is absent)
+    """A model family on the LLM side. Implementations are modules with these names; which
+    architectures a module serves is the registry's row (``epd_common.checkpoint.registry``)."""
 
     def parse_config(self, raw: dict[str, Any]) -> DecoderConfig:
         """config.json -> the decoder config; ``ConfigError`` naming the field on a bad value."""

@@ -42,9 +42,6 @@ from llm_core.models.mtp import MTP_PREFIX
 from llm_core.models.positions import LinearPositions, PositionScheme
 from llm_core.prompts.media_expansion import MediaExpansion, TimestampedVideo
 
-ARCHITECTURES = ("MiMoV2ForCausalLM",)
-MODEL_TYPES = ("mimo_v2",)
-
 FUSED_QKV = "self_attn.qkv_proj.weight"
 _LAYER = re.compile(r"^(model\.layers|mtp\.layers)\.(\d+)\.")
 

@@ -18,9 +18,6 @@ from llm_core.models.config import DecoderConfig
 from llm_core.models.mtp import MTP_PREFIX
 from llm_core.models.positions import LinearPositions, PositionScheme
 
-ARCHITECTURES = ("MiMoV2FlashForCausalLM",)
-MODEL_TYPES = ("mimo_v2_flash",)
-
 # model.mtp.* are heads only when config.json's num_nextn_predict_layers says so (see above).
 MTP_NEEDS_DECLARATION = True
 

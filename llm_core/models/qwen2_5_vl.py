@@ -21,9 +21,6 @@ from typing import Any
 from llm_core.models.config import FULL, ConfigError, DecoderConfig
 from llm_core.models.positions import MRopePositions, PositionScheme
 
-ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
-MODEL_TYPES = ("qwen2_5_vl",)
-
 # transformers' default when a config names no section (Qwen2.5-VL's head_dim 128: 64 pairs)
 DEFAULT_MROPE_SECTION = (16, 24, 24)
 

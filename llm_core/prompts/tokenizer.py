@@ -21,7 +21,6 @@ from a request; a chat's messages go through ``llm_core.prompts.request_text``).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,8 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from epd_common.checkpoint.config_json import CONFIG_FILE, read_json_object
+from epd_common.checkpoint.errors import CheckpointError
 from llm_core.prompts.chat_template import ChatTemplateError  # defined there; still importable from here
 
 EOS_TOKEN = "<|endoftext|>"
@@ -127,13 +128,13 @@ def load_tokenizer(model_dir: str | Path | None) -> Tokenizer:
 
 def _embedding_rows(model_dir: Path) -> int | None:
     """``vocab_size`` from ``config.json`` (top level, else ``text_config``); None when absent."""
-    path = model_dir / "config.json"
+    path = model_dir / CONFIG_FILE
     if not path.is_file():
         return None
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise TokenizerError(f"{path}: cannot read the model config ({e})") from e
+        config = read_json_object(path)
+    except CheckpointError as e:
+        raise TokenizerError(f"cannot read the model config: {e}") from e
     for scope in (config, config.get("text_config") or {}):
         if isinstance(scope, dict) and isinstance(scope.get("vocab_size"), int):
             return int(scope["vocab_size"])

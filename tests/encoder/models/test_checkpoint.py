@@ -143,6 +143,51 @@ def test_missing_shard_file(ckpt: Path) -> None:
     assert good.config == TINY
 
 
+def _split_in_two(ckpt: Path, folder: str, with_index: bool) -> None:
+    """Move the tiny tower's weights from model.safetensors into two shards under ``folder`` (""
+    for the top level), listed in an index when ``with_index``."""
+    tensors = load_file(ckpt / "model.safetensors")
+    names = sorted(tensors)
+    parts = {
+        f"{folder}model-00001-of-00002.safetensors": names[::2],
+        f"{folder}model-00002-of-00002.safetensors": names[1::2],
+    }
+    for fname, part in parts.items():
+        (ckpt / fname).parent.mkdir(parents=True, exist_ok=True)
+        save_file({n: tensors[n] for n in part}, ckpt / fname)
+    (ckpt / "model.safetensors").unlink()
+    if with_index:
+        weight_map = {n: f for f, part in parts.items() for n in part}
+        (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+@pytest.mark.parametrize(
+    ("folder", "with_index"),
+    [("", True), ("vision/", True), ("", False)],
+    ids=["index", "sub-folder", "no-index"],
+)
+def test_sharded_tower_loads_the_same_tensors(ckpt: Path, folder: str, with_index: bool) -> None:
+    """The tower split across two shards (with an index, in a sub-folder, or loose) loads the same
+    tensors, and so the same fingerprint, as the one-file checkpoint."""
+    one_file = load_encoder(ckpt)
+    _split_in_two(ckpt, folder, with_index)
+    sharded = load_encoder(ckpt)
+    assert sharded.fingerprint == one_file.fingerprint
+    a, b = one_file.model.state_dict(), sharded.model.state_dict()  # type: ignore[attr-defined]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_index_outside_the_directory_is_refused(ckpt: Path) -> None:
+    _split_in_two(ckpt, "", with_index=True)
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    index["weight_map"]["merger.ln_q.weight"] = "../elsewhere.safetensors"
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(
+        CheckpointError, match=r"'merger\.ln_q\.weight' maps to '\.\./elsewhere\.safetensors'"
+    ):
+        load_encoder(ckpt)
+
+
 def test_corrupt_safetensors(ckpt: Path) -> None:
     (ckpt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(CheckpointError, match="unreadable safetensors"):

@@ -35,7 +35,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from llm_core.models import checkpoint
+from epd_common.checkpoint import shards as shard_reader
 from llm_core.models.checkpoint import CheckpointError, LoadedLLM, load_llm
 from llm_core.models.config import FULL, SWA
 from llm_core.prompts.tokenizer import load_tokenizer
@@ -233,13 +233,13 @@ def test_mtp_heads_are_loaded_and_checked(mimo_v2_dir: Path, ours: LoadedLLM) ->
 
 def test_never_opens_vision_or_audio_shards(mimo_v2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     opened: list[str] = []
-    real = checkpoint.safe_open
+    real = shard_reader.safe_open
 
     def spy(path: str, **kw: Any) -> Any:
         opened.append(Path(path).name)
         return real(path, **kw)
 
-    monkeypatch.setattr(checkpoint, "safe_open", spy)
+    monkeypatch.setattr(shard_reader, "safe_open", spy)  # the shared shard reader
     load_llm(mimo_v2_dir)
     assert sorted(set(opened)) == sorted([fx.SHARDS[0], fx.SHARDS[1], fx.MTP_FILE])
     assert (mimo_v2_dir / fx.AUDIO_SHARD).is_file()

@@ -22,7 +22,7 @@ import torch
 
 from encoder.caches.embedding_ref import EmbeddingRef
 from encoder.models.checkpoint import load_encoder
-from llm_core.models import checkpoint
+from epd_common.checkpoint import shards as shard_reader
 from llm_core.models.checkpoint import LoadedLLM, load_llm
 from llm_core.models.positions import MRopePositions
 from llm_core.prompts.tokenizer import load_tokenizer
@@ -107,13 +107,13 @@ def test_family_and_shards(qwen_dir: Path, qwen_llm: LoadedLLM, monkeypatch: pyt
     cfg = qwen_llm.config
     assert cfg.mrope_section == (4, 6, 6) and cfg.attention_bias and cfg.num_swa_layers == 0
     opened: list[str] = []
-    real = checkpoint.safe_open
+    real = shard_reader.safe_open
 
     def spy(path: str, **kw: Any) -> Any:
         opened.append(Path(path).name)
         return real(path, **kw)
 
-    monkeypatch.setattr(checkpoint, "safe_open", spy)
+    monkeypatch.setattr(shard_reader, "safe_open", spy)  # the shared shard reader
     load_llm(qwen_dir)
     shards = sorted(p.name for p in qwen_dir.glob("model-*.safetensors"))
     assert len(shards) >= 3

@@ -1,0 +1,11 @@
+"""What a checkpoint directory is, for every role: the one ``config.json`` reader
+(``config_json``), the one safetensors shard reader (``shards``: an index with shards, possibly in
+sub-folders, or loose ``*.safetensors`` files), the one ``CheckpointError`` (``errors``) and the
+registry from config.json's architecture to the language-model family, the tower family and the
+processor settings (``registry``).
+
+May import: the standard library, ``safetensors`` and ``torch`` (``shards`` only). Never ``encoder``,
+``llm_core``, ``media_io`` or ``epd``: the registry names the families by import path and resolves
+them when asked, so importing it loads neither model stack. Importing this package imports none of
+its modules.
+"""
