@@ -204,7 +204,9 @@ class EncoderWorker:
         if modality is not None and modality != kind.modality:
             raise BadMedia(f"sent as {modality} but its bytes are {kind.modality} ({kind.format})", item)
         if kind.modality == "audio":  # recognized, so that the refusal can say what it is
-            raise UnsupportedMedia(f"audio ({kind.format}) is not supported: this encoder has no audio tower", item)
+            raise UnsupportedMedia(
+                f"audio ({kind.format}) is not supported: this encoder has no audio tower", item
+            )
         loop = asyncio.get_running_loop()
         key = await loop.run_in_executor(
             self.io_pool, media_key, data, kind.modality, self.config.preprocess, self.fingerprint
