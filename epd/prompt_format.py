@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from encoder.caches.embedding_ref import EmbeddingRef
+from epd_common.messages.embedding_ref import EmbeddingRef
 from llm_core.models import family_for
 from llm_core.models.checkpoint import CheckpointError, read_config_json
 from llm_core.models.family import media_expansion_of

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from encoder.caches.cache_format import MAX_KEY
 from encoder.caches.cache_index import KEY_BYTES
-from encoder.caches.embedding_ref import EmbeddingRef
+from epd_common.messages.embedding_ref import EmbeddingRef
 
 if TYPE_CHECKING:
     import torch

@@ -73,7 +73,7 @@ from encoder.caches.cache_types import (
     check_key,
     default_root,
 )
-from encoder.caches.embedding_ref import EmbeddingRef
+from epd_common.messages.embedding_ref import EmbeddingRef
 
 if TYPE_CHECKING:
     import torch

@@ -45,7 +45,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from encoder.caches.embed_cache import EmbedCache, EntryTooLarge, InvalidKey
-from encoder.caches.embedding_ref import EmbeddingRef
 from encoder.caches.embedding_tier import EmbeddingTier
 from encoder.caches.media_key import media_key
 from encoder.models.checkpoint import LoadedEncoder, load_encoder
@@ -53,6 +52,7 @@ from encoder.serving.batcher import EncodeBatcher, QueueFull
 from encoder.serving.worker import WorkerConfig
 from epd_common.active_paths import report
 from epd_common.admission import ServiceRate, request_deadline_s, retry_after_header
+from epd_common.messages.embedding_ref import EmbeddingRef
 from epd_common.runtime import freeze_startup_objects
 from epd_common.store_config import build_store
 from media_io.active_paths import media_paths

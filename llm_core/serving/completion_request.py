@@ -16,8 +16,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from encoder.caches.embedding_ref import EmbeddingRef
 from epd_common.errors import APIError, bad_request
+from epd_common.messages.embedding_ref import EmbeddingRef
 from llm_core.prompts.tokenizer import Tokenizer
 from llm_core.serving.sampling import SamplingParams, SamplingParamsError
 

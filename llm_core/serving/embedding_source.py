@@ -16,8 +16,8 @@ import aiohttp
 import torch
 from safetensors.torch import load as load_safetensors
 
-from encoder.caches.embedding_ref import EmbeddingRef
 from epd_common.errors import APIError, bad_request
+from epd_common.messages.embedding_ref import EmbeddingRef
 from llm_core.serving.model_runner import MultimodalInput
 
 log = logging.getLogger(__name__)
