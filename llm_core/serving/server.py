@@ -32,6 +32,7 @@ from starlette.routing import Route
 from epd_common.active_paths import report
 from epd_common.admission import request_deadline_s
 from epd_common.errors import APIError, bad_request, error_body, error_response, overloaded
+from epd_common.messages.embedding_reader import ReaderOpener
 from epd_common.runtime import freeze_startup_objects, serve_internal
 from epd_common.store_config import build_store
 from llm_core.kernels.active_paths import llm_paths
@@ -340,8 +341,9 @@ def create_app(
     )
 
 
-def build_app(config: LLMServerConfig) -> Starlette:
-    """Load the checkpoint named by ``config`` and wire engine, embedding source and app."""
+def build_app(config: LLMServerConfig, open_cache: ReaderOpener | None = None) -> Starlette:
+    """Load the checkpoint named by ``config`` and wire engine, embedding source and app.
+    ``open_cache``: opens this node's embedding cache (the encoder's; None: ref URLs only)."""
     device = config.resolve_device()
     events = None
     if config.kv_events_endpoint:
@@ -357,16 +359,17 @@ def build_app(config: LLMServerConfig) -> Starlette:
             "(--engine-host-kv-bytes) and a kv store policy other than off"
         )
     embeddings = EmbeddingSource.open(
-        config.cache_namespace, engine.model_config.hidden_size, config.fetch_timeout_s
+        open_cache, config.cache_namespace, engine.model_config.hidden_size, config.fetch_timeout_s
     )
     return create_app(engine, config, embeddings)
 
 
-def serve_llm(config: LLMServerConfig) -> None:
-    """Run the engine process until interrupted (``epd llm``)."""
+def serve_llm(config: LLMServerConfig, open_cache: ReaderOpener | None = None) -> None:
+    """Run the engine process until interrupted (``epd llm``, which passes the encoder's cache
+    as ``open_cache``)."""
     import torch
 
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)  # the process's own: the engine thread reads it
-    app = build_app(config)
+    app = build_app(config, open_cache)
     serve_internal(app, uds=config.uds, host=config.host, port=config.port, log_level=config.log_level)
