@@ -4,4 +4,8 @@ hybrid-SWA MoE decoder), ``caches`` (dual-pool paged KV, the SWA-aware radix pre
 chat template) and ``serving`` (scheduler, model runner, sampling, the engine and its process).
 
 It consumes embeddings by EmbeddingRef and knows nothing of media decoding.
+
+What it shares with the other roles (EmbeddingRef, the cache-key rule, the completion request and
+its chunks, the embedding cache as a reader sees it) comes from ``epd_common.messages``; it never
+imports ``encoder`` or ``epd`` (``tests/epd_common/messages/test_role_imports.py`` checks).
 """

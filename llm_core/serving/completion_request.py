@@ -55,12 +55,12 @@ def _parse_prompt(prompt: Prompt | msgspec.UnsetType, tokenizer: Tokenizer, voca
     if prompt is msgspec.UNSET:
         raise bad_request("'prompt' is required", "prompt")
     # A batch of one is accepted in either spelling; true batches belong to separate requests.
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = tokenizer.encode_text(prompt)  # text, like a chat message: no special ids from it
-    elif all(isinstance(t, int) for t in prompt):  # the decoder refused bools
-        ids = [t for t in prompt if isinstance(t, int)]
+    one = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else None
+    single: str | list[int] | list[int | str | list[int]] = one if isinstance(one, str | list) else prompt
+    if isinstance(single, str):
+        ids = tokenizer.encode_text(single)  # text, like a chat message: no special ids from it
+    elif all(isinstance(t, int) for t in single):  # the decoder refused bools
+        ids = [t for t in single if isinstance(t, int)]
         # Ids are checked against the model's vocabulary: a checkpoint without tokenizer.json
         # uses the byte-level tokenizer, which knows fewer ids than the model embeds.
         bad = [t for t in ids if not 0 <= t < vocab_size]

@@ -241,8 +241,9 @@ def create_app(
         if reason == "error":
             raise APIError(500, "the engine failed while running this request", type="internal_error")
         body = completion_body(req, model_name, "".join(text), ids, reason, cached)
-        if export is not None or info is not None:
-            body.kv_transfer = export if export is not None else info
+        report = export if export is not None else info
+        if report is not None:
+            body.kv_transfer = report
         return Response(encode(body), media_type="application/json")
 
     async def _events(
