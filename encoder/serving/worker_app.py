@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -36,6 +35,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, NoReturn
 
+import msgspec
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from safetensors.torch import save as save_safetensors
@@ -388,7 +388,9 @@ class EncoderWorker:
 
     def _public(self, ref: EmbeddingRef) -> EmbeddingRef:
         if self.config.public_url:
-            return dataclasses.replace(ref, url=f"{self.config.public_url.rstrip('/')}/embeddings/{ref.key}")
+            return msgspec.structs.replace(
+                ref, url=f"{self.config.public_url.rstrip('/')}/embeddings/{ref.key}"
+            )
         return ref
 
     # -- reads -------------------------------------------------------------------------------------
