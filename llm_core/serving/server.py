@@ -241,9 +241,9 @@ def create_app(
         if reason == "error":
             raise APIError(500, "the engine failed while running this request", type="internal_error")
         body = completion_body(req, model_name, "".join(text), ids, reason, cached)
-        report = export if export is not None else info
-        if report is not None:
-            body.kv_transfer = report
+        transfer_report = export if export is not None else info
+        if transfer_report is not None:
+            body.kv_transfer = transfer_report
         return Response(encode(body), media_type="application/json")
 
     async def _events(
