@@ -41,4 +41,4 @@ class EmbeddingReader(Protocol):
 
 # Opens this node's cache of a namespace for reading; None when there is no usable one here
 # (the reader then fetches each ref's url).
-ReaderOpener = Callable[[str], "EmbeddingReader | None"]
+ReaderOpener = Callable[[str], EmbeddingReader | None]
