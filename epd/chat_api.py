@@ -5,20 +5,25 @@ E → P → D: the media of all messages are resolved concurrently to EmbeddingR
 encoder); the language-model backend (``epd.llm_backends``: our engine, or vLLM) turns the
 messages and refs into its server's request, and its answer into a ``ChatResult`` or a stream of
 ``ChatDelta``s, which this module frames as OpenAI chat responses with epd's media usage added.
+
+Per streamed token the ingress does no JSON work beyond decoding the engine's chunk once
+(``EngineClient.stream``): a chat chunk is spliced from bytes fixed for the request and the
+encoded delta (``ChatFrames``), and a completion chunk passes through as the engine wrote it.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from epd.encode_api import read_json
+from epd.engine_client import StreamedChunk
 from epd.ingress import Ingress
 from epd.media_pipeline import EncodedItem
 from epd.media_request import chat_prompt
@@ -126,16 +131,7 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
         call.prompt_tokens,
     )
     first = await anext(chunks, None)
-
-    def frame(delta: dict[str, Any], finish: str | None) -> bytes:
-        chunk = {
-            "id": chat_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-        }
-        return f"data: {json.dumps(chunk)}\n\n".encode()
+    frame = ChatFrames(chat_id, created, model).frame
 
     async def events() -> AsyncIterator[bytes]:
         yield frame({"role": "assistant", "content": ""}, None)
@@ -150,7 +146,7 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
                     yield frame({"content": delta.text} if delta.text else {}, delta.finish_reason)
                 pending = await anext(chunks, None)
         except APIError as exc:
-            yield f"data: {json.dumps(error_body(exc.status, exc.type, exc.message, exc.param))}\n\n".encode()
+            yield _error_event(exc)
         finally:
             await chunks.aclose()
         if include_usage:
@@ -162,7 +158,7 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
                 "choices": [],
                 "usage": {**(usage or {}), **media_usage},
             }
-            yield f"data: {json.dumps(final)}\n\n".encode()
+            yield b"data: " + msgspec.json.encode(final) + b"\n\n"
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -177,7 +173,7 @@ async def completions(ingress: Ingress, request: Request) -> Response:
         raise unprocessable("use /v1/chat/completions to send media", "multimodal")
     model = resolve_model(ingress.config, body.get("model"))
     engines = ingress.engines
-    call = ingress.backend.completion_call(body)
+    call = await ingress.backend.completion_call(body)
     deadline_at = time.monotonic() + request_deadline_s(request.headers, ingress.config.max_queue_wait_s)
     if not body.get("stream"):
         # the served id the client asked by, whatever the backend's server calls its model
@@ -194,12 +190,38 @@ async def completions(ingress: Ingress, request: Request) -> Response:
         pending = first
         try:
             while pending is not None:
-                yield f"data: {json.dumps(pending)}\n\n".encode()
+                yield _passed_through(pending)
                 pending = await anext(chunks, None)
         except APIError as exc:
-            yield f"data: {json.dumps(error_body(exc.status, exc.type, exc.message, exc.param))}\n\n".encode()
+            yield _error_event(exc)
         finally:
             await chunks.aclose()
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class ChatFrames:
+    """The SSE events of one streamed chat: every chunk shares its id, creation time and model, so
+    those bytes are encoded once and each token's event is spliced from them and its delta."""
+
+    def __init__(self, chat_id: str, created: int, model: str) -> None:
+        enc = msgspec.json.encode
+        self._head = (
+            b'data: {"id":%s,"object":"chat.completion.chunk","created":%d,"model":%s,'
+            b'"choices":[{"index":0,"delta":' % (enc(chat_id), created, enc(model))
+        )
+
+    def frame(self, delta: Mapping[str, str], finish: str | None) -> bytes:
+        enc = msgspec.json.encode
+        return self._head + enc(delta) + b',"finish_reason":' + enc(finish) + b"}]}\n\n"
+
+
+def _passed_through(chunk: dict[str, Any]) -> bytes:
+    """A completion chunk as the client gets it: the engine's own bytes when it kept them."""
+    raw = chunk.raw if isinstance(chunk, StreamedChunk) else None
+    return b"data: " + (raw if raw is not None else msgspec.json.encode(chunk)) + b"\n\n"
+
+
+def _error_event(exc: APIError) -> bytes:
+    return b"data: " + msgspec.json.encode(error_body(exc.status, exc.type, exc.message, exc.param)) + b"\n\n"

@@ -13,10 +13,10 @@ from typing import Any
 import aiohttp
 from safetensors.torch import load as load_safetensors
 
-from encoder.caches.embedding_ref import EmbeddingRef
 from encoder.serving.router import WorkerUnavailable
 from epd_common.admission import DEADLINE_HEADER
 from epd_common.errors import APIError
+from epd_common.messages.embedding_ref import EmbeddingRef
 
 
 class EncodeReply:

@@ -3,19 +3,40 @@
 
 The engine's own errors (4xx) pass through with their message; an unreachable or crashed engine
 becomes a 503 with Retry-After so that clients retry once the supervisor has restarted it.
+
+Streams are read as bytes: each ``data:`` line is decoded once by msgspec (the router counts its
+tokens and reads its usage), and a chunk that carries only choices keeps its bytes
+(``StreamedChunk.raw``) so that a route which passes chunks through as they are writes them out
+without encoding them again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from epd_common.admission import DEADLINE_HEADER
 from epd_common.errors import APIError
+
+
+class StreamedChunk(dict[str, Any]):
+    """One streamed chunk as the server wrote it, decoded. ``raw``: the server's JSON bytes when
+    the chunk has no ``usage`` and no ``kv_transfer`` (the fields the pool rewrites: the P/D split
+    replaces the usage's cached tokens and takes the transfer report off the first chunk); None
+    otherwise, when the chunk must be encoded from the dict."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, decoded: dict[str, Any], raw: bytes) -> None:
+        super().__init__(decoded)
+        self.raw: bytes | None = None if "usage" in decoded or "kv_transfer" in decoded else raw
+
+
+_decode_json = msgspec.json.Decoder().decode
 
 
 def engine_unavailable(detail: str) -> APIError:
@@ -62,7 +83,7 @@ class EngineClient:
         request_id: str | None = None,
         deadline_s: float | None = None,
         path: str = "/v1/completions",
-    ) -> AsyncGenerator[dict[str, Any], None]:
+    ) -> AsyncGenerator[StreamedChunk, None]:
         """Streaming completion: yields each SSE ``data:`` JSON chunk until ``[DONE]``.
 
         Closing the generator (client went away) closes the engine connection, which aborts the
@@ -74,14 +95,16 @@ class EngineClient:
             ) as resp:
                 if resp.status != 200:
                     self.raise_for_status(resp, await _read_json(resp))
-                async for raw in resp.content:
-                    line = raw.decode("utf-8", "replace").strip()
-                    if not line.startswith("data:"):
+                async for line in resp.content:
+                    if not line.startswith(b"data:"):
                         continue
-                    data = line[len("data:") :].strip()
-                    if data == "[DONE]":
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
                         return
-                    chunk = json.loads(data)
+                    decoded = _decode_json(data)
+                    if not isinstance(decoded, dict):
+                        raise msgspec.DecodeError(f"a stream chunk is not a JSON object: {data[:80]!r}")
+                    chunk = StreamedChunk(decoded, data)
                     if "error" in chunk:
                         err = chunk["error"]
                         raise APIError(
@@ -131,7 +154,8 @@ class EngineClient:
 
 
 def _dumps(body: dict[str, Any]) -> bytes:
-    return json.dumps(body).encode()
+    """The request's JSON (msgspec: a body may hold message Structs, e.g. EmbeddingRefs)."""
+    return msgspec.json.encode(body)
 
 
 def _headers(request_id: str | None, deadline_s: float | None) -> dict[str, str]:
@@ -143,8 +167,8 @@ def _headers(request_id: str | None, deadline_s: float | None) -> dict[str, str]
 
 async def _read_json(resp: aiohttp.ClientResponse) -> dict[str, Any]:
     try:
-        body = await resp.json(content_type=None)
-    except (ValueError, aiohttp.ContentTypeError):
+        body = _decode_json(await resp.read())
+    except ValueError:  # msgspec.DecodeError: not JSON
         body = None
     return body if isinstance(body, dict) else {}
 

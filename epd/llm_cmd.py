@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 from epd.config_cli import add_dataclass_args, add_model_dir_argument, dataclass_from_args, model_path_from
+from epd_common.messages.embedding_reader import EmbeddingReader
 from llm_core.serving.server_config import LLMServerConfig
 
 
@@ -19,5 +20,13 @@ def run(args: argparse.Namespace) -> int:
 
     config = dataclass_from_args(LLMServerConfig, args)
     config = dataclasses.replace(config, model_path=model_path_from("llm", args.model_dir, config.model_path))
-    serve_llm(config)
+    serve_llm(config, open_embedding_cache)
     return 0
+
+
+def open_embedding_cache(namespace: str) -> EmbeddingReader | None:
+    """The engine reads this node's embedding cache, which the encoder owns: the engine package
+    does not import the encoder, this command wires the two."""
+    from encoder.caches.embed_cache import open_reader
+
+    return open_reader(namespace, writer=f"llm:{namespace}")

@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from encoder.caches.embed_cache import EmbedCache
-from encoder.caches.embedding_ref import EmbeddingRef
 from encoder.caches.embedding_tier import EmbeddingTier
 from encoder.caches.media_key import media_key_async
 from encoder.serving.router import AllAttemptsFailed, EncoderRouter, NoWorkerAvailable
@@ -40,6 +39,7 @@ from epd.media_request import MediaSource
 from epd.metrics import IngressMetrics
 from epd_common.admission import ServiceRate, seconds_left
 from epd_common.errors import APIError, bad_request, overloaded
+from epd_common.messages.embedding_ref import EmbeddingRef
 from media_io.config import PreprocessConfig
 from media_io.errors import MediaError, UnsupportedMedia
 from media_io.fetch import Fetcher

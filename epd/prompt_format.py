@@ -28,9 +28,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from encoder.caches.embedding_ref import EmbeddingRef
 from epd_common.checkpoint.config_json import read_config_json
 from epd_common.checkpoint.errors import CheckpointError
+from epd_common.messages.embedding_ref import EmbeddingRef
 from llm_core.models import family_for
 from llm_core.models.family import media_expansion_of
 from llm_core.prompts.chat_template import ChatTemplate, ChatTemplateError, load_chat_template

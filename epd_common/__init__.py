@@ -1,7 +1,8 @@
 """Leaf modules every epd package may import: settings and runtime paths, admission, the client
-error channel, native-build checks, the cluster store (``store``) and what a checkpoint directory is
+error channel, native-build checks, the cluster store (``store``), what a checkpoint directory is
 (``checkpoint``: the one config.json and safetensors reader, ``CheckpointError``, the architecture
-registry).
+registry) and what the roles send each other (``messages``: ``EmbeddingRef``, the cache-key rule,
+the engine's completion request and chunks, the embedding-cache reader interface).
 
 May import: third-party libraries only, never ``encoder``, ``llm_core``, ``media_io`` or ``epd``
 (the registry names model families by import path and imports them only when asked).

@@ -6,4 +6,8 @@ chat template), ``serving`` (scheduler, model runner, sampling, the engine and i
 ``tools`` (offline work over the models: MTP head distillation).
 
 It consumes embeddings by EmbeddingRef and knows nothing of media decoding.
+
+What it shares with the other roles (EmbeddingRef, the cache-key rule, the completion request and
+its chunks, the embedding cache as a reader sees it) comes from ``epd_common.messages``; it never
+imports ``encoder`` or ``epd`` (``tests/epd_common/messages/test_role_imports.py`` checks).
 """

@@ -1,6 +1,6 @@
 """Results and errors of the node embedding cache, and the names it accepts (keys, roots).
 
-Kept apart from ``embed_cache.py`` so that readers (the inspector CLI, the LLM engine) can name
+Kept apart from ``embed_cache.py`` so that readers (the inspector CLI, the vLLM transport) can name
 these types without the cache's machinery; ``encoder.caches.embed_cache`` re-exports all of them.
 """
 
@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from encoder.caches.cache_format import MAX_KEY
 from encoder.caches.cache_index import KEY_BYTES
-from encoder.caches.embedding_ref import EmbeddingRef
+from epd_common.messages.embedding_reader import InvalidMediaKey
+from epd_common.messages.embedding_ref import EmbeddingRef
 
 if TYPE_CHECKING:
     import torch
@@ -26,8 +27,9 @@ class CacheError(Exception):
     """A request the cache cannot serve; the message names the offending value."""
 
 
-class InvalidKey(CacheError, ValueError):
-    """A key that is not a safe file name (letters, digits, '_' and '-', at most 88 chars)."""
+class InvalidKey(CacheError, InvalidMediaKey):
+    """A key that is not a safe file name (letters, digits, '_' and '-', at most 88 chars); a
+    reader of the cache catches it as the shared ``InvalidMediaKey``."""
 
 
 class EntryTooLarge(CacheError):

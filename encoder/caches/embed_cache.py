@@ -73,7 +73,7 @@ from encoder.caches.cache_types import (
     check_key,
     default_root,
 )
-from encoder.caches.embedding_ref import EmbeddingRef
+from epd_common.messages.embedding_ref import EmbeddingRef
 
 if TYPE_CHECKING:
     import torch
@@ -529,6 +529,17 @@ class EmbedCache:
         self.close()
 
 
+def open_reader(namespace: str, writer: str) -> EmbedCache | None:
+    """This node's cache of ``namespace`` for a process that reads it (an ``EmbeddingReader``;
+    created when absent: encoders may start later), or None when there is no usable one here
+    (the reader then fetches each ref's url). ``writer`` names the process in the cache's stats."""
+    try:
+        return EmbedCache(namespace=namespace, writer=writer)
+    except (CacheError, OSError) as e:
+        log.warning("embedding cache %r unavailable (%s); only ref URLs will be fetched", namespace, e)
+        return None
+
+
 __all__ = [
     "CacheError",
     "CacheNotFound",
@@ -541,4 +552,5 @@ __all__ = [
     "VerifyFailure",
     "VerifyReport",
     "default_root",
+    "open_reader",
 ]

@@ -26,7 +26,7 @@ import torch
 
 from encoder.caches.cache_format import CorruptEntry, parse_header, payload_crc
 from encoder.caches.embed_cache import EmbedCache, ref_of
-from encoder.caches.embedding_ref import EmbeddingRef
+from epd_common.messages.embedding_ref import EmbeddingRef
 from epd_common.store.store import Store
 
 KEY_PREFIX = "epd:emb:"

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -36,6 +35,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, NoReturn
 
+import msgspec
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from safetensors.torch import save as save_safetensors
@@ -45,7 +45,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from encoder.caches.embed_cache import EmbedCache, EntryTooLarge, InvalidKey
-from encoder.caches.embedding_ref import EmbeddingRef
 from encoder.caches.embedding_tier import EmbeddingTier
 from encoder.caches.media_key import media_key
 from encoder.models.checkpoint import LoadedEncoder, load_encoder
@@ -54,6 +53,7 @@ from encoder.serving.worker import WorkerConfig
 from epd_common.active_paths import report
 from epd_common.admission import ServiceRate, request_deadline_s, retry_after_header
 from epd_common.errors import error_body
+from epd_common.messages.embedding_ref import EmbeddingRef
 from epd_common.runtime import freeze_startup_objects
 from epd_common.store_config import build_store
 from media_io.active_paths import media_paths
@@ -393,7 +393,9 @@ class EncoderWorker:
 
     def _public(self, ref: EmbeddingRef) -> EmbeddingRef:
         if self.config.public_url:
-            return dataclasses.replace(ref, url=f"{self.config.public_url.rstrip('/')}/embeddings/{ref.key}")
+            return msgspec.structs.replace(
+                ref, url=f"{self.config.public_url.rstrip('/')}/embeddings/{ref.key}"
+            )
         return ref
 
     # -- reads -------------------------------------------------------------------------------------

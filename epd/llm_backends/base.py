@@ -61,10 +61,14 @@ class LLMBackend(Protocol):
         self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem], sampling: dict[str, Any]
     ) -> ChatCall:
         """``messages``: parts ``{"type": "text", "text"}`` or ``{"type": "image" | "video", "index"}``
-        (``items[index]`` resolved); raises APIError for what this backend cannot send."""
+        (``items[index]`` resolved); raises APIError for what this backend cannot send. Rendering
+        the prompt (chat template, tokenizer) happens off the event loop."""
         ...
 
-    def completion_call(self, body: dict[str, Any]) -> ChatCall: ...
+    async def completion_call(self, body: dict[str, Any]) -> ChatCall:
+        """A ``/v1/completions`` body as this backend's server takes it (tokenizing, if any, off
+        the event loop)."""
+        ...
 
     async def close(self) -> None:
         """Release what the backend opened (HTTP sessions)."""

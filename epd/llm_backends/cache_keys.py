@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from epd_common.messages.cache_keys import MediaSpanError, build_cache_keys, media_spans
 from llm_core.prompts.tokenizer import Tokenizer
-from llm_core.serving.sequence import MediaSpanError, build_cache_keys, media_spans
 
 
 def prompt_cache_keys(tokenizer: Tokenizer, prompt: Any, media: Sequence[tuple[str, int]] = ()) -> list[int]:

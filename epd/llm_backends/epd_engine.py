@@ -1,10 +1,17 @@
 """epd's own engine (``epd llm``) as a backend: the ingress renders the prompt ids with the
-checkpoint's chat template and sends EmbeddingRefs; the engine reads the embeddings itself."""
+checkpoint's chat template and sends EmbeddingRefs; the engine reads the embeddings itself.
+
+The chat template and the tokenizer run on a small thread pool of the backend's, off the event
+loop: a long conversation takes milliseconds to render, which every stream on the loop would wait.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -16,6 +23,11 @@ from epd.prompt_format import ChatTemplateError, PromptFormat, media_item
 from epd_common.errors import bad_request
 
 COMPLETIONS = "/v1/completions"
+# Rendering threads: enough that one long prompt does not hold up the others, few because the
+# work holds the GIL for most of its time.
+PROMPT_THREADS = 4
+
+T = TypeVar("T")
 
 
 class EpdEngineBackend:
@@ -25,6 +37,10 @@ class EpdEngineBackend:
 
     def __init__(self, prompt_format: PromptFormat) -> None:
         self.prompt_format = prompt_format
+        self._render_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="epd-prompt")
+
+    async def _off_loop(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._render_pool, fn)
 
     def client(self, session: aiohttp.ClientSession, url: str, timeout_s: float) -> EngineClient:
         return EngineClient(session, url, timeout_s=timeout_s)
@@ -35,24 +51,33 @@ class EpdEngineBackend:
     async def chat_call(
         self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem], sampling: dict[str, Any]
     ) -> ChatCall:
+        prompt_ids, keys = await self._off_loop(partial(self._render, messages, items))
+        # the refs go as Structs: the engine client encodes the body with msgspec
+        body = {"prompt": prompt_ids, "multimodal": [it.ref for it in items], **sampling}
+        return ChatCall(COMPLETIONS, body, keys)
+
+    def _render(
+        self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem]
+    ) -> tuple[list[int], list[int]]:
+        """Prompt ids and cache keys of a chat (a rendering thread)."""
         media = [media_item(items[p["index"]].ref) for m in messages for p in m["content"] if "index" in p]
         try:
             prompt_ids = self.prompt_format.prompt_ids(messages, media)
         except ChatTemplateError as exc:  # the checkpoint's template refused these messages
             raise bad_request(str(exc), exc.param) from exc
-        body = {"prompt": prompt_ids, "multimodal": [it.ref.to_json() for it in items], **sampling}
         keys = prompt_cache_keys(
             self.prompt_format.tokenizer, prompt_ids, [(it.ref.key, it.ref.num_tokens) for it in items]
         )
+        return prompt_ids, keys
+
+    async def completion_call(self, body: dict[str, Any]) -> ChatCall:
+        """A text prompt is tokenized for its cache keys on a rendering thread."""
+        prompt = body.get("prompt")
+        keys = await self._off_loop(partial(prompt_cache_keys, self.prompt_format.tokenizer, prompt))
         return ChatCall(COMPLETIONS, body, keys)
 
-    def completion_call(self, body: dict[str, Any]) -> ChatCall:
-        return ChatCall(
-            COMPLETIONS, body, prompt_cache_keys(self.prompt_format.tokenizer, body.get("prompt"))
-        )
-
     async def close(self) -> None:
-        return None
+        self._render_pool.shutdown(wait=False, cancel_futures=True)
 
     def chat_result(self, out: dict[str, Any]) -> ChatResult:
         choice = out["choices"][0]

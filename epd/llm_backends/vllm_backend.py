@@ -315,7 +315,7 @@ class VLLMBackend:
             retry_after_s=0.0,
         )
 
-    def completion_call(self, body: dict[str, Any]) -> ChatCall:
+    async def completion_call(self, body: dict[str, Any]) -> ChatCall:
         if "prompt_embeds" in body:  # tensors epd has not checked: a malformed one kills vLLM
             raise bad_request("prompt_embeds are not passed on to the language model", "prompt_embeds")
         prompt = body.get("prompt")

@@ -45,9 +45,9 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from encoder.caches.cache_types import InvalidKey, check_key
-from encoder.caches.embedding_ref import EmbeddingRef
 from epd.llm_backends.vllm_embeds import EmbeddingGeometry, EmbeddingMismatch, expected_rows, metadata_part
 from epd.llm_backends.vllm_launch import ec_transfer_config
+from epd_common.messages.embedding_ref import EmbeddingRef
 
 if TYPE_CHECKING:
     from epd.config import IngressConfig

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from encoder.caches.embedding_ref import EmbeddingRef
+from epd_common.messages.embedding_ref import EmbeddingRef
 
 
 class EmbeddingGeometry(NamedTuple):

@@ -1,33 +1,38 @@
 """Where the engine process gets multimodal embeddings: the node cache, else the encoder's URL.
 
 An ``EmbeddingRef`` names the tensor by MediaKey. On the encoder's node the bytes are in the
-shared-memory embedding cache and are read zero-copy; from another node the engine fetches
-``ref.url`` (a safetensors body with tensor ``embedding``). Either way the tensor must have the
-shape the ref announces, or the request fails with a 400 naming the item.
+shared-memory embedding cache and are read zero-copy (through ``EmbeddingReader``: the engine
+does not import the encoder; whoever wires the process passes the opener); from another node the
+engine fetches ``ref.url`` (a safetensors body with tensor ``embedding``). Either way the tensor
+must have the shape the ref announces, or the request fails with a 400 naming the item.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import aiohttp
 import torch
 from safetensors.torch import load as load_safetensors
 
-from encoder.caches.embedding_ref import EmbeddingRef
 from epd_common.errors import APIError, bad_request
+from epd_common.messages.embedding_reader import EmbeddingReader, InvalidMediaKey, ReaderOpener
+from epd_common.messages.embedding_ref import EmbeddingRef
 from llm_core.serving.model_runner import MultimodalInput
 
 log = logging.getLogger(__name__)
 
 
 class EmbeddingSource:
-    """Resolves EmbeddingRefs to tensors. ``cache`` is an ``encoder.caches.embed_cache.EmbedCache`` or None."""
+    """Resolves EmbeddingRefs to tensors. ``cache``: this node's embedding cache, or None."""
 
     def __init__(
-        self, cache: Any | None, hidden_size: int, timeout_s: float = 30.0, owns_cache: bool = False
+        self,
+        cache: EmbeddingReader | None,
+        hidden_size: int,
+        timeout_s: float = 30.0,
+        owns_cache: bool = False,
     ) -> None:
         self.cache = cache
         self.owns_cache = owns_cache  # close() closes the cache only when open() made it
@@ -36,15 +41,14 @@ class EmbeddingSource:
         self._session: aiohttp.ClientSession | None = None
 
     @classmethod
-    def open(cls, namespace: str, hidden_size: int, timeout_s: float = 30.0) -> EmbeddingSource:
-        """Attach to the node cache of ``namespace`` (created when absent: encoders may start later)."""
-        from encoder.caches.embed_cache import CacheError, EmbedCache
-
-        cache = None
-        try:
-            cache = EmbedCache(namespace=namespace, writer=f"llm:{namespace}")
-        except (CacheError, OSError) as e:  # no usable node cache here: remote URLs only
-            log.warning("embedding cache %r unavailable (%s); only ref URLs will be fetched", namespace, e)
+    def open(
+        cls, opener: ReaderOpener | None, namespace: str, hidden_size: int, timeout_s: float = 30.0
+    ) -> EmbeddingSource:
+        """Attach to the node cache of ``namespace`` through ``opener`` (None, or an opener that
+        finds no usable cache: ref URLs only)."""
+        cache = opener(namespace) if opener is not None else None
+        if opener is None:
+            log.info("no node embedding cache is wired into this process; only ref URLs will be fetched")
         return cls(cache, hidden_size, timeout_s, owns_cache=cache is not None)
 
     async def resolve(self, refs: Sequence[EmbeddingRef]) -> list[MultimodalInput]:
@@ -62,11 +66,9 @@ class EmbeddingSource:
     def _local(self, ref: EmbeddingRef, param: str) -> torch.Tensor | None:
         if self.cache is None:
             return None
-        from encoder.caches.embed_cache import InvalidKey
-
         try:
             hit = self.cache.get(ref.key)
-        except InvalidKey as e:
+        except InvalidMediaKey as e:
             raise bad_request(str(e), param) from e
         return None if hit is None else hit.tensor
 

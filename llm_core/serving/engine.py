@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from epd_common.messages.cache_keys import MediaSpanError, media_spans
 from epd_common.store.store import Store
 from llm_core.caches.host_tier import HostKVTier
 from llm_core.caches.kv_events import AllBlocksCleared, KVEventBatch
@@ -56,7 +57,7 @@ from llm_core.serving.request_stream import RequestState, RequestStream, StepOut
 from llm_core.serving.request_stream import deliver as deliver_outputs
 from llm_core.serving.sampling import Sampler, SamplingParams
 from llm_core.serving.scheduler import QueueFull, Scheduler, SchedulerConfig, SchedulerError
-from llm_core.serving.sequence import MediaSpanError, Sampled, media_spans
+from llm_core.serving.sequence import Sampled
 from llm_core.serving.sequence import Sequence as Seq
 from llm_core.serving.server_config import EngineConfig
 from llm_core.serving.speculative import Speculator

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from encoder.caches.embedding_ref import EmbeddingRef
+from epd_common.messages.embedding_ref import EmbeddingRef
 from llm_core.caches.kv_pool import DualKVCache
 from llm_core.kernels.attention_batch import AttentionBatch
 from llm_core.models.positions import LinearPositions, PositionScheme

@@ -22,14 +22,16 @@ belong to the sequence.
 from __future__ import annotations
 
 import enum
-import hashlib
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+# The media-span parsing and the cache-key rule are shared with the ingress (it routes on the
+# keys the prefix cache matches): they live with the other messages between roles.
+from epd_common.messages.cache_keys import MediaSpan, build_cache_keys
 
 # What a step yields per sequence: a token, None (a prefill chunk short of the end), or the tokens a
 # verify step accepted (speculative decoding, ``speculative.py``).
@@ -43,100 +45,6 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"  # holds KV pages and is scheduled every step
     FINISHED = "finished"  # stopped normally; pages released
     ABORTED = "aborted"  # cancelled by the client or the engine; pages released
-
-
-class MediaSpan(NamedTuple):
-    """A placeholder run in the prompt: ``length`` pad tokens at ``start`` for the media ``key``,
-    taking that item's embedding rows ``row`` .. ``row + length`` (an item may span several runs:
-    a MiMo-V2.5 video has one per temporal patch, its timestamps in between)."""
-
-    start: int
-    length: int
-    key: str
-    item: int = 0  # index of the item in the request's media (``Sequence.mm_items``)
-    row: int = 0  # the item's first embedding row in this run
-
-
-class MediaSpanError(ValueError):
-    """The prompt's placeholder runs do not match the media supplied with the request (400);
-    ``item`` is the index of the media item that does not line up, when one does not."""
-
-    status = 400
-
-    def __init__(self, message: str, item: int | None = None) -> None:
-        super().__init__(message)
-        self.item = item
-
-
-def media_pseudo_id(key: str) -> int:
-    """A negative id derived from a MediaKey; it never collides with a vocabulary id (all >= 0).
-
-    Every token of a placeholder run gets the same pseudo-id: the run's position and length are
-    already fixed by the tokens before it, so one id per run is enough to keep different media
-    apart while the same media at the same place still shares the prefix.
-    """
-    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
-    return -1 - (int.from_bytes(digest, "big") >> 1)
-
-
-def find_placeholder_runs(prompt_ids: Iterable[int], placeholder_ids: Iterable[int]) -> list[tuple[int, int]]:
-    """(start, length) of each maximal run of one placeholder id, in prompt order."""
-    pad = set(placeholder_ids)
-    runs: list[tuple[int, int]] = []
-    prev = None
-    for i, t in enumerate(prompt_ids):
-        if t in pad and t == prev:
-            s, n = runs[-1]
-            runs[-1] = (s, n + 1)
-        elif t in pad:
-            runs.append((i, 1))
-        prev = t
-    return runs
-
-
-def media_spans(
-    prompt_ids: list[int], placeholder_ids: Iterable[int], media: list[tuple[str, int]]
-) -> list[MediaSpan]:
-    """Pair the prompt's placeholder runs, in order, with the media (``(key, rows)`` each): every
-    item takes runs until their lengths add up to its rows (one run per item in the Qwen2-VL
-    layout). Typed error when runs and rows do not line up."""
-    runs = iter(find_placeholder_runs(prompt_ids, placeholder_ids))
-    spans: list[MediaSpan] = []
-    for index, (key, rows) in enumerate(media):
-        taken = 0
-        while taken < rows:
-            run = next(runs, None)
-            if run is None:
-                raise MediaSpanError(
-                    f"the prompt's media placeholder runs end before media {index} ({rows} rows) is "
-                    f"placed ({taken} rows so far; {len(media)} media were given)",
-                    index,
-                )
-            start, n = run
-            if taken + n > rows:
-                raise MediaSpanError(
-                    f"placeholder run at token {start} has {n} tokens but media {index} has "
-                    f"{rows - taken} rows left to place",
-                    index,
-                )
-            spans.append(MediaSpan(start, n, key, index, taken))
-            taken += n
-    extra = sum(1 for _ in runs)
-    if extra:
-        raise MediaSpanError(
-            f"the prompt has {extra} media placeholder run(s) beyond the {len(media)} media given"
-        )
-    return spans
-
-
-def build_cache_keys(prompt_ids: list[int], spans: Iterable[MediaSpan]) -> list[int]:
-    keys = list(prompt_ids)
-    for span in spans:
-        if span.start < 0 or span.start + span.length > len(keys):
-            raise MediaSpanError(f"media span {span} lies outside the prompt of {len(keys)} tokens")
-        pid = media_pseudo_id(span.key)
-        keys[span.start : span.start + span.length] = [pid] * span.length
-    return keys
 
 
 @dataclass(eq=False)

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -38,6 +39,9 @@ from starlette.routing import Route
 from epd_common.active_paths import report
 from epd_common.admission import request_deadline_s
 from epd_common.errors import APIError, bad_request, error_body, error_response, overloaded
+from epd_common.messages.completion_request import KVTransfer
+from epd_common.messages.completion_response import SSE_DONE, encode, sse_event, usage
+from epd_common.messages.embedding_reader import ReaderOpener
 from epd_common.runtime import freeze_startup_objects, serve_internal
 from epd_common.store_config import build_store
 from llm_core.kernels.active_paths import llm_paths
@@ -46,7 +50,6 @@ from llm_core.serving.completion_request import (
     chunk_body,
     completion_body,
     parse_completion_request,
-    usage,
 )
 from llm_core.serving.embedding_source import EmbeddingSource
 from llm_core.serving.engine import EngineOverloaded, EngineRequestError, LLMEngine, RequestStream
@@ -151,22 +154,17 @@ def create_app(
 
         return handler
 
-    async def read_request(request: Request) -> tuple[CompletionRequest, Any]:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad_request(f"the body is not valid JSON: {e}", None) from e
-        req = parse_completion_request(
-            body,
+    async def read_request(request: Request) -> CompletionRequest:
+        return parse_completion_request(
+            await request.body(),
             engine.tokenizer,
             engine.max_model_len,
             engine.model_config.vocab_size,
             request.headers.get("x-request-id"),
         )
-        return req, body.get("kv_transfer")
 
     async def submit(
-        req: CompletionRequest, transfer: Any, deadline_s: float | None = None
+        req: CompletionRequest, deadline_s: float | None = None
     ) -> tuple[RequestStream, dict[str, Any] | None]:
         """Queue the request; with ``kv_transfer`` ``{"export": true}`` its prompt's KV is handed
         over after the prefill, with ``{"import": handle, "first_token": id}`` it is taken in (or,
@@ -177,18 +175,17 @@ def create_app(
                 raise bad_request("this engine has no embedding source for multimodal requests", "multimodal")
             mm = await embeddings.resolve(req.refs)
         export, kv_import, info = False, None, None
+        transfer: KVTransfer | None = req.kv_transfer
         if transfer is not None:
-            if not isinstance(transfer, dict) or engine.handoff is None:
+            if engine.handoff is None:
                 raise bad_request(
                     "kv_transfer must be {'export': true} or {'import': handle, 'first_token': id} "
                     "on an engine with a KV transport",
                     "kv_transfer",
                 )
-            export = transfer.get("export") is True
-            if "import" in transfer:
-                got = await engine.handoff.fetch(
-                    transfer["import"], transfer.get("first_token"), req.prompt_ids
-                )
+            export = transfer.export
+            if transfer.handle is not msgspec.UNSET:
+                got = await engine.handoff.fetch(transfer.handle, transfer.first_token, req.prompt_ids)
                 kv_import, info = got.kv_import, got.info
         try:
             stream = engine.submit(
@@ -207,9 +204,9 @@ def create_app(
         return stream, info
 
     async def completions(request: Request) -> Response:
-        req, transfer = await read_request(request)
+        req = await read_request(request)
         deadline = request_deadline_s(request.headers, engine.config.max_queue_wait_s)
-        stream, info = await submit(req, transfer, deadline)
+        stream, info = await submit(req, deadline)
         if req.stream:
             return StreamingResponse(
                 _events(req, stream, info),
@@ -250,9 +247,10 @@ def create_app(
         if reason == "error":
             raise APIError(500, "the engine failed while running this request", type="internal_error")
         body = completion_body(req, model_name, "".join(text), ids, reason, cached)
-        if export is not None or info is not None:
-            body["kv_transfer"] = export if export is not None else info
-        return JSONResponse(body)
+        transfer_report = export if export is not None else info
+        if transfer_report is not None:
+            body.kv_transfer = transfer_report
+        return Response(encode(body), media_type="application/json")
 
     async def _events(
         req: CompletionRequest, stream: RequestStream, info: dict[str, Any] | None
@@ -270,15 +268,15 @@ def create_app(
                 if out.text or out.finished or req.return_token_ids:
                     chunk = chunk_body(req, model_name, out.text, out.token_ids, out.finish_reason, first)
                     if first and info is not None:
-                        chunk["kv_transfer"] = info  # how the prompt's KV arrived (or why not)
-                    yield _sse(chunk)
+                        chunk.kv_transfer = info  # how the prompt's KV arrived (or why not)
+                    yield sse_event(chunk)
                     first = False
             if req.include_usage:
                 final = chunk_body(req, model_name, "", [], None, False)
-                final["choices"] = []
-                final["usage"] = usage(len(req.prompt_ids), n_out, cached)
-                yield _sse(final)
-            yield b"data: [DONE]\n\n"
+                final.choices = []
+                final.usage = usage(len(req.prompt_ids), n_out, cached)
+                yield sse_event(final)
+            yield SSE_DONE
         finally:
             stream.close()  # no-op when finished; aborts on disconnect (generator closed early)
             engine.pop_export(req.request_id)
@@ -346,8 +344,9 @@ def create_app(
     )
 
 
-def build_app(config: LLMServerConfig) -> Starlette:
-    """Load the checkpoint named by ``config`` and wire engine, embedding source and app."""
+def build_app(config: LLMServerConfig, open_cache: ReaderOpener | None = None) -> Starlette:
+    """Load the checkpoint named by ``config`` and wire engine, embedding source and app.
+    ``open_cache``: opens this node's embedding cache (the encoder's; None: ref URLs only)."""
     device = config.resolve_device()
     events = None
     if config.kv_events_endpoint:
@@ -363,16 +362,17 @@ def build_app(config: LLMServerConfig) -> Starlette:
             "(--engine-host-kv-bytes) and a kv store policy other than off"
         )
     embeddings = EmbeddingSource.open(
-        config.cache_namespace, engine.model_config.hidden_size, config.fetch_timeout_s
+        open_cache, config.cache_namespace, engine.model_config.hidden_size, config.fetch_timeout_s
     )
     return create_app(engine, config, embeddings)
 
 
-def serve_llm(config: LLMServerConfig) -> None:
-    """Run the engine process until interrupted (``epd llm``)."""
+def serve_llm(config: LLMServerConfig, open_cache: ReaderOpener | None = None) -> None:
+    """Run the engine process until interrupted (``epd llm``, which passes the encoder's cache
+    as ``open_cache``)."""
     import torch
 
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)  # the process's own: the engine thread reads it
-    app = build_app(config)
+    app = build_app(config, open_cache)
     serve_internal(app, uds=config.uds, host=config.host, port=config.port, log_level=config.log_level)

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from encoder.caches.embedding_ref import EmbeddingRef
 from epd.prompt_format import PromptFormat, media_item
+from epd_common.messages.embedding_ref import EmbeddingRef
 from llm_core.prompts.media_expansion import MediaItem
 from llm_core.prompts.tokenizer import load_tokenizer
 

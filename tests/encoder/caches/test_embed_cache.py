@@ -17,7 +17,7 @@ from encoder.caches.embed_cache import (
     InvalidKey,
     default_root,
 )
-from encoder.caches.embedding_ref import EmbeddingRef
+from epd_common.messages.embedding_ref import EmbeddingRef
 
 
 def key(i: int) -> str:

@@ -20,7 +20,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from encoder.caches.embedding_ref import EmbeddingRef
 from epd.config import IngressConfig
 from epd.llm_backends.base import BackendMismatch
 from epd.llm_backends.vllm_backend import ModelInfo, VLLMBackend, VLLMClient
@@ -29,6 +28,7 @@ from epd.llm_backends.vllm_embeds import EmbeddingGeometry
 from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMServer, free_port, peer_python
 from epd.media_pipeline import EncodedItem
 from epd_common.errors import APIError
+from epd_common.messages.embedding_ref import EmbeddingRef
 
 GEO = EmbeddingGeometry(merge=2, hidden=8)
 

@@ -9,7 +9,6 @@ import io
 import pytest
 import torch
 
-from encoder.caches.embedding_ref import EmbeddingRef
 from epd.llm_backends.vllm_embeds import (
     EmbeddingGeometry,
     EmbeddingMismatch,
@@ -17,6 +16,7 @@ from epd.llm_backends.vllm_embeds import (
     embeds_part,
     expected_rows,
 )
+from epd_common.messages.embedding_ref import EmbeddingRef
 
 GEO = EmbeddingGeometry(merge=2, hidden=8)
 

@@ -14,9 +14,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from epd_common.messages.cache_keys import MediaSpan
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.kv_pool import PagePool, swa_pages_per_sequence
-from llm_core.serving.sequence import NOT_RESIDENT, MediaSpan, Sequence, build_page_tables
+from llm_core.serving.sequence import NOT_RESIDENT, Sequence, build_page_tables
 
 P = 4
 

@@ -20,16 +20,17 @@ from typing import Any
 import pytest
 import torch
 
-from encoder.caches.embedding_ref import EmbeddingRef
 from encoder.models.checkpoint import load_encoder
 from epd_common.checkpoint import shards as shard_reader
+from epd_common.messages.cache_keys import find_placeholder_runs, media_spans
+from epd_common.messages.embedding_ref import EmbeddingRef
 from llm_core.models.checkpoint import LoadedLLM, load_llm
 from llm_core.models.positions import MRopePositions
 from llm_core.prompts.tokenizer import load_tokenizer
 from llm_core.serving.engine import LLMEngine
 from llm_core.serving.model_runner import MultimodalInput
 from llm_core.serving.sampling import SamplingParams
-from llm_core.serving.sequence import Sequence, find_placeholder_runs, media_spans
+from llm_core.serving.sequence import Sequence
 from llm_core.serving.server_config import EngineConfig
 from tests.fixtures.qwen2_5_vl import (
     SCENARIOS,

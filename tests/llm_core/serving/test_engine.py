@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from encoder.caches.embedding_ref import EmbeddingRef
+from epd_common.messages.embedding_ref import EmbeddingRef
 from llm_core.prompts.tokenizer import VISION_END, VISION_START, load_tokenizer
 from llm_core.serving.engine import EngineOverloaded, EngineRequestError, LLMEngine, StepOutput
 from llm_core.serving.model_runner import MultimodalInput

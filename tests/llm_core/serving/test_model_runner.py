@@ -16,12 +16,13 @@ from typing import Any
 import pytest
 import torch
 
+from epd_common.messages.cache_keys import MediaSpan, media_spans
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.kv_pool import PagePool
 from llm_core.models.positions import LinearPositions, MRopePositions, PositionScheme
 from llm_core.serving.model_runner import ModelRunner, StepInputs
 from llm_core.serving.sampling import Sampler
-from llm_core.serving.sequence import NOT_RESIDENT, MediaSpan, Sequence, media_spans
+from llm_core.serving.sequence import NOT_RESIDENT, Sequence
 
 P = 4  # page size
 MERGE, TPS = 2, 2

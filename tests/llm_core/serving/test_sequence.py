@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llm_core.serving.sequence import MediaSpan, MediaSpanError, Sequence, media_spans
+from epd_common.messages.cache_keys import MediaSpan, MediaSpanError, media_spans
+from llm_core.serving.sequence import Sequence
 
 
 def test_token_slice_equals_slicing_token_ids() -> None:

@@ -216,7 +216,7 @@ def test_multimodal_fetched_from_url(client: TestClient, loaded: Any) -> None:
             json={"prompt": prompt, "multimodal": [ref], "return_token_ids": True, **GREEDY},
         )
         assert r.status_code == 200, r.text
-        from encoder.caches.embedding_ref import EmbeddingRef
+        from epd_common.messages.embedding_ref import EmbeddingRef
 
         assert r.json()["choices"][0]["token_ids"] == _direct(
             loaded, prompt, emb, EmbeddingRef.from_json(ref)

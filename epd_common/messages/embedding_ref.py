@@ -2,18 +2,24 @@
 
 The encoder writes the tensor into the node embedding cache and hands out this small record; the
 LLM engine (or the ingress) reads the bytes zero-copy from the cache by ``key``, or fetches them
-from ``url`` when the encoder runs on another node.
+from ``url`` when the encoder runs on another node. On the wire it is a JSON object with every
+field present (``to_json``); decoding is strict: a field of the wrong type is refused, naming it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
+
+# The name of an embedding: the sha256 hex digest of the media bytes and everything that changes
+# the embedding (``encoder.caches.media_key`` derives it). Any string the node cache accepts as a
+# file name is carried; the cache refuses the rest.
+MediaKey = Annotated[str, msgspec.Meta(description="MediaKey: a hex digest naming one embedding")]
 
 
-@dataclass(frozen=True)
-class EmbeddingRef:
-    key: str  # MediaKey hex digest
+class EmbeddingRef(msgspec.Struct, frozen=True):
+    key: MediaKey
     dtype: str  # "float32" | "bfloat16" | "float16"
     shape: tuple[int, int]  # [num_tokens, hidden]
     grid_thw: tuple[tuple[int, int, int], ...]  # one (t, h, w) in patches per image or video
@@ -31,26 +37,11 @@ class EmbeddingRef:
         return self.shape[0]
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["shape"] = list(self.shape)
-        d["grid_thw"] = [list(g) for g in self.grid_thw]
-        d["grid_t_timestamps"] = list(self.grid_t_timestamps)
-        return d
+        """The JSON object (tuples as lists), every field present."""
+        out: dict[str, Any] = msgspec.json.decode(msgspec.json.encode(self))
+        return out
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> EmbeddingRef:
-        shape = tuple(int(x) for x in d["shape"])
-        if len(shape) != 2:
-            raise ValueError(f"EmbeddingRef.shape must have 2 dims, got {shape}")
-        return cls(
-            key=str(d["key"]),
-            dtype=str(d["dtype"]),
-            shape=(shape[0], shape[1]),
-            grid_thw=tuple((int(g[0]), int(g[1]), int(g[2])) for g in d["grid_thw"]),
-            modality=str(d.get("modality", "image")),
-            url=d.get("url"),
-            seconds_per_grid_t=None
-            if d.get("seconds_per_grid_t") is None
-            else float(d["seconds_per_grid_t"]),
-            grid_t_timestamps=tuple(float(x) for x in d.get("grid_t_timestamps") or ()),
-        )
+    def from_json(cls, d: object) -> EmbeddingRef:
+        """From a decoded JSON object; ``msgspec.ValidationError`` (a ValueError) naming the field."""
+        return msgspec.convert(d, cls, strict=True)
