@@ -2,12 +2,12 @@
 
 Run by the vLLM venv's python (not ours), it imports nothing of this project:
 
-    python mimo_audio_vllm_ref.py WEIGHTS_DIR MELS.safetensors OUT.safetensors
+    python mimo_audio_vllm_ref.py MELS.safetensors OUT.safetensors WEIGHTS_DIR [WEIGHTS_DIR ...]
 
 MELS holds ``case{i}.clip{j}`` log-mels [T, 128]; each case is one call of vLLM's
 ``MimoAudioEncoder.get_audio_feature`` (its clips batched together as the model batches them) and
-one of ``tokenize_audio_batch`` (the codes). OUT gets ``case{i}.rows`` [sum pads, hidden],
-``case{i}.pads`` (rows per clip) and ``case{i}.clip{j}.codes`` [T', 20].
+one of ``tokenize_audio_batch`` (the codes). For the k-th weights dir OUT gets ``w{k}.case{i}.rows``
+[sum pads, hidden], ``w{k}.case{i}.pads`` (rows per clip) and ``w{k}.case{i}.clip{j}.codes`` [T', 20].
 
 Everything runs in float32 on CPU at world size 1; nothing needs vLLM's distributed state (the
 modules are plain torch and transformers' Qwen2Model). The one part that cannot run here is the
@@ -70,15 +70,11 @@ def _install_attention() -> None:
     sys.modules["vllm.vllm_flash_attn"] = shim
 
 
-def main() -> None:
-    weights, mels_path, out_path = (Path(a) for a in sys.argv[1:4])
-    _install_attention()
-    torch.manual_seed(0)
+def _load_encoder(weights: Path):  # -> vLLM's MimoAudioEncoder, imported late
     from vllm.model_executor.models.mimo_audio import (
         MimoAudioEncoder,
         MiMoAudioTokenizer,
         MiMoAudioTokenizerConfig,
-        tokenize_audio_batch,
     )
 
     config = json.loads((weights / "config.json").read_text())
@@ -94,37 +90,44 @@ def main() -> None:
     missing = [m for m in missing if not m.startswith("input_local_transformer.embed_tokens.")]
     if missing or unexpected:
         raise SystemExit(f"tower load: missing {missing}, unexpected {unexpected}")
-
     # MimoAudioEncoder._load_audio_tokenizer does this too, then casts to bf16; kept in fp32 here.
     tok_dir = weights / "audio_tokenizer"
     tokenizer = MiMoAudioTokenizer(
         MiMoAudioTokenizerConfig(**json.loads((tok_dir / "config.json").read_text()))
     )
-    tok_state = load_file(str(tok_dir / "model.safetensors"))
-    missing, unexpected = tokenizer.load_state_dict(tok_state, strict=False)
+    missing, _ = tokenizer.load_state_dict(load_file(str(tok_dir / "model.safetensors")), strict=False)
     missing = [m for m in missing if m.startswith("encoder.")]
     if missing:
         raise SystemExit(f"tokenizer load: missing {missing}")
     encoder.audio_tokenizer = tokenizer.float().eval().requires_grad_(False)
-    encoder = encoder.float().eval()
+    return encoder.float().eval()
+
+
+def main() -> None:
+    mels_path, out_path = Path(sys.argv[1]), Path(sys.argv[2])
+    _install_attention()
+    torch.manual_seed(0)
+    from vllm.model_executor.models.mimo_audio import tokenize_audio_batch
 
     mels = load_file(str(mels_path))
     cases = sorted({k.split(".")[0] for k in mels}, key=lambda c: int(c[4:]))
     out: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for case in cases:
-            clips = sorted(
-                (k for k in mels if k.startswith(case + ".")), key=lambda k: int(k.split("clip")[1])
-            )
-            batch = [mels[k] for k in clips]
-            rows, pads = encoder.get_audio_feature(batch)
-            out[f"{case}.rows"] = rows.contiguous()
-            out[f"{case}.pads"] = torch.tensor(pads)
-            codes = tokenize_audio_batch(
-                batch, encoder.audio_tokenizer.encoder, segment_size=encoder.audio_segment_size
-            )
-            for k, c in zip(clips, codes, strict=True):
-                out[f"{k}.codes"] = c.contiguous()
+    for w, weights in enumerate(sys.argv[3:]):
+        encoder = _load_encoder(Path(weights))
+        with torch.no_grad():
+            for case in cases:
+                clips = sorted(
+                    (k for k in mels if k.startswith(case + ".")), key=lambda k: int(k.split("clip")[1])
+                )
+                batch = [mels[k] for k in clips]
+                rows, pads = encoder.get_audio_feature(batch)
+                out[f"w{w}.{case}.rows"] = rows.contiguous()
+                out[f"w{w}.{case}.pads"] = torch.tensor(pads)
+                codes = tokenize_audio_batch(
+                    batch, encoder.audio_tokenizer.encoder, segment_size=encoder.audio_segment_size
+                )
+                for k, c in zip(clips, codes, strict=True):
+                    out[f"w{w}.{k}.codes"] = c.contiguous()
     save_file(out, str(out_path))
 
 
