@@ -11,6 +11,7 @@ loader's names and errors.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -284,3 +285,20 @@ def test_tokenizer_and_processor_must_agree(tiny: TinyAudioCheckpoint) -> None:
     tower = load_tower(AudioTowerConfig.from_dicts(tiny.config["audio_config"], processor), tiny.main_tensors)
     with pytest.raises(ValueError, match="avg_pooler: tokenizer 2, processor 4"):
         MiMoAudioEncoder(tok, tower)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="Triton needs CUDA or TRITON_INTERPRET=1",
+)
+def test_triton_attention_path_gives_the_same_codes(tiny: TinyAudioCheckpoint) -> None:
+    """The symmetric window and the full layers go through ``band_attention``'s Triton kernel on CUDA
+    (the interpreter here): same codes, rows to float32 rounding."""
+    device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    enc = build(tiny).to(device)
+    mels = [tiny_mel(t, seed=t).to(device) for t in (33, 70)]
+    with torch.no_grad():
+        a, b = enc(mels, backend="torch"), enc(mels, backend="triton")
+    for ca, cb in zip(a.codes, b.codes, strict=True):
+        assert torch.equal(ca, cb)
+    torch.testing.assert_close(a.rows, b.rows, atol=1e-4, rtol=0)
