@@ -64,8 +64,8 @@ class MiMoAudioEncoder(nn.Module):
                 )
         seg_lens = [rule.segment_lengths(m.shape[0]) for m in mels]
         flat = [t for segs in seg_lens for t in segs]
-        dtype = self.tokenizer.conv1.weight.dtype
-        packed = torch.cat([m.to(dtype) for m in mels])  # [sum T, n_mels]
+        weight = self.tokenizer.conv1.weight
+        packed = torch.cat([m.to(device=weight.device, dtype=weight.dtype) for m in mels])  # [sum T, n_mels]
         out = self.tokenizer(packed, flat, backend)
         per_clip = [
             sum(out.code_lengths[i : i + len(s)]) for i, s in zip(_offsets(seg_lens), seg_lens, strict=True)
