@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from encoder.models.mimo_audio.tokenizer_config import NO_WINDOW, AudioTokenizerConfig
 from encoder.models.mimo_audio.tower_config import AudioTowerConfig, per_channel
@@ -100,3 +101,20 @@ def test_tokenizer_config_defaults_are_the_reference_class_defaults() -> None:
 def test_tokenizer_config_refusals(change: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         AudioTokenizerConfig.from_dict({**TOKENIZER_CONFIG, **change})
+
+
+def test_release_tower_shapes_and_size() -> None:
+    """At the release's config the tower has the checkpoint's shapes (reference sections 6 and 7:
+    speech_embeddings [1280, 1024], projection.mlp.0 [16384, 4096], mlp.2 [4096, 16384]) and 261M
+    parameters. Built on the meta device: no memory."""
+    from encoder.models.mimo_audio.tower import AudioTower
+
+    with torch.device("meta"):
+        tower = AudioTower(AudioTowerConfig.from_dicts(RELEASE_AUDIO_CONFIG, PROCESSOR_AUDIO))
+    shapes = {k: tuple(v.shape) for k, v in tower.state_dict().items()}
+    assert shapes["speech_embeddings.19.weight"] == (1280, 1024)
+    assert shapes["projection.mlp.0.weight"] == (16384, 4096)
+    assert shapes["projection.mlp.2.weight"] == (4096, 16384)
+    assert shapes["input_local_transformer.layers.5.self_attn.q_proj.bias"] == (1024,)
+    assert "input_local_transformer.layers.5.self_attn.o_proj.bias" not in shapes
+    assert round(sum(v.numel() for v in tower.parameters()) / 1e6) == 261
