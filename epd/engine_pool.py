@@ -372,10 +372,11 @@ class EnginePool:
         self.metrics.routed.labels(engine=dispatch.url).inc()
         return dispatch, rid
 
-    def _failover(self, dispatch: Dispatch, tried: set[str]) -> bool:
-        """Take an unreachable engine out; True when another live engine is left to try."""
+    def _failover(self, router: LLMRouter, dispatch: Dispatch, tried: set[str]) -> bool:
+        """Take an unreachable engine out; True when another live engine of ``router`` is left to
+        try (with split roles an engine of the other role is no candidate)."""
         self.mark(dispatch.url, False)
-        left = [u for u, up in self.up.items() if up and u not in tried]
+        left = [u for u in router.engine_urls if self.up.get(u) and u not in tried]
         if left:
             self.metrics.failovers.inc()
             log.warning("LLM engine %s unreachable; request %s re-routed", dispatch.url, dispatch.request_id)
@@ -387,7 +388,7 @@ class EnginePool:
         """Return when the request should go to another engine of ``router`` (``dispatch``'s was
         unreachable, or refused it for load); else raise what the client gets: every refusal's
         shortest wait once an engine refused, ``exc`` itself otherwise (a 4xx, say)."""
-        if _unreachable(exc) and self._failover(dispatch, tried):
+        if _unreachable(exc) and self._failover(router, dispatch, tried):
             return
         if self._refused_elsewhere(router, exc, tried, refusals):
             return

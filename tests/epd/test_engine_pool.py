@@ -7,18 +7,19 @@ import asyncio
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from epd.engine_client import EngineClient, engine_unavailable
 from epd.engine_pool import EnginePool
 from epd.llm_routing.policy import RouterConfig
 from epd_common.errors import APIError
 from llm_core.models.checkpoint import LoadedLLM, load_llm
-from llm_core.prompts.tokenizer import load_tokenizer
+from llm_core.prompts.tokenizer import Tokenizer, load_tokenizer
 from llm_core.serving.engine import LLMEngine
 from llm_core.serving.sampling import SamplingParams
 from llm_core.serving.server import create_app
@@ -107,3 +108,48 @@ def test_every_engine_refusing_answers_with_the_shortest_wait(loaded: LoadedLLM)
     assert out.retry_after_s == 11.0
     assert "all 2 LLM engines refused for load" in out.message
     assert pool.metrics.refused._value.get() == 2
+
+
+class _FakeEngine(EngineClient):
+    """An engine client that answers from memory: ``down`` raises what an unreachable engine does."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, timeout_s: float) -> None:
+        super().__init__(session, url, timeout_s)
+        self.down = False
+        self.calls = 0
+
+    async def complete(
+        self, body: dict[str, Any], request_id: str | None = None, deadline_s: float | None = None,
+        path: str = "/v1/completions",
+    ) -> dict[str, Any]:  # fmt: skip
+        self.calls += 1
+        if self.down:
+            raise engine_unavailable(f"{self.base_url}: connection refused")
+        return {"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}], "usage": {}}
+
+
+def test_an_unreachable_prefill_engine_is_not_failed_over_to_a_decode_engine() -> None:
+    """With split roles the prefill router's failover looks at the prefill engines only: a live
+    decode engine is no candidate for a prefill, so no re-route is counted, and the decode engine
+    computes the prompt itself."""
+    urls = ["http://prefill", "http://decode"]
+
+    async def main() -> EnginePool:
+        async with aiohttp.ClientSession() as session:
+            pool = EnginePool(
+                session, urls, cast(Tokenizer, None), RouterConfig(), CollectorRegistry(),
+                roles=("prefill", "decode"), make_client=_FakeEngine,
+            )  # fmt: skip
+            for u in urls:
+                pool.mark(u, True)
+            prefill = pool.clients[urls[0]]
+            assert isinstance(prefill, _FakeEngine)
+            prefill.down = True
+            out = await pool.complete(dict(BODY), [5, 6, 7, 8])
+            assert out["choices"][0]["text"] == "ok"
+            return pool
+
+    pool = asyncio.run(main())
+    assert pool.metrics.failovers._value.get() == 0
+    assert pool.metrics.kv_fallbacks.labels(reason="prefill_unavailable")._value.get() == 1
+    assert pool.up == {urls[0]: False, urls[1]: True}
