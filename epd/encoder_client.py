@@ -14,7 +14,7 @@ import aiohttp
 from safetensors.torch import load as load_safetensors
 
 from encoder.caches.embedding_ref import EmbeddingRef
-from encoder.serving.router import WorkerUnavailable
+from epd.encoder_router import WorkerUnavailable
 from epd_common.admission import DEADLINE_HEADER
 from epd_common.errors import APIError
 
