@@ -185,7 +185,7 @@ class EncoderRouter:
     def ring_order(self, key: str) -> list[str]:
         """Live workers in the order a call for ``key`` tries them (owner first; every worker
         when all are down)."""
-        return self.ring.order(key, self.pool.candidates(all_down=self.pool.panics()))
+        return self.ring.order(key, self.pool.candidates(all_down=self.pool.all_down()))
 
     def worker_wait_s(self, url: str, now: float | None = None) -> float:
         """What ``url`` would make a new item wait, from its last refusal counted down (0: it has

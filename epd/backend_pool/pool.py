@@ -18,7 +18,7 @@ decode pools share the liveness of an engine that serves both.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -117,15 +117,14 @@ class BackendPool(Generic[R, P]):
         """The shortest wait any live member would give a new request (``RefusalClock``)."""
         return self.refusals.least(self.live_members)
 
-    def candidates(
-        self, tried: Sequence[str] | frozenset[str] = frozenset(), all_down: bool = False
-    ) -> list[str]:
-        """Live members not in ``tried``; every member not tried when ``all_down`` (panic)."""
+    def candidates(self, tried: Collection[str] = (), all_down: bool = False) -> list[str]:
+        """Live members not in ``tried``; every member not tried when ``all_down``."""
         pool = self.members if all_down else self.live_members
         return [u for u in pool if u not in tried]
 
-    def panics(self) -> bool:
-        """Whether a call starting now would try every member (all are down)."""
+    def all_down(self) -> bool:
+        """Whether a call starting now would try every member (all are down, and the pool is
+        configured to try them anyway)."""
         return self.config.all_down_tries_all and not self.live_members
 
     async def call(
@@ -141,7 +140,7 @@ class BackendPool(Generic[R, P]):
         members = self.members
         if not members:
             raise NoBackendAvailable(f"no {self.config.label}s are configured")
-        all_down = self.panics()
+        all_down = self.all_down()
         tried: list[str] = []
         failures: list[AttemptFailure] = []
         candidates = self.candidates(tried, all_down)
