@@ -302,16 +302,14 @@ class LLMRouter:
         num_prompt_tokens: int,
         max_tokens: int,
         request_id: str,
-        exclude: Collection[str] = (),
         among: Collection[str] | None = None,
     ) -> Dispatch:
         """Choose an engine for a prompt and count it there; ``finish`` the returned dispatch when
         the request ends, however it ends. ``cache_keys``: the prompt's ids with media runs as
-        their pseudo-ids (``sequence.build_cache_keys``); ``exclude``: engines this request tried
-        already (one that refused it for load); ``among``: the engines to choose from instead (the
-        backend pool passes its candidates: live, not tried)."""
+        their pseudo-ids (``sequence.build_cache_keys``); ``among``: the engines to choose from
+        (default: the live ones; the backend pool passes its candidates: live, not tried yet)."""
         if among is None:
-            live = [e for e in self._engines.values() if self.is_live(e.url) and e.url not in exclude]
+            live = [e for e in self._engines.values() if self.is_live(e.url)]
         else:
             live = [e for e in self._engines.values() if e.url in among]
         if not live:
