@@ -26,7 +26,6 @@ the requests it holds (the correction of lost decrements) and whether it is up.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -185,7 +184,7 @@ class EnginePool:
         self.metrics = RoutingMetrics(registry)
         # An engine is routed to once a poll (or a check) found it up; a failed call or poll takes
         # it out at once, the next poll that finds it up puts it back.
-        self.liveness = Liveness(urls, label="LLM engine", initially_up=False)
+        self.liveness = Liveness(urls, label="LLM engine", fall_after=1, rise_after=1, initially_up=False)
         self.liveness.subscribe(
             lambda url, up: self.metrics.engine_up.labels(engine=url).set(1.0 if up else 0.0)
         )
@@ -237,14 +236,21 @@ class EnginePool:
 
     # -- health ------------------------------------------------------------------------------
     async def poll(self) -> None:
-        """One /health round over every engine: the routers learn geometry, events and load."""
-        healths = await asyncio.gather(*(c.health() for c in self.clients.values()))
-        for url, health in zip(self.clients, healths, strict=True):
-            self.mark(url, health is not None)
+        """One /health round over every engine (one that answers is up, one that does not is down):
+        the routers learn geometry, events and load."""
+        healths: dict[str, dict[str, Any]] = {}
+
+        async def probe(url: str) -> bool:
+            health = await self.clients[url].health()  # None when down, after its own timeout
             if health is not None:
-                self.healths[url] = health
-                for r in self._routers_of(url):
-                    r.on_health(url, health)
+                healths[url] = health
+            return health is not None
+
+        await self.liveness.check_all(probe, timeout_s=None)
+        for url, health in healths.items():
+            self.healths[url] = health
+            for r in self._routers_of(url):
+                r.on_health(url, health)
         stats = self.router.stats()
         self.metrics.load_spread.set(stats.load_spread)
         for r in self.routers:

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 log = logging.getLogger("epd.backend_pool")
 
-# (url, up) after every mark, changed or not: a gauge may be set from it
+# (url, up) after every mark and health report, changed or not: a gauge may be set from it
 Listener = Callable[[str, bool], None]
 
 
@@ -101,19 +101,18 @@ class Liveness:
         if healthy:
             self._fails[url] = 0
             self._passes[url] = self._passes.get(url, 0) + 1
-            if self._passes[url] >= self.rise_after and not self._up[url]:
-                self.set(url, True)
+            up = self._up[url] or self._passes[url] >= self.rise_after
         else:
             self._passes[url] = 0
             self._fails[url] = self._fails.get(url, 0) + 1
-            if self._fails[url] >= self.fall_after and self._up[url]:
-                self.set(url, False)
+            up = self._up[url] and self._fails[url] < self.fall_after
+        self.set(url, up)  # the listeners hear every result
 
     async def check_all(
-        self, check: Callable[[str], Awaitable[bool]], timeout_s: float = 2.0
+        self, check: Callable[[str], Awaitable[bool]], timeout_s: float | None = 2.0
     ) -> dict[str, bool]:
         """Run ``check`` on every backend at once (an error or a timeout is a failure) and feed
-        the results."""
+        the results. ``timeout_s``: None when ``check`` bounds its own time."""
         urls = list(self._up)
 
         async def one(url: str) -> bool:

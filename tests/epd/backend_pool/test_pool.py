@@ -113,6 +113,8 @@ def test_a_listener_hears_every_mark() -> None:
     live.set(URLS[1], True)
     assert heard == [(URLS[1], False), (URLS[1], True)]
     assert live.up_among(URLS) == [URLS[1]]
+    live.report(URLS[0], False)  # a health result, unchanged: heard too (a gauge is set from it)
+    assert heard[-1] == (URLS[0], False)
 
 
 def test_the_refusal_countdown() -> None:
