@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from bench.cache_sim import WORKERS, CacheSet, Workload, node_of, serve, worker_url
-from encoder.serving.router import EncoderRouter, WorkerSpec
+from epd.encoder_router import EncoderRouter, WorkerSpec
 
 EVENTS = ("none", "death", "join")
 VICTIM = worker_url(0, 1)
@@ -60,7 +60,7 @@ class ChurnRun(NamedTuple):
 def _apply(event: str, router: EncoderRouter, caches: CacheSet) -> None:
     if event == "death":
         # mark_down logs a warning meant for an operator; here it is the experiment.
-        router_log = logging.getLogger("encoder.serving.router")
+        router_log = logging.getLogger("epd.backend_pool")
         level = router_log.level
         router_log.setLevel(logging.ERROR)
         try:

@@ -71,7 +71,7 @@ from bench.common import (
     write_json,
 )
 from encoder.caches.embed_cache import EmbedCache
-from encoder.serving.router import EncoderRouter, WorkerSpec
+from epd.encoder_router import EncoderRouter, WorkerSpec
 
 __all__ = ["item_tokens", "main", "zipf_stream"]  # the stream helpers moved to cache_sim.py
 

@@ -32,8 +32,8 @@ from bench.cache_sim import FINGERPRINT, WORKERS, CacheSet, Workload, fake_embed
 from bench.common import Percentiles, percentiles
 from bench.service_proc import ServiceProcess, free_port
 from encoder.caches.embed_cache import EmbedCache
-from encoder.serving.router import EncoderRouter, WorkerSpec
 from epd.encoder_client import EncoderClient, EncodeReply
+from epd.encoder_router import EncoderRouter, WorkerSpec
 from epd.media_pipeline import MediaPipeline
 from epd.media_request import MediaSource
 from epd.metrics import IngressMetrics

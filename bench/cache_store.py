@@ -18,7 +18,7 @@ import numpy as np
 from bench.cache_sim import Workload, fake_embedding, worker_url
 from encoder.caches.embed_cache import EmbedCache
 from encoder.caches.embedding_tier import EmbeddingTier
-from encoder.serving.router import EncoderRouter, WorkerSpec
+from epd.encoder_router import EncoderRouter, WorkerSpec
 from epd_common.store.guarded import GuardedStore
 from epd_common.store.local_redis import LocalRedis
 from epd_common.store.redis_store import RedisStore

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 from safetensors.torch import load as load_safetensors
 
-from encoder.serving.router import WorkerUnavailable
+from epd.encoder_router import WorkerUnavailable
 from epd_common.admission import DEADLINE_HEADER
 from epd_common.errors import APIError
 from epd_common.messages.embedding_ref import EmbeddingRef

@@ -11,30 +11,46 @@ With engines of split roles (``epd llm --role prefill|decode``) a request goes t
     decode engine (chosen by load)      ── kv_transfer import + first token ──▶ the answer, streamed
     (no prefill engine reachable, or its export failed: the decode engine computes the prompt)
 
-A dispatch ends however the request ends (done, an error, the client gone): its ``finish`` runs
-in a ``finally``. An engine that cannot be reached before it answered anything is taken out of the
-routing set and the request goes to the next choice (it has produced nothing, so nothing is lost
-or doubled); an engine that fails mid-answer fails that request only. The health loop
+Each router's engines are a ``BackendPool`` (``epd.backend_pool``) with the router as its policy;
+one ``Liveness`` covers every engine (an engine of role "both" is in both pools). A dispatch ends
+however the request ends (done, an error, the client gone): its ``finish`` runs in a ``finally``.
+An engine that cannot be reached before it answered anything is taken out of the routing set and
+the request goes to the next choice of its router (it has produced nothing, so nothing is lost or
+doubled); an engine that refused it for load passes it on the same way, and when every engine
+refused the client gets the shortest wait one named. An engine that fails mid-answer fails that
+request only. The engine admits against the request's deadline itself, so the pool does not pass
+a refusing engine by (the encoder ring does). The health loop
 (``poll``) feeds every engine's /health to the router: page geometry, its KV events endpoint,
 the requests it holds (the correction of lost decrements) and whether it is up.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from epd.backend_pool import (
+    AllAttemptsFailed,
+    AttemptFailure,
+    BackendPool,
+    Liveness,
+    NoBackendAvailable,
+    Outcome,
+    PoolConfig,
+    RefusalClock,
+    Verdict,
+)
+from epd.backend_pool.attempts import FATAL, UNREACHABLE, refused
 from epd.engine_client import EngineClient
 from epd.llm_backends.cache_keys import prompt_cache_keys
-from epd.llm_routing.llm_router import LLMRouter, NoEngineAvailable
+from epd.llm_routing.llm_router import LLMRouter
 from epd.llm_routing.load_counters import Dispatch
 from epd.llm_routing.policy import RouterConfig
 from epd_common.admission import seconds_left
@@ -42,6 +58,7 @@ from epd_common.errors import APIError
 from llm_core.prompts.tokenizer import Tokenizer
 
 log = logging.getLogger("epd.engine_pool")
+T = TypeVar("T")
 
 COMPLETIONS = "/v1/completions"
 
@@ -96,6 +113,46 @@ class RoutingMetrics:
         )
 
 
+class RouteRequest(NamedTuple):
+    """What an LLM router chooses an engine by."""
+
+    cache_keys: list[int]
+    num_prompt_tokens: int
+    max_tokens: int
+
+
+class _Routed:
+    """An LLM router as a pool's policy: each attempt is a new dispatch, with its own request id."""
+
+    def __init__(self, router: LLMRouter, metrics: RoutingMetrics) -> None:
+        self.router = router
+        self.metrics = metrics
+
+    def choose(self, request: RouteRequest, candidates: Sequence[str]) -> Dispatch:
+        rid = f"epd-{uuid.uuid4().hex[:24]}"
+        dispatch = self.router.route(
+            request.cache_keys, request.num_prompt_tokens, request.max_tokens, rid, among=candidates
+        )
+        self.metrics.routed.labels(engine=dispatch.url).inc()
+        return dispatch
+
+
+class _Lane(NamedTuple):
+    """One router and the pool of its engines (the prefill or only one; the decode one)."""
+
+    router: LLMRouter
+    pool: BackendPool[RouteRequest, Dispatch]
+
+
+class _Opened(NamedTuple):
+    """A stream that produced its first chunk (None: it ended without one)."""
+
+    dispatch: Dispatch
+    chunks: AsyncGenerator[dict[str, Any], None]
+    first: dict[str, Any] | None
+    started: float
+
+
 class EnginePool:
     """Engine clients over one aiohttp session, and the routers that choose among them."""
 
@@ -123,16 +180,47 @@ class EnginePool:
         decode = [u for u in urls if self.roles[u] != "prefill"]
         if self.split and not (prefill and decode):
             raise ValueError(f"split roles need a prefill and a decode engine, got {self.roles}")
-        # Prefill engines by affinity (their prefix caches are what a hit saves); decode engines by
-        # load (the KV arrives with the request, whatever they cache).
-        self.router = LLMRouter(prefill, router_config)
-        self.decode_router = (
-            LLMRouter(decode, dataclasses.replace(router_config, policy="least_load")) if self.split else None
-        )
         self.tokenizer = tokenizer
         self.metrics = RoutingMetrics(registry)
-        self.up: dict[str, bool] = {u: False for u in urls}
+        # An engine is routed to once a poll (or a check) found it up; a failed call or poll takes
+        # it out at once, the next poll that finds it up puts it back.
+        self.liveness = Liveness(urls, label="LLM engine", fall_after=1, rise_after=1, initially_up=False)
+        self.liveness.subscribe(
+            lambda url, up: self.metrics.engine_up.labels(engine=url).set(1.0 if up else 0.0)
+        )
+        self.refusals = RefusalClock()
+        # Prefill engines by affinity (their prefix caches are what a hit saves); decode engines by
+        # load (the KV arrives with the request, whatever they cache).
+        self.lane = self._lane(prefill, router_config)
+        self.decode_lane = (
+            self._lane(decode, dataclasses.replace(router_config, policy="least_load"))
+            if self.split
+            else None
+        )
         self.healths: dict[str, dict[str, Any]] = {}
+
+    def _lane(self, urls: list[str], config: RouterConfig) -> _Lane:
+        router = LLMRouter(urls, config, liveness=self.liveness)
+        pool: BackendPool[RouteRequest, Dispatch] = BackendPool(
+            self.liveness,
+            _Routed(router, self.metrics),
+            _engine_verdict,
+            PoolConfig("LLM engine"),
+            members=urls,
+            refusals=self.refusals,
+            on_failure=self._count_failure,
+        )
+        return _Lane(router, pool)
+
+    @property
+    def router(self) -> LLMRouter:
+        """The prefill (or only) router: by affinity."""
+        return self.lane.router
+
+    @property
+    def decode_router(self) -> LLMRouter | None:
+        """Split roles: the decode engines' router, by load."""
+        return None if self.decode_lane is None else self.decode_lane.router
 
     @property
     def routers(self) -> list[LLMRouter]:
@@ -148,14 +236,21 @@ class EnginePool:
 
     # -- health ------------------------------------------------------------------------------
     async def poll(self) -> None:
-        """One /health round over every engine: the routers learn geometry, events and load."""
-        healths = await asyncio.gather(*(c.health() for c in self.clients.values()))
-        for url, health in zip(self.clients, healths, strict=True):
-            self.mark(url, health is not None)
+        """One /health round over every engine (one that answers is up, one that does not is down):
+        the routers learn geometry, events and load."""
+        healths: dict[str, dict[str, Any]] = {}
+
+        async def probe(url: str) -> bool:
+            health = await self.clients[url].health()  # None when down, after its own timeout
             if health is not None:
-                self.healths[url] = health
-                for r in self._routers_of(url):
-                    r.on_health(url, health)
+                healths[url] = health
+            return health is not None
+
+        await self.liveness.check_all(probe, timeout_s=None)
+        for url, health in healths.items():
+            self.healths[url] = health
+            for r in self._routers_of(url):
+                r.on_health(url, health)
         stats = self.router.stats()
         self.metrics.load_spread.set(stats.load_spread)
         for r in self.routers:
@@ -169,16 +264,19 @@ class EnginePool:
     def mark(self, url: str, live: bool) -> None:
         """Put an engine in or out of routing (a failed poll or call, the supervisor's view)."""
         if url in self.clients:
-            self.up[url] = live
-            self.metrics.engine_up.labels(engine=url).set(1.0 if live else 0.0)
-            for r in self._routers_of(url):
-                r.set_live(url, live)
+            self.liveness.set(url, live)
+
+    @property
+    def up(self) -> dict[str, bool]:
+        """Engine url -> whether it is in the routing set."""
+        return self.liveness.states
 
     @property
     def any_up(self) -> bool:
         if self.split:
-            return any(self.up[u] for u in self.clients if self.roles[u] != "prefill")
-        return any(self.up.values())
+            assert self.decode_lane is not None
+            return bool(self.decode_lane.pool.live_members)
+        return bool(self.lane.pool.live_members)
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"router": self.router.stats(), "split": self.split}
@@ -201,17 +299,16 @@ class EnginePool:
     ) -> dict[str, Any]:
         """A non-streamed completion (through a prefill and a decode engine when roles are split).
         ``deadline_at`` (monotonic): each engine is told what is left of it (``X-Request-Timeout``)."""
-        if not self.split:
+        if self.decode_lane is None:
             out, _ = await self._complete_on(
-                self.router, body, keys, deadline_at=deadline_at, path=path, prompt_tokens=prompt_tokens
+                self.lane, body, keys, deadline_at=deadline_at, path=path, prompt_tokens=prompt_tokens
             )
             return out
         pre = await self._prefill(body, keys, deadline_at)
         if pre.done is not None:
             return pre.done
-        assert self.decode_router is not None
         out, _ = await self._complete_on(
-            self.decode_router, pre.decode_body, keys, pre, deadline_at=deadline_at
+            self.decode_lane, pre.decode_body, keys, pre, deadline_at=deadline_at
         )
         return _with_prefill_usage(out, pre)
 
@@ -225,9 +322,9 @@ class EnginePool:
     ) -> AsyncGenerator[dict[str, Any], None]:
         """Streamed chunks (the decode engine's when roles are split); re-routes only before the
         first chunk."""
-        if not self.split:
+        if self.decode_lane is None:
             chunks = self._stream_on(
-                self.router, body, keys, deadline_at=deadline_at, path=path, prompt_tokens=prompt_tokens
+                self.lane, body, keys, deadline_at=deadline_at, path=path, prompt_tokens=prompt_tokens
             )
             async for chunk in chunks:
                 yield chunk
@@ -237,8 +334,7 @@ class EnginePool:
             for chunk in _as_chunks(pre.done, body):
                 yield chunk
             return
-        assert self.decode_router is not None
-        async for chunk in self._stream_on(self.decode_router, pre.decode_body, keys, pre, deadline_at):
+        async for chunk in self._stream_on(self.decode_lane, pre.decode_body, keys, pre, deadline_at):
             yield _with_prefill_usage(chunk, pre) if chunk.get("usage") else chunk
 
     async def _prefill(self, body: dict[str, Any], keys: list[int], deadline_at: float | None) -> _Prefilled:
@@ -249,7 +345,7 @@ class EnginePool:
         pre_body.update(max_tokens=1, return_token_ids=True, kv_transfer={"export": True})
         try:
             out, url = await self._complete_on(
-                self.router, pre_body, keys, max_tokens=1, deadline_at=deadline_at
+                self.lane, pre_body, keys, max_tokens=1, deadline_at=deadline_at
             )
         except APIError as exc:
             if not _unreachable(exc):
@@ -275,7 +371,7 @@ class EnginePool:
 
     async def _complete_on(
         self,
-        router: LLMRouter,
+        lane: _Lane,
         body: dict[str, Any],
         keys: list[int],
         pre: _Prefilled | None = None,
@@ -285,26 +381,24 @@ class EnginePool:
         prompt_tokens: int | None = None,
     ) -> tuple[dict[str, Any], str]:
         """The engine's body and which engine answered."""
-        tried: set[str] = set()
-        refusals: list[APIError] = []
-        while True:
-            dispatch, rid = self._route(router, body, keys, tried, max_tokens, refusals, prompt_tokens)
+
+        async def attempt(dispatch: Dispatch) -> tuple[dict[str, Any], str]:
             started = time.perf_counter()
+            client = self.clients[dispatch.url]
             try:
-                out = await self.clients[dispatch.url].complete(body, rid, seconds_left(deadline_at), path)
-            except APIError as exc:
-                self._retry_or_raise(router, dispatch, exc, tried, refusals)
-                continue
+                out = await client.complete(body, dispatch.request_id, seconds_left(deadline_at), path)
             finally:
                 dispatch.finish()
-            self._record(router, dispatch, out.get("usage") or {}, out.get("kv_transfer"), pre, started)
+            self._record(lane.router, dispatch, out.get("usage") or {}, out.get("kv_transfer"), pre, started)
             if pre is not None:
                 out.pop("kv_transfer", None)
             return out, dispatch.url
 
+        return await self._call(lane, _route_request(body, keys, max_tokens, prompt_tokens), attempt)
+
     async def _stream_on(
         self,
-        router: LLMRouter,
+        lane: _Lane,
         body: dict[str, Any],
         keys: list[int],
         pre: _Prefilled | None = None,
@@ -312,99 +406,62 @@ class EnginePool:
         path: str = COMPLETIONS,
         prompt_tokens: int | None = None,
     ) -> AsyncGenerator[dict[str, Any], None]:
-        tried: set[str] = set()
-        refusals: list[APIError] = []
-        while True:
-            dispatch, rid = self._route(router, body, keys, tried, None, refusals, prompt_tokens)
+        async def open_stream(dispatch: Dispatch) -> _Opened:
+            """An attempt ends at the first chunk: until then another engine may take over."""
             started = time.perf_counter()
-            chunks = self.clients[dispatch.url].stream(body, rid, seconds_left(deadline_at), path)
-            got_any = False
-            usage: dict[str, Any] = {}
-            transfer: Any = None
+            chunks = self.clients[dispatch.url].stream(
+                body, dispatch.request_id, seconds_left(deadline_at), path
+            )
             try:
-                async for chunk in chunks:
-                    if not got_any:
-                        got_any = True
-                        dispatch.first_token()
-                        self.metrics.ttft.labels(engine=dispatch.url).observe(time.perf_counter() - started)
-                        transfer = chunk.pop("kv_transfer", None)
-                    n = sum(_output_tokens(c) for c in chunk.get("choices", []))
-                    dispatch.add_output_tokens(int(n))
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    yield chunk
-            except APIError as exc:
-                if got_any:  # the client has chunks already: no other engine can take over
-                    raise
-                self._retry_or_raise(router, dispatch, exc, tried, refusals)
-                continue
-            finally:
+                first = await anext(chunks, None)
+            except BaseException:
                 dispatch.finish()
                 await chunks.aclose()
-            self._record(router, dispatch, usage, transfer, pre, started)
-            return
+                raise
+            return _Opened(dispatch, chunks, first, started)
 
-    def _route(
-        self,
-        router: LLMRouter,
-        body: dict[str, Any],
-        keys: list[int],
-        tried: set[str],
-        max_tokens: int | None = None,
-        refusals: list[APIError] | None = None,
-        prompt_tokens: int | None = None,
-    ) -> tuple[Dispatch, str]:
-        """``prompt_tokens``: the prompt's size when ``keys`` do not give it (a backend that routes
-        by load only sends none)."""
-        rid = f"epd-{uuid.uuid4().hex[:24]}"
-        n_prompt = prompt_tokens or len(keys) or 1
-        if max_tokens is None:
-            want = body.get("max_tokens")
-            max_tokens = int(want) if isinstance(want, int) else 16
+        request = _route_request(body, keys, None, prompt_tokens)
+        dispatch, chunks, chunk, started = await self._call(lane, request, open_stream)
+        usage: dict[str, Any] = {}
+        transfer: Any = None
         try:
-            # an engine tried already was marked down by _failover or refused: the router skips it
-            dispatch = router.route(keys, n_prompt, max_tokens, rid, exclude=tried)
-        except NoEngineAvailable as exc:
+            if chunk is not None:
+                dispatch.first_token()
+                self.metrics.ttft.labels(engine=dispatch.url).observe(time.perf_counter() - started)
+                transfer = chunk.pop("kv_transfer", None)
+            while chunk is not None:
+                n = sum(_output_tokens(c) for c in chunk.get("choices", []))
+                dispatch.add_output_tokens(int(n))
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                yield chunk
+                chunk = await anext(chunks, None)  # the client has chunks already: no failover now
+        finally:
+            dispatch.finish()
+            await chunks.aclose()
+        self._record(lane.router, dispatch, usage, transfer, pre, started)
+
+    async def _call(
+        self, lane: _Lane, request: RouteRequest, attempt: Callable[[Dispatch], Awaitable[T]]
+    ) -> T:
+        """``attempt`` on the engines of ``lane`` with failover; what the client gets when none
+        answered: every refusal's shortest wait once an engine refused, the last engine's error
+        otherwise, a 503 when no engine is up at all."""
+        try:
+            return await lane.pool.call(request, attempt)
+        except NoBackendAvailable as exc:
+            raise APIError(503, str(exc), type="engine_unavailable", retry_after_s=2.0) from exc
+        except AllAttemptsFailed as exc:
+            refusals = [a.error for a in exc.refusals if isinstance(a.error, APIError)]
             if refusals:
                 raise _all_refused(refusals) from exc
-            raise APIError(503, str(exc), type="engine_unavailable", retry_after_s=2.0) from exc
-        tried.add(dispatch.url)
-        self.metrics.routed.labels(engine=dispatch.url).inc()
-        return dispatch, rid
+            raise exc.attempts[-1].error from None
 
-    def _failover(self, dispatch: Dispatch, tried: set[str]) -> bool:
-        """Take an unreachable engine out; True when another live engine is left to try."""
-        self.mark(dispatch.url, False)
-        left = [u for u, up in self.up.items() if up and u not in tried]
-        if left:
+    def _count_failure(self, failure: AttemptFailure, moving_on: bool) -> None:
+        if failure.verdict.outcome is Outcome.REFUSED:
+            self.metrics.refused.inc()
+        elif failure.verdict.outcome is Outcome.UNREACHABLE and moving_on:
             self.metrics.failovers.inc()
-            log.warning("LLM engine %s unreachable; request %s re-routed", dispatch.url, dispatch.request_id)
-        return bool(left)
-
-    def _retry_or_raise(
-        self, router: LLMRouter, dispatch: Dispatch, exc: APIError, tried: set[str], refusals: list[APIError]
-    ) -> None:
-        """Return when the request should go to another engine of ``router`` (``dispatch``'s was
-        unreachable, or refused it for load); else raise what the client gets: every refusal's
-        shortest wait once an engine refused, ``exc`` itself otherwise (a 4xx, say)."""
-        if _unreachable(exc) and self._failover(dispatch, tried):
-            return
-        if self._refused_elsewhere(router, exc, tried, refusals):
-            return
-        if _refused(exc) or (refusals and _unreachable(exc)):
-            raise _all_refused(refusals) from exc
-        raise exc
-
-    def _refused_elsewhere(
-        self, router: LLMRouter, exc: APIError, tried: set[str], refusals: list[APIError]
-    ) -> bool:
-        """An engine refused for load (its expected wait is past the deadline): True when another
-        live engine of ``router`` is left to try, as the encoder router does on the ring."""
-        if not _refused(exc):
-            return False
-        refusals.append(exc)
-        self.metrics.refused.inc()
-        return any(self.up.get(u) and u not in tried for u in router.engine_urls)
 
     def _record(
         self,
@@ -473,6 +530,28 @@ def _output_tokens(choice: dict[str, Any]) -> int:
     if ids:
         return len(ids)
     return int(bool(choice.get("text") or (choice.get("delta") or {}).get("content")))
+
+
+def _route_request(
+    body: dict[str, Any], keys: list[int], max_tokens: int | None, prompt_tokens: int | None
+) -> RouteRequest:
+    """``prompt_tokens``: the prompt's size when ``keys`` do not give it (a backend that routes by
+    load only sends none)."""
+    if max_tokens is None:
+        want = body.get("max_tokens")
+        max_tokens = int(want) if isinstance(want, int) else 16
+    return RouteRequest(keys, prompt_tokens or len(keys) or 1, max_tokens)
+
+
+def _engine_verdict(error: BaseException) -> Verdict:
+    """An engine that refused for load or could not be reached is worth the next engine; any
+    other error is the request's own (a 4xx) and reaches the client."""
+    if isinstance(error, APIError):
+        if _refused(error):
+            return refused(error.retry_after_s)
+        if _unreachable(error):
+            return UNREACHABLE
+    return FATAL
 
 
 def _refused(exc: APIError) -> bool:

@@ -15,9 +15,9 @@ import aiohttp
 
 from encoder.caches.embed_cache import EmbedCache
 from encoder.caches.embedding_tier import EmbeddingTier
-from encoder.serving.router import EncoderRouter, WorkerSpec
 from epd.config import IngressConfig
 from epd.encoder_client import EncoderClient
+from epd.encoder_router import EncoderRouter, WorkerSpec
 from epd.engine_pool import EnginePool
 from epd.llm_backends.base import BackendMismatch, LLMBackend
 from epd.llm_backends.epd_engine import EpdEngineBackend

@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from encoder.caches.embed_cache import EmbedCache
 from encoder.caches.embedding_tier import EmbeddingTier
 from encoder.caches.media_key import media_key_async
-from encoder.serving.router import AllAttemptsFailed, EncoderRouter, NoWorkerAvailable
+from epd.backend_pool import AllAttemptsFailed, NoBackendAvailable
 from epd.encoder_client import EncoderClient
+from epd.encoder_router import EncoderRouter
 from epd.media_request import MediaSource
 from epd.metrics import IngressMetrics
 from epd_common.admission import ServiceRate, seconds_left
@@ -222,7 +223,7 @@ class MediaPipeline:
                 f"no encoder worker could take {src.name}: {exc}",
                 retry_after_s=2.0 if retry is None else retry,
             ) from exc
-        except NoWorkerAvailable as exc:
+        except NoBackendAvailable as exc:
             raise overloaded(f"no encoder worker could take {src.name}: {exc}", retry_after_s=2.0) from exc
         if ref.key != key:
             raise APIError(

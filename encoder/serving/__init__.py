@@ -1,1 +1,2 @@
-"""The encoder worker process and its HTTP app, the cross-request batcher and the consistent-hash router."""
+"""The encoder worker process and its HTTP app, and the cross-request batcher (the ingress routes
+over the workers with ``epd.encoder_router``)."""

@@ -7,6 +7,11 @@ load_counters.py         the router's own in-flight load per engine (Dispatch ha
 policy.py                RouterConfig and the choice: affinity cost with a balance guard,
                          round robin, least load
 llm_router.py            LLMRouter: the engines, their health, route(), stats()
+
+The router is the policy of the LLM engines' backend pool (``epd.backend_pool``, through
+``epd.engine_pool``): liveness, refusals and failover are the pool's; which engines are up it
+reads from the pool's ``Liveness``. May import ``epd.backend_pool`` and the definitions of page
+hashes and KV events; never a client or the ingress.
 """
 
 from epd.llm_routing.llm_router import EngineStats, LLMRouter, NoEngineAvailable, RouterStats

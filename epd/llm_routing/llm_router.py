@@ -14,6 +14,10 @@ A request's page names are ``page_hashes(cache_keys, page_size)``, computed once
 page size among the engines. The engine never reuses the last prompt token's KV (it must compute
 that token to sample), so hits are looked up for ``num_prompt_tokens - 1`` tokens.
 
+Which engines are live is a ``Liveness`` of the backend pool (``epd.backend_pool``), shared with
+the ``EnginePool`` (and, with split roles, with the other role's router, for an engine that serves
+both); the router reads it and ``set_live`` marks it.
+
 Threads: ``route``, ``on_health``, ``set_live``, ``record_actual``, ``stats`` and the dispatches'
 ``finish`` run on one thread (the event loop). Only the exact indexes are written from elsewhere
 (the subscriber threads), and they lock themselves; a lookup holds one index lock for one walk
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
+from epd.backend_pool.liveness import Liveness
 from epd.llm_routing.kv_event_subscriber import KVEventSubscriber, SubscriberCounters
 from epd.llm_routing.load_counters import Dispatch, EngineLoad, LoadSnapshot
 from epd.llm_routing.page_index import ApproxPageIndex, EnginePageIndex
@@ -134,7 +139,6 @@ class _Engine:
     load: EngineLoad
     index: EnginePageIndex | ApproxPageIndex
     geometry: Geometry  # what ``index`` was built for
-    live: bool = True
     source: EventSource | None = None
     instance_id: str | None = None
     routed: int = 0
@@ -158,13 +162,19 @@ class LLMRouter:
         *,
         clock: Callable[[], float] = time.monotonic,
         subscriber_factory: SubscriberFactory = _subscriber,
+        liveness: Liveness | None = None,
     ) -> None:
-        """Engines start live, in approximate mode with ``config.default_page_size``, until their
-        first ``on_health`` says how they name pages and where they publish events."""
+        """Engines start in approximate mode with ``config.default_page_size``, until their first
+        ``on_health`` says how they name pages and where they publish events. ``liveness``: which
+        engines are up, shared with the pool that calls them (default: the router's own, every
+        engine up)."""
         if not engine_urls:
             raise ValueError("the LLM router needs at least one engine url")
         if len(set(engine_urls)) != len(engine_urls):
             raise ValueError(f"an LLM engine url is listed twice: {list(engine_urls)}")
+        if liveness is not None and any(u not in liveness for u in engine_urls):
+            raise ValueError(f"engines {list(engine_urls)} are not all in {liveness.members}")
+        self.liveness = liveness or Liveness(engine_urls, label="LLM engine")
         self.config = config or RouterConfig()
         self._clock = clock
         self._subscriber_factory = subscriber_factory
@@ -211,15 +221,11 @@ class LLMRouter:
     # -- membership and health ----------------------------------------------------------------
     def set_live(self, url: str, live: bool) -> None:
         """Put an engine in or out of the routing set (its counters and index are kept)."""
-        e = self._engine(url)
-        if e.live != live:
-            log.log(
-                logging.INFO if live else logging.WARNING,
-                "LLM engine %s marked %s",
-                url,
-                "up" if live else "down",
-            )
-        e.live = live
+        self._engine(url)  # KeyError for a url that is not the router's
+        self.liveness.set(url, live)
+
+    def is_live(self, url: str) -> bool:
+        return self.liveness.is_up(url)
 
     def on_health(self, url: str, health: dict[str, Any]) -> None:
         """Feed one /health body of ``url``'s engine: how it names pages (``page_size``,
@@ -296,13 +302,16 @@ class LLMRouter:
         num_prompt_tokens: int,
         max_tokens: int,
         request_id: str,
-        exclude: Collection[str] = (),
+        among: Collection[str] | None = None,
     ) -> Dispatch:
         """Choose an engine for a prompt and count it there; ``finish`` the returned dispatch when
         the request ends, however it ends. ``cache_keys``: the prompt's ids with media runs as
-        their pseudo-ids (``sequence.build_cache_keys``); ``exclude``: engines this request tried
-        already (one that refused it for load)."""
-        live = [e for e in self._engines.values() if e.live and e.url not in exclude]
+        their pseudo-ids (``sequence.build_cache_keys``); ``among``: the engines to choose from
+        (default: the live ones; the backend pool passes its candidates: live, not tried yet)."""
+        if among is None:
+            live = [e for e in self._engines.values() if self.is_live(e.url)]
+        else:
+            live = [e for e in self._engines.values() if e.url in among]
         if not live:
             raise NoEngineAvailable(
                 f"all {len(self._engines)} LLM engines are down or tried: {list(self._engines)}"
@@ -366,7 +375,7 @@ class LLMRouter:
         engines = tuple(
             EngineStats(
                 e.url,
-                e.live,
+                self.is_live(e.url),
                 "events" if isinstance(e.index, EnginePageIndex) else "approximate",
                 e.page_size,
                 e.geometry.sliding_window,
@@ -382,7 +391,7 @@ class LLMRouter:
             )
             for e in self._engines.values()
         )
-        loads = [self._load_of(e) for e in self._engines.values() if e.live]
+        loads = [self._load_of(e) for e in self._engines.values() if self.is_live(e.url)]
         mean = sum(loads) / len(loads) if loads else 0.0
         spread = max(loads) / mean if mean > 0 else 1.0
         return RouterStats(

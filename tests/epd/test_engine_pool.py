@@ -5,20 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from epd.engine_client import EngineClient, engine_unavailable
 from epd.engine_pool import EnginePool
 from epd.llm_routing.policy import RouterConfig
 from epd_common.errors import APIError
 from llm_core.models.checkpoint import LoadedLLM, load_llm
-from llm_core.prompts.tokenizer import load_tokenizer
+from llm_core.prompts.tokenizer import Tokenizer, load_tokenizer
 from llm_core.serving.engine import LLMEngine
 from llm_core.serving.sampling import SamplingParams
 from llm_core.serving.server import create_app
@@ -107,3 +108,118 @@ def test_every_engine_refusing_answers_with_the_shortest_wait(loaded: LoadedLLM)
     assert out.retry_after_s == 11.0
     assert "all 2 LLM engines refused for load" in out.message
     assert pool.metrics.refused._value.get() == 2
+
+
+class _FakeEngine(EngineClient):
+    """An engine client that answers from memory: ``down`` raises what an unreachable engine does."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, timeout_s: float) -> None:
+        super().__init__(session, url, timeout_s)
+        self.down = False
+        self.calls = 0
+
+    async def complete(
+        self, body: dict[str, Any], request_id: str | None = None, deadline_s: float | None = None,
+        path: str = "/v1/completions",
+    ) -> dict[str, Any]:  # fmt: skip
+        self.calls += 1
+        if self.down:
+            raise engine_unavailable(f"{self.base_url}: connection refused")
+        return {"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}], "usage": {}}
+
+    async def stream(
+        self, body: dict[str, Any], request_id: str | None = None, deadline_s: float | None = None,
+        path: str = "/v1/completions",
+    ) -> AsyncGenerator[dict[str, Any], None]:  # fmt: skip
+        """Three chunks; ``down`` before the first; ``fail_after`` chunks then an unreachable error."""
+        self.calls += 1
+        for i in range(3):
+            if self.down or (self.fail_after is not None and i == self.fail_after):
+                raise engine_unavailable(f"{self.base_url}: connection reset")
+            yield {"choices": [{"index": 0, "text": f"{self.base_url} {i}"}]}
+
+    fail_after: int | None = None
+
+
+def test_an_unreachable_prefill_engine_is_not_failed_over_to_a_decode_engine() -> None:
+    """With split roles the prefill router's failover looks at the prefill engines only: a live
+    decode engine is no candidate for a prefill, so no re-route is counted, and the decode engine
+    computes the prompt itself."""
+    urls = ["http://prefill", "http://decode"]
+
+    async def main() -> EnginePool:
+        async with aiohttp.ClientSession() as session:
+            pool = EnginePool(
+                session, urls, cast(Tokenizer, None), RouterConfig(), CollectorRegistry(),
+                roles=("prefill", "decode"), make_client=_FakeEngine,
+            )  # fmt: skip
+            for u in urls:
+                pool.mark(u, True)
+            prefill = pool.clients[urls[0]]
+            assert isinstance(prefill, _FakeEngine)
+            prefill.down = True
+            out = await pool.complete(dict(BODY), [5, 6, 7, 8])
+            assert out["choices"][0]["text"] == "ok"
+            return pool
+
+    pool = asyncio.run(main())
+    assert pool.metrics.failovers._value.get() == 0
+    assert pool.metrics.kv_fallbacks.labels(reason="prefill_unavailable")._value.get() == 1
+    assert pool.up == {urls[0]: False, urls[1]: True}
+
+
+def _fake_pool(session: aiohttp.ClientSession, n: int) -> tuple[EnginePool, list[_FakeEngine]]:
+    urls = [f"http://e{i}" for i in range(n)]
+    pool = EnginePool(
+        session, urls, cast(Tokenizer, None), RouterConfig(policy="round_robin"), CollectorRegistry(),
+        make_client=_FakeEngine,
+    )  # fmt: skip
+    for u in urls:
+        pool.mark(u, True)
+    return pool, [cast(_FakeEngine, pool.clients[u]) for u in urls]
+
+
+def test_a_stream_fails_over_before_its_first_chunk_and_never_after() -> None:
+    async def main() -> None:
+        async with aiohttp.ClientSession() as session:
+            pool, (e0, e1) = _fake_pool(session, 2)
+            e0.down = True  # round robin: e0 first
+            texts = [c["choices"][0]["text"] async for c in pool.stream(dict(BODY), [5, 6, 7, 8])]
+            assert texts == ["http://e1 0", "http://e1 1", "http://e1 2"]
+            assert pool.up == {"http://e0": False, "http://e1": True}
+            assert pool.metrics.failovers._value.get() == 1
+            for e in (e0, e1):  # mid-answer: the client has a chunk already, no other engine takes over
+                e.fail_after = 1
+            pool.mark("http://e0", True)
+            e0.down = False
+            got: list[str] = []
+            with pytest.raises(APIError) as info:
+                async for c in pool.stream(dict(BODY), [5, 6, 7, 8]):
+                    got.append(c["choices"][0]["text"])
+            assert info.value.type == "engine_unavailable" and len(got) == 1
+            assert e0.calls + e1.calls == 3  # no second engine for the broken stream
+            stats = pool.router.stats()
+            assert all(e.load.inflight == 0 for e in stats.engines)  # every dispatch finished
+
+    asyncio.run(main())
+
+
+def test_every_engine_unreachable_or_down_is_a_503_engine_unavailable() -> None:
+    async def main() -> None:
+        async with aiohttp.ClientSession() as session:
+            pool, engines = _fake_pool(session, 2)
+            for e in engines:
+                e.down = True
+            with pytest.raises(APIError) as info:
+                await pool.complete(dict(BODY), [5, 6, 7, 8])
+            assert (info.value.status, info.value.type) == (503, "engine_unavailable")
+            assert "connection refused" in info.value.message  # the last engine's own error
+            assert not pool.any_up and pool.metrics.failovers._value.get() == 1
+            with pytest.raises(APIError) as info:  # none up at all: not sent anywhere
+                await pool.complete(dict(BODY), [5, 6, 7, 8])
+            assert (info.value.status, info.value.type, info.value.retry_after_s) == (
+                503, "engine_unavailable", 2.0,
+            )  # fmt: skip
+            assert sum(e.calls for e in engines) == 2
+
+    asyncio.run(main())

@@ -7,13 +7,8 @@ from collections import Counter
 
 import pytest
 
-from encoder.serving.router import (
-    AllAttemptsFailed,
-    EncoderRouter,
-    NoWorkerAvailable,
-    WorkerSpec,
-    WorkerUnavailable,
-)
+from epd.backend_pool import AllAttemptsFailed, NoBackendAvailable
+from epd.encoder_router import EncoderRouter, WorkerSpec, WorkerUnavailable
 
 URLS = [f"http://enc{i}:8001" for i in range(5)]
 KEYS = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(20000)]
@@ -56,7 +51,7 @@ def test_weights_scale_the_share_of_keys() -> None:
 def test_mapping_is_identical_in_another_process() -> None:
     code = (
         "import hashlib, json\n"
-        "from encoder.serving.router import EncoderRouter, WorkerSpec\n"
+        "from epd.encoder_router import EncoderRouter, WorkerSpec\n"
         f"r = EncoderRouter([WorkerSpec(u, w) for u, w in {list(zip(URLS, [1, 2, 1, 3, 1], strict=True))!r}])\n"
         "keys = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(3000)]\n"
         "print(json.dumps({k: r.ring_order(k) for k in keys}))\n"
@@ -84,7 +79,7 @@ def test_duplicate_and_invalid_specs_are_rejected() -> None:
         EncoderRouter([WorkerSpec(URLS[0]), WorkerSpec(URLS[0])])
     with pytest.raises(ValueError, match="weight"):
         WorkerSpec(URLS[0], 0)
-    with pytest.raises(NoWorkerAvailable):
+    with pytest.raises(NoBackendAvailable):
         EncoderRouter([]).pick(KEYS[0])
 
 

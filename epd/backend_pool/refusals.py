@@ -1,0 +1,40 @@
+"""Each backend's last refusal for load, counted down.
+
+A backend that refused named its expected wait (Retry-After). While nothing is added its queue
+drains at about that pace, so the wait it would give a new request is the named wait less the
+time since::
+
+    wait_s(url) = max(named - (now - refused_at), 0)
+
+A pool may pass a backend by while that is past a request's deadline: the refusal then costs the
+backend nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+
+class RefusalClock:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._refused: dict[str, tuple[float, float]] = {}  # url -> (clock time, wait it named)
+
+    def note(self, url: str, wait_s: float) -> None:
+        """``url`` refused for load, naming ``wait_s``."""
+        self._refused[url] = (self._clock(), wait_s)
+
+    def wait_s(self, url: str, now: float | None = None) -> float:
+        """What ``url`` would make a new request wait (0: it has not refused, or its queue should
+        have drained to nothing since)."""
+        seen = self._refused.get(url)
+        if seen is None:
+            return 0.0
+        now = self._clock() if now is None else now
+        return max(seen[1] - (now - seen[0]), 0.0)
+
+    def least(self, urls: Iterable[str]) -> float:
+        """The shortest wait any of ``urls`` would give (0 for none)."""
+        now = self._clock()
+        return min((self.wait_s(u, now) for u in urls), default=0.0)
