@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from torch import Tensor
@@ -171,7 +171,15 @@ class CpuLayer(LayerBackend):
         residual: Tensor,
         first: bool,
     ) -> None:
-        assert isinstance(packed, cpu_layer.LayerWeights) and isinstance(step, cpu_layer.StepArgs)
         if first:  # once per forward: the kernel takes fp32 CPU memory
             assert x.dtype == torch.float32 and x.device.type == "cpu", (x.dtype, x.device)
-        cpu_layer.decoder_layer_cpu(packed, step, kv, cos, sin, x, residual, first)
+        cpu_layer.decoder_layer_cpu(
+            cast(cpu_layer.LayerWeights, packed),
+            cast(cpu_layer.StepArgs, step),
+            kv,
+            cos,
+            sin,
+            x,
+            residual,
+            first,
+        )
