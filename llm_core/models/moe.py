@@ -76,18 +76,14 @@ class TopKRouter(nn.Module):
         self.scaling = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size, dtype=torch.float32))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
-        self._spec = self.spec
-        self.backend: MoEBackend = REFERENCE_MOE
-
-    @property
-    def spec(self) -> RoutingSpec:
-        return RoutingSpec(
+        self.spec = RoutingSpec(
             self.num_experts, self.top_k, self.n_group, self.topk_group, self.norm_topk_prob, self.scaling
         )
+        self.backend: MoEBackend = REFERENCE_MOE
 
     def forward(self, x: Tensor) -> Routing:
         """x [T, H] -> Routing(experts [T, K], weights [T, K]), by the MoE backend."""
-        return self.backend.route(x, self.weight, self.e_score_correction_bias, self._spec)
+        return self.backend.route(x, self.weight, self.e_score_correction_bias, self.spec)
 
 
 class GroupedExperts(nn.Module):
