@@ -20,7 +20,9 @@ Backends, chosen by :func:`paged_attention`:
               in fp32) and :func:`paged_decode_torch` (the same, batched over single-token
               sequences): the reference, and the fallback for anything else
 
-All return [T, H, Dv] in q's dtype and agree to float32 rounding.
+All return [T, H, Dv] in q's dtype and agree to float32 rounding. The models reach these through
+``llm_core.backends.attention``, which names the kernel explicitly (chosen once per engine); the
+device-based default of ``paged_attention`` serves direct callers (tests, benchmarks).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -76,14 +76,6 @@ class PagedKV(Protocol):
     """What the model needs from the KV cache (``llm_core.caches.kv_pool.DualKVCache`` provides it)."""
 
     def layer(self, i: int) -> LayerKVLike: ...
-
-
-class SimpleLayerKV(NamedTuple):
-    """A plain LayerKVLike (for references and tests that build pools by hand)."""
-
-    k: Tensor
-    v: Tensor
-    is_swa: bool
 
 
 def slots_for(page_table_row: Tensor, positions: Tensor, page_size: int) -> Tensor:

@@ -9,8 +9,8 @@ Same semantics and signature as ``attention.paged_attention_torch`` (which stays
 Why a kernel: on CPU the torch path spends a decode step on gathers, masks and small batched
 matmuls over score tensors, and a prefill step on per-block ops; the kernel touches each key and
 value once per query (per block of keys, in cache) and never builds a score tensor. fp32 only;
-``AVAILABLE`` is False when the extension was not built (no C compiler), and callers fall back to
-the torch path.
+``AVAILABLE`` is False when the extension was not built (no C compiler), and ``backends.selector``
+chooses the torch attention backend.
 """
 
 from __future__ import annotations

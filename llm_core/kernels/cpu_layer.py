@@ -22,7 +22,8 @@ attention is split by sequence, its routed experts by expert and its decode-size
 column strip, with the same bits for any count.
 
 fp32 CPU only, projection weights input-major (``weight_layout``). ``AVAILABLE`` is False when the
-extension was not built or torch's sgemm could not be bound; the model then runs its modules.
+extension was not built or torch's sgemm could not be bound; ``backends.selector`` then chooses no
+layer backend and the model runs its modules. ``backends.layer.CpuLayer`` is the caller.
 """
 
 from __future__ import annotations
@@ -68,10 +69,11 @@ def set_threads(n: int) -> int:
 
 
 class LayerWeights(NamedTuple):
-    """One layer's weights as the kernel takes them (``layer_weights``)."""
+    """One layer's weights as the kernel takes them (``layer_weights``): views of the weights'
+    memory and strip-packed copies, made by the layer backend's pack hook, which runs again after
+    any change of the weights (``backends.layer``)."""
 
     args: tuple[object, ...]  # everything after the step and pool arguments
-    source: Tensor  # the fused qkv weight they were taken from: a new one means they are stale
 
 
 class MlpArgs(NamedTuple):
@@ -184,7 +186,7 @@ def layer_weights(
         pack_strips(o),
         *mlp.packed,
     )
-    return LayerWeights(args, qkv_weight)
+    return LayerWeights(args)
 
 
 def _view(t: Tensor, dtype: torch.dtype) -> object:

@@ -5,12 +5,12 @@ router before it in another (``route``: what ``moe.TopKRouter`` computes).
     -> out [T, H] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t])
 
 The kernel reads the weights as [E, in, out] row-major, which is how
-``GroupedExperts.fuse_weights`` lays them out in memory (``supports`` checks it). Why a kernel:
+the MoE backend's pack hook (``backends.layout.pack_experts``) lays them out in memory (``supports`` checks it). Why a kernel:
 with a few tokens per expert (decode), the torch path is small batched GEMMs over padded rows plus
 a dozen gather, activation and scatter ops per layer; the kernel streams each expert's weights
 once per call (fetching the next routed expert's meanwhile) and fuses the rest. fp32 only;
-``AVAILABLE`` is False when the extension was not built, and ``GroupedExperts`` keeps its torch
-path.
+``AVAILABLE`` is False when the extension was not built, and ``backends.selector`` chooses the
+torch MoE backend.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def supports(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
 def moe_experts_cpu(x: Tensor, experts: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
     """x [T, H] routed to ``experts`` [T, K] with ``weights`` [T, K] -> [T, H] fp32 (module doc).
 
-    gate_up [E, 2I, H] and down [E, H, I] as ``GroupedExperts`` holds them after ``fuse_weights``.
+    gate_up [E, 2I, H] and down [E, H, I] as ``GroupedExperts`` holds them after ``after_load``.
     Raises RuntimeError when the kernel cannot run them, ValueError for an expert id out of range."""
     if _kernel is None or not supports(x, gate_up, down):
         raise RuntimeError(

@@ -6,7 +6,7 @@
 Why: torch runs an RMSNorm on CPU as several element-wise and reduction ops (~50 us for a decode
 batch of 32 rows of 256), and a pre-norm decoder layer has two norms and two residual adds; the
 kernel does each pair in one pass. Results agree with ``F.rms_norm`` to float32 rounding. fp32 only;
-``AVAILABLE`` is False when the extension was not built, and ``model.RMSNorm`` keeps torch's.
+``AVAILABLE`` is False when the extension was not built, and ``backends.selector`` chooses torch's.
 """
 
 from __future__ import annotations

@@ -259,7 +259,7 @@ def load_llm(
     del state
     model = model.to(device).eval()
     model.tie_weights()
-    model.fuse_weights()
+    model.after_load()  # backends for this device and dtype, and the weight layout they read
     model.requires_grad_(False)  # serving only; also lets inference-mode tensors mix with weights
     mtp = _load_mtp(mtp_state, config, dtype, device, model_dir, declared) if mtp_state else None
     architecture = language_architecture(raw).name

@@ -12,17 +12,18 @@ Attention per layer type (see config.py):
                   KV in the SWA pool (batch.swa_slots / swa_page_table)
 
 Values are scaled by ``attention_value_scale`` before they are cached, so the cache holds exactly
-what attention reads. Attention reads the pools through the page tables in one call per layer,
-prefill and decode alike (``attention.paged_attention``: the Triton kernels on CUDA, the C kernel
-of ``cpu_attention`` on CPU, the torch reference where neither applies); rotary (cos, sin) rows
-are gathered once per step for each (rope_dim, theta) from per-position tables the model keeps.
-Layers hand on (mlp output, residual) so that each RMSNorm adds the residual itself.
+what attention reads. Rotary (cos, sin) rows are gathered once per step for each (rope_dim, theta)
+from per-position tables the model keeps. Layers hand on (mlp output, residual) so that each
+RMSNorm adds the residual itself.
 
-On CPU in fp32, once ``fuse_weights`` has laid the weights out, each decoder layer of the paged
-forward is one C call (``cpu_layer``: norms, projections through torch's BLAS or, for decode-sized
-batches, strip-packed weight copies, rotary + KV store + attention, router and experts, on two
-buffers updated in place); the modules below are the same computation step by step, used
-elsewhere and as its reference (``layer_kernel = False``).
+Which kernels run is not decided here: ``after_load`` takes the engine's ``Backends``
+(``llm_core.backends``; by default chosen for the weights' device and dtype) and gives each module
+its backend, whose pack hook lays the module's weights out for its kernels. The attention backend
+runs each layer's attention between its projections over the pools (one call per layer, prefill
+and decode alike); the MoE and norm backends run the router, the experts and the norms. A layer
+backend that supports a whole layer (the CPU kernel: norms, projections, rotary + KV store +
+attention, router and experts in one C call on two buffers updated in place) is offered each
+layer's parameters, and the layers it takes run through it; the others run their modules.
 ``forward_dense`` is the plain unpaged reference (one sequence, no cache).
 Parameter names match transformers' in-memory module tree, so a converted state dict loads as is.
 The model knows nothing about scheduling, sampling or where KV pages come from.
@@ -36,12 +37,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from llm_core.kernels import cpu_attention, cpu_layer, cpu_norm
-from llm_core.kernels.attention import masked_attention, paged_attention, write_kv
+from llm_core.backends.attention import AttentionBackend
+from llm_core.backends.layer import (
+    BlockParams,
+    DenseMlpParams,
+    LayerBackend,
+    LayerStep,
+    MoEParams,
+    PackedLayer,
+)
+from llm_core.backends.norm import NormBackend
+from llm_core.backends.selector import Backends, reference_backends, select_backends
+from llm_core.backends.specs import AttentionSpec
+from llm_core.kernels.attention import masked_attention
 from llm_core.kernels.attention_batch import AttentionBatch, PagedKV
 from llm_core.kernels.weight_layout import input_major
 from llm_core.models.config import DecoderConfig
-from llm_core.models.moe import DenseMLP, GroupedExperts, SparseMoE
+from llm_core.models.moe import DenseMLP, SparseMoE
 from llm_core.models.rope import PartialRotary, apply_partial_rotary_, mrope_rows
 
 # Rotary (cos, sin) tables of one step's positions, per (rope_dim, theta): gathered once per step
@@ -52,32 +64,26 @@ RopeTables = dict[tuple[int, float], tuple[Tensor, Tensor]]
 # Rows of the per-position rotary tables the model keeps (grown by doubling from this many).
 ROPE_CACHE_MIN_POSITIONS = 1024
 
+# What every module runs until ``after_load`` gives it the engine's choice: the torch reference.
+REFERENCE: Backends = reference_backends()
+
 
 class RMSNorm(nn.Module):
+    """RMSNorm through its norm backend (``backends.norm``)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.backend: NormBackend = REFERENCE.norm
 
     def forward(self, x: Tensor) -> Tensor:
-        if cpu_norm.supports(x, self.weight):
-            return cpu_norm.rms_norm_cpu(x, self.weight, self.eps)[0]
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # one op instead of six; bit-identical to the expression below for fp32 (tested)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.backend.norm(x, self.weight, self.eps)
 
     def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """The residual add before a pre-norm, then the norm: (norm(residual + x), residual + x).
-        One kernel pass on CPU in fp32; fresh tensors either way."""
-        if cpu_norm.supports(x, self.weight) and residual.dtype == torch.float32:
-            normed, total = cpu_norm.rms_norm_cpu(x, self.weight, self.eps, residual)
-            assert total is not None
-            return normed, total
-        total = residual + x
-        return self(total), total
+        Fresh tensors."""
+        return self.backend.add_norm(x, residual, self.weight, self.eps)
 
 
 class MiMoAttention(nn.Module):
@@ -101,21 +107,40 @@ class MiMoAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=False)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.has_sinks(layer_idx) else None
         self.rotary = PartialRotary(config.rope_dim(layer_idx), config.rope_theta_of(layer_idx))
-        # q, k and v weights stacked into one [(H + 2 Hkv') * ., hidden] matrix by ``fuse_weights``
-        # (one matmul instead of three); None until then. Not saved: the checkpoint keeps the three.
+        self.spec = AttentionSpec(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.v_head_dim,
+            self.window,
+            self.scale,
+            self.v_scale,
+        )
+        self.backend: AttentionBackend = REFERENCE.attention
+        # q, k and v weights stacked into one [(H + 2 Hkv') * ., hidden] matrix by the backend's
+        # pack hook (``after_load``; one matmul instead of three); None until then. Not saved: the
+        # checkpoint keeps the three.
         self.qkv_weight: Tensor | None
         self.qkv_bias: Tensor | None
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
 
     @torch.no_grad()
-    def fuse_weights(self) -> None:
-        """Stack q/k/v projections for the fused path (and store them, and o_proj, input-major: see
-        ``weight_layout``); call again after the weights change."""
-        self.qkv_weight = input_major(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
-        self.o_proj.weight.data = input_major(self.o_proj.weight.data)
-        biases = [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
-        self.qkv_bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
+    def after_load(self, backend: AttentionBackend) -> None:
+        """Take ``backend`` and the weight layout its pack hook gives (q/k/v stacked, o_proj
+        input-major: ``backends.layout``); call again after the weights change."""
+        packed = backend.pack_attention(
+            self.q_proj.weight,
+            self.k_proj.weight,
+            self.v_proj.weight,
+            self.o_proj.weight,
+            self.q_proj.bias,
+            self.k_proj.bias,
+            self.v_proj.bias,
+        )
+        self.backend = backend
+        self.qkv_weight, self.qkv_bias = packed.qkv_weight, packed.qkv_bias
+        self.o_proj.weight.data = packed.o_weight
 
     def _cos_sin(
         self, positions: Tensor, dtype: torch.dtype, rope: RopeTables | None
@@ -159,6 +184,12 @@ class MiMoAttention(nn.Module):
         qk = apply_partial_rotary_(qk, cos, sin)  # [T, H + Hkv, D], in the qkv temporary
         return qk[:, :heads], qk[:, heads:], v
 
+    def qkv_rows(self, x: Tensor) -> Tensor:
+        """x [T, hidden] -> qkv [T, (H + Hkv) * D + Hkv * Dv] (contiguous, a temporary of ours)."""
+        if self.qkv_weight is not None:
+            return F.linear(x, self.qkv_weight, self.qkv_bias)
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
     def forward(
         self,
         x: Tensor,
@@ -166,55 +197,17 @@ class MiMoAttention(nn.Module):
         batch: AttentionBatch,
         kv: PagedKV,
         rope: RopeTables | None = None,
-        backend: str | None = None,
     ) -> Tensor:
         """Paged: write this step's KV into the layer's pool, then attend. x [T, hidden] -> [T, hidden].
-
-        ``backend``: see ``attention.paged_attention`` (None: chosen by device). With the CPU kernel
-        and the fused projection, everything between the two projections is one kernel call
-        (``cpu_attention.qkv_attention_cpu``: rotary, KV store and attention)."""
+        Everything between the two projections is the attention backend's (rotary, KV store,
+        attention)."""
         layer_kv = kv.layer(self.layer_idx)
         assert layer_kv.is_swa == self.is_swa, f"layer {self.layer_idx}: KV pool type mismatch"
         slots = batch.swa_slots if self.is_swa else batch.full_slots
         table = batch.swa_page_table if self.is_swa else batch.full_page_table
-        if (
-            self.qkv_weight is not None
-            and backend in (None, "cpu")
-            and cpu_attention.supports(x, layer_kv.k, layer_kv.v)
-        ):
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + Hkv) * D + Hkv * Dv]
-            cos, sin = self._cos_sin(positions, x.dtype, rope)
-            out = cpu_attention.qkv_attention_cpu(
-                qkv,
-                cos,
-                sin,
-                slots,
-                layer_kv.k,
-                layer_kv.v,
-                table,
-                batch.cu_seqlens_q,
-                batch.seq_lens,
-                self.num_heads,
-                self.scale,
-                self.window,
-                self.sinks,
-                self.v_scale,
-            )  # [T, H, Dv]
-            return self.o_proj(out.view(x.shape[0], -1))
-        q, k, v = self._qkv(x, positions, rope)
-        write_kv(layer_kv.k, layer_kv.v, slots, k, v)
-        out = paged_attention(
-            q,
-            layer_kv.k,
-            layer_kv.v,
-            table,
-            batch.cu_seqlens_q,
-            batch.seq_lens,
-            batch.max_seqlen_q,
-            self.scale,
-            self.window,
-            self.sinks,
-            backend,
+        cos, sin = self._cos_sin(positions, x.dtype, rope)
+        out = self.backend.forward(
+            self.spec, self.qkv_rows(x), cos, sin, self.sinks, layer_kv, slots, table, batch
         )  # [T, H, Dv]
         return self.o_proj(out.reshape(x.shape[0], -1))
 
@@ -237,6 +230,25 @@ class MiMoDecoderLayer(nn.Module):
             self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # The layer backend and what it runs this layer with, when it took the layer (``after_load``).
+        self.layer_backend: LayerBackend = REFERENCE.layer
+        self.packed: PackedLayer | None = None
+        # What that path reads every step, as plain attributes (a submodule lookup costs ~0.3 us).
+        self._kv_layer, self._is_swa = layer_idx, self.self_attn.is_swa
+        self._rope_key = self.self_attn.rotary.key
+
+    def after_load(self, backends: Backends) -> None:
+        """Give the modules their backends (which lay out their weights), then offer the layer to
+        the layer backend."""
+        self.input_layernorm.backend = backends.norm
+        self.post_attention_layernorm.backend = backends.norm
+        self.self_attn.after_load(backends.attention)
+        mlp = self.mlp
+        assert isinstance(mlp, (SparseMoE, DenseMLP))
+        mlp.after_load(backends.moe)
+        self.layer_backend = backends.layer
+        params = self.block_params()
+        self.packed = None if params is None else backends.layer.pack(params)
 
     def forward(
         self,
@@ -246,7 +258,7 @@ class MiMoDecoderLayer(nn.Module):
         batch: AttentionBatch | None,
         kv: PagedKV | None,
         rope: RopeTables | None = None,
-        backend: str | None = None,
+        step: LayerStep = None,
     ) -> tuple[Tensor, Tensor]:
         """(x, residual) -> (mlp output, residual): the hidden state after the layer is their sum,
         left for the next norm to add (fused with it). The first layer takes the embeddings as x and
@@ -254,7 +266,24 @@ class MiMoDecoderLayer(nn.Module):
 
             residual = residual + x;  h = attn(norm1(residual))
             residual = residual + h;  return mlp(norm2(residual)), residual
-        """
+
+        Paged (``batch`` given) and taken by the layer backend: one call of it with ``step`` (its
+        ``begin(batch)``), updating x (contiguous, the caller's to overwrite) and the residual in
+        place. ``batch`` None: the dense reference (one sequence, no cache)."""
+        if batch is not None and self.packed is not None:
+            assert kv is not None
+            layer_kv = kv.layer(self._kv_layer)
+            assert layer_kv.is_swa == self._is_swa, f"layer {self._kv_layer}: KV pool type mismatch"
+            key = self._rope_key
+            cos, sin = (
+                rope[key]
+                if rope is not None and key in rope
+                else self.self_attn._cos_sin(positions, x.dtype, rope)
+            )
+            first = residual is None
+            residual = torch.empty_like(x) if residual is None else residual
+            self.layer_backend.forward(self.packed, step, layer_kv, cos, sin, x, residual, first)
+            return x, residual
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
@@ -263,46 +292,37 @@ class MiMoDecoderLayer(nn.Module):
             h = self.self_attn.forward_dense(h, positions, rope)
         else:
             assert kv is not None
-            h = self.self_attn(h, positions, batch, kv, rope, backend)
+            h = self.self_attn(h, positions, batch, kv, rope)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
 
-    def kernel_weights(self) -> cpu_layer.LayerWeights | None:
-        """This layer's weights for the one-call CPU kernel (``cpu_layer``), or None when it cannot
-        run them (weights not fused, not fp32 on CPU, kernel not built)."""
-        attn, mlp = self.self_attn, self.mlp
-        if attn.qkv_weight is None or self.input_layernorm.eps != self.post_attention_layernorm.eps:
-            return None
+    def block_params(self) -> BlockParams | None:
+        """This layer's parameters as a layer backend takes them, or None before ``after_load``
+        packed them (or when its two norms' eps differ)."""
+        mlp = self.mlp
+        mlp_params: DenseMlpParams | MoEParams
         if isinstance(mlp, SparseMoE):
-            gate = mlp.gate
-            mlp_args = cpu_layer.moe_args(
-                gate.weight,
-                gate.e_score_correction_bias,
-                mlp.experts.gate_up_proj,
-                mlp.experts.down_proj,
-                gate.top_k,
-                gate.n_group,
-                gate.topk_group,
-                gate.norm_topk_prob,
-                gate.scaling,
+            gate, experts = mlp.gate, mlp.experts
+            mlp_params = MoEParams(
+                gate.weight, gate.e_score_correction_bias, experts.gate_up_proj, experts.down_proj, gate.spec
             )
         else:
             assert isinstance(mlp, DenseMLP)
             if mlp.gate_up_weight is None:
                 return None
-            mlp_args = cpu_layer.dense_mlp_args(mlp.gate_up_weight, mlp.down_proj.weight)
-        if mlp_args is None:
-            return None
-        return block_kernel_weights(self.input_layernorm, self.post_attention_layernorm, attn, mlp_args)
+            mlp_params = DenseMlpParams(mlp.gate_up_weight, mlp.down_proj.weight)
+        return block_params(self.input_layernorm, self.post_attention_layernorm, self.self_attn, mlp_params)
 
 
-def block_kernel_weights(
-    ln1: RMSNorm, ln2: RMSNorm, attn: MiMoAttention, mlp_args: cpu_layer.MlpArgs
-) -> cpu_layer.LayerWeights | None:
-    """The one-call CPU kernel's arguments for a pre-norm block (norm, attention, residual, norm,
-    MLP, residual): a decoder layer, or an MTP head's block. ``attn`` must be fused."""
-    assert attn.qkv_weight is not None
-    return cpu_layer.layer_weights(
+def block_params(
+    ln1: RMSNorm, ln2: RMSNorm, attn: MiMoAttention, mlp: DenseMlpParams | MoEParams
+) -> BlockParams | None:
+    """A pre-norm block's parameters (norm, attention, residual, norm, MLP, residual: a decoder
+    layer, or an MTP head's block) for a layer backend; None when the attention is not packed or
+    the norms' eps differ."""
+    if attn.qkv_weight is None or ln1.eps != ln2.eps:
+        return None
+    return BlockParams(
         ln1.weight,
         ln2.weight,
         ln1.eps,
@@ -310,14 +330,8 @@ def block_kernel_weights(
         attn.qkv_bias,
         attn.o_proj.weight,
         attn.sinks,
-        attn.num_heads,
-        attn.num_kv_heads,
-        attn.head_dim,
-        attn.v_head_dim,
-        attn.window,
-        attn.scale,
-        attn.v_scale,
-        mlp_args,
+        attn.spec,
+        mlp,
     )
 
 
@@ -342,13 +356,10 @@ class DecoderForCausalLM(nn.Module):
         self.model = MiMoModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-        # Attention backend of the paged forward ("triton", "cpu", "torch"; see
-        # attention.paged_attention); None: chosen by device and dtype.
-        self.attention_backend: str | None = None
-        # Run each layer of the paged forward as one C call where it can (``cpu_layer``); False:
-        # always the modules. The layers' kernel weights are taken by ``fuse_weights``.
-        self.layer_kernel = True
-        self._kernel_weights: list[cpu_layer.LayerWeights] | None = None
+        # What runs the kernels (``after_load``); the torch reference until then.
+        self.backends: Backends = REFERENCE
+        # Some layer runs through the layer backend, which overwrites the hidden state in place.
+        self._layer_backend_runs = False
         # (cos, sin) fp32 [positions, width] per (rope_dim, theta), for positions 0 .. n - 1: a step
         # gathers its rows instead of computing its angles (~10 small ops per layer type and step).
         self._rope_cache: dict[tuple[int, float], tuple[Tensor, Tensor]] = {}
@@ -363,36 +374,24 @@ class DecoderForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def fuse_weights(self) -> None:
-        """Build the stacked projection weights the fused paths use (see ``MiMoAttention``,
-        ``DenseMLP``) and store projection weights input-major (``weight_layout``; the lm_head too,
-        unless it is the embedding). Call after loading weights, and again after any later change
-        to them."""
-        for module in self.modules():
-            if isinstance(module, (MiMoAttention, DenseMLP, GroupedExperts)):
-                module.fuse_weights()
+    def after_load(self, backends: Backends | None = None) -> Backends:
+        """The after-load hook: take ``backends`` (default: ``select_backends`` for the weights'
+        device and dtype), give every module its backend, whose pack hook lays out the module's
+        weights for its kernels, and offer each layer to the layer backend; the lm_head is stored
+        input-major (``weight_layout``) unless it is the embedding. Call after loading weights, and
+        again after any later change to them or move of the model. Returns the backends."""
+        if backends is None:
+            weight = self.model.embed_tokens.weight
+            backends = select_backends(weight.device, weight.dtype)
+        self.backends = backends
+        self.model.norm.backend = backends.norm
+        layers = self.model.decoder_layers()
+        for layer in layers:
+            layer.after_load(backends)
         if self.lm_head.weight is not self.model.embed_tokens.weight:  # lookups want rows contiguous
             self.lm_head.weight.data = input_major(self.lm_head.weight.data)
-        weights = [layer.kernel_weights() for layer in self.model.decoder_layers()]
-        self._kernel_weights = (
-            None if any(w is None for w in weights) else [w for w in weights if w is not None]
-        )
-
-    def _layer_kernel_weights(self, x: Tensor) -> list[cpu_layer.LayerWeights] | None:
-        """The layers' kernel weights when this paged forward runs one C call per layer, else None
-        (switched off, another attention backend, not fp32 on CPU, or weights changed since
-        ``fuse_weights``: e.g. the model moved, which replaces the fused tensors)."""
-        weights = self._kernel_weights
-        if (
-            weights is None
-            or not self.layer_kernel
-            or self.attention_backend not in (None, "cpu")
-            or x.device.type != "cpu"
-            or x.dtype != torch.float32
-            or any(w.source is not attn.qkv_weight for w, attn in zip(weights, self._attentions, strict=True))
-        ):
-            return None
-        return weights
+        self._layer_backend_runs = any(layer.packed is not None for layer in layers)
+        return backends
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """input_ids [T] -> [T, hidden]; the runner overwrites placeholder rows with media embeddings."""
@@ -418,34 +417,13 @@ class DecoderForCausalLM(nn.Module):
         assert x.shape[0] == positions.shape[-1] == batch.num_tokens, "tokens, positions, slots disagree"
         assert positions.dim() == (2 if self.config.mrope_section else 1), "M-RoPE takes [3, T] positions"
         rope = self.rope_tables(positions, x.dtype)
-        kernel_weights = self._layer_kernel_weights(x)
-        if kernel_weights is not None:
-            # x: a fresh embedding, or a copy of the caller's (the kernel updates it in place)
+        if self._layer_backend_runs:
+            # x: a fresh embedding, or a copy of the caller's (the layer backend updates it in place)
             x = x.contiguous() if input_embeds is None else x.clone(memory_format=torch.contiguous_format)
-            return self._forward_kernel(x, rope, batch, kv, kernel_weights)
+        step = self.backends.layer.begin(batch)
         residual = None
         for layer in self.model.layers:
-            x, residual = layer(x, residual, positions, batch, kv, rope, self.attention_backend)
-        return self._final_norm(x, residual)
-
-    def _forward_kernel(
-        self,
-        x: Tensor,
-        rope: RopeTables,
-        batch: AttentionBatch,
-        kv: PagedKV,
-        kernel_weights: list[cpu_layer.LayerWeights],
-    ) -> Tensor:
-        """``forward`` with one C call per layer; x [T, hidden] (contiguous, ours to overwrite) and a
-        residual buffer are updated in place by every layer."""
-        residual = torch.empty_like(x)
-        cpu_layer.set_threads(torch.get_num_threads())
-        step = cpu_layer.StepArgs(batch)
-        for i, (attn, weights) in enumerate(zip(self._attentions, kernel_weights, strict=True)):
-            layer_kv = kv.layer(i)
-            assert layer_kv.is_swa == attn.is_swa, f"layer {i}: KV pool type mismatch"
-            cos, sin = rope[attn.rotary.key]
-            cpu_layer.decoder_layer_cpu(weights, step, layer_kv, cos, sin, x, residual, first=i == 0)
+            x, residual = layer(x, residual, positions, batch, kv, rope, step)
         return self._final_norm(x, residual)
 
     def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> RopeTables:

@@ -36,10 +36,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from epd_common.runtime import torch_threads
-from llm_core.kernels import cpu_layer
+from llm_core.backends.layer import DenseMlpParams, LayerBackend, PackedLayer
+from llm_core.backends.selector import Backends
 from llm_core.kernels.attention_batch import AttentionBatch, PagedKV
 from llm_core.models.config import SWA, DecoderConfig
-from llm_core.models.decoder import MiMoAttention, RMSNorm, RopeTables, block_kernel_weights
+from llm_core.models.decoder import REFERENCE, MiMoAttention, RMSNorm, RopeTables, block_params
 from llm_core.models.moe import DenseMLP
 
 # At most this many rows, a head's input mix runs on one torch thread (``MTPHeads.forward_layer``).
@@ -94,19 +95,31 @@ class MTPLayer(nn.Module):
         Embedding first, hidden second (the agreed order, as in DeepSeek-V3's NextN heads)."""
         return self.eh_proj(torch.cat([_norm(self.enorm, embeds), _norm(self.hnorm, prev_hidden)], dim=-1))
 
-    def kernel_weights(self) -> cpu_layer.LayerWeights | None:
-        """The block between ``mix`` and ``final_layernorm`` (norm, SWA attention, norm, dense MLP,
-        both residuals) has a target decoder layer's shape: its weights for the one-call CPU
-        kernel (``cpu_layer``), or None when it cannot run them (not fused, not fp32 on CPU)."""
-        attn, mlp = self.self_attn, self.mlp
-        if attn.qkv_weight is None or mlp.gate_up_weight is None:
+    def after_load(self, backends: Backends) -> PackedLayer | None:
+        """Give the modules their backends (which lay out their weights), then offer the block
+        between ``mix`` and ``final_layernorm`` (norm, SWA attention, norm, dense MLP, both
+        residuals: a target decoder layer's shape) to the layer backend; returns what it will run
+        the block with, or None (the modules run it)."""
+        for norm in (
+            self.enorm,
+            self.hnorm,
+            self.input_layernorm,
+            self.pre_mlp_layernorm,
+            self.final_layernorm,
+        ):
+            norm.backend = backends.norm
+        self.self_attn.after_load(backends.attention)
+        self.mlp.after_load(backends.moe)
+        mlp = self.mlp
+        if mlp.gate_up_weight is None:
             return None
-        if self.input_layernorm.eps != self.pre_mlp_layernorm.eps:
-            return None
-        mlp_args = cpu_layer.dense_mlp_args(mlp.gate_up_weight, mlp.down_proj.weight)
-        if mlp_args is None:
-            return None
-        return block_kernel_weights(self.input_layernorm, self.pre_mlp_layernorm, attn, mlp_args)
+        params = block_params(
+            self.input_layernorm,
+            self.pre_mlp_layernorm,
+            self.self_attn,
+            DenseMlpParams(mlp.gate_up_weight, mlp.down_proj.weight),
+        )
+        return None if params is None else backends.layer.pack(params)
 
     def finish(self, x: Tensor, attn: Tensor) -> Tensor:
         """x [T, hidden] (the block input), attn [T, hidden] (its attention output) -> h^{j+1}."""
@@ -141,7 +154,9 @@ class MTPHeads(nn.Module):
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList(MTPLayer(config, config.num_hidden_layers + j) for j in range(num_layers))
-        self._kernel_weights: list[cpu_layer.LayerWeights | None] | None = None  # set by fuse_weights
+        # The layer backend, and what it runs each head's block with (None: the head's modules).
+        self.layer_backend: LayerBackend = REFERENCE.layer
+        self._packed: list[PackedLayer | None] = [None] * num_layers
 
     def heads(self) -> list[MTPLayer]:
         return cast(list[MTPLayer], list(self.layers))
@@ -154,15 +169,12 @@ class MTPHeads(nn.Module):
         """The KV cache layer index of head ``j``."""
         return self.config.num_hidden_layers + j
 
-    def fuse_weights(self) -> None:
-        """Stacked q/k/v and gate/up weights for the fused CPU paths (as the target's
-        ``fuse_weights``). Only for serving: call again after any change to the weights, and not
-        while training (the stacked copies would go stale)."""
-        for module in self.modules():
-            if isinstance(module, (MiMoAttention, DenseMLP)):
-                module.fuse_weights()
-        weights = [head.kernel_weights() for head in self.heads()]
-        self._kernel_weights = None if any(w is None for w in weights) else weights
+    def after_load(self, backends: Backends) -> None:
+        """The after-load hook (as the target's ``DecoderForCausalLM.after_load``; pass the target's
+        backends). Only for serving: the packed copies it makes go stale when the weights change,
+        so call it again after any change, and not while training."""
+        self.layer_backend = backends.layer
+        self._packed = [head.after_load(backends) for head in self.heads()]
 
     def _head(self, j: int, rope: RopeTables | None) -> MTPLayer:
         assert 0 <= j < len(self.layers), f"MTP head {j} of {len(self.layers)}"
@@ -185,7 +197,6 @@ class MTPHeads(nn.Module):
         kv: PagedKV,
         embed: Embed,
         rope: RopeTables,
-        backend: str | None = None,
     ) -> Tensor:
         """Head ``j`` over a packed, paged batch -> h^{j+1} [T, hidden] (final-normed).
 
@@ -195,8 +206,7 @@ class MTPHeads(nn.Module):
         the heads' layers appended (``KVLayout.from_model_config(..., mtp_layers=...)``); ``embed``
         and ``rope``: the target's ``embed`` and its ``rope_tables(positions, dtype)``. Writes the
         rows' K/V into cache layer ``kv_layer(j)`` at their slots, then attends, as a target SWA
-        layer does. ``backend``: see ``attention.paged_attention`` (e.g. the target's
-        ``attention_backend``)."""
+        layer does, through the backends of ``after_load`` (the torch reference before it)."""
         head = self._head(j, rope)
         t = token_ids.shape[0]
         assert positions.dim() == 1, "MTP heads take 1-D positions [T]"
@@ -204,32 +214,25 @@ class MTPHeads(nn.Module):
             "token_ids, prev_hidden and positions disagree"
         )
         assert batch.num_tokens == t, "batch describes a different number of rows"
-        weights = self._kernel_weights[j] if self._kernel_weights is not None else None
-        if (
-            weights is not None
-            and backend in (None, "cpu")
-            and prev_hidden.device.type == "cpu"
-            and prev_hidden.dtype == torch.float32
-        ):
-            # One C call for the block, as the target's layers run (``cpu_layer``): x becomes the
-            # MLP's output and residual x + attn, whose sum final_layernorm normalizes.
+        packed = self._packed[j]
+        if packed is not None:
+            # The block in one call of the layer backend, as the target's layers run: x becomes
+            # the MLP's output and residual x + attn, whose sum final_layernorm normalizes.
             threads = torch.get_num_threads()
             # A few rows right after a layer call (the target's or the previous head's), on one
-            # thread: the kernel's workers still spin on the other cores (``_pool.h``), and a torch
+            # thread: the CPU layer kernel's workers still spin on the other cores, and a torch
             # op split over threads would wait for one (~0.1 ms here, the product itself ~10 us).
             # A prefill chunk's rows are worth the threads.
             with torch_threads(1 if t <= SMALL_MIX_ROWS else threads):
                 x = head.mix(embed(token_ids), prev_hidden).contiguous()  # [T, hidden]
             residual = torch.empty_like(x)
-            cpu_layer.set_threads(threads)
+            step = self.layer_backend.begin(batch)
             cos, sin = rope[head.self_attn.rotary.key]
             layer_kv = kv.layer(head.self_attn.layer_idx)
-            cpu_layer.decoder_layer_cpu(
-                weights, cpu_layer.StepArgs(batch), layer_kv, cos, sin, x, residual, first=True
-            )
+            self.layer_backend.forward(packed, step, layer_kv, cos, sin, x, residual, first=True)
             return head.final_layernorm.add_forward(x, residual)[0]
         x = head.mix(embed(token_ids), prev_hidden)  # [T, hidden]
-        attn = head.self_attn(_norm(head.input_layernorm, x), positions, batch, kv, rope, backend)
+        attn = head.self_attn(_norm(head.input_layernorm, x), positions, batch, kv, rope)
         return head.finish(x, attn)
 
     def forward_layer_dense(

@@ -19,6 +19,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from llm_core.kernels.rotary import apply_partial_rotary_
+
+__all__ = ["PartialRotary", "apply_partial_rotary", "apply_partial_rotary_", "mrope_rows"]
+
 
 class PartialRotary(nn.Module):
     """cos/sin tables computed on the fly from positions (cheap next to attention; no max length)."""
@@ -57,25 +61,6 @@ class PartialRotary(nn.Module):
 def apply_partial_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [T, H, D]; cos/sin [T, width] with width <= D. Returns a new tensor [T, H, D]."""
     return apply_partial_rotary_(x.clone(), cos, sin)
-
-
-def apply_partial_rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x [T, H, D] in place (cos/sin [T, width], width <= D) and return it.
-
-    With x = [x1 | x2 | rest] (x1, x2 of width / 2) this is the half-split rotation
-    ``[x1 c - x2 s | x2 c + x1 s | rest]`` (c, s: the first half of cos/sin; the tables repeat
-    their halves). The same products and sums as ``rotate_half`` and concatenation, so the same
-    values, but only the rotated columns are touched and nothing is concatenated: for a fresh
-    projection output (a temporary) the pass-through columns are never copied.
-    """
-    width = cos.shape[-1]
-    half = width // 2
-    c, s = cos[:, None, :half], sin[:, None, :half]  # [T, 1, width / 2]
-    x1, x2 = x[..., :half], x[..., half:width]
-    x1s, x2s = x1 * s, x2 * s
-    x1.mul_(c).sub_(x2s)
-    x2.mul_(c).add_(x1s)
-    return x
 
 
 def mrope_rows(table: Tensor, positions: Tensor, section: tuple[int, ...]) -> Tensor:

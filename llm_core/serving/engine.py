@@ -147,7 +147,7 @@ class LLMEngine:
         )
         if k:
             assert mtp is not None
-            mtp.fuse_weights()  # the one-call CPU attention path (serving only: never trained here)
+            mtp.after_load(model.backends)  # the target's backends (serving only: never trained here)
             self.runner.speculator = Speculator(mtp, model, self.kv, k, self.runner.draw_draft)  # type: ignore[arg-type]
         # Guards the scheduler and ``_requests`` between the event loop (add) and the step thread
         # (schedule/update). Never held during the forward, so adds do not wait for a step.

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from epd_common.messages.embedding_ref import EmbeddingRef
+from llm_core.backends.selector import Backends
 from llm_core.caches.kv_pool import DualKVCache
 from llm_core.kernels.attention_batch import AttentionBatch
 from llm_core.models.positions import LinearPositions, PositionScheme
@@ -55,6 +56,8 @@ class MultimodalInput(NamedTuple):
 
 class CausalLM(Protocol):
     """What the runner needs from the model (``llm_core.models.decoder.DecoderForCausalLM``)."""
+
+    backends: Backends  # what runs its kernels, chosen once (``after_load``)
 
     def __call__(
         self,

@@ -5,7 +5,8 @@ Routes:
     GET  /v1/models        the served model, once per served id (``LLMServerConfig.served_model_names``;
                            responses report the first)
     GET  /health           {"status": "ok", running/waiting counts, KV usage, ..., "paths": what runs
-                           the layers, "fallbacks": stand-ins in use and why}
+                           the layers, "fallbacks": stand-ins in use and why, "backends": the
+                           attention / moe / norm / layer backend names (``llm_core.backends``)}
     GET  /metrics          prometheus text
 
 Every request error is answered before the first byte of a stream goes out, as JSON
@@ -140,6 +141,7 @@ def create_app(
     served = config.served_model_names
     model_name = served[0]  # what responses report (vLLM's rule)
     paths = report(llm_paths(engine.device, engine.dtype))  # fixed once the process has started
+    backends = engine.runner.model.backends.names()  # chosen once, when the model was loaded
 
     def guarded(fn: Handler) -> Handler:
         async def handler(request: Request) -> Response:
@@ -316,6 +318,7 @@ def create_app(
                 "kv_events_replay_endpoint": events.replay_endpoint if events else None,
                 **extra,
                 **paths,
+                "backends": backends,
             }
         )
 

@@ -43,8 +43,6 @@ from llm_core.serving.sequence import Sequence, build_page_tables, token_positio
 class TargetModel(Protocol):
     """What the heads need of the target model (``decoder.DecoderForCausalLM``)."""
 
-    attention_backend: str | None
-
     def embed(self, input_ids: Tensor) -> Tensor: ...
 
     def compute_logits(self, hidden: Tensor) -> Tensor: ...
@@ -192,7 +190,7 @@ class Speculator:
             ids = [t for r in rows for t in r.tokens[j : j + r.hi - r.lo]]  # t_{i+j+1}, i = lo .. hi-1
             h = self.heads.forward_layer(
                 j, torch.tensor(ids, dtype=torch.int64, device=dev), h, positions, batch, self.kv,
-                self.target.embed, rope, self.target.attention_backend,
+                self.target.embed, rope,
             )  # fmt: skip
             # one row per sequence right after a layer call, on one CPU thread (``MTPHeads.forward_layer``)
             with torch_threads(1 if dev.type == "cpu" else torch.get_num_threads()):

@@ -291,7 +291,7 @@ def distill_mtp_heads(
     (False: start from their current weights). ``model`` is only read. Returns with the heads in
     eval mode and without gradients."""
     assert heads.config.hidden_size == model.config.hidden_size
-    # fused copies (``MTPHeads.fuse_weights``) would be read instead of the trained weights
+    # packed copies (``MTPHeads.after_load``) would be read instead of the trained weights
     assert all(h.self_attn.qkv_weight is None and h.mlp.gate_up_weight is None for h in heads.heads()), (
         "distill unfused heads"
     )

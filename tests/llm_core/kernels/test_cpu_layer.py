@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from llm_core.backends.selector import select_backends
 from llm_core.caches.kv_pool import DualKVCache
 from llm_core.kernels import cpu_layer
 from llm_core.kernels.attention_batch import AttentionBatch, build_attention_batch
@@ -25,6 +26,7 @@ from llm_core.models.moe import SparseMoE
 from tests.llm_core.models.test_decoder import (
     PAGE,
     PagedSeq,
+    cpu_backends,
     free_lists,
     make_kv,
     model_with_qkv_bias,
@@ -65,9 +67,13 @@ def run_layer_both_ways(
     positions = batch.positions()
     first = i == 0
     kv_modules, kv_kernel = zeroed_kv(config, 16), zeroed_kv(config, 16)
-    out, res = layer(x, None if first else residual, positions, batch, kv_modules, {}, "cpu")
-    weights = layer.kernel_weights()
-    assert weights is not None
+    weights = layer.packed  # what the CPU layer backend took the layer with
+    assert isinstance(weights, cpu_layer.LayerWeights)
+    layer.packed = None  # the layer's modules, through the CPU attention, MoE and norm backends
+    try:
+        out, res = layer(x, None if first else residual, positions, batch, kv_modules, {})
+    finally:
+        layer.packed = weights
     xk, rk = x.clone(), residual.clone()
     cos, sin = layer.self_attn._cos_sin(positions, torch.float32, {})
     cpu_layer.decoder_layer_cpu(
@@ -156,50 +162,46 @@ def test_layer_with_qkv_bias_equals_the_modules(tiny_mimo_dir: Path) -> None:
         assert rel_err(a, b) <= 1e-6
 
 
-def test_paged_forward_equals_the_modules(loaded: LoadedLLM, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_paged_forward_equals_the_modules(loaded: LoadedLLM) -> None:
     """A prefill chunk then two decode steps of two sequences, with and without the layer kernel."""
     model, config = loaded.model, loaded.config
-    assert model._layer_kernel_weights(torch.zeros(1, config.hidden_size)) is not None
+    assert all(layer.packed is not None for layer in model.model.decoder_layers())
     ids = [prompt(29, seed=8), prompt(13, seed=9)]
     outs = []
     for on in (True, False):
-        monkeypatch.setattr(model, "layer_kernel", on)
-        kv = make_kv(config, 16)
-        full_free, swa_free = free_lists(16, seed=2)
-        seqs = [PagedSeq(full_free, swa_free) for _ in range(2)]
-        hidden = [step(model, kv, seqs, [ids[0][:27], ids[1][:11]])]
-        for t in (27, 28):
-            hidden.append(step(model, kv, seqs, [ids[0][t : t + 1], ids[1][t - 16 : t - 15]]))
-        outs.append(torch.cat(hidden))
+        with cpu_backends(model, **({} if on else {"layer": "none"})):
+            kv = make_kv(config, 16)
+            full_free, swa_free = free_lists(16, seed=2)
+            seqs = [PagedSeq(full_free, swa_free) for _ in range(2)]
+            hidden = [step(model, kv, seqs, [ids[0][:27], ids[1][:11]])]
+            for t in (27, 28):
+                hidden.append(step(model, kv, seqs, [ids[0][t : t + 1], ids[1][t - 16 : t - 15]]))
+            outs.append(torch.cat(hidden))
     assert rel_err(outs[0], outs[1]) <= 1e-6
 
 
-def test_model_falls_back_to_the_modules(tiny_mimo_dir: Path, loaded: LoadedLLM) -> None:
+def test_model_falls_back_to_the_modules(loaded: LoadedLLM) -> None:
+    """The layer backend is chosen with the others (fp32 CPU, under the CPU attention backend) and
+    takes the layers when ``after_load`` offers them; a model before ``after_load`` runs the torch
+    reference. (Weights changed later are re-packed by calling ``after_load`` again: nothing
+    compares tensor identities at step time.)"""
     model = loaded.model
-    x = torch.zeros(2, loaded.config.hidden_size)
-    assert model._layer_kernel_weights(x) is not None
-    assert model._layer_kernel_weights(x.double()) is None  # not fp32
+    layers = model.model.decoder_layers()
+    assert all(layer.packed is not None for layer in layers)
+    assert select_backends("cpu", torch.float64).layer.name == "none"  # not fp32
     unfused = DecoderForCausalLM(loaded.config)
-    assert unfused._kernel_weights is None and unfused._layer_kernel_weights(x) is None
-    model.attention_backend = "torch"
-    try:
-        assert model._layer_kernel_weights(x) is None
-    finally:
-        model.attention_backend = None
-    attn = model.model.layers[3].self_attn
-    fused = attn.qkv_weight
-    attn.qkv_weight = fused.clone()  # a weight replaced after fuse_weights: the kernel's copy is stale
-    try:
-        assert model._layer_kernel_weights(x) is None
-    finally:
-        attn.qkv_weight = fused
-    assert model._layer_kernel_weights(x) is not None
+    assert unfused.backends.names()["layer"] == "none"
+    assert all(layer.packed is None for layer in unfused.model.decoder_layers())
+    with cpu_backends(model, attention="torch"):
+        assert model.backends.layer.name == "none"
+        assert all(layer.packed is None for layer in layers)
+    assert all(layer.packed is not None for layer in layers)
 
 
 def test_errors_are_value_errors(loaded: LoadedLLM) -> None:
-    layer = loaded.model.model.layers[2]
-    weights = layer.kernel_weights()
-    assert weights is not None
+    layer = loaded.model.model.decoder_layers()[2]
+    weights = layer.packed
+    assert isinstance(weights, cpu_layer.LayerWeights)
     batch = prefill_then_decode_batch([12], [12])
     kv = zeroed_kv(loaded.config, 16)
     positions = batch.positions()

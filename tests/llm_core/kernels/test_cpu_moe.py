@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 import torch
 
+from llm_core.backends.moe import CpuMoE
+from llm_core.backends.moe_torch import TorchMoE
 from llm_core.kernels import cpu_moe
 from llm_core.models.moe import Routing, SparseMoE, TopKRouter
 from tests.llm_core.conftest import simd_fixture
@@ -25,7 +27,7 @@ def random_moe(seed: int, **kw: int) -> SparseMoE:
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    moe.experts.fuse_weights()  # the [E, in, out] layout the kernel reads
+    moe.after_load(CpuMoE())  # the C kernels, and the [E, in, out] layout they read
     return moe
 
 
@@ -47,11 +49,11 @@ def test_matches_per_token_reference(simd: str, num_tokens: int, hidden: int, in
         )
 
 
-def test_agrees_with_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_agrees_with_the_torch_path() -> None:
     moe = random_moe(3)
     x = torch.randn(50, 24, generator=torch.Generator().manual_seed(4))
     out = moe(x)
-    monkeypatch.setattr(cpu_moe, "_kernel", None)
+    moe.after_load(TorchMoE())
     torch.testing.assert_close(out, moe(x), rtol=1e-5, atol=1e-6)
 
 
@@ -59,7 +61,7 @@ def test_needs_the_fused_layout_and_fp32() -> None:
     moe = SparseMoE(moe_config())
     x = torch.randn(4, 24)
     assert not cpu_moe.supports(x, moe.experts.gate_up_proj, moe.experts.down_proj)  # checkpoint layout
-    moe.experts.fuse_weights()
+    moe.experts.after_load(CpuMoE())
     assert cpu_moe.supports(x, moe.experts.gate_up_proj, moe.experts.down_proj)
     assert not cpu_moe.supports(x.double(), moe.experts.gate_up_proj, moe.experts.down_proj)
 
@@ -84,7 +86,7 @@ def test_an_expert_id_out_of_range_is_an_error() -> None:
         {"hidden_size": 21},  # not a multiple of 8
     ],
 )  # fmt: skip
-def test_route_matches_the_torch_router(kw: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_route_matches_the_torch_router(kw: dict[str, Any]) -> None:
     """Same experts in the same order (descending score + bias) and the same weights as the torch
     TopKRouter, for 300 tokens with a selection bias large enough to change choices."""
     router = TopKRouter(moe_config(**kw))
@@ -93,8 +95,9 @@ def test_route_matches_the_torch_router(kw: dict[str, Any], monkeypatch: pytest.
         router.weight.copy_(torch.randn(router.weight.shape, generator=g))
         router.e_score_correction_bias.copy_(torch.randn(router.num_experts, generator=g) * 0.3)
     x = torch.randn(300, router.weight.shape[1], generator=g)
+    router.backend = CpuMoE()
     fast = router(x)
-    monkeypatch.setattr(cpu_moe, "_kernel", None)
+    router.backend = TorchMoE()
     ref = router(x)
     assert torch.equal(fast.experts, ref.experts)
     # The router logits are dot products summed in another order than torch's GEMM (which takes

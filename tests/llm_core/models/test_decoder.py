@@ -8,14 +8,17 @@ slip in the slot or table math cannot cancel out.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from llm_core.backends.selector import select_backends
 from llm_core.caches.kv_pool import DualKVCache, KVLayout
 from llm_core.kernels import cpu_attention
 from llm_core.kernels.attention_batch import build_attention_batch
@@ -76,9 +79,20 @@ def model_with_qkv_bias(tiny_mimo_dir: Path, seed: int) -> DecoderForCausalLM:
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.08)
-    model.fuse_weights()
+    model.after_load()
     assert model.model.decoder_layers()[0].self_attn.qkv_bias is not None
     return model
+
+
+@contextlib.contextmanager
+def cpu_backends(model: DecoderForCausalLM, **override: str) -> Iterator[None]:
+    """Run ``model`` (fp32, CPU) with the CPU backends but for ``override`` (e.g. attention="torch"),
+    then with the default choice again."""
+    model.after_load(select_backends("cpu", torch.float32, **override))
+    try:
+        yield
+    finally:
+        model.after_load()
 
 
 def step(
@@ -200,29 +214,27 @@ def test_decode_steps_match_dense_with_swa_pages_freed(loaded: LoadedLLM) -> Non
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_mixed_batch_equals_each_sequence_alone(
-    loaded: LoadedLLM, backend: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_mixed_batch_equals_each_sequence_alone(loaded: LoadedLLM, backend: str) -> None:
     """One step with a decode, a first prefill chunk and a later prefill chunk equals dense per
     sequence, through the C kernel and through the torch reference."""
     if backend == "cpu" and not cpu_attention.AVAILABLE:
         pytest.skip("llm_core.kernels._paged_attention is not built")
     model = loaded.model
-    monkeypatch.setattr(model, "attention_backend", backend)
-    kv = make_kv(loaded.config, 24)
-    full_free, swa_free = free_lists(24, 5)
-    seqs = [PagedSeq(full_free, swa_free) for _ in range(3)]
-    ids = [prompt(34, seed=10), prompt(21, seed=11), prompt(40, seed=12)]
-    # warm-up: seq0 has 33 tokens cached, seq2 has 17; seq1 starts fresh in the mixed step
-    step(model, kv, [seqs[0], seqs[2]], [ids[0][:33], ids[2][:17]])
-    chunks = [ids[0][33:34], ids[1], ids[2][17:40]]
-    hidden = step(model, kv, seqs, chunks)
-    logits = model.compute_logits(hidden)
-    offsets = [0, 1, 1 + 21, 1 + 21 + 23]
-    for b, (lo, hi) in enumerate(itertools.pairwise(offsets)):
-        n_total = seqs[b].len
-        dense = model.forward_dense(ids[b][None, :n_total])[0, n_total - (hi - lo) :]
-        assert rel_err(logits[lo:hi], dense) <= REL_TOL, b
+    with cpu_backends(model, attention=backend):
+        kv = make_kv(loaded.config, 24)
+        full_free, swa_free = free_lists(24, 5)
+        seqs = [PagedSeq(full_free, swa_free) for _ in range(3)]
+        ids = [prompt(34, seed=10), prompt(21, seed=11), prompt(40, seed=12)]
+        # warm-up: seq0 has 33 tokens cached, seq2 has 17; seq1 starts fresh in the mixed step
+        step(model, kv, [seqs[0], seqs[2]], [ids[0][:33], ids[2][:17]])
+        chunks = [ids[0][33:34], ids[1], ids[2][17:40]]
+        hidden = step(model, kv, seqs, chunks)
+        logits = model.compute_logits(hidden)
+        offsets = [0, 1, 1 + 21, 1 + 21 + 23]
+        for b, (lo, hi) in enumerate(itertools.pairwise(offsets)):
+            n_total = seqs[b].len
+            dense = model.forward_dense(ids[b][None, :n_total])[0, n_total - (hi - lo) :]
+            assert rel_err(logits[lo:hi], dense) <= REL_TOL, b
 
 
 def test_embed_then_input_embeds_is_same_as_ids(loaded: LoadedLLM) -> None:
@@ -254,9 +266,7 @@ def test_cuda_triton_paged_matches_cpu_dense(tiny_mimo_dir: Path, dtype: torch.d
 
 
 @pytest.mark.skipif(not cpu_attention.AVAILABLE, reason="llm_core.kernels._paged_attention is not built")
-def test_fused_cpu_layer_with_qkv_bias_equals_torch_path(
-    tiny_mimo_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_fused_cpu_layer_with_qkv_bias_equals_torch_path(tiny_mimo_dir: Path) -> None:
     """With attention biases (which the tiny checkpoint lacks), the fused CPU layer (one kernel
     call from the qkv rows to the attention output) equals the torch path: rotary, write_kv and
     the torch paged attention, for a prefill chunk and then a decode step."""
@@ -265,7 +275,7 @@ def test_fused_cpu_layer_with_qkv_bias_equals_torch_path(
     ids = prompt(23, seed=22)
     outs = []
     for backend in ("cpu", "torch"):
-        monkeypatch.setattr(model, "attention_backend", backend)
+        model.after_load(select_backends("cpu", torch.float32, attention=backend))
         kv = make_kv(config, 8)
         seq = PagedSeq(*free_lists(8, seed=1))
         prefill = step(model, kv, [seq], [ids[:22]])

@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llm_core.backends import moe_torch as moe_module
+from llm_core.backends.moe_torch import TorchMoE
 from llm_core.kernels import cpu_moe
-from llm_core.models import moe as moe_module
 from llm_core.models.config import DecoderConfig
 from llm_core.models.moe import GroupedExperts, Routing, SparseMoE, TopKRouter
 
@@ -130,17 +131,17 @@ def test_router_without_groups_or_normalisation() -> None:
 def test_expert_relayout_keeps_values_and_outputs(
     padded_max_tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """fuse_weights changes only the strides of the expert weights: same shapes and values, the
+    """The pack hook (``after_load``) changes only the strides of the expert weights: same shapes and values, the
     [E, in, out] view becomes contiguous, and both expert paths give bit-identical outputs."""
     cfg, moe, g = _random_moe(padded_max_tokens, monkeypatch, seed=4)
     x = torch.randn(21, cfg.hidden_size, generator=g)
     before = moe(x)
     weights = [moe.experts.gate_up_proj.detach().clone(), moe.experts.down_proj.detach().clone()]
-    moe.experts.fuse_weights()
+    moe.experts.after_load(TorchMoE())
     for p, w in zip((moe.experts.gate_up_proj, moe.experts.down_proj), weights, strict=True):
         assert p.shape == w.shape and torch.equal(p, w)
         assert p.transpose(1, 2).is_contiguous()
     assert torch.equal(moe(x), before)
-    moe.experts.fuse_weights()  # idempotent
+    moe.experts.after_load(TorchMoE())  # idempotent
     assert moe.experts.gate_up_proj.transpose(1, 2).is_contiguous()
     assert torch.equal(moe(x), before)

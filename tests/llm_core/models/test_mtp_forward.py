@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from llm_core.backends.selector import select_backends
 from llm_core.caches.kv_pool import DualKVCache, KVLayout
 from llm_core.kernels import cpu_attention
 from llm_core.kernels.attention_batch import AttentionBatch, build_attention_batch
@@ -210,7 +211,6 @@ def run_paged(
     inputs: list[Tensor],
     steps: Sequence[tuple[int, ...]],
     chain: bool,
-    backend: str | None = None,
 ) -> list[Tensor]:
     """Every head over the rows of each sequence, fed step by step (``steps[k][b]`` new rows of
     sequence b in step k). tokens[b] [D, S_b] (row i of head j: t_{i+j+1}); inputs[b] [D, S_b, hidden]:
@@ -235,7 +235,7 @@ def run_paged(
             tok = torch.cat([tokens[b][j, s:e] for b, (s, e) in enumerate(spans)])
             if not chain:
                 prev = torch.cat([inputs[b][j, s:e] for b, (s, e) in enumerate(spans)])
-            prev = heads.forward_layer(j, tok, prev, positions, batch, kv, target.embed, rope, backend)
+            prev = heads.forward_layer(j, tok, prev, positions, batch, kv, target.embed, rope)
             offsets = [0, *torch.cumsum(torch.tensor(counts), 0).tolist()]
             for b in range(len(tokens)):
                 outs[b][j].append(prev[offsets[b] : offsets[b + 1]])
@@ -353,15 +353,26 @@ def backends() -> list[tuple[str, bool]]:
     return out
 
 
+def run_by(heads: MTPHeads, backend: str, fused: bool) -> MTPHeads:
+    """``heads`` with attention ``backend``: "torch" and not ``fused``: as built (the torch
+    reference, q/k/v unstacked); else a copy given the CPU backends with that attention, and with
+    the layer backend when ``fused`` (the whole block in one call)."""
+    if backend == "torch" and not fused:
+        return heads
+    heads = copy.deepcopy(heads)
+    heads.after_load(
+        select_backends("cpu", torch.float32, attention=backend, layer="cpu" if fused else "none")
+    )
+    return heads
+
+
 @pytest.mark.parametrize(("backend", "fused"), backends())
 def test_paged_equals_dense(
     cfg: DecoderConfig, target: DecoderForCausalLM, heads: MTPHeads, backend: str, fused: bool
 ) -> None:
     """Each head on its own inputs, two sequences in one batch over three steps, equals the dense
     path; the target's own KV layers are never touched (the heads write layers L .. L + D - 1)."""
-    if fused:
-        heads = copy.deepcopy(heads)
-        heads.fuse_weights()
+    heads = run_by(heads, backend, fused)
     lens = [sum(s[b] for s in STEPS) for b in range(2)]
     assert lens == [300, 200]
     tokens = [torch.stack([ids(n, seed=100 * b + j) for j in range(NUM_HEADS)]) for b, n in enumerate(lens)]
@@ -370,7 +381,7 @@ def test_paged_equals_dense(
         for b, n in enumerate(lens)
     ]
     kv = mtp_kv(cfg, 48)
-    paged = run_paged(heads, target, kv, tokens, inputs, STEPS, chain=False, backend=backend)
+    paged = run_paged(heads, target, kv, tokens, inputs, STEPS, chain=False)
     for b in range(2):
         with torch.no_grad():
             dense = run_dense(heads, target, tokens[b], inputs[b], chain=False)
@@ -394,9 +405,8 @@ def test_chained_drafting_equals_dense_chain(
     inputs = [
         hiddens(n, cfg.hidden_size, seed=60 + b)[None].expand(NUM_HEADS, -1, -1) for b, n in enumerate(lens)
     ]
-    paged = run_paged(
-        heads, target, mtp_kv(cfg, 48), tokens, inputs, DRAFT_STEPS, chain=True, backend=backend
-    )
+    heads = run_by(heads, backend, fused=False)
+    paged = run_paged(heads, target, mtp_kv(cfg, 48), tokens, inputs, DRAFT_STEPS, chain=True)
     for b in range(2):
         with torch.no_grad():
             dense = run_dense(heads, target, tokens[b], inputs[b], chain=True)

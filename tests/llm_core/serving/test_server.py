@@ -270,6 +270,8 @@ def test_models_health_metrics(client: TestClient) -> None:
     health = client.get("/health").json()
     assert health["status"] == "ok"
     assert {"num_running", "num_waiting", "kv_full_usage", "kv_swa_usage", "tokens_per_s"} <= set(health)
+    # the backends the model was loaded with (llm_core.backends), one name per kind
+    assert set(health["backends"]) == {"attention", "moe", "norm", "layer"}
     client.post("/v1/completions", json={"prompt": "count me", **GREEDY})
     text = client.get("/metrics").text
     assert "epd_llm_generation_tokens_total" in text and 'epd_llm_kv_usage{pool="swa"}' in text

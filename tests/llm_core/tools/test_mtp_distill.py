@@ -132,7 +132,7 @@ def test_acceptance_shortcut_equals_explicit_chains(
 
 def test_greedy_data_are_the_dense_greedy_ids() -> None:
     model = _untrained_target()
-    model.fuse_weights()  # as served (load_llm fuses)
+    model.after_load()  # as served (load_llm packs the weights)
     prompts = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(5))
     ids, h0, greedy, _ = greedy_sequences(model, prompts, 6)
     for row, seq in zip(prompts, ids, strict=True):

@@ -1,0 +1,185 @@
+"""Layer backends: a whole pre-norm block (a decoder layer, or an MTP head's block) in one call.
+
+    residual += x;  h = norm1(residual)              (first block: residual = x)
+    residual += attention(h) @ Wo                    (qkv projection, rotary, KV store, attention)
+    x = mlp(norm2(residual))                         (dense SwiGLU, or router + routed experts)
+
+``x`` and ``residual`` [T, hidden] are updated in place. The model offers each block's parameters
+(``BlockParams``, after the attention and MLP weights are packed) to ``pack``; a backend that
+supports the block returns what it will run it with, else None, and the model then runs that
+block's modules (through the attention, MoE and norm backends). "none" supports no block; "cpu"
+is the C decoder-layer kernel (``kernels.cpu_layer``: fp32 CPU, input-major weights).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, cast
+
+import torch
+from torch import Tensor
+
+from llm_core.backends.specs import AttentionSpec, RoutingSpec
+from llm_core.kernels import cpu_layer
+from llm_core.kernels.attention_batch import AttentionBatch, LayerKVLike
+
+
+@dataclass(frozen=True)
+class DenseMlpParams:
+    gate_up: Tensor  # [2I, hidden] packed (gate rows first), input-major
+    down: Tensor  # [hidden, I] input-major
+
+
+@dataclass(frozen=True)
+class MoEParams:
+    router: Tensor  # [E, hidden] fp32
+    bias: Tensor  # [E] selection bias
+    gate_up: Tensor  # [E, 2I, hidden] input-major
+    down: Tensor  # [E, hidden, I] input-major
+    spec: RoutingSpec
+
+
+@dataclass(frozen=True)
+class BlockParams:
+    """A pre-norm block's parameters, packed (``layout``), as the model offers them."""
+
+    norm1: Tensor  # [hidden]
+    norm2: Tensor  # [hidden]
+    eps: float  # both norms' (a block whose norms differ is not offered)
+    qkv_weight: Tensor  # [(H + Hkv) * D + Hkv * Dv, hidden] input-major
+    qkv_bias: Tensor | None
+    o_weight: Tensor  # [hidden, H * Dv] input-major
+    sinks: Tensor | None  # [H]
+    attention: AttentionSpec
+    mlp: DenseMlpParams | MoEParams
+
+
+# What a layer backend runs a block with (opaque to the model).
+PackedLayer = object
+# A layer backend's per-step state (made once per forward, used by every block).
+LayerStep = object
+
+
+class LayerBackend(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def pack(self, params: BlockParams) -> PackedLayer | None:
+        """After-load hook: what this backend runs the block with, or None when it cannot."""
+
+    @abstractmethod
+    def begin(self, batch: AttentionBatch) -> LayerStep:
+        """A forward's state, before its first block."""
+
+    @abstractmethod
+    def forward(
+        self,
+        packed: PackedLayer,
+        step: LayerStep,
+        kv: LayerKVLike,
+        cos: Tensor,
+        sin: Tensor,
+        x: Tensor,
+        residual: Tensor,
+        first: bool,
+    ) -> None:
+        """Run one block in place on x and residual [T, hidden] (contiguous, the caller's to
+        overwrite); ``first``: the residual stream starts here (residual = x). cos/sin [T, width]."""
+
+
+class NoLayer(LayerBackend):
+    """Supports no block: every block runs as its modules."""
+
+    name = "none"
+
+    def pack(self, params: BlockParams) -> PackedLayer | None:
+        return None
+
+    def begin(self, batch: AttentionBatch) -> LayerStep:
+        return None
+
+    def forward(
+        self,
+        packed: PackedLayer,
+        step: LayerStep,
+        kv: LayerKVLike,
+        cos: Tensor,
+        sin: Tensor,
+        x: Tensor,
+        residual: Tensor,
+        first: bool,
+    ) -> None:
+        raise AssertionError("the 'none' layer backend packs no block")
+
+
+class CpuLayer(LayerBackend):
+    """One C call per block (``cpu_layer.decoder_layer_cpu``), split over torch's intra-op threads."""
+
+    name = "cpu"
+
+    def pack(self, params: BlockParams) -> PackedLayer | None:
+        mlp = params.mlp
+        if isinstance(mlp, MoEParams):
+            r = mlp.spec
+            mlp_args = cpu_layer.moe_args(
+                mlp.router,
+                mlp.bias,
+                mlp.gate_up,
+                mlp.down,
+                r.top_k,
+                r.n_group,
+                r.topk_group,
+                r.norm_topk_prob,
+                r.scaling,
+            )
+        else:
+            mlp_args = cpu_layer.dense_mlp_args(mlp.gate_up, mlp.down)
+        if mlp_args is None:
+            return None
+        a = params.attention
+        return cpu_layer.layer_weights(
+            params.norm1,
+            params.norm2,
+            params.eps,
+            params.qkv_weight,
+            params.qkv_bias,
+            params.o_weight,
+            params.sinks,
+            a.num_heads,
+            a.num_kv_heads,
+            a.head_dim,
+            a.v_head_dim,
+            a.window,
+            a.scale,
+            a.v_scale,
+            mlp_args,
+        )
+
+    def begin(self, batch: AttentionBatch) -> LayerStep:
+        cpu_layer.set_threads(torch.get_num_threads())
+        return cpu_layer.StepArgs(batch)
+
+    def forward(
+        self,
+        packed: PackedLayer,
+        step: LayerStep,
+        kv: LayerKVLike,
+        cos: Tensor,
+        sin: Tensor,
+        x: Tensor,
+        residual: Tensor,
+        first: bool,
+    ) -> None:
+        if first:  # once per forward: the kernel takes fp32 CPU memory
+            assert x.dtype == torch.float32 and x.device.type == "cpu", (x.dtype, x.device)
+        cpu_layer.decoder_layer_cpu(
+            cast(cpu_layer.LayerWeights, packed),
+            cast(cpu_layer.StepArgs, step),
+            kv,
+            cos,
+            sin,
+            x,
+            residual,
+            first,
+        )

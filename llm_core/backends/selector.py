@@ -1,0 +1,111 @@
+"""The backends of one engine: chosen once from the device, the weights' dtype and which kernels
+are built, with a per-kind override (tests, benchmarks), and named for /health.
+
+    device   dtype     attention   moe     norm    layer
+    cuda     any       triton      torch   torch   none
+    cpu      float32   cpu         cpu     cpu     cpu      (each where its extension is built;
+                                                             the layer kernel only under "cpu"
+                                                             attention: it is the same kernels)
+    other    any       torch       torch   torch   none
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llm_core.backends.attention import AttentionBackend, CpuAttention, TorchAttention, TritonAttention
+from llm_core.backends.layer import CpuLayer, LayerBackend, NoLayer
+from llm_core.backends.moe import CpuMoE, MoEBackend
+from llm_core.backends.moe_torch import TorchMoE
+from llm_core.backends.norm import CpuNorm, NormBackend, TorchNorm
+from llm_core.kernels import cpu_attention, cpu_layer, cpu_moe, cpu_norm
+
+ATTENTION: dict[str, type[AttentionBackend]] = {
+    "torch": TorchAttention,
+    "cpu": CpuAttention,
+    "triton": TritonAttention,
+}
+MOE: dict[str, type[MoEBackend]] = {"torch": TorchMoE, "cpu": CpuMoE}
+NORM: dict[str, type[NormBackend]] = {"torch": TorchNorm, "cpu": CpuNorm}
+LAYER: dict[str, type[LayerBackend]] = {"none": NoLayer, "cpu": CpuLayer}
+
+
+class BackendUnavailable(ValueError):
+    """An override named a backend that does not exist or whose kernel is not built."""
+
+
+@dataclass(frozen=True)
+class Backends:
+    """One backend of each kind (``llm_core.backends``)."""
+
+    attention: AttentionBackend
+    moe: MoEBackend
+    norm: NormBackend
+    layer: LayerBackend
+
+    def names(self) -> dict[str, str]:
+        """{kind: backend name}, e.g. for /health."""
+        return {
+            "attention": self.attention.name,
+            "moe": self.moe.name,
+            "norm": self.norm.name,
+            "layer": self.layer.name,
+        }
+
+
+def reference_backends() -> Backends:
+    """The torch reference for every kind: what a model runs until ``after_load`` chooses."""
+    return Backends(TorchAttention(), TorchMoE(), TorchNorm(), NoLayer())
+
+
+def _built(kind: str, name: str) -> bool:
+    """Whether ``name``'s kernel is there (torch, Triton and "none" always are)."""
+    available = {
+        ("attention", "cpu"): cpu_attention.AVAILABLE,
+        ("moe", "cpu"): cpu_moe.AVAILABLE,
+        ("norm", "cpu"): cpu_norm.AVAILABLE,
+        ("layer", "cpu"): cpu_layer.AVAILABLE,
+    }
+    return available.get((kind, name), True)
+
+
+def select_backends(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    *,
+    attention: str | None = None,
+    moe: str | None = None,
+    norm: str | None = None,
+    layer: str | None = None,
+) -> Backends:
+    """The backends for weights of ``dtype`` on ``device`` (module doc); a kind given by name
+    overrides the choice (``BackendUnavailable`` when it is unknown or not built)."""
+    kind = torch.device(device).type
+    fast = kind == "cpu" and dtype == torch.float32
+    default_attention = "triton" if kind == "cuda" else "cpu" if fast else "torch"
+    chosen = {
+        "attention": attention or default_attention,
+        "moe": moe or ("cpu" if fast else "torch"),
+        "norm": norm or ("cpu" if fast else "torch"),
+    }
+    # Only the fast path's defaults fall back when a kernel is missing; an override must exist.
+    for k, default in list(chosen.items()):
+        if not _built(k, default) and {"attention": attention, "moe": moe, "norm": norm}[k] is None:
+            chosen[k] = "torch"
+    chosen["layer"] = layer or (
+        "cpu" if fast and chosen["attention"] == "cpu" and _built("layer", "cpu") else "none"
+    )
+    tables: dict[str, dict[str, type]] = {"attention": ATTENTION, "moe": MOE, "norm": NORM, "layer": LAYER}
+    for k, name in chosen.items():
+        if name not in tables[k]:
+            raise BackendUnavailable(f"unknown {k} backend {name!r}; known: {', '.join(sorted(tables[k]))}")
+        if not _built(k, name):
+            raise BackendUnavailable(f"the {name} {k} backend's kernel is not built")
+    return Backends(
+        ATTENTION[chosen["attention"]](),
+        MOE[chosen["moe"]](),
+        NORM[chosen["norm"]](),
+        LAYER[chosen["layer"]](),
+    )
