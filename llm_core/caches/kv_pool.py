@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from llm_core.caches.kv_groups import KVGroup, kv_groups, layer_specs_from_types
 from llm_core.caches.layer_gate import LayerGate
 
 _DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float8_e4m3fn: 1}
@@ -145,6 +146,20 @@ class KVLayout:
     @property
     def num_full_layers(self) -> int:
         return self.num_layers - self.num_swa_layers
+
+    def groups(self, num_mtp_layers: int = 0) -> tuple[KVGroup, ...]:
+        """The layout's KV groups (``kv_groups``): one per layer kind present, full attention
+        first; the last ``num_mtp_layers`` layers are counted as the MTP heads'."""
+        specs = layer_specs_from_types(
+            self.layer_is_swa,
+            full_kv_heads=self.full_kv_heads,
+            swa_kv_heads=self.swa_kv_heads,
+            head_dim=self.head_dim,
+            v_head_dim=self.v_head_dim,
+            sliding_window=self.sliding_window,
+            dtype_bytes=self.dtype_bytes,
+        )
+        return kv_groups(specs, num_mtp_layers)
 
     @property
     def full_bytes_per_token(self) -> int:
