@@ -332,11 +332,20 @@ class DualKVCache:
         page_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        groups: tuple[KVGroup, ...] | None = None,
     ) -> None:
+        """``groups``: the model's KV groups (``kv_groups_from_config``, which knows sinks and MTP
+        layers); default: the layout's. Each must be one of the two pools' layer sets."""
         self.layout = layout
         self.page_size = page_size
         self.full_pages = PagePool(num_full_pages, page_size, "full")
         self.swa_pages = PagePool(num_swa_pages, page_size, "swa")
+        self.groups = layout.groups() if groups is None else groups
+        for g in self.groups:
+            if any(layout.layer_is_swa[i] != g.spec.is_sliding for i in g.layers):
+                raise ValueError(f"KV group {g.group_id} mixes the layout's full and SWA layers")
+        if sum(g.spec.is_sliding for g in self.groups) > 1:
+            raise ValueError("this cache keeps one sliding-window pool: one window size per model")
         self._layers: list[LayerKV] = []
         for is_swa in layout.layer_is_swa:
             n = num_swa_pages if is_swa else num_full_pages
@@ -353,11 +362,35 @@ class DualKVCache:
         cfg: KVCacheConfig,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        groups: tuple[KVGroup, ...] | None = None,
     ) -> DualKVCache:
         """Pools sized from a byte budget (bytes counted at ``dtype``'s width)."""
         sized = KVLayout(**{**layout.__dict__, "dtype_bytes": _DTYPE_BYTES[dtype]})
         plan = plan_pools(sized, cfg)
-        return cls(layout, plan.num_full_pages, plan.num_swa_pages, cfg.page_size, dtype, device)
+        return cls(layout, plan.num_full_pages, plan.num_swa_pages, cfg.page_size, dtype, device, groups)
+
+    def group_pool(self, group: KVGroup) -> PagePool:
+        """The pool that holds ``group``'s pages."""
+        return self.swa_pages if group.spec.is_sliding else self.full_pages
+
+    def describe_groups(self) -> list[dict[str, object]]:
+        """Each KV group's spec, layers, pages and bytes (``/health``): what the budget bought."""
+        out: list[dict[str, object]] = []
+        for g in self.groups:
+            pool = self.group_pool(g)
+            layer = self._layers[g.layers[0]]
+            page_bytes = g.num_layers * (layer.k[0].nbytes + layer.v[0].nbytes) if pool.num_pages else 0
+            out.append(
+                {
+                    **g.describe(),
+                    "page_size": self.page_size,
+                    "num_pages": pool.num_pages,
+                    "num_free_pages": pool.num_free,
+                    "page_bytes": page_bytes,
+                    "bytes": page_bytes * pool.num_pages,
+                }
+            )
+        return out
 
     @property
     def num_layers(self) -> int:

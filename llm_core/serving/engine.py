@@ -39,6 +39,7 @@ import torch
 from epd_common.store.store import Store
 from llm_core.caches.host_tier import HostKVTier
 from llm_core.caches.kv_events import AllBlocksCleared, KVEventBatch
+from llm_core.caches.kv_groups import kv_groups_from_config
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.kv_pool import DualKVCache, KVCacheConfig, KVLayout
 from llm_core.caches.kv_store_tier import KVStoreTier, model_kv_id
@@ -621,7 +622,8 @@ def _build_kv_and_scheduler(
         # Room for one prefill chunk beyond the window in the SWA pool.
         swa_headroom_tokens=min(ec.max_num_batched_tokens, max_model_len),
     )
-    kv = DualKVCache.from_budget(layout, kv_cfg, dtype, device)
+    groups = kv_groups_from_config(cfg, layout.dtype_bytes, mtp_layers)
+    kv = DualKVCache.from_budget(layout, kv_cfg, dtype, device, groups)
     host = HostKVTier(kv, ec.host_kv_bytes) if ec.host_kv_bytes > 0 else None
     manager = KVManager(
         kv.full_pages,

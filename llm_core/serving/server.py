@@ -308,6 +308,8 @@ def create_app(
                 "kv_tiers": engine.kv_tier_stats(),
                 "page_size": engine.kv.full_pages.page_size,
                 "sliding_window": engine.model_config.sliding_window,
+                # the KV cache groups (llm_core.caches.kv_groups): spec, layers, pages and bytes
+                "kv_groups": engine.kv.describe_groups(),
                 "kv_events_endpoint": events.endpoint if events else None,
                 "kv_events_replay_endpoint": events.replay_endpoint if events else None,
                 **extra,
