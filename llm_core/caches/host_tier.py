@@ -20,10 +20,12 @@ inside the runner's step.
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
+from llm_core.caches.hit_rule import window_accepts
 from llm_core.caches.host_restore import FetchCostModel, HostPage, HostRestore
 from llm_core.caches.kv_pool import DualKVCache
 from llm_core.caches.kv_store_tier import KVStoreTier
@@ -81,22 +83,25 @@ class HostKVTier:
         )
 
     # -- spill (inside the tree's eviction) ----------------------------------------------------
-    def spill(self, hashes: list[int], full_pages: list[int], swa_pages: list[int] | None) -> None:
-        """Keep these tree pages (logical order, their physical ids; ``swa_pages`` None: a
-        tombstone, full KV only) before the tree frees them."""
+    def spill(self, hashes: list[int], rows: Sequence[list[int] | None]) -> None:
+        """Keep these tree pages before the tree frees them: ``rows[g]``, KV group g's physical
+        pages in logical order (None: a tombstone in that window group, whose layers' KV is then
+        not kept). A page counts as window-live (``HostPage.has_swa``) when every group is."""
+        layer_group = self.kv.layer_group
+        live = all(row is not None for row in rows)
         for j, h in enumerate(hashes):
             layers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
             nbytes = 0
             for i in range(self.kv.layout.num_layers):
-                layer = self.kv.layer(i)
-                if layer.is_swa and swa_pages is None:
+                row = rows[layer_group[i]]
+                if row is None:
                     layers.append(None)
                     continue
-                phys = (swa_pages if layer.is_swa else full_pages)[j]  # type: ignore[index]
-                k, v = layer.k[phys].to("cpu", copy=True), layer.v[phys].to("cpu", copy=True)
+                layer = self.kv.layer(i)
+                k, v = layer.k[row[j]].to("cpu", copy=True), layer.v[row[j]].to("cpu", copy=True)
                 layers.append((k, v))
                 nbytes += k.nbytes + v.nbytes
-            page = HostPage(tuple(layers), nbytes, swa_pages is not None)
+            page = HostPage(tuple(layers), nbytes, live)
             self._put(h, page)
             if self.store is not None and self.store_policy == "write_through":
                 self.store.write([(h, page)])
@@ -153,7 +158,7 @@ class HostKVTier:
                 break
             run = run + p if page.has_swa else 0
             b = (j + 1) * p
-            if run >= min(window_tokens, b - first_page * p):
+            if window_accepts(run, b - first_page * p, window_tokens):
                 best = j + 1
         return best
 

@@ -346,6 +346,10 @@ class DualKVCache:
                 raise ValueError(f"KV group {g.group_id} mixes the layout's full and SWA layers")
         if sum(g.spec.is_sliding for g in self.groups) > 1:
             raise ValueError("this cache keeps one sliding-window pool: one window size per model")
+        # layer -> index of its group in ``groups`` (the KV manager's page rows are in this order)
+        group_of = {i: k for k, g in enumerate(self.groups) for i in g.layers}
+        assert sorted(group_of) == list(range(layout.num_layers)), "every layer is in one group"
+        self.layer_group: tuple[int, ...] = tuple(group_of[i] for i in range(layout.num_layers))
         self._layers: list[LayerKV] = []
         for is_swa in layout.layer_is_swa:
             n = num_swa_pages if is_swa else num_full_pages

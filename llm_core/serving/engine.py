@@ -40,7 +40,7 @@ from epd_common.store.store import Store
 from llm_core.caches.host_tier import HostKVTier
 from llm_core.caches.kv_events import AllBlocksCleared, KVEventBatch
 from llm_core.caches.kv_groups import kv_groups_from_config
-from llm_core.caches.kv_manager import KVManager
+from llm_core.caches.kv_manager import KVManager, group_managers
 from llm_core.caches.kv_pool import DualKVCache, KVCacheConfig, KVLayout
 from llm_core.caches.kv_store_tier import KVStoreTier, model_kv_id
 from llm_core.kv_transfer.kv_import import KVImport
@@ -626,9 +626,7 @@ def _build_kv_and_scheduler(
     kv = DualKVCache.from_budget(layout, kv_cfg, dtype, device, groups)
     host = HostKVTier(kv, ec.host_kv_bytes) if ec.host_kv_bytes > 0 else None
     manager = KVManager(
-        kv.full_pages,
-        kv.swa_pages,
-        cfg.sliding_window,
+        group_managers(kv),
         enable_prefix_cache=ec.enable_prefix_cache,
         record_events=record_events,
         host_tier=host,
