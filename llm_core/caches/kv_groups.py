@@ -147,6 +147,13 @@ def kv_groups(layer_specs: Sequence[KVGroupSpec], num_mtp_layers: int = 0) -> tu
     )
 
 
+def layer_groups(groups: Sequence[KVGroup], num_layers: int) -> tuple[int, ...]:
+    """Layer -> index of its group in ``groups`` (the order the KV manager's page rows follow)."""
+    group_of = {i: k for k, g in enumerate(groups) for i in g.layers}
+    assert sorted(group_of) == list(range(num_layers)), "every layer is in exactly one group"
+    return tuple(group_of[i] for i in range(num_layers))
+
+
 class _PerLayerConfig(Protocol):
     """What ``layer_specs_from_config`` reads: ``llm_core.models.config.DecoderConfig``."""
 

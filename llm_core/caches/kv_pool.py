@@ -18,14 +18,18 @@ benchmarks of a 70-layer plan on a laptop); ``DualKVCache`` adds the tensors on 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
-from llm_core.caches.kv_groups import KVGroup, kv_groups, layer_specs_from_types
+from llm_core.caches.kv_groups import KVGroup, kv_groups, layer_groups, layer_specs_from_types
 from llm_core.caches.layer_gate import LayerGate
+
+# A sequence's page rows, one per KV group in ``DualKVCache.groups`` order: row ``g``'s entry ``i``
+# is group g's physical page of logical page i (``Sequence.pages``).
+PageRows = Sequence[list[int]]
 
 _DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float8_e4m3fn: 1}
 
@@ -347,9 +351,7 @@ class DualKVCache:
         if sum(g.spec.is_sliding for g in self.groups) > 1:
             raise ValueError("this cache keeps one sliding-window pool: one window size per model")
         # layer -> index of its group in ``groups`` (the KV manager's page rows are in this order)
-        group_of = {i: k for k, g in enumerate(self.groups) for i in g.layers}
-        assert sorted(group_of) == list(range(layout.num_layers)), "every layer is in one group"
-        self.layer_group: tuple[int, ...] = tuple(group_of[i] for i in range(layout.num_layers))
+        self.layer_group: tuple[int, ...] = layer_groups(self.groups, layout.num_layers)
         self._layers: list[LayerKV] = []
         for is_swa in layout.layer_is_swa:
             n = num_swa_pages if is_swa else num_full_pages
