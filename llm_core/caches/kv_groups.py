@@ -30,11 +30,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Final, Literal, Protocol
 
-FULL_ATTENTION = "full_attention"
-SLIDING_WINDOW = "sliding_window"
 GroupKind = Literal["full_attention", "sliding_window"]
+FULL_ATTENTION: Final = "full_attention"
+SLIDING_WINDOW: Final = "sliding_window"
 
 
 @dataclass(frozen=True)
@@ -157,9 +157,14 @@ def layer_groups(groups: Sequence[KVGroup], num_layers: int) -> tuple[int, ...]:
 class _PerLayerConfig(Protocol):
     """What ``layer_specs_from_config`` reads: ``llm_core.models.config.DecoderConfig``."""
 
-    num_hidden_layers: int
-    head_dim: int
-    v_head_dim: int
+    @property
+    def num_hidden_layers(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def v_head_dim(self) -> int: ...
 
     def window(self, i: int) -> int | None: ...
 

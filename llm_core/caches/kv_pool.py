@@ -1,15 +1,29 @@
-"""Dual-pool paged KV storage: page allocators, the per-layer KV tensors and their sizing.
+"""Paged KV storage per KV group: page allocators, the per-layer KV tensors and their sizing.
 
 Hybrid SWA models keep two kinds of KV. Full-attention layers need every token's KV for the life
-of the sequence; sliding-window layers only ever read the last ``sliding_window`` tokens. So the
-cache is two independent pools of fixed-size pages:
+of the sequence; sliding-window layers only ever read the last ``sliding_window`` tokens. The
+model's layers form KV groups (``kv_groups``: a frozen spec each) and each group's pages come
+from its pool:
 
     full pool  [Nf pages]  one page = page_size tokens x (all full layers)   every token of a sequence
     SWA pool   [Ns pages]  one page = page_size tokens x (all SWA layers)    only the live window
 
-A page index means the same token slots in every layer of its pool, so one page table row per
-pool serves all layers of that type. This module knows nothing of sequences or prefix caching:
-``PagePool`` hands out page ids and takes them back; who owns a page is the KV manager's business.
+A page index means the same token slots in every layer of its group, so one page table row per
+group serves all its layers (``DualKVCache.layer_group``). This module knows nothing of sequences
+or prefix caching: ``PagePool`` hands out page ids and takes them back; who owns a page is the KV
+manager's business (one group manager per group, ``kv_group_manager``).
+
+Why a pool per group and not one shared pool (as vLLM's hybrid allocator has): a page of the full
+group and a page of the SWA group differ in bytes (MiMo-V2-Flash: 9 full layers against 39 SWA
+layers with twice the KV heads), and one shared free list needs one page size in bytes. vLLM gets there by cutting
+groups into equal layer counts and padding pages; for MiMo that either pads the full pages to the
+SWA page's size (most of the full pool wasted) or changes the page size in tokens per group, which
+the page-aligned prefix tree does not allow. So the budget is still split between the pools
+(``plan_pools``: the split at which both run out together for a typical context, or
+``swa_fraction``). A full-attention model (one group) has one pool that takes the whole budget;
+its SWA allocator holds zero-byte pages that no group uses, and is not one of its ``groups``.
+Today's cache holds at most one sliding-window group: a model with two windows gets its groups
+and managers from the same code, but its tensors need this sizing generalised to N pools.
 
 ``PagePool`` has no tensors, so the same allocator runs in a metadata-only mode (capacity
 benchmarks of a 70-layer plan on a laptop); ``DualKVCache`` adds the tensors on top.

@@ -489,12 +489,13 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot for /health and /metrics (read without locks: values may be one step old)."""
-        full, swa = self.kv.full_pages, self.kv.swa_pages
+        usage = [g.pool.num_used / max(1, g.pool.num_pages) for g in self.scheduler.kv.groups]
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
-            kv_full_usage=full.num_used / max(1, full.num_pages),
-            kv_swa_usage=swa.num_used / max(1, swa.num_pages),
+            kv_full_usage=usage[0],
+            # the fullest window group; a model without one keeps every page like its full group
+            kv_swa_usage=max(usage[1:], default=usage[0]),
             generation_tokens_total=self._meter.total,
             prompt_tokens_total=self._prompt_tokens_total,
             cached_prompt_tokens_total=self._cached_tokens_total,
