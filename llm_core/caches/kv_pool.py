@@ -20,8 +20,8 @@ groups into equal layer counts and padding pages; for MiMo that either pads the 
 SWA page's size (most of the full pool wasted) or changes the page size in tokens per group, which
 the page-aligned prefix tree does not allow. So the budget is still split between the pools
 (``plan_pools``: the split at which both run out together for a typical context, or
-``swa_fraction``). A full-attention model (one group) has one pool that takes the whole budget;
-its SWA allocator holds zero-byte pages that no group uses, and is not one of its ``groups``.
+``swa_fraction``). A full-attention model (one group) has one pool, which takes the whole budget,
+and no SWA pool at all.
 Today's cache holds at most one sliding-window group: a model with two windows gets its groups
 and managers from the same code, but its tensors need this sizing generalised to N pools.
 
@@ -330,7 +330,7 @@ class LayerKV(NamedTuple):
 
 
 class DualKVCache:
-    """The KV tensors of every layer plus the two page pools that index them.
+    """The KV tensors of every layer plus the page pool of each KV group that indexes them.
 
     Full layer i: k [Nf, page, Hkv_full, head_dim], v [Nf, page, Hkv_full, v_head_dim].
     SWA layer i:  k [Ns, page, Hkv_swa, head_dim],  v [Ns, page, Hkv_swa, v_head_dim].
@@ -353,11 +353,10 @@ class DualKVCache:
         groups: tuple[KVGroup, ...] | None = None,
     ) -> None:
         """``groups``: the model's KV groups (``kv_groups_from_config``, which knows sinks and MTP
-        layers); default: the layout's. Each must be one of the two pools' layer sets."""
+        layers); default: the layout's. Each must be one of the layout's two layer kinds. A pool is
+        made per group: a model without SWA layers has no SWA pool (``num_swa_pages`` unused)."""
         self.layout = layout
         self.page_size = page_size
-        self.full_pages = PagePool(num_full_pages, page_size, "full")
-        self.swa_pages = PagePool(num_swa_pages, page_size, "swa")
         self.groups = layout.groups() if groups is None else groups
         for g in self.groups:
             if any(layout.layer_is_swa[i] != g.spec.is_sliding for i in g.layers):
@@ -366,6 +365,12 @@ class DualKVCache:
             raise ValueError("this cache keeps one sliding-window pool: one window size per model")
         # layer -> index of its group in ``groups`` (the KV manager's page rows are in this order)
         self.layer_group: tuple[int, ...] = layer_groups(self.groups, layout.num_layers)
+        self.pools: tuple[PagePool, ...] = tuple(
+            PagePool(num_swa_pages, page_size, "swa")
+            if g.spec.is_sliding
+            else PagePool(num_full_pages, page_size, "full")
+            for g in self.groups
+        )
         self._layers: list[LayerKV] = []
         for is_swa in layout.layer_is_swa:
             n = num_swa_pages if is_swa else num_full_pages
@@ -391,7 +396,23 @@ class DualKVCache:
 
     def group_pool(self, group: KVGroup) -> PagePool:
         """The pool that holds ``group``'s pages."""
-        return self.swa_pages if group.spec.is_sliding else self.full_pages
+        return self.pools[self.groups.index(group)]
+
+    @property
+    def full_pages(self) -> PagePool:
+        """The full-attention group's pool (group 0); LookupError for a model without one."""
+        return self._pool_of(sliding=False)
+
+    @property
+    def swa_pages(self) -> PagePool:
+        """The sliding-window group's pool; LookupError for a model without one."""
+        return self._pool_of(sliding=True)
+
+    def _pool_of(self, sliding: bool) -> PagePool:
+        for g, pool in zip(self.groups, self.pools, strict=True):
+            if g.spec.is_sliding == sliding:
+                return pool
+        raise LookupError(f"this model has no {'sliding-window' if sliding else 'full-attention'} KV group")
 
     def describe_groups(self) -> list[dict[str, object]]:
         """Each KV group's spec, layers, pages and bytes (``/health``): what the budget bought."""
@@ -429,5 +450,5 @@ class DualKVCache:
         return self._layers[i]
 
     def check_integrity(self) -> None:
-        self.full_pages.check_integrity()
-        self.swa_pages.check_integrity()
+        for pool in self.pools:
+            pool.check_integrity()
