@@ -11,10 +11,11 @@ Life of a sequence's KV (all through this class; the scheduler decides *when*):
     after    commit(seq, n)         num_computed += n; window pages no future query can see are dropped
     finish   release(seq)           computed whole pages inserted into the tree, then unlocked
 
-A sliding-window group holds only what some future query can read (below, with one window W). After ``c`` tokens are computed the
-next query is at position c and reads keys from c-W+1; pages below the window of the last page
-boundary ``b = c // page * page`` are dropped (so a request resuming at ``b`` from the prefix
-cache still finds its window)::
+A sliding-window group holds only what some future query can read (shown for one window W;
+each window group does the same with its own). After ``c`` tokens are computed the next query is
+at position c and reads keys from c-W+1; pages below the window of the last page boundary
+``b = c // page * page`` are dropped (so a request resuming at ``b`` from the prefix cache still
+finds its window)::
 
     positions  0 ......... b-W+1 ...... b .. c      (W = sliding_window, counts the query)
     SWA pages  [ dropped  |  resident: window     ] a step computing [c, c+n) also needs [c, c+n)

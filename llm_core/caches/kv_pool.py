@@ -15,15 +15,15 @@ manager's business (one group manager per group, ``kv_group_manager``).
 
 Why a pool per group and not one shared pool (as vLLM's hybrid allocator has): a page of the full
 group and a page of the SWA group differ in bytes (MiMo-V2-Flash: 9 full layers against 39 SWA
-layers with twice the KV heads), and one shared free list needs one page size in bytes. vLLM gets there by cutting
-groups into equal layer counts and padding pages; for MiMo that either pads the full pages to the
-SWA page's size (most of the full pool wasted) or changes the page size in tokens per group, which
-the page-aligned prefix tree does not allow. So the budget is still split between the pools
-(``plan_pools``: the split at which both run out together for a typical context, or
-``swa_fraction``). A full-attention model (one group) has one pool, which takes the whole budget,
-and no SWA pool at all.
-Today's cache holds at most one sliding-window group: a model with two windows gets its groups
-and managers from the same code, but its tensors need this sizing generalised to N pools.
+layers with twice the KV heads), and one shared free list needs one page size in bytes. vLLM gets
+there by cutting groups into equal layer counts and padding pages; for MiMo that either pads the
+full pages to the SWA page's size (most of the full pool wasted) or changes the page size in
+tokens per group, which the page-aligned prefix tree does not allow. So the budget is still split
+between the pools (``plan_pools``: the split at which both run out together for a typical
+context, or ``swa_fraction``). A full-attention model (one group) has one pool, which takes the
+whole budget, and no SWA pool at all. Today's cache holds at most one sliding-window group: a
+model with two windows gets its groups and managers from the same code, but its tensors need this
+sizing generalised to N pools.
 
 ``PagePool`` has no tensors, so the same allocator runs in a metadata-only mode (capacity
 benchmarks of a 70-layer plan on a laptop); ``DualKVCache`` adds the tensors on top.
