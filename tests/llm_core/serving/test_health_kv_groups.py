@@ -13,6 +13,7 @@ from llm_core.prompts.tokenizer import load_tokenizer
 from llm_core.serving.engine import LLMEngine
 from llm_core.serving.server import create_app
 from llm_core.serving.server_config import EngineConfig
+from tests.llm_core.serving.test_speculative import random_heads
 
 BUDGET = 4 << 20
 
@@ -45,4 +46,19 @@ def test_mimo_has_a_full_and_a_sliding_window_group(tiny_mimo_dir: Path) -> None
     assert [(g["group"], g["kind"]) for g in groups] == [(0, "full_attention"), (1, "sliding_window")]
     assert groups[1]["sliding_window"] == config.sliding_window
     assert [g["num_layers"] for g in groups] == [config.num_full_layers, len(config.swa_layer_ids)]
+    _check_bytes(groups)
+
+
+def test_mtp_heads_join_the_sliding_window_group(tiny_mimo_dir: Path) -> None:
+    loaded = load_llm(tiny_mimo_dir)
+    cfg = EngineConfig(kv_memory_bytes=BUDGET, max_model_len=256, page_size=4, speculative_steps=2)
+    engine = LLMEngine(
+        loaded.model, loaded.config, load_tokenizer(tiny_mimo_dir), cfg, mtp=random_heads(loaded.config)
+    )
+    groups = TestClient(create_app(engine)).get("/health").json()["kv_groups"]
+    assert [(g["kind"], g["num_mtp_layers"]) for g in groups] == [
+        ("full_attention", 0),
+        ("sliding_window", 2),
+    ]
+    assert groups[1]["num_layers"] == len(loaded.config.swa_layer_ids) + 2
     _check_bytes(groups)
