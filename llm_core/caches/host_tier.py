@@ -129,13 +129,16 @@ class HostKVTier:
         self.pages_from_store += len(pages)
 
     def estimate_nbytes(self, num_pages: int, window_tokens: int) -> int:
-        """Bytes of ``num_pages`` consecutive pages ending at a restore point: every page's
-        full-layer KV, the SWA layers' only for the pages of the window before the end."""
-        lay, p = self.kv.layout, self.page_size
-        full = sum(not s for s in lay.layer_is_swa) * lay.full_kv_heads
-        swa = sum(lay.layer_is_swa) * lay.swa_kv_heads
-        per_head = p * (lay.head_dim + lay.v_head_dim) * self.kv.layer(0).k.element_size()
-        return per_head * (num_pages * full + min(num_pages, -(-window_tokens // p) + 1) * swa)
+        """Bytes of ``num_pages`` consecutive pages ending at a restore point, per KV group: every
+        page of a full-attention group, a window group's only for the pages of the window before
+        the end (``window_tokens``: the widest window's W-1)."""
+        p, esize = self.page_size, self.kv.layer(0).k.element_size()
+        total = 0
+        for g in self.kv.groups:
+            spec = g.spec
+            pages = min(num_pages, -(-window_tokens // p) + 1) if spec.is_sliding else num_pages
+            total += pages * p * g.num_layers * spec.kv_heads * (spec.head_dim + spec.v_head_dim) * esize
+        return total
 
     # -- restore (at admission) ----------------------------------------------------------------
     def extent(
