@@ -142,7 +142,7 @@ class KVManager:
         start on is resident (``check_integrity`` verifies it), so every group needs one page per
         new logical page.
         """
-        new = max(0, math.ceil((seq.num_computed_tokens + n) / self.page_size) - len(seq.full_pages))
+        new = max(0, math.ceil((seq.num_computed_tokens + n) / self.page_size) - seq.num_pages)
         return PageNeed((new,) * len(self.groups))
 
     def _ensure_rows(self, seq: Sequence) -> None:
@@ -174,7 +174,7 @@ class KVManager:
 
         At least one token is always left to compute: the step that computes it makes the logits.
         """
-        assert not seq.full_pages and seq.prefix_lock is None and seq.num_computed_tokens == 0
+        assert not seq.num_pages and seq.prefix_lock is None and seq.num_computed_tokens == 0
         self._ensure_rows(seq)
         if self.radix is None:
             return 0
@@ -309,7 +309,7 @@ class KVManager:
 
         Returns False, taking nothing, when the pools cannot hold it even after eviction.
         """
-        if seq.num_computed_tokens + n <= len(seq.full_pages) * self.page_size:
+        if seq.num_computed_tokens + n <= seq.num_pages * self.page_size:
             return True  # the pages held already cover them (most decode steps): nothing to take
         need = self.pages_needed(seq, n)
         if not self._available(need) and not (self.unpin(seq) and self._available(need)):
@@ -336,7 +336,7 @@ class KVManager:
     def commit(self, seq: Sequence, n: int) -> None:
         """Record that ``n`` more tokens of ``seq`` have KV; drop SWA pages that left every window."""
         seq.num_computed_tokens += n
-        assert seq.num_computed_tokens <= len(seq.full_pages) * self.page_size
+        assert seq.num_computed_tokens <= seq.num_pages * self.page_size
         self.free_out_of_window(seq)
 
     def free_out_of_window(self, seq: Sequence) -> int:
@@ -438,7 +438,7 @@ class KVManager:
                 tree[g] = set(owned[g])
         for s in seqs:
             nb = s.num_borrowed_pages
-            if len(s.full_pages) < math.ceil(s.num_computed_tokens / self.page_size):
+            if s.num_pages < math.ceil(s.num_computed_tokens / self.page_size):
                 raise AssertionError(f"seq {s.seq_id}: computed tokens without full pages")
             if s.pages and len(s.pages) != len(self.groups):
                 raise AssertionError(
@@ -448,7 +448,7 @@ class KVManager:
                 if not tree[g].issuperset(p for p in row[:nb] if p != NOT_RESIDENT):
                     raise AssertionError(f"seq {s.seq_id}: borrowed pages are not in the prefix cache")
                 owned[g].extend(p for p in row[nb:] if p != NOT_RESIDENT)
-                if len(row) != len(s.full_pages):
+                if len(row) != s.num_pages:
                     raise AssertionError(f"seq {s.seq_id}: page rows of different lengths")
                 group = self.groups[g]
                 if isinstance(group, SlidingWindowManager):

@@ -18,8 +18,8 @@ groups); all rows have one entry per logical page, and ``pages[g][i] == -1`` mea
 is not resident in window group ``g`` (it left the window, or the prefix cache never had to keep
 it). The first ``num_borrowed_pages`` entries of every row belong to the radix prefix cache
 (locked while this sequence runs), the rest belong to the sequence. A full-attention model has
-one row. ``full_pages`` / ``swa_pages`` name group 0's row and the sliding-window group's row:
-the two tables the attention kernels read.
+one row. ``full_pages`` / ``swa_pages`` are read-only views of group 0's row and the
+sliding-window group's row (what the attention kernels' two tables hold).
 """
 
 from __future__ import annotations
@@ -252,6 +252,11 @@ class Sequence:
         return self.status in (SequenceStatus.FINISHED, SequenceStatus.ABORTED)
 
     @property
+    def num_pages(self) -> int:
+        """Logical pages held (every group's row has this many entries)."""
+        return len(self.pages[0]) if self.pages else 0
+
+    @property
     def full_pages(self) -> list[int]:
         """Group 0's row (full attention)."""
         return self.pages[0] if self.pages else []
@@ -397,7 +402,7 @@ def _page_table_arrays(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
     """int32 [B, P] full and SWA page tables of ``seqs`` (P: the longest row, at least 1), padded
     with 0 and NOT_RESIDENT. Flat Python lists and one numpy conversion per table: ~25 ns per entry,
     where torch.tensor on lists is ~4x slower and a row-by-row fill ~2x."""
-    width = max(1, max(len(s.full_pages) for s in seqs))
+    width = max(1, max(s.num_pages for s in seqs))
     full_pad = [0] * width
     swa_pad = [NOT_RESIDENT] * width
     full_rows: list[int] = []
