@@ -28,6 +28,7 @@ import math
 import time
 
 from bench.common import add_common_args, format_machine, machine_info, print_table, write_json
+from llm_core.caches.kv_group_manager import FullAttentionManager, SlidingWindowManager
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.kv_pool import KVCacheConfig, KVLayout, PagePool, plan_pools, swa_pages_per_sequence
 from llm_core.serving.sequence import Sequence
@@ -74,9 +75,10 @@ def metadata_kv(
         cfg = KVCacheConfig(budget, PAGE, swa_fraction=frac)
     plan = plan_pools(layout, cfg)
     return KVManager(
-        PagePool(plan.num_full_pages, PAGE, "full"),
-        PagePool(plan.num_swa_pages, PAGE, "swa"),
-        WINDOW,
+        [
+            FullAttentionManager(PagePool(plan.num_full_pages, PAGE, "full")),
+            SlidingWindowManager(PagePool(plan.num_swa_pages, PAGE, "swa"), WINDOW),
+        ],
         enable_prefix_cache=enable_prefix_cache,
         swa_aware=swa_aware,
     )

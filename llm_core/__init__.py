@@ -1,9 +1,10 @@
 """The language-model core (the P and D roles): ``models`` (the language-model families, found
 through the shared registry ``epd_common.checkpoint.registry``, and the shared hybrid-SWA MoE
-decoder), ``caches`` (dual-pool paged KV, the SWA-aware radix prefix cache),
-``kernels`` (paged attention and the CPU / Triton paths under the decoder), ``prompts`` (tokenizer,
-chat template), ``serving`` (scheduler, model runner, sampling, the engine and its process) and
-``tools`` (offline work over the models: MTP head distillation).
+decoder), ``backends`` (which attention, MoE, norm and layer kernels run, chosen once per engine),
+``caches`` (paged KV per KV group: full attention and each sliding window; the group-aware radix
+prefix cache), ``kernels`` (paged attention and the CPU / Triton paths under the backends),
+``prompts`` (tokenizer, chat template), ``serving`` (scheduler, model runner, sampling, the engine
+and its process) and ``tools`` (offline work over the models: MTP head distillation).
 
 It consumes embeddings by EmbeddingRef and knows nothing of media decoding.
 

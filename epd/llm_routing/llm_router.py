@@ -90,6 +90,20 @@ def connect_address(endpoint: str, engine_url: str) -> str:
     return f"tcp://{'[' + target + ']' if ':' in target else target}:{port}"
 
 
+def health_window(health: dict[str, Any]) -> int | None:
+    """The window an engine's hits depend on, from its /health: its sliding-window KV group's
+    (``kv_groups``, ``llm_core.caches.kv_groups``); 1 (no window rule) when it has none, as for a
+    full-attention model, whose events then name group 0 only. With several window groups the
+    widest (the page index keeps one window bit per page). An engine that lists no groups gives
+    its ``sliding_window``; None when /health says neither."""
+    groups = health.get("kv_groups")
+    if isinstance(groups, list):
+        windows = [int(g["sliding_window"]) for g in groups if g.get("kind") == "sliding_window"]
+        return max(windows, default=1)
+    window = health.get("sliding_window")
+    return int(window) if window else None
+
+
 class EngineStats(NamedTuple):
     url: str
     live: bool
@@ -235,7 +249,7 @@ class LLMRouter:
         counts give the external load). Never resets the load counters."""
         e = self._engine(url)
         ps = int(health.get("page_size") or e.geometry.page_size)
-        window = int(health.get("sliding_window") or e.geometry.sliding_window)
+        window = health_window(health) or e.geometry.sliding_window
         endpoint = health.get("kv_events_endpoint") or None
         replay = health.get("kv_events_replay_endpoint") or None
         geometry = Geometry(

@@ -32,6 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from llm_core.caches.hit_rule import window_accepts
 from llm_core.caches.kv_events import (
     FULL_GROUP,
     SWA_GROUP,
@@ -68,7 +69,7 @@ def longest_hit(
             break  # chained names: no later page of this request can be present
         run = run + page_size if state & SWA_LIVE else 0
         b = (i + 1) * page_size
-        if run >= min(window_tokens, b):
+        if window_accepts(run, b, window_tokens):  # the engine's own rule (llm_core.caches.hit_rule)
             best = b
     return best
 

@@ -1,1 +1,7 @@
-"""The KV cache: the dual (full / sliding-window) page pools, the per-sequence page tables and the SWA-aware radix prefix cache."""
+"""The KV cache: the KV groups (``kv_groups``: a frozen spec per layer group, derived from the
+model config), the page pools and per-layer tensors (``kv_pool``), the per-sequence page tables
+(``kv_manager``) and the SWA-aware radix prefix cache, plus the host and store tiers below it.
+
+Imports: torch, numpy and ``llm_core.serving.sequence`` (the record whose page rows it fills);
+nothing from ``llm_core.models`` (groups read a config through a protocol) or from the roles.
+"""

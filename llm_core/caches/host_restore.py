@@ -15,7 +15,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from llm_core.caches.kv_pool import DualKVCache
+from llm_core.caches.kv_pool import DualKVCache, PageRows
 
 
 class RestoreCounters(Protocol):
@@ -76,19 +76,17 @@ class HostRestore:
     def first_token(self) -> int | None:
         return None
 
-    def write(self, kv: DualKVCache, full_pages: list[int], swa_pages: list[int], lo: int, hi: int) -> None:
+    def write(self, kv: DualKVCache, rows: PageRows, lo: int, hi: int) -> None:
         for i in range(kv.num_layers):
-            self.write_layer(kv, i, full_pages, swa_pages, lo, hi)
+            self.write_layer(kv, i, rows, lo, hi)
 
-    def write_layer(
-        self, kv: DualKVCache, layer: int, full_pages: list[int], swa_pages: list[int], lo: int, hi: int
-    ) -> None:
+    def write_layer(self, kv: DualKVCache, layer: int, rows: PageRows, lo: int, hi: int) -> None:
         t0 = time.perf_counter()
         if layer == 0:
             self._chunk_seconds = 0.0
         p, first = self.page_size, self.start // self.page_size
         dst = kv.layer_storage(layer)
-        rows = swa_pages if dst.is_swa else full_pages
+        row = rows[kv.layer_group[layer]]
         whole_rows: list[int] = []  # physical pages of the logical pages the chunk covers entirely
         whole_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # their K, V [page, H, D]
         for j in range(lo // p, (hi - 1) // p + 1):
@@ -97,11 +95,11 @@ class HostRestore:
                 continue  # an SWA layer below the window: never read, dropped after the copy
             r0, r1 = max(lo, j * p) - j * p, min(hi, (j + 1) * p) - j * p
             if r1 - r0 == p:
-                whole_rows.append(rows[j])
+                whole_rows.append(row[j])
                 whole_kv.append(kv_j)
             else:  # a page the chunk cuts (its first or last): the slots it covers
-                dst.k[rows[j], r0:r1] = kv_j[0][r0:r1]
-                dst.v[rows[j], r0:r1] = kv_j[1][r0:r1]
+                dst.k[row[j], r0:r1] = kv_j[0][r0:r1]
+                dst.v[row[j], r0:r1] = kv_j[1][r0:r1]
         if whole_kv:
             # One stack and one scatter of whole pages per tensor instead of a copy per page (a
             # chunk of 8K tokens is ~500 pages a layer): [m, page, H, D] into pool pages ``idx``.

@@ -20,10 +20,12 @@ inside the runner's step.
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
+from llm_core.caches.hit_rule import window_accepts
 from llm_core.caches.host_restore import FetchCostModel, HostPage, HostRestore
 from llm_core.caches.kv_pool import DualKVCache
 from llm_core.caches.kv_store_tier import KVStoreTier
@@ -81,22 +83,25 @@ class HostKVTier:
         )
 
     # -- spill (inside the tree's eviction) ----------------------------------------------------
-    def spill(self, hashes: list[int], full_pages: list[int], swa_pages: list[int] | None) -> None:
-        """Keep these tree pages (logical order, their physical ids; ``swa_pages`` None: a
-        tombstone, full KV only) before the tree frees them."""
+    def spill(self, hashes: list[int], rows: Sequence[list[int] | None]) -> None:
+        """Keep these tree pages before the tree frees them: ``rows[g]``, KV group g's physical
+        pages in logical order (None: a tombstone in that window group, whose layers' KV is then
+        not kept). A page counts as window-live (``HostPage.has_swa``) when every group is."""
+        layer_group = self.kv.layer_group
+        live = all(row is not None for row in rows)
         for j, h in enumerate(hashes):
             layers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
             nbytes = 0
             for i in range(self.kv.layout.num_layers):
-                layer = self.kv.layer(i)
-                if layer.is_swa and swa_pages is None:
+                row = rows[layer_group[i]]
+                if row is None:
                     layers.append(None)
                     continue
-                phys = (swa_pages if layer.is_swa else full_pages)[j]  # type: ignore[index]
-                k, v = layer.k[phys].to("cpu", copy=True), layer.v[phys].to("cpu", copy=True)
+                layer = self.kv.layer(i)
+                k, v = layer.k[row[j]].to("cpu", copy=True), layer.v[row[j]].to("cpu", copy=True)
                 layers.append((k, v))
                 nbytes += k.nbytes + v.nbytes
-            page = HostPage(tuple(layers), nbytes, swa_pages is not None)
+            page = HostPage(tuple(layers), nbytes, live)
             self._put(h, page)
             if self.store is not None and self.store_policy == "write_through":
                 self.store.write([(h, page)])
@@ -124,13 +129,16 @@ class HostKVTier:
         self.pages_from_store += len(pages)
 
     def estimate_nbytes(self, num_pages: int, window_tokens: int) -> int:
-        """Bytes of ``num_pages`` consecutive pages ending at a restore point: every page's
-        full-layer KV, the SWA layers' only for the pages of the window before the end."""
-        lay, p = self.kv.layout, self.page_size
-        full = sum(not s for s in lay.layer_is_swa) * lay.full_kv_heads
-        swa = sum(lay.layer_is_swa) * lay.swa_kv_heads
-        per_head = p * (lay.head_dim + lay.v_head_dim) * self.kv.layer(0).k.element_size()
-        return per_head * (num_pages * full + min(num_pages, -(-window_tokens // p) + 1) * swa)
+        """Bytes of ``num_pages`` consecutive pages ending at a restore point, per KV group: every
+        page of a full-attention group, a window group's only for the pages of the window before
+        the end (``window_tokens``: the widest window's W-1)."""
+        p, esize = self.page_size, self.kv.layer(0).k.element_size()
+        total = 0
+        for g in self.kv.groups:
+            spec = g.spec
+            pages = min(num_pages, -(-window_tokens // p) + 1) if spec.is_sliding else num_pages
+            total += pages * p * g.num_layers * spec.kv_heads * (spec.head_dim + spec.v_head_dim) * esize
+        return total
 
     # -- restore (at admission) ----------------------------------------------------------------
     def extent(
@@ -153,7 +161,7 @@ class HostKVTier:
                 break
             run = run + p if page.has_swa else 0
             b = (j + 1) * p
-            if run >= min(window_tokens, b - first_page * p):
+            if window_accepts(run, b - first_page * p, window_tokens):
                 best = j + 1
         return best
 

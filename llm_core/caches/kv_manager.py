@@ -1,16 +1,21 @@
-"""KV manager: page tables of running sequences over the two pools, with the radix prefix cache.
+"""KV manager: page tables of running sequences over the KV groups' pools, with the radix prefix cache.
+
+One group manager per KV group (``kv_group_manager.py``: full attention first, then each sliding
+window); a sequence holds one page row per group, all of one length. A full-attention model has
+one group and does no window bookkeeping at all.
 
 Life of a sequence's KV (all through this class; the scheduler decides *when*):
 
     admit    match_prefix(seq)      hit pages borrowed from the tree (locked), num_computed = hit
-    step     allocate(seq, n)       pages for positions [c, c+n) in both pools (evicting cache if short)
-    after    commit(seq, n)         num_computed += n; SWA pages no future query can see are dropped
+    step     allocate(seq, n)       pages for positions [c, c+n) in every group (evicting cache if short)
+    after    commit(seq, n)         num_computed += n; window pages no future query can see are dropped
     finish   release(seq)           computed whole pages inserted into the tree, then unlocked
 
-The SWA pool holds only what some future query can read. After ``c`` tokens are computed the
-next query is at position c and reads keys from c-W+1; pages below the window of the last page
-boundary ``b = c // page * page`` are dropped (so a request resuming at ``b`` from the prefix
-cache still finds its window)::
+A sliding-window group holds only what some future query can read (shown for one window W;
+each window group does the same with its own). After ``c`` tokens are computed the next query is
+at position c and reads keys from c-W+1; pages below the window of the last page boundary
+``b = c // page * page`` are dropped (so a request resuming at ``b`` from the prefix cache still
+finds its window)::
 
     positions  0 ......... b-W+1 ...... b .. c      (W = sliding_window, counts the query)
     SWA pages  [ dropped  |  resident: window     ] a step computing [c, c+n) also needs [c, c+n)
@@ -36,7 +41,8 @@ from typing import NamedTuple
 
 from llm_core.caches.host_restore import HostPage
 from llm_core.caches.host_tier import HostKVTier
-from llm_core.caches.kv_pool import PagePool, swa_pages_per_sequence
+from llm_core.caches.kv_group_manager import FullAttentionManager, GroupManager, SlidingWindowManager
+from llm_core.caches.kv_pool import DualKVCache, PagePool
 from llm_core.caches.kv_store_tier import FETCH_SPENT, StoreFetch
 from llm_core.caches.page_hash import page_hashes
 from llm_core.caches.radix_cache import InsertResult, RadixCache, RadixNode
@@ -44,22 +50,32 @@ from llm_core.serving.sequence import NOT_RESIDENT, Sequence
 
 
 class PageNeed(NamedTuple):
-    full: int
-    swa: int
+    """New pages of each group's pool (``per_group[g]``) that a step takes."""
+
+    per_group: tuple[int, ...]
+
+    @property
+    def full(self) -> int:
+        return self.per_group[0]
+
+    @property
+    def swa(self) -> int:
+        """The sliding-window group's (group 1; 0 when the model has none)."""
+        return self.per_group[1] if len(self.per_group) > 1 else 0
 
 
 class KVManager:
-    """Allocation for sequences over the full and SWA pools, with an optional prefix cache.
+    """Allocation for sequences over the KV groups' pools, with an optional prefix cache.
 
-    ``swa_aware=False`` keeps every SWA page of a sequence (a cache that must keep all SWA KV):
-    the baseline for ``bench.prefix_reuse`` and ``bench.kv_capacity``.
+    ``groups``: one manager per KV group, full attention first (``kv_groups`` order).
+    ``swa_aware=False`` keeps every window page of a sequence (a cache that must keep all SWA KV):
+    the baseline for ``bench.prefix_reuse`` and ``bench.kv_capacity``; it is applied to the
+    sliding-window managers.
     """
 
     def __init__(
         self,
-        full_pool: PagePool,
-        swa_pool: PagePool,
-        sliding_window: int,
+        groups: list[GroupManager],
         *,
         enable_prefix_cache: bool = True,
         swa_aware: bool = True,
@@ -67,12 +83,18 @@ class KVManager:
         host_tier: HostKVTier | None = None,
     ) -> None:
         """``host_tier``: where the prefix cache's evicted pages go, and come back from."""
-        assert full_pool.page_size == swa_pool.page_size
-        self.full_pool = full_pool
-        self.swa_pool = swa_pool
-        self.page_size = full_pool.page_size
-        self.sliding_window = sliding_window
+        assert groups and isinstance(groups[0], FullAttentionManager), "group 0 is full attention"
+        assert all(isinstance(g, SlidingWindowManager) for g in groups[1:]), groups
+        assert len({g.page_size for g in groups}) == 1, "every group has the same page size"
+        self.groups = groups
+        self.windows: list[SlidingWindowManager] = [g for g in groups if isinstance(g, SlidingWindowManager)]
+        for w in self.windows:
+            w.swa_aware = swa_aware
+        self.page_size = groups[0].page_size
         self.swa_aware = swa_aware
+        # What a restore from the host tier must bring of the window before its end: the widest
+        # group's (0 with no window group). The host tier keeps one liveness bit per page.
+        self.window_tokens = max((w.sliding_window - 1 for w in self.windows), default=0)
         self.radix: RadixCache | None = None
         self.host_tier = host_tier if enable_prefix_cache and swa_aware else None
         # Positions below the next query whose window is kept as well (speculative decoding: the
@@ -86,30 +108,47 @@ class KVManager:
         if enable_prefix_cache:
             self.radix = RadixCache(
                 self.page_size,
-                sliding_window,
-                full_pool.free,
-                swa_pool.free,
+                [g.window for g in groups],
+                [g.pool.free for g in groups],
                 swa_aware=swa_aware,
                 record_events=record_events,
                 on_delete=self._spill if self.host_tier is not None else None,
             )
 
     # ---- geometry ------------------------------------------------------------------------
+    @property
+    def full_pool(self) -> PagePool:
+        return self.groups[0].pool
+
+    @property
+    def swa_pool(self) -> PagePool:
+        """The sliding-window group's pool (group 1)."""
+        return self.groups[1].pool
+
+    @property
+    def sliding_window(self) -> int:
+        """The sliding-window group's window (group 1)."""
+        return self.windows[0].sliding_window
+
     def first_live_swa_page(self, num_computed: int) -> int:
-        """Lowest logical SWA page any query at position >= ``num_computed`` can read."""
-        if not self.swa_aware:
-            return 0
-        return max(0, num_computed - self.sliding_window + 1) // self.page_size
+        """Lowest logical page of the sliding-window group (group 1) any query at position >=
+        ``num_computed`` can read."""
+        return self.windows[0].first_live_page(num_computed)
 
     def pages_needed(self, seq: Sequence, n: int) -> PageNeed:
-        """New pages of each pool that computing the next ``n`` tokens of ``seq`` takes.
+        """New pages of each group that computing the next ``n`` tokens of ``seq`` takes.
 
-        Both rows always have one entry per logical page, and every SWA entry from the window start
-        on is resident (``check_integrity`` verifies it), so both pools need one page per new
-        logical page.
+        Every row always has one entry per logical page, and every window entry from the window
+        start on is resident (``check_integrity`` verifies it), so every group needs one page per
+        new logical page.
         """
-        new = max(0, math.ceil((seq.num_computed_tokens + n) / self.page_size) - len(seq.full_pages))
-        return PageNeed(new, new)
+        new = max(0, math.ceil((seq.num_computed_tokens + n) / self.page_size) - seq.num_pages)
+        return PageNeed((new,) * len(self.groups))
+
+    def _ensure_rows(self, seq: Sequence) -> None:
+        if not seq.pages:
+            seq.pages = [[] for _ in self.groups]
+            seq.num_released = [0] * len(self.groups)
 
     # ---- prefix cache --------------------------------------------------------------------
     def peek_prefix(self, seq: Sequence) -> int:
@@ -135,7 +174,8 @@ class KVManager:
 
         At least one token is always left to compute: the step that computes it makes the logits.
         """
-        assert not seq.full_pages and seq.prefix_lock is None and seq.num_computed_tokens == 0
+        assert not seq.num_pages and seq.prefix_lock is None and seq.num_computed_tokens == 0
+        self._ensure_rows(seq)
         if self.radix is None:
             return 0
         hit = self.radix.match_prefix(seq.cache_keys, seq.num_tokens - 1)
@@ -150,10 +190,9 @@ class KVManager:
             if waiting:
                 return None
         seq.prefix_lock = self.radix.lock(hit.node)
-        seq.full_pages = list(hit.full_pages)
-        seq.swa_pages = list(hit.swa_pages)
+        seq.pages = [list(row) for row in hit.pages]
         seq.num_borrowed_pages = len(hit.full_pages)
-        seq.num_swa_released = self.first_live_swa_page(hit.length)
+        seq.num_released = [g.first_live_page(hit.length) for g in self.groups]
         seq.num_computed_tokens = hit.length
         seq.num_cached_tokens = hit.length
         if self.swa_aware and hit.key_length > hit.length and self._can_pin():
@@ -165,7 +204,7 @@ class KVManager:
 
     def _spill(self, node: RadixNode) -> None:
         assert self.host_tier is not None
-        self.host_tier.spill(node.page_hashes, node.full_pages, node.swa_pages)
+        self.host_tier.spill(node.page_hashes, node.pages)
 
     def _await_store(self, seq: Sequence, hit: int) -> tuple[bool, dict[int, HostPage]]:
         """(whether ``seq`` must wait for the store, the pages a settled fetch brought). It waits
@@ -193,12 +232,12 @@ class KVManager:
         if usable <= first:
             return False, {}
         hashes = page_hashes(seq.cache_keys[: usable * p], p)
-        start = host.extent(hashes, first, self.sliding_window - 1) if len(host) else first
+        start = host.extent(hashes, first, self.window_tokens) if len(host) else first
         if start >= usable:
             return False, {}
         n = usable - start
         recompute_s = n * p / host.cost.prefill_tokens_per_s
-        if not store.worth_fetching(n, host.estimate_nbytes(n, self.sliding_window - 1), recompute_s):
+        if not store.worth_fetching(n, host.estimate_nbytes(n, self.window_tokens), recompute_s):
             return False, {}
         seq.kv_fetch = store.fetch(hashes[start:usable], deadline=now + max(recompute_s, store.min_wait_s))
         return True, {}
@@ -215,7 +254,7 @@ class KVManager:
         if usable <= first or not (len(host) or fetched):
             return
         hashes = page_hashes(seq.cache_keys[: usable * p], p)
-        end = host.extent(hashes, first, self.sliding_window - 1, fetched)
+        end = host.extent(hashes, first, self.window_tokens, fetched)
         if end > first and (
             fetched or host.cost.fetch_is_faster(host.nbytes(hashes, first, end, fetched), (end - first) * p)
         ):
@@ -240,9 +279,10 @@ class KVManager:
             seq.swa_prompt_pin = end
 
     def _can_pin(self) -> bool:
-        # Pinning holds up to one extra window per sequence; only where the pool has room to spare
-        # (allocate() drops a sequence's pin anyway when its own pages would not fit).
-        return self.swa_pool.num_pages >= 4 * swa_pages_per_sequence(self.sliding_window, self.page_size)
+        # Pinning holds up to one extra window per sequence; only where every window group's pool
+        # has room to spare (allocate() drops a sequence's pin anyway when its own pages would not
+        # fit). Nothing to pin without a window group.
+        return bool(self.windows) and all(w.can_pin() for w in self.windows)
 
     # ---- allocation ----------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, n: int) -> bool:
@@ -250,51 +290,58 @@ class KVManager:
         return self._available(need)
 
     def _available(self, need: PageNeed) -> bool:
-        full_ok = need.full <= self.full_pool.num_free
-        swa_ok = need.swa <= self.swa_pool.num_free
-        if full_ok and swa_ok:
+        ok = [n <= g.pool.num_free for n, g in zip(need.per_group, self.groups, strict=True)]
+        if all(ok):
             return True
-        if self.radix is None:
+        radix = self.radix
+        if radix is None:
             return False
-        # Evicting full KV from the tree also frees the SWA KV of those nodes, but not the other way
-        # round; the SWA bound below counts what SWA eviction alone can free.
-        full_ok = full_ok or need.full <= self.full_pool.num_free + self.radix.evictable_full_pages()
-        swa_ok = swa_ok or need.swa <= self.swa_pool.num_free + self.radix.evictable_swa_pages()
-        return full_ok and swa_ok
+        # Evicting full KV from the tree also frees the window KV of those nodes, but not the other
+        # way round; a window group's bound counts what eviction in that group alone can free.
+        for g, group in enumerate(self.groups):
+            if not ok[g]:
+                evictable = radix.evictable_full_pages() if g == 0 else radix.evictable_swa_pages(g)
+                ok[g] = need.per_group[g] <= group.pool.num_free + evictable
+        return all(ok)
 
     def allocate(self, seq: Sequence, n: int) -> bool:
         """Give ``seq`` pages for positions [c, c+n); evicts cached KV when a pool is short.
 
         Returns False, taking nothing, when the pools cannot hold it even after eviction.
         """
-        if seq.num_computed_tokens + n <= len(seq.full_pages) * self.page_size:
+        if seq.num_computed_tokens + n <= seq.num_pages * self.page_size:
             return True  # the pages held already cover them (most decode steps): nothing to take
         need = self.pages_needed(seq, n)
         if not self._available(need) and not (self.unpin(seq) and self._available(need)):
             return False
         if self.radix is not None:
-            if need.full > self.full_pool.num_free:
-                self.radix.evict_full(need.full - self.full_pool.num_free)
-            if need.swa > self.swa_pool.num_free:
-                self.radix.evict_swa(need.swa - self.swa_pool.num_free)
-        full = self.full_pool.alloc(need.full)
-        swa = self.swa_pool.alloc(need.swa)
-        if full is None or swa is None:  # pragma: no cover - _available() guarantees room
-            self.full_pool.free(full or [])
-            self.swa_pool.free(swa or [])
+            for g, group in enumerate(self.groups):
+                short = need.per_group[g] - group.pool.num_free
+                if short > 0:
+                    if g == 0:
+                        self.radix.evict_full(short)
+                    else:
+                        self.radix.evict_swa(short, g)
+        got = [group.pool.alloc(n) for n, group in zip(need.per_group, self.groups, strict=True)]
+        if any(pages is None for pages in got):  # pragma: no cover - _available() guarantees room
+            for pages, group in zip(got, self.groups, strict=True):
+                group.pool.free(pages or [])
             return False
-        seq.full_pages.extend(full)
-        seq.swa_pages.extend(swa)
+        self._ensure_rows(seq)
+        for row, pages in zip(seq.pages, got, strict=True):
+            assert pages is not None
+            row.extend(pages)
         return True
 
     def commit(self, seq: Sequence, n: int) -> None:
         """Record that ``n`` more tokens of ``seq`` have KV; drop SWA pages that left every window."""
         seq.num_computed_tokens += n
-        assert seq.num_computed_tokens <= len(seq.full_pages) * self.page_size
+        assert seq.num_computed_tokens <= seq.num_pages * self.page_size
         self.free_out_of_window(seq)
 
     def free_out_of_window(self, seq: Sequence) -> int:
-        """Drop SWA pages below the window of the last page boundary; returns how many were freed.
+        """Drop window pages below the window of the last page boundary, in every window group;
+        returns how many were freed.
 
         The window kept is that of ``b = c // page * page`` rather than of ``c`` itself: ``b`` is
         where a later request can resume from this sequence's cached pages, and its window
@@ -302,50 +349,30 @@ class KVManager:
         still holds at most ``swa_pages_per_sequence`` pages (the next page is not needed until
         c reaches it, and then b moves with it).
         """
+        if not self.windows:
+            return 0
         b = seq.num_computed_tokens // self.page_size * self.page_size
-        lo = self.first_live_swa_page(min(b, max(0, seq.num_computed_tokens - self.swa_extra_tokens)))
-        if lo <= seq.num_swa_released:
-            return 0  # the window start did not pass a page since the last call (most steps)
-        pins = self._pinned_pages(seq)
-        freed: list[int] = []
-        for i in range(seq.num_swa_released, min(lo, len(seq.swa_pages))):
-            if any(pin_lo <= i < pin_hi for pin_lo, pin_hi in pins):
-                continue
-            page = seq.swa_pages[i]
-            if page != NOT_RESIDENT and i >= seq.num_borrowed_pages:
-                freed.append(page)  # borrowed pages belong to the tree: just stop referencing them
-            seq.swa_pages[i] = NOT_RESIDENT
-        seq.num_swa_released = max(seq.num_swa_released, lo)
-        self.swa_pool.free(freed)
-        return len(freed)
-
-    def _pinned_pages(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Logical SWA pages [lo, hi) kept for the branch point ``seq.swa_pin_end`` and the prompt's
-        end ``seq.swa_prompt_pin`` (none when unpinned)."""
-        return [
-            (self.first_live_swa_page(end), end // self.page_size)
-            for end in (seq.swa_pin_end, seq.swa_prompt_pin)
-            if end
-        ]
+        upto = min(b, max(0, seq.num_computed_tokens - self.swa_extra_tokens))
+        ends = (seq.swa_pin_end, seq.swa_prompt_pin)
+        freed = 0
+        for g, group in enumerate(self.groups):
+            if isinstance(group, SlidingWindowManager):
+                lo = group.first_live_page(upto)
+                if lo > seq.num_released[g]:
+                    freed += group.free_below(seq, g, lo, group.pinned_pages(ends))
+        return freed
 
     def unpin(self, seq: Sequence) -> bool:
         """Drop ``seq``'s pinned windows (the pages it already moved past); True if any."""
-        pins = self._pinned_pages(seq)
-        if not pins:
+        ends = (seq.swa_pin_end, seq.swa_prompt_pin)
+        if not any(ends) or not self.windows:
             return False
         seq.swa_pin_end = seq.swa_prompt_pin = 0
-        freed = []
-        moved = False
-        for pin_lo, pin_hi in pins:
-            upto = min(pin_hi, seq.num_swa_released)
-            moved = moved or upto > pin_lo
-            for i in range(pin_lo, upto):
-                page = seq.swa_pages[i]
-                if page != NOT_RESIDENT and i >= seq.num_borrowed_pages:
-                    freed.append(page)
-                seq.swa_pages[i] = NOT_RESIDENT
-        self.swa_pool.free(freed)
-        return bool(freed) or moved
+        dropped = False
+        for g, group in enumerate(self.groups):
+            if isinstance(group, SlidingWindowManager):
+                dropped = group.drop_pins(seq, g, group.pinned_pages(ends)) or dropped
+        return dropped
 
     # ---- release -------------------------------------------------------------------------
     def release(self, seq: Sequence, cache: bool = True) -> None:
@@ -363,67 +390,84 @@ class KVManager:
             n = computed // self.page_size
             key = seq.cache_keys[: n * self.page_size]
             tokens = seq.token_slice(0, n * self.page_size) if self.radix.record_events else None
-            res: InsertResult = self.radix.insert(key, seq.full_pages[:n], seq.swa_pages[:n], tokens)
-            self.full_pool.free(res.full_to_free)
-            self.swa_pool.free(res.swa_to_free)
-            self.full_pool.free(seq.full_pages[n:])
-            self.swa_pool.free(seq.swa_pages[n:])
+            if seq.pages:
+                res: InsertResult = self.radix.insert(key, *(row[:n] for row in seq.pages), tokens=tokens)
+                for group, row, spare in zip(self.groups, seq.pages, res.to_free, strict=True):
+                    group.pool.free(spare)
+                    group.pool.free(row[n:])
         else:
-            self.full_pool.free(seq.full_pages[nb:])
-            self.swa_pool.free(seq.swa_pages[nb:])
+            for group, row in zip(self.groups, seq.pages, strict=False):  # no rows: nothing held
+                group.pool.free(row[nb:])
         if seq.prefix_lock is not None:
             assert self.radix is not None
             self.radix.unlock(seq.prefix_lock)
         if seq.kv_source is not None and seq.kv_source.first_token is None:
             seq.kv_source = None  # a restore (not an import): the next admission matches anew
-        seq.full_pages = []
-        seq.swa_pages = []
+        seq.pages = []
         seq.num_borrowed_pages = 0
-        seq.num_swa_released = 0
+        seq.num_released = []
         seq.swa_pin_end = seq.swa_prompt_pin = 0
         seq.prefix_lock = None
 
     # ---- accounting ----------------------------------------------------------------------
     def evictable_pages(self) -> PageNeed:
-        if self.radix is None:
-            return PageNeed(0, 0)
-        return PageNeed(self.radix.evictable_full_pages(), self.radix.evictable_swa_pages())
+        radix = self.radix
+        if radix is None:
+            return PageNeed((0,) * len(self.groups))
+        return PageNeed(
+            tuple(
+                radix.evictable_full_pages() if g == 0 else radix.evictable_swa_pages(g)
+                for g in range(len(self.groups))
+            )
+        )
 
     def check_integrity(self, seqs: Iterable[Sequence]) -> None:
         """Raise AssertionError unless every used page has exactly one owner and locks match holders.
 
         ``seqs`` must be every sequence that holds pages (running ones).
         """
-        self.full_pool.check_integrity()
-        self.swa_pool.check_integrity()
+        for group in self.groups:
+            group.pool.check_integrity()
         seqs = list(seqs)
-        full_owned: list[int] = []
-        swa_owned: list[int] = []
-        tree_full: set[int] = set()
-        tree_swa: set[int] = set()
+        owned: list[list[int]] = [[] for _ in self.groups]
+        tree: list[set[int]] = [set() for _ in self.groups]
         if self.radix is not None:
             self.radix.check_integrity([s.prefix_lock for s in seqs if s.prefix_lock is not None])
-            full_owned.extend(self.radix.full_pages_held())
-            swa_owned.extend(self.radix.swa_pages_held())
-            tree_full, tree_swa = set(full_owned), set(swa_owned)
+            for g in range(len(self.groups)):
+                owned[g].extend(self.radix.pages_held(g))
+                tree[g] = set(owned[g])
         for s in seqs:
             nb = s.num_borrowed_pages
-            if len(s.full_pages) < math.ceil(s.num_computed_tokens / self.page_size):
+            if s.num_pages < math.ceil(s.num_computed_tokens / self.page_size):
                 raise AssertionError(f"seq {s.seq_id}: computed tokens without full pages")
-            borrowed_swa = [p for p in s.swa_pages[:nb] if p != NOT_RESIDENT]
-            if not tree_full.issuperset(s.full_pages[:nb]) or not tree_swa.issuperset(borrowed_swa):
-                raise AssertionError(f"seq {s.seq_id}: borrowed pages are not in the prefix cache")
-            full_owned.extend(s.full_pages[nb:])
-            swa_owned.extend(p for p in s.swa_pages[nb:] if p != NOT_RESIDENT)
-            if len(s.swa_pages) != len(s.full_pages):
-                raise AssertionError(f"seq {s.seq_id}: page rows of different lengths")
-            lo = self.first_live_swa_page(s.num_computed_tokens)
-            if NOT_RESIDENT in s.swa_pages[lo:]:
-                raise AssertionError(f"seq {s.seq_id}: a SWA page of the live window is missing")
-        for name, owned, pool in (("full", full_owned, self.full_pool), ("swa", swa_owned, self.swa_pool)):
-            if len(owned) != len(set(owned)):
-                raise AssertionError(f"{name}: a page has two owners")
-            if set(owned) != pool.used_pages():
+            if s.pages and len(s.pages) != len(self.groups):
                 raise AssertionError(
-                    f"{name}: owned pages ({len(owned)}) differ from used pages ({pool.num_used}): leak or stray"
+                    f"seq {s.seq_id}: {len(s.pages)} page rows for {len(self.groups)} groups"
                 )
+            for g, row in enumerate(s.pages):
+                if not tree[g].issuperset(p for p in row[:nb] if p != NOT_RESIDENT):
+                    raise AssertionError(f"seq {s.seq_id}: borrowed pages are not in the prefix cache")
+                owned[g].extend(p for p in row[nb:] if p != NOT_RESIDENT)
+                if len(row) != s.num_pages:
+                    raise AssertionError(f"seq {s.seq_id}: page rows of different lengths")
+                group = self.groups[g]
+                if isinstance(group, SlidingWindowManager):
+                    group.check_window(s, g, s.num_computed_tokens)
+        for g, group in enumerate(self.groups):
+            mine, pool = owned[g], group.pool
+            if len(mine) != len(set(mine)):
+                raise AssertionError(f"{pool.name}: a page has two owners")
+            if set(mine) != pool.used_pages():
+                raise AssertionError(
+                    f"{pool.name}: owned pages ({len(mine)}) differ from used pages ({pool.num_used}): leak or stray"
+                )
+
+
+def group_managers(kv: DualKVCache) -> list[GroupManager]:
+    """One manager per KV group of ``kv``, over that group's pool (``kv_groups`` order)."""
+    return [
+        SlidingWindowManager(kv.group_pool(g), g.spec.sliding_window)
+        if g.spec.sliding_window is not None
+        else FullAttentionManager(kv.group_pool(g))
+        for g in kv.groups
+    ]

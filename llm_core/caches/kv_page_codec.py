@@ -5,8 +5,9 @@
           12   header: JSON {model, hash, page_size, dtype, has_swa, layers, crc32}
      aligned   per kept layer in model order: K [page, heads, head_dim], then V [page, heads, v_head_dim]
 
-``layers`` lists which layers' KV the page carries (an SWA layer's is absent when the page was
-outside the window when it was spilled). ``decode`` refuses bytes for another model, page size or
+``layers`` lists which layers' KV the page carries (a sliding-window group's layers are absent
+when the page was outside that window when it was spilled); each layer's shapes are its KV
+group's (``kv_groups``). ``decode`` refuses bytes for another model, page size or
 dtype, bytes stored under another page's key (``hash``), sizes that do not add up, and a body whose
 crc32 differs: a value truncated or corrupted in the store is a miss to recompute, never KV.
 """
@@ -19,6 +20,7 @@ import torch
 
 from llm_core.caches.host_restore import HostPage
 from llm_core.caches.kv_frame import frame_head, read_head
+from llm_core.caches.kv_groups import KVGroupSpec
 from llm_core.caches.kv_pool import KVLayout, kv_dtype_name
 
 MAGIC = b"EPDKVPG\x01"
@@ -35,11 +37,18 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def _shapes(
-    layout: KVLayout, page_size: int, layer: int
-) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    heads = layout.swa_kv_heads if layout.layer_is_swa[layer] else layout.full_kv_heads
-    return (page_size, heads, layout.head_dim), (page_size, heads, layout.v_head_dim)
+def _layer_specs(layout: KVLayout) -> list[KVGroupSpec]:
+    """Each layer's KV group spec (what its K and V of one page look like)."""
+    specs: list[KVGroupSpec | None] = [None] * layout.num_layers
+    for g in layout.groups():
+        for i in g.layers:
+            specs[i] = g.spec
+    assert all(s is not None for s in specs)
+    return specs  # type: ignore[return-value]
+
+
+def _shapes(spec: KVGroupSpec, page_size: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    return (page_size, spec.kv_heads, spec.head_dim), (page_size, spec.kv_heads, spec.v_head_dim)
 
 
 def encode(page: HostPage, page_hash: int, model: str, page_size: int) -> bytes:
@@ -79,13 +88,14 @@ def decode(
     if theirs != mine:
         raise PageCodecError(f"the stored KV page is {theirs}, this engine expects {mine}")
     n = layout.num_layers
-    full = [i for i in range(n) if not layout.layer_is_swa[i]]
+    specs = _layer_specs(layout)
+    full = [i for i in range(n) if not specs[i].is_sliding]  # full attention: every page keeps it
     if sorted(set(kept)) != kept or not set(full) <= set(kept) or (kept and kept[-1] >= n):
         raise PageCodecError(f"the stored KV page's layers {kept} do not fit a {n}-layer model")
     if has_swa and len(kept) != n:
         raise PageCodecError("the stored KV page says it has the SWA layers' KV but lacks some")
     esize = torch.empty((), dtype=dtype).element_size()
-    sizes = [s for i in kept for s in _shapes(layout, page_size, i)]
+    sizes = [s for i in kept for s in _shapes(specs[i], page_size)]
     need = sum(a * b * c for a, b, c in sizes) * esize
     if len(raw) != off + need:
         raise PageCodecError(f"the stored KV page has {len(raw) - off} body bytes, its layers need {need}")
@@ -97,7 +107,7 @@ def decode(
     pos = 0
     for i in kept:
         pair = []
-        for shape in _shapes(layout, page_size, i):
+        for shape in _shapes(specs[i], page_size):
             nbytes = shape[0] * shape[1] * shape[2] * esize
             pair.append(buf[pos : pos + nbytes].view(dtype).view(shape))
             pos += nbytes

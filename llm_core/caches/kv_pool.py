@@ -1,15 +1,29 @@
-"""Dual-pool paged KV storage: page allocators, the per-layer KV tensors and their sizing.
+"""Paged KV storage per KV group: page allocators, the per-layer KV tensors and their sizing.
 
 Hybrid SWA models keep two kinds of KV. Full-attention layers need every token's KV for the life
-of the sequence; sliding-window layers only ever read the last ``sliding_window`` tokens. So the
-cache is two independent pools of fixed-size pages:
+of the sequence; sliding-window layers only ever read the last ``sliding_window`` tokens. The
+model's layers form KV groups (``kv_groups``: a frozen spec each) and each group's pages come
+from its pool:
 
     full pool  [Nf pages]  one page = page_size tokens x (all full layers)   every token of a sequence
     SWA pool   [Ns pages]  one page = page_size tokens x (all SWA layers)    only the live window
 
-A page index means the same token slots in every layer of its pool, so one page table row per
-pool serves all layers of that type. This module knows nothing of sequences or prefix caching:
-``PagePool`` hands out page ids and takes them back; who owns a page is the KV manager's business.
+A page index means the same token slots in every layer of its group, so one page table row per
+group serves all its layers (``DualKVCache.layer_group``). This module knows nothing of sequences
+or prefix caching: ``PagePool`` hands out page ids and takes them back; who owns a page is the KV
+manager's business (one group manager per group, ``kv_group_manager``).
+
+Why a pool per group and not one shared pool (as vLLM's hybrid allocator has): a page of the full
+group and a page of the SWA group differ in bytes (MiMo-V2-Flash: 9 full layers against 39 SWA
+layers with twice the KV heads), and one shared free list needs one page size in bytes. vLLM gets
+there by cutting groups into equal layer counts and padding pages; for MiMo that either pads the
+full pages to the SWA page's size (most of the full pool wasted) or changes the page size in
+tokens per group, which the page-aligned prefix tree does not allow. So the budget is still split
+between the pools (``plan_pools``: the split at which both run out together for a typical
+context, or ``swa_fraction``). A full-attention model (one group) has one pool, which takes the
+whole budget, and no SWA pool at all. Today's cache holds at most one sliding-window group: a
+model with two windows gets its groups and managers from the same code, but its tensors need this
+sizing generalised to N pools.
 
 ``PagePool`` has no tensors, so the same allocator runs in a metadata-only mode (capacity
 benchmarks of a 70-layer plan on a laptop); ``DualKVCache`` adds the tensors on top.
@@ -18,13 +32,18 @@ benchmarks of a 70-layer plan on a laptop); ``DualKVCache`` adds the tensors on 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
+from llm_core.caches.kv_groups import KVGroup, kv_groups, layer_groups, layer_specs_from_types
 from llm_core.caches.layer_gate import LayerGate
+
+# A sequence's page rows, one per KV group in ``DualKVCache.groups`` order: row ``g``'s entry ``i``
+# is group g's physical page of logical page i (``Sequence.pages``).
+PageRows = Sequence[list[int]]
 
 _DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float8_e4m3fn: 1}
 
@@ -145,6 +164,20 @@ class KVLayout:
     @property
     def num_full_layers(self) -> int:
         return self.num_layers - self.num_swa_layers
+
+    def groups(self, num_mtp_layers: int = 0) -> tuple[KVGroup, ...]:
+        """The layout's KV groups (``kv_groups``): one per layer kind present, full attention
+        first; the last ``num_mtp_layers`` layers are counted as the MTP heads'."""
+        specs = layer_specs_from_types(
+            self.layer_is_swa,
+            full_kv_heads=self.full_kv_heads,
+            swa_kv_heads=self.swa_kv_heads,
+            head_dim=self.head_dim,
+            v_head_dim=self.v_head_dim,
+            sliding_window=self.sliding_window,
+            dtype_bytes=self.dtype_bytes,
+        )
+        return kv_groups(specs, num_mtp_layers)
 
     @property
     def full_bytes_per_token(self) -> int:
@@ -297,7 +330,7 @@ class LayerKV(NamedTuple):
 
 
 class DualKVCache:
-    """The KV tensors of every layer plus the two page pools that index them.
+    """The KV tensors of every layer plus the page pool of each KV group that indexes them.
 
     Full layer i: k [Nf, page, Hkv_full, head_dim], v [Nf, page, Hkv_full, v_head_dim].
     SWA layer i:  k [Ns, page, Hkv_swa, head_dim],  v [Ns, page, Hkv_swa, v_head_dim].
@@ -317,11 +350,27 @@ class DualKVCache:
         page_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        groups: tuple[KVGroup, ...] | None = None,
     ) -> None:
+        """``groups``: the model's KV groups (``kv_groups_from_config``, which knows sinks and MTP
+        layers); default: the layout's. Each must be one of the layout's two layer kinds. A pool is
+        made per group: a model without SWA layers has no SWA pool (``num_swa_pages`` unused)."""
         self.layout = layout
         self.page_size = page_size
-        self.full_pages = PagePool(num_full_pages, page_size, "full")
-        self.swa_pages = PagePool(num_swa_pages, page_size, "swa")
+        self.groups = layout.groups() if groups is None else groups
+        for g in self.groups:
+            if any(layout.layer_is_swa[i] != g.spec.is_sliding for i in g.layers):
+                raise ValueError(f"KV group {g.group_id} mixes the layout's full and SWA layers")
+        if sum(g.spec.is_sliding for g in self.groups) > 1:
+            raise ValueError("this cache keeps one sliding-window pool: one window size per model")
+        # layer -> index of its group in ``groups`` (the KV manager's page rows are in this order)
+        self.layer_group: tuple[int, ...] = layer_groups(self.groups, layout.num_layers)
+        self.pools: tuple[PagePool, ...] = tuple(
+            PagePool(num_swa_pages, page_size, "swa")
+            if g.spec.is_sliding
+            else PagePool(num_full_pages, page_size, "full")
+            for g in self.groups
+        )
         self._layers: list[LayerKV] = []
         for is_swa in layout.layer_is_swa:
             n = num_swa_pages if is_swa else num_full_pages
@@ -338,11 +387,51 @@ class DualKVCache:
         cfg: KVCacheConfig,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        groups: tuple[KVGroup, ...] | None = None,
     ) -> DualKVCache:
         """Pools sized from a byte budget (bytes counted at ``dtype``'s width)."""
         sized = KVLayout(**{**layout.__dict__, "dtype_bytes": _DTYPE_BYTES[dtype]})
         plan = plan_pools(sized, cfg)
-        return cls(layout, plan.num_full_pages, plan.num_swa_pages, cfg.page_size, dtype, device)
+        return cls(layout, plan.num_full_pages, plan.num_swa_pages, cfg.page_size, dtype, device, groups)
+
+    def group_pool(self, group: KVGroup) -> PagePool:
+        """The pool that holds ``group``'s pages."""
+        return self.pools[self.groups.index(group)]
+
+    @property
+    def full_pages(self) -> PagePool:
+        """The full-attention group's pool (group 0); LookupError for a model without one."""
+        return self._pool_of(sliding=False)
+
+    @property
+    def swa_pages(self) -> PagePool:
+        """The sliding-window group's pool; LookupError for a model without one."""
+        return self._pool_of(sliding=True)
+
+    def _pool_of(self, sliding: bool) -> PagePool:
+        for g, pool in zip(self.groups, self.pools, strict=True):
+            if g.spec.is_sliding == sliding:
+                return pool
+        raise LookupError(f"this model has no {'sliding-window' if sliding else 'full-attention'} KV group")
+
+    def describe_groups(self) -> list[dict[str, object]]:
+        """Each KV group's spec, layers, pages and bytes (``/health``): what the budget bought."""
+        out: list[dict[str, object]] = []
+        for g in self.groups:
+            pool = self.group_pool(g)
+            layer = self._layers[g.layers[0]]
+            page_bytes = g.num_layers * (layer.k[0].nbytes + layer.v[0].nbytes) if pool.num_pages else 0
+            out.append(
+                {
+                    **g.describe(),
+                    "page_size": self.page_size,
+                    "num_pages": pool.num_pages,
+                    "num_free_pages": pool.num_free,
+                    "page_bytes": page_bytes,
+                    "bytes": page_bytes * pool.num_pages,
+                }
+            )
+        return out
 
     @property
     def num_layers(self) -> int:
@@ -361,5 +450,5 @@ class DualKVCache:
         return self._layers[i]
 
     def check_integrity(self) -> None:
-        self.full_pages.check_integrity()
-        self.swa_pages.check_integrity()
+        for pool in self.pools:
+            pool.check_integrity()

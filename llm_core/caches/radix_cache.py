@@ -1,8 +1,10 @@
-"""SWA-aware radix prefix cache over cache keys, holding full-pool and SWA-pool pages.
+"""Group-aware radix prefix cache over cache keys, holding one row of pages per KV group.
 
-A node owns a run of whole pages of the key: ``full_pages`` (always present) and ``swa_pages``
-(None once the node is a *tombstone*: its SWA KV was evicted, its full KV kept). The tree knows
-nothing of sequences: the KV manager matches, locks, inserts and unlocks.
+A node owns a run of whole pages of the key, one row per KV group (``kv_groups``): group 0 is
+full attention and always present; each sliding-window group's row is None once the node is a
+*tombstone* in that group (its window KV was evicted, its full KV kept). Groups are independent:
+a model with two window sizes tombstones and heals each on its own. The tree knows nothing of
+sequences: the KV manager matches, locks, inserts and unlocks.
 
 Why page granularity: a page is the unit of allocation and of sharing. A partly filled page
 cannot be shared, because the owner would keep writing new tokens into the same physical page
@@ -10,9 +12,10 @@ that another sequence reads. So keys are cut into pages, edges hold whole pages,
 keyed by their first page, and every match length is a multiple of ``page_size``.
 
 When is a prefix a hit? Resuming at position ``b`` means the query at ``b`` attends keys
-[b-W+1, b]: full layers need full KV of [0, b), SWA layers need SWA KV of [b-W+1, b). So the hit
-is the longest node boundary ``b`` on the matched path whose trailing ``W-1`` tokens (or all of
-[0, b) when shorter) are live in the SWA pool, i.e. the min over both attention types::
+[b-W+1, b]: full layers need full KV of [0, b), SWA layers need SWA KV of [b-W+1, b). Each group
+has its rule (full attention: the path is present; window W: the trailing ``W-1`` tokens, or all
+of [0, b) when shorter, are live in that group) and the hit is the longest node boundary ``b`` on
+the matched path that every group's rule accepts. With one window (MiMo)::
 
     page:   [  0   |  1   |  2   |  3   ]        W-1 = 2 pages of SWA needed before b
     SWA:    [ live | TOMB | live | live ]
@@ -21,13 +24,14 @@ is the longest node boundary ``b`` on the matched path whose trailing ``W-1`` to
     b = 3 pages:  window [1, 3) has TOMB      not valid
     b = 4 pages:  window [2, 4) live          valid: the hit is 4 pages
 
-Two LRU orders, by ``last_access`` (a counter; a match touches root-to-leaf so parents are older):
-full eviction removes unlocked leaves (both pages); SWA eviction first trims nodes to the window
-their own end needs, then tombstones live nodes whose window is not locked (a leaf with no lock
-at all is removed instead: a tombstone leaf can never end a hit). Locks: ``lock_ref`` on every node of a locked path (full KV in use); ``swa_lock_ref``
-only on the trailing nodes that cover the window (SWA KV in use), so the SWA of a running
-sequence's older prefix can still be reclaimed. A later insert of the same tokens with live SWA
-pages heals a tombstone.
+Eviction, by ``last_access`` (a counter; a match touches root-to-leaf so parents are older):
+full eviction removes unlocked leaves (every group's pages); a window group's eviction first trims
+nodes to the window their own end needs, then tombstones live nodes whose window is not locked (a
+leaf with no lock at all is removed instead: a tombstone leaf can never end a hit). Locks:
+``lock_ref`` on every node of a locked path (full KV in use); ``window_lock_ref[g]`` only on the
+trailing nodes that cover group g's window (its KV in use), so the window KV of a running
+sequence's older prefix can still be reclaimed. A later insert of the same tokens with live
+window pages heals a tombstone.
 
 ``swa_aware=False`` is the baseline a SWA-unaware cache would be: the whole SWA prefix must stay
 live for a hit, SWA eviction removes whole leaves, and no tombstone is ever made.
@@ -36,10 +40,13 @@ Events (``record_events=True``): every change of what the tree holds is recorded
 KV event a router can replay to know exactly what this tree would hit (``kv_events.py``; pages are
 named by their chained content hash, ``page_hash.py``)::
 
-    new pages                       BlockStored group 0 (full KV), + group 1 for the live SWA runs
-    tombstone healed                BlockStored group 1
-    SWA trimmed / tombstoned        SwaTombstoned
-    node deleted                    BlockRemoved group 0 (+ group 1 where its SWA was live)
+    new pages                       BlockStored group 0 (full KV), + group g for each live window run
+    tombstone healed                BlockStored group g
+    window trimmed / tombstoned     SwaTombstoned
+    node deleted                    BlockRemoved group 0 (+ group g where its window KV was live)
+
+(``SwaTombstoned`` names no group: with one window group, as every model served today, it is
+exact; ``kv_events.py``'s format is not this module's to change.)
 
 A split changes no page, so it emits nothing. ``drain_events`` hands them to the publisher.
 """
@@ -49,11 +56,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from llm_core.caches.hit_rule import groups_accept
 from llm_core.caches.kv_events import (
     FULL_GROUP,
-    SWA_GROUP,
     BlockRemoved,
     BlockStored,
     KVEvent,
@@ -68,34 +75,41 @@ NOT_RESIDENT = -1
 
 
 class RadixCache:
-    """The tree, its two eviction orders and its locks; pages are freed through the given callbacks.
+    """The tree, its eviction orders and its locks; pages are freed through the given callbacks.
+
+    ``windows[g]``: group g's sliding window (keys per query, the query included), None for full
+    attention; group 0 must be full attention (every node keeps it: it is what makes a path).
+    ``frees[g]`` gives group g's pages back to its pool.
 
     Invariants (``check_integrity``): every node holds whole pages; a node's lock count is the
-    number of held ``PrefixLock``s whose path passes through it, its SWA lock count the number
-    whose window covers it; a locked node is never evicted and a SWA-locked one never tombstoned.
+    number of held ``PrefixLock``s whose path passes through it, its window lock count in group g
+    the number whose window in g covers it; a locked node is never evicted and a window-locked one
+    never tombstoned in that group.
     """
 
     def __init__(
         self,
         page_size: int,
-        sliding_window: int,
-        free_full: Callable[[list[int]], None],
-        free_swa: Callable[[list[int]], None],
+        windows: Sequence[int | None],
+        frees: Sequence[Callable[[list[int]], None]],
         swa_aware: bool = True,
         record_events: bool = False,
         on_delete: Callable[[RadixNode], None] | None = None,
     ) -> None:
         """``on_delete``: called with a node about to be removed, before its pages are freed (the
         host tier keeps them); pages are then named by their hashes, as with ``record_events``."""
-        assert page_size > 0 and sliding_window >= 1
+        assert page_size > 0 and windows and windows[0] is None, windows
+        assert all(w is not None and w >= 1 for w in windows[1:]), windows
+        assert len(frees) == len(windows)
         self.page_size = page_size
-        self.sliding_window = sliding_window
+        self.windows = tuple(windows)
+        self.num_groups = len(windows)
+        self.window_groups = tuple(range(1, self.num_groups))
         self.swa_aware = swa_aware
-        self._free_full = free_full
-        self._free_swa = free_swa
+        self._frees = tuple(frees)
         self._ids = itertools.count()
         self._clock = itertools.count(1)
-        self.root = RadixNode((), [], [], None, next(self._ids))
+        self.root = RadixNode((), [[] for _ in windows], None, next(self._ids))
         self.root.lock_ref = 1  # never evicted
         self._nodes: dict[int, RadixNode] = {}
         # Bumped whenever a match result could change (insert, heal, eviction); callers cache on it.
@@ -106,10 +120,12 @@ class RadixCache:
         self._events: list[KVEvent] = []
 
     # ---- queries -------------------------------------------------------------------------
-    @property
-    def window_tokens(self) -> int:
-        """SWA tokens that must be live right before a hit boundary (all of them when SWA-unaware)."""
-        return self.sliding_window - 1 if self.swa_aware else 1 << 62
+    def window_tokens(self, group: int) -> int:
+        """Tokens of window group ``group`` that must be live right before a hit boundary (all of
+        them when SWA-unaware)."""
+        w = self.windows[group]
+        assert w is not None, f"group {group} is full attention"
+        return w - 1 if self.swa_aware else 1 << 62
 
     def match_prefix(self, key: list[int], max_len: int | None = None, touch: bool = True) -> MatchResult:
         """Longest usable prefix of ``key[:max_len]`` (page-aligned). Splits a node matched in part."""
@@ -124,40 +140,44 @@ class RadixCache:
             if child is None:
                 break
             m = self._common_pages(child, key, i, n_pages)
-            if m < len(child.full_pages):
+            if m < len(child.key) // p:
                 child = self._split(child, m)
             path.append(child)
             node = child
             i += m
-        need = self.window_tokens
+        groups = self.window_groups
+        need = [self.window_tokens(g) for g in groups]
         best = -1
-        run = 0
+        runs = [0] * len(groups)  # per window group: live tokens ending at the node's end
         for j, nd in enumerate(path):
-            run = 0 if nd.swa_pages is None else run + len(nd.key)
-            if run >= min(need, nd.end_depth):
+            runs = [0 if nd.pages[g] is None else r + len(nd.key) for g, r in zip(groups, runs, strict=True)]
+            if groups_accept(runs, nd.end_depth, need):
                 best = j
         hit = path[: best + 1]
         if touch:
             for nd in hit:
                 nd.last_access = next(self._clock)
         end = hit[-1] if hit else self.root
-        full: list[int] = []
-        swa: list[int] = []
-        for nd in hit:
-            full.extend(nd.full_pages)
-            swa.extend(nd.swa_pages if nd.swa_pages is not None else [NOT_RESIDENT] * len(nd.full_pages))
         length = end.end_depth
-        first_window_page = max(0, length - need) // p if length else 0
-        swa[:first_window_page] = [NOT_RESIDENT] * first_window_page
-        return MatchResult(length, full, swa, end, path[-1].end_depth if path else 0)
+        rows: list[list[int]] = []
+        for g in range(self.num_groups):
+            row: list[int] = []
+            for nd in hit:
+                pages = nd.pages[g]
+                row.extend(pages if pages is not None else [NOT_RESIDENT] * (len(nd.key) // p))
+            if g:
+                first_window_page = max(0, length - need[g - 1]) // p if length else 0
+                row[:first_window_page] = [NOT_RESIDENT] * first_window_page
+            rows.append(row)
+        return MatchResult(length, rows, end, path[-1].end_depth if path else 0)
 
     def _common_pages(self, child: RadixNode, key: list[int], i: int, n_pages: int) -> int:
         p = self.page_size
-        whole = min(len(child.full_pages), n_pages - i)
+        whole = min(len(child.key) // p, n_pages - i)
         if child.key[: whole * p] == tuple(key[i * p : (i + whole) * p]):
             return whole  # the common case: one slice comparison
         m = 1  # the first page matched through the children dict
-        while m < len(child.full_pages) and i + m < n_pages:
+        while m < len(child.key) // p and i + m < n_pages:
             if child.key[m * p : (m + 1) * p] != tuple(key[(i + m) * p : (i + m + 1) * p]):
                 break
             m += 1
@@ -165,40 +185,37 @@ class RadixCache:
 
     # ---- locks ---------------------------------------------------------------------------
     def lock(self, node: RadixNode) -> PrefixLock:
-        """Protect a hit: full KV of the whole path, SWA KV of the trailing window."""
-        need = self.window_tokens
-        covered = 0
-        swa_from = node.end_depth
+        """Protect a hit: full KV of the whole path, each window group's KV of its trailing window."""
+        need = [0] + [self.window_tokens(g) for g in self.window_groups]
+        covered = [0] * self.num_groups
+        window_from = [node.end_depth] * self.num_groups
         nd: RadixNode | None = node
         while nd is not None and nd is not self.root:
             nd.lock_ref += 1
-            if covered < need:
-                assert nd.swa_pages is not None, f"locking a window that is not live: {nd}"
-                nd.swa_lock_ref += 1
-                covered += len(nd.key)
-                swa_from = nd.start_depth
+            for g in self.window_groups:
+                if covered[g] < need[g]:
+                    assert nd.pages[g] is not None, f"locking a window that is not live: {nd} group {g}"
+                    nd.window_lock_ref[g] += 1
+                    covered[g] += len(nd.key)
+                    window_from[g] = nd.start_depth
             nd = nd.parent
-        return PrefixLock(node, swa_from)
+        return PrefixLock(node, tuple(window_from))
 
     def unlock(self, handle: PrefixLock) -> None:
         nd: RadixNode | None = handle.node
         while nd is not None and nd is not self.root:
             assert nd.lock_ref > 0, nd
             nd.lock_ref -= 1
-            if nd.start_depth >= handle.swa_from_depth:
-                assert nd.swa_lock_ref > 0, nd
-                nd.swa_lock_ref -= 1
+            for g in self.window_groups:
+                if nd.start_depth >= handle.window_from_depth[g]:
+                    assert nd.window_lock_ref[g] > 0, nd
+                    nd.window_lock_ref[g] -= 1
             nd = nd.parent
 
     # ---- insert --------------------------------------------------------------------------
-    def insert(
-        self,
-        key: list[int],
-        full_pages: list[int],
-        swa_pages: list[int],
-        tokens: list[int] | None = None,
-    ) -> InsertResult:
-        """Cache ``key`` (a page multiple) with one full page and one SWA entry per page.
+    def insert(self, key: list[int], *rows: list[int], tokens: list[int] | None = None) -> InsertResult:
+        """Cache ``key`` (a page multiple) with one row of pages per group (``rows[g]``: group g's
+        page of each logical page, NOT_RESIDENT in a window group where its KV is not live).
 
         The tree keeps the pages it lacked (new nodes, healed tombstones) and returns the given
         pages it already had under other ids, for the caller to free. Given pages that are the
@@ -207,11 +224,11 @@ class RadixCache:
         """
         p = self.page_size
         n_pages = len(key) // p
-        assert len(key) == n_pages * p and len(full_pages) == n_pages == len(swa_pages)
+        assert len(key) == n_pages * p and len(rows) == self.num_groups
+        assert all(len(r) == n_pages for r in rows)
         hashes = page_hashes(key, p) if self._name_pages else []
         tokens = key if tokens is None else tokens
-        full_free: list[int] = []
-        swa_free: list[int] = []
+        to_free: list[list[int]] = [[] for _ in rows]
         node = self.root
         i = 0
         num_new = 0
@@ -219,74 +236,86 @@ class RadixCache:
         while i < n_pages:
             child = node.children.get(tuple(key[i * p : (i + 1) * p]))
             if child is None:
-                self._add_new(node, key, full_pages, swa_pages, i, hashes, tokens)
+                self._add_new(node, key, rows, i, hashes, tokens)
                 num_new = n_pages - i
                 break
             m = self._common_pages(child, key, i, n_pages)
-            if m < len(child.full_pages):
+            if m < len(child.key) // p:
                 child = self._split(child, m)
-            given_swa = swa_pages[i : i + m]
-            if child.swa_pages is None:
-                live_from = m
-                while live_from > 0 and given_swa[live_from - 1] != NOT_RESIDENT:
-                    live_from -= 1
-                if 0 < live_from < m:
-                    # Only a live tail can heal: split off the part that stays a tombstone and
-                    # re-enter at the same i (the next pass matches the dead part).
-                    self._split(child, live_from)
-                    continue
-                if live_from == 0:
-                    child.swa_pages = list(given_swa)  # heal: the tree now owns these SWA pages
-                    self._stored(child, SWA_GROUP, tokens)
+            split = self._split_for_heal(child, rows, i, m)
+            if split:
+                continue  # re-enter at the same i: the next pass matches the part that stays dead
+            for g in self.window_groups:
+                given = rows[g][i : i + m]
+                have = child.pages[g]
+                if have is None:
+                    if NOT_RESIDENT not in given:  # all live (a live tail was split off above)
+                        child.pages[g] = list(given)  # heal: the tree now owns these pages
+                        self._stored(child, g, tokens)
+                    else:
+                        to_free[g].extend(x for x in given if x != NOT_RESIDENT)
                 else:
-                    swa_free.extend(g for g in given_swa if g != NOT_RESIDENT)
-            else:
-                swa_free.extend(
-                    g for g, t in zip(given_swa, child.swa_pages, strict=True) if g != NOT_RESIDENT and g != t
-                )
-            full_free.extend(
-                g for g, t in zip(full_pages[i : i + m], child.full_pages, strict=True) if g != t
-            )
+                    to_free[g].extend(
+                        x for x, t in zip(given, have, strict=True) if x != NOT_RESIDENT and x != t
+                    )
+            to_free[0].extend(x for x, t in zip(rows[0][i : i + m], child.full_pages, strict=True) if x != t)
             child.last_access = next(self._clock)
             node = child
             i += m
-        return InsertResult(full_free, swa_free, num_new)
+        return InsertResult(to_free, num_new)
+
+    def _split_for_heal(self, child: RadixNode, rows: tuple[list[int], ...], i: int, m: int) -> bool:
+        """Where ``child`` is a tombstone in a group and the given pages are live only in a tail of
+        it, split the dead part off (only a live tail can heal); True when it split."""
+        for g in self.window_groups:
+            if child.pages[g] is not None:
+                continue
+            given = rows[g][i : i + m]
+            live_from = m
+            while live_from > 0 and given[live_from - 1] != NOT_RESIDENT:
+                live_from -= 1
+            if 0 < live_from < m:
+                self._split(child, live_from)
+                return True
+        return False
 
     def _add_new(
         self,
         parent: RadixNode,
         key: list[int],
-        full_pages: list[int],
-        swa_pages: list[int],
+        rows: tuple[list[int], ...],
         i: int,
         hashes: list[int],
         tokens: list[int],
     ) -> None:
-        """New nodes for pages [i, n): one per run of uniform SWA liveness (dead runs are tombstones)."""
+        """New nodes for pages [i, n): one per run of uniform liveness in every window group (a
+        group dead in a run is a tombstone there)."""
         p = self.page_size
-        n = len(full_pages)
+        n = len(rows[0])
         if self.record_events:
             self._events.append(
                 self._stored_event(hashes[i:], _last_hash(parent), tokens[i * p :], FULL_GROUP)
             )
+
+        def liveness(j: int) -> tuple[bool, ...]:
+            return tuple(rows[g][j] != NOT_RESIDENT for g in self.window_groups)
+
         while i < n:
-            live = swa_pages[i] != NOT_RESIDENT
+            live = liveness(i)
             j = i + 1
-            while j < n and (swa_pages[j] != NOT_RESIDENT) == live:
+            while j < n and liveness(j) == live:
                 j += 1
-            nd = RadixNode(
-                tuple(key[i * p : j * p]),
-                list(full_pages[i:j]),
-                list(swa_pages[i:j]) if live else None,
-                parent,
-                next(self._ids),
-                hashes[i:j],
-            )
+            pages: list[list[int] | None] = [list(rows[0][i:j])]
+            pages += [
+                list(rows[g][i:j]) if ok else None for g, ok in zip(self.window_groups, live, strict=True)
+            ]
+            nd = RadixNode(tuple(key[i * p : j * p]), pages, parent, next(self._ids), hashes[i:j])
             nd.last_access = next(self._clock)
             parent.children[nd.key[:p]] = nd
             self._nodes[nd.node_id] = nd
-            if live:
-                self._stored(nd, SWA_GROUP, tokens)
+            for g, ok in zip(self.window_groups, live, strict=True):
+                if ok:
+                    self._stored(nd, g, tokens)
             parent = nd
             i = j
 
@@ -295,29 +324,26 @@ class RadixCache:
 
         ``child`` keeps its identity (and its end depth) as the lower half, so lock handles that
         end at it stay valid. Lock counts are copied: every lock through ``child`` also covers the
-        upper half, and SWA lock boundaries sit on node boundaries, so the copy is exact.
+        upper half, and window lock boundaries sit on node boundaries, so the copy is exact.
         """
         p = self.page_size
-        assert 0 < m < len(child.full_pages)
+        assert 0 < m < len(child.key) // p
         parent = child.parent
         assert parent is not None
         top = RadixNode(
             child.key[: m * p],
-            child.full_pages[:m],
-            child.swa_pages[:m] if child.swa_pages is not None else None,
+            [row[:m] if row is not None else None for row in child.pages],
             parent,
             next(self._ids),
             child.page_hashes[:m],
         )
         top.lock_ref = child.lock_ref
-        top.swa_lock_ref = child.swa_lock_ref
+        top.window_lock_ref = list(child.window_lock_ref)
         top.last_access = child.last_access
         parent.children[top.key[:p]] = top
         child.key = child.key[m * p :]
-        child.full_pages = child.full_pages[m:]
+        child.pages = [row[m:] if row is not None else None for row in child.pages]
         child.page_hashes = child.page_hashes[m:]
-        if child.swa_pages is not None:
-            child.swa_pages = child.swa_pages[m:]
         child.parent = top
         top.children[child.key[:p]] = child
         self._nodes[top.node_id] = top
@@ -325,57 +351,64 @@ class RadixCache:
 
     # ---- eviction ------------------------------------------------------------------------
     def evictable_full_pages(self) -> int:
-        return sum(len(n.full_pages) for n in self._nodes.values() if n.lock_ref == 0)
+        return sum(len(n.key) // self.page_size for n in self._nodes.values() if n.lock_ref == 0)
 
-    def evictable_swa_pages(self) -> int:
+    def evictable_swa_pages(self, group: int = 1) -> int:
+        """Pages of window group ``group`` that eviction in that group alone can free."""
         return sum(
-            len(n.swa_pages) for n in self._nodes.values() if n.swa_pages is not None and n.swa_lock_ref == 0
+            len(row)
+            for n in self._nodes.values()
+            if (row := n.pages[group]) is not None and n.window_lock_ref[group] == 0
         )
 
     def evict_full(self, num_pages: int) -> int:
         """Remove least recently used unlocked leaves until ``num_pages`` full pages are freed."""
-        return self._evict_leaves(num_pages, lambda n: len(n.full_pages))
+        return self._evict_leaves(num_pages, lambda n: len(n.key) // self.page_size)
 
-    def evict_swa(self, num_pages: int) -> int:
-        """Free at least ``num_pages`` SWA pages, least recently used first, cheapest loss first.
+    def evict_swa(self, num_pages: int, group: int = 1) -> int:
+        """Free at least ``num_pages`` pages of window group ``group``, least recently used first,
+        cheapest loss first.
 
-        1. Trim: a node's SWA pages more than W-1 tokens before its end serve no hit at a node
+        1. Trim: a node's window pages more than W-1 tokens before its end serve no hit at a node
            boundary (only a future branch inside the node), so the node is split and its upper
-           part tombstoned; its own boundary stays a hit.
-        2. Tombstone: a live node whose SWA is unlocked loses it (its full KV stays cached); an
-           unlocked leaf goes entirely instead (a tombstone leaf can never end a hit).
+           part tombstoned in the group; its own boundary stays a hit.
+        2. Tombstone: a live node whose window KV is unlocked loses it (its full KV stays
+           cached); an unlocked leaf goes entirely instead (a tombstone leaf can never end a hit).
         SWA-unaware mode only removes whole leaves.
         """
         self.version += 1
         if not self.swa_aware:
-            return self._evict_leaves(num_pages, lambda n: len(n.swa_pages or ()))
+            return self._evict_leaves(num_pages, lambda n: len(n.pages[group] or ()))
         live = sorted(
-            (n for n in self._nodes.values() if n.swa_pages is not None and n.swa_lock_ref == 0),
+            (n for n in self._nodes.values() if n.pages[group] is not None and n.window_lock_ref[group] == 0),
             key=lambda n: (n.last_access, n.node_id),
         )
-        keep = math.ceil((self.sliding_window - 1) / self.page_size)  # pages of one boundary's window
+        keep = math.ceil(self.window_tokens(group) / self.page_size)  # pages of one boundary's window
         freed = 0
         for nd in live:
             if freed >= num_pages:
                 return freed
-            if nd.swa_pages is not None and len(nd.swa_pages) > keep:
-                top = self._split(nd, len(nd.swa_pages) - keep) if keep else nd
-                assert top.swa_pages is not None and top.swa_lock_ref == 0
-                freed += len(top.swa_pages)
-                self._free_swa(top.swa_pages)
-                top.swa_pages = None
+            row = nd.pages[group]
+            if row is not None and len(row) > keep:
+                top = self._split(nd, len(row) - keep) if keep else nd
+                top_row = top.pages[group]
+                assert top_row is not None and top.window_lock_ref[group] == 0
+                freed += len(top_row)
+                self._frees[group](top_row)
+                top.pages[group] = None
                 self._tombstoned(top)
         for nd in live:
             if freed >= num_pages:
                 break
-            if nd.node_id not in self._nodes or nd.swa_pages is None or nd.swa_lock_ref:
+            row = nd.pages[group]
+            if nd.node_id not in self._nodes or row is None or nd.window_lock_ref[group]:
                 continue
-            freed += len(nd.swa_pages)
+            freed += len(row)
             if not nd.children and nd.lock_ref == 0:
                 self._delete(nd)
                 continue
-            self._free_swa(nd.swa_pages)
-            nd.swa_pages = None
+            self._frees[group](row)
+            nd.pages[group] = None
             self._tombstoned(nd)
         return freed
 
@@ -406,18 +439,19 @@ class RadixCache:
             assert not nd.children and nd.lock_ref == 0 and nd.parent is not None
             if self.on_delete is not None:
                 self.on_delete(nd)
-            freed += gain(nd) if gain is not None else len(nd.full_pages)
-            self._free_full(nd.full_pages)
-            if nd.swa_pages is not None:
-                self._free_swa(nd.swa_pages)
+            freed += gain(nd) if gain is not None else len(nd.key) // self.page_size
+            for g, row in enumerate(nd.pages):
+                if row is not None:
+                    self._frees[g](row)
             if self.record_events:
-                if nd.swa_pages is not None:
-                    self._events.append(BlockRemoved(tuple(nd.page_hashes), group_idx=SWA_GROUP))
+                for g in self.window_groups:
+                    if nd.pages[g] is not None:
+                        self._events.append(BlockRemoved(tuple(nd.page_hashes), group_idx=g))
                 self._events.append(BlockRemoved(tuple(nd.page_hashes), group_idx=FULL_GROUP))
             parent = nd.parent
             del parent.children[nd.key[: self.page_size]]
             del self._nodes[nd.node_id]
-            if parent is self.root or parent.children or parent.lock_ref or parent.swa_pages is not None:
+            if parent is self.root or parent.children or parent.lock_ref or not parent.is_tombstone:
                 return freed
             nd = parent  # a tombstone leaf can never end a hit: drop it too
 
@@ -430,15 +464,15 @@ class RadixCache:
     def _stored_event(
         self, hashes: list[int], parent: int | None, tokens: list[int], group: int
     ) -> BlockStored:
-        swa = group == SWA_GROUP
+        window = self.windows[group]
         return BlockStored(
             block_hashes=tuple(hashes),
             parent_block_hash=parent,
             token_ids=tuple(tokens[: len(hashes) * self.page_size]),
             block_size=self.page_size,
             group_idx=group,
-            kv_cache_spec_kind="sliding_window" if swa else "full_attention",
-            kv_cache_spec_sliding_window=self.sliding_window if swa else None,
+            kv_cache_spec_kind="full_attention" if window is None else "sliding_window",
+            kv_cache_spec_sliding_window=window,
         )
 
     def _stored(self, nd: RadixNode, group: int, tokens: list[int]) -> None:
@@ -459,14 +493,17 @@ class RadixCache:
     def num_nodes(self) -> int:
         return len(self._nodes)
 
+    def pages_held(self, group: int) -> list[int]:
+        return [p for n in self._nodes.values() if (row := n.pages[group]) is not None for p in row]
+
     def full_pages_held(self) -> list[int]:
-        return [p for n in self._nodes.values() for p in n.full_pages]
+        return self.pages_held(0)
 
     def swa_pages_held(self) -> list[int]:
-        return [p for n in self._nodes.values() if n.swa_pages is not None for p in n.swa_pages]
+        return self.pages_held(1)
 
     def num_tombstones(self) -> int:
-        return sum(1 for n in self._nodes.values() if n.swa_pages is None)
+        return sum(1 for n in self._nodes.values() if n.is_tombstone)
 
     def check_integrity(self, locks: list[PrefixLock] | None = None) -> None:
         """Raise AssertionError on a broken tree; with ``locks``, also check every lock count."""
@@ -477,35 +514,39 @@ class RadixCache:
             nd = stack.pop()
             for first, c in nd.children.items():
                 seen += 1
+                n_pages = len(c.key) // p
                 if c.parent is not nd or c.key[:p] != first or len(c.key) != len(c.full_pages) * p:
                     raise AssertionError(f"bad edge {nd} -> {c}")
                 if not c.full_pages or c.end_depth != nd.end_depth + len(c.key):
                     raise AssertionError(f"bad node {c}")
-                if c.swa_pages is not None and len(c.swa_pages) != len(c.full_pages):
-                    raise AssertionError(f"SWA pages of {c} do not match its full pages")
-                if self._name_pages and len(c.page_hashes) != len(c.full_pages):
+                if len(c.pages) != self.num_groups or len(c.window_lock_ref) != self.num_groups:
+                    raise AssertionError(f"{c} has {len(c.pages)} page rows for {self.num_groups} groups")
+                if any(row is not None and len(row) != n_pages for row in c.pages):
+                    raise AssertionError(f"window pages of {c} do not match its full pages")
+                if self._name_pages and len(c.page_hashes) != n_pages:
                     raise AssertionError(f"page hashes of {c} do not match its full pages")
-                if c.lock_ref < c.swa_lock_ref or (c.lock_ref > nd.lock_ref and nd is not self.root):
+                if c.lock_ref < max(c.window_lock_ref) or (c.lock_ref > nd.lock_ref and nd is not self.root):
                     raise AssertionError(f"lock counts out of order at {c}")
-                if c.swa_pages is None and c.swa_lock_ref:
-                    raise AssertionError(f"tombstone {c} has a SWA lock")
+                if any(c.pages[g] is None and c.window_lock_ref[g] for g in self.window_groups):
+                    raise AssertionError(f"tombstone {c} has a window lock")
                 stack.append(c)
         if seen != len(self._nodes):
             raise AssertionError(f"{seen} reachable nodes, {len(self._nodes)} registered")
         if locks is None:
             return
-        want: dict[int, list[int]] = {i: [0, 0] for i in self._nodes}
+        want: dict[int, list[int]] = {i: [0] * (1 + self.num_groups) for i in self._nodes}
         for h in locks:
             nd2: RadixNode | None = h.node
             while nd2 is not None and nd2 is not self.root:
-                want[nd2.node_id][0] += 1
-                want[nd2.node_id][1] += nd2.start_depth >= h.swa_from_depth
+                counts = want[nd2.node_id]
+                counts[0] += 1
+                for g in self.window_groups:
+                    counts[1 + g] += nd2.start_depth >= h.window_from_depth[g]
                 nd2 = nd2.parent
         for i, nd in self._nodes.items():
-            if [nd.lock_ref, nd.swa_lock_ref] != want[i]:
-                raise AssertionError(
-                    f"{nd}: lock counts {nd.lock_ref}/{nd.swa_lock_ref}, holders say {want[i]}"
-                )
+            have = [nd.lock_ref, 0, *nd.window_lock_ref[1:]]
+            if have != want[i]:
+                raise AssertionError(f"{nd}: lock counts {have}, holders say {want[i]}")
 
 
 def _last_hash(node: RadixNode) -> int | None:

@@ -1,12 +1,12 @@
-"""What a prefill engine hands a decode engine for one prompt: the layer plan.
+"""What a prefill engine hands a decode engine for one prompt: the layer plan, per KV group.
 
 After prefilling ``P`` prompt tokens, the decode engine's first query (at position P) reads, per
-layer type::
+KV group (``caches.kv_groups``)::
 
-    full-attention layer   keys [0, P)             every page: ceil(P / page) pages
-    sliding-window layer   keys [P-W+1, P)         only the pages of the last window
+    full-attention group       keys [0, P)             every page: ceil(P / page) pages
+    sliding-window group (W)   keys [P-W+1, P)         only the pages of its last window
 
-The SWA pages sent start where the engine itself keeps them (``KVManager.free_out_of_window``): at
+A window group's pages sent start where the engine itself keeps them (``KVManager.free_out_of_window``): at
 the window of the last page boundary ``b = P // page * page``, i.e. page ``(b - W + 1) // page``.
 That is at most one page more than the query needs, and it makes every SWA page the decode engine
 holds complete, so when its prefix cache learns the prefix, a later request that resumes at ``b``
@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
+from llm_core.caches.kv_groups import KVGroup, layer_groups
 from llm_core.caches.kv_pool import KVLayout
 
 
@@ -39,24 +41,38 @@ class LayerPlan:
         """Pages of a full-attention layer: every token's (the last one may be partial)."""
         return math.ceil(self.num_tokens / self.page_size)
 
-    @property
-    def swa_first_page(self) -> int:
-        """The first SWA page sent: the window of the last page boundary, as the engine keeps it."""
+    @cached_property
+    def groups(self) -> tuple[KVGroup, ...]:
+        """The layout's KV groups (full attention first, then each window)."""
+        return self.layout.groups()
+
+    @cached_property
+    def layer_group(self) -> tuple[int, ...]:
+        """Layer -> index of its group in ``groups``."""
+        return layer_groups(self.groups, self.layout.num_layers)
+
+    def first_page(self, group: KVGroup) -> int:
+        """The first page of ``group`` sent: 0 for full attention; for a window, the window of the
+        last page boundary, as the engine keeps it."""
+        window = group.spec.sliding_window
+        if window is None:
+            return 0
         b = self.num_tokens // self.page_size * self.page_size
-        return max(0, b - self.layout.sliding_window + 1) // self.page_size
+        return max(0, b - window + 1) // self.page_size
+
+    def group_of(self, layer: int) -> KVGroup:
+        return self.groups[self.layer_group[layer]]
 
     def pages_of(self, layer: int) -> range:
         """Logical pages of ``layer`` that move."""
-        first = self.swa_first_page if self.layout.layer_is_swa[layer] else 0
-        return range(first, self.num_pages)
+        return range(self.first_page(self.group_of(layer)), self.num_pages)
 
     def heads_of(self, layer: int) -> int:
-        return self.layout.swa_kv_heads if self.layout.layer_is_swa[layer] else self.layout.full_kv_heads
+        return self.group_of(layer).spec.kv_heads
 
     def page_bytes(self, layer: int) -> int:
         """K and V bytes of one page of ``layer``."""
-        lay = self.layout
-        return self.page_size * self.heads_of(layer) * (lay.head_dim + lay.v_head_dim) * lay.dtype_bytes
+        return self.page_size * self.group_of(layer).spec.bytes_per_token
 
     @property
     def nbytes(self) -> int:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from llm_core.caches.kv_frame import frame_head, read_head
-from llm_core.caches.kv_pool import KV_DTYPES, DualKVCache, KVLayout, kv_dtype_name
+from llm_core.caches.kv_pool import KV_DTYPES, DualKVCache, KVLayout, PageRows, kv_dtype_name
 from llm_core.kv_transfer.layer_plan import LayerPlan
 
 MAGIC = b"EPDKV\x01\x00\x00"
@@ -55,8 +55,9 @@ def _head(plan: LayerPlan, dtype: torch.dtype) -> bytes:
     return frame_head(MAGIC, body)
 
 
-def pack(plan: LayerPlan, kv: DualKVCache, full_pages: list[int], swa_pages: list[int]) -> torch.Tensor:
-    """The plan's KV of one sequence (its logical-to-physical page rows) as one uint8 tensor [nbytes]."""
+def pack(plan: LayerPlan, kv: DualKVCache, rows: PageRows) -> torch.Tensor:
+    """The plan's KV of one sequence (its logical-to-physical page row per KV group,
+    ``Sequence.pages``) as one uint8 tensor [nbytes]."""
     dtype = kv.layer(0).k.dtype
     head = _head(plan, dtype)
     off = len(head)
@@ -66,8 +67,8 @@ def pack(plan: LayerPlan, kv: DualKVCache, full_pages: list[int], swa_pages: lis
     buf[:off] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     for i, (k_shape, v_shape) in enumerate(_blocks(plan)):
         layer = kv.layer(i)
-        rows = swa_pages if layer.is_swa else full_pages
-        idx = torch.tensor([rows[j] for j in plan.pages_of(i)], dtype=torch.int64)
+        row = rows[kv.layer_group[i]]
+        idx = torch.tensor([row[j] for j in plan.pages_of(i)], dtype=torch.int64)
         for src, shape in ((layer.k, k_shape), (layer.v, v_shape)):
             nbytes = int(np.prod(shape)) * esize
             dst = buf[off : off + nbytes].view(dtype).view(shape)
@@ -118,21 +119,18 @@ def read(
     return Payload(plan, blocks)
 
 
-def write_positions(
-    payload: Payload, kv: DualKVCache, full_pages: list[int], swa_pages: list[int], start: int, end: int
-) -> None:
-    """Write the payload's KV of positions [start, end) into a sequence's pages (its page rows,
-    allocated for those positions), every layer in order (``write_layer_positions``)."""
+def write_positions(payload: Payload, kv: DualKVCache, rows: PageRows, start: int, end: int) -> None:
+    """Write the payload's KV of positions [start, end) into a sequence's pages (its page row per
+    KV group, allocated for those positions), every layer in order (``write_layer_positions``)."""
     for i in range(len(payload.blocks)):
-        write_layer_positions(payload, kv, i, full_pages, swa_pages, start, end)
+        write_layer_positions(payload, kv, i, rows, start, end)
 
 
 def write_layer_positions(
     payload: Payload,
     kv: DualKVCache,
     layer: int,
-    full_pages: list[int],
-    swa_pages: list[int],
+    rows: PageRows,
     start: int,
     end: int,
 ) -> None:
@@ -148,9 +146,9 @@ def write_layer_positions(
     lo, hi = max(start, first), min(end, plan.num_tokens)
     if lo >= hi:
         return
-    rows = np.asarray(swa_pages if dst_layer.is_swa else full_pages, dtype=np.int64)
+    row = np.asarray(rows[kv.layer_group[layer]], dtype=np.int64)
     pos = np.arange(lo, hi, dtype=np.int64)
-    slots = torch.from_numpy(rows[pos // p] * p + pos % p).to(dst_layer.k.device)  # [hi - lo] flat slots
+    slots = torch.from_numpy(row[pos // p] * p + pos % p).to(dst_layer.k.device)  # [hi - lo] flat slots
     for dst, src in ((dst_layer.k, k_src), (dst_layer.v, v_src)):
         flat = src.reshape(-1, *src.shape[2:])[lo - first : hi - first]  # [hi - lo, heads, dim]
         dst.view(-1, *dst.shape[2:]).index_copy_(0, slots, flat.to(dst.device))

@@ -40,7 +40,8 @@ from epd_common.messages.cache_keys import MediaSpanError, media_spans
 from epd_common.store.store import Store
 from llm_core.caches.host_tier import HostKVTier
 from llm_core.caches.kv_events import AllBlocksCleared, KVEventBatch
-from llm_core.caches.kv_manager import KVManager
+from llm_core.caches.kv_groups import kv_groups_from_config
+from llm_core.caches.kv_manager import KVManager, group_managers
 from llm_core.caches.kv_pool import DualKVCache, KVCacheConfig, KVLayout
 from llm_core.caches.kv_store_tier import KVStoreTier, model_kv_id
 from llm_core.kv_transfer.kv_import import KVImport
@@ -495,14 +496,15 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """A snapshot for /health and /metrics. Counters are read without the lock (values may be
         one step old); the admission rate's running sums are not atomic, so it is read under it."""
-        full, swa = self.kv.full_pages, self.kv.swa_pages
+        usage = [g.pool.num_used / max(1, g.pool.num_pages) for g in self.scheduler.kv.groups]
         with self._lock:
             admission_per_s = self.admission.rate.per_s()
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
-            kv_full_usage=full.num_used / max(1, full.num_pages),
-            kv_swa_usage=swa.num_used / max(1, swa.num_pages),
+            kv_full_usage=usage[0],
+            # the fullest window group; a model without one keeps every page like its full group
+            kv_swa_usage=max(usage[1:], default=usage[0]),
             generation_tokens_total=self._meter.total,
             prompt_tokens_total=self._prompt_tokens_total,
             cached_prompt_tokens_total=self._cached_tokens_total,
@@ -630,12 +632,11 @@ def _build_kv_and_scheduler(
         # Room for one prefill chunk beyond the window in the SWA pool.
         swa_headroom_tokens=min(ec.max_num_batched_tokens, max_model_len),
     )
-    kv = DualKVCache.from_budget(layout, kv_cfg, dtype, device)
+    groups = kv_groups_from_config(cfg, layout.dtype_bytes, mtp_layers)
+    kv = DualKVCache.from_budget(layout, kv_cfg, dtype, device, groups)
     host = HostKVTier(kv, ec.host_kv_bytes) if ec.host_kv_bytes > 0 else None
     manager = KVManager(
-        kv.full_pages,
-        kv.swa_pages,
-        cfg.sliding_window,
+        group_managers(kv),
         enable_prefix_cache=ec.enable_prefix_cache,
         record_events=record_events,
         host_tier=host,

@@ -37,8 +37,7 @@ class CopyJob(NamedTuple):
     """Positions [lo, hi) of one sequence, copied from ``source`` into its pages."""
 
     source: KVSource
-    full_pages: list[int]
-    swa_pages: list[int]
+    rows: list[list[int]]  # the sequence's page row per KV group (``Sequence.pages``)
     lo: int
     hi: int
 
@@ -71,7 +70,7 @@ def plan_copies(seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> CopyPlan:
             continue
         src: KVSource = s.kv_source
         c, end = s.num_computed_tokens, src.end
-        plan.jobs.append(CopyJob(src, s.full_pages, s.swa_pages, c, min(end, c + n)))
+        plan.jobs.append(CopyJob(src, s.pages, c, min(end, c + n)))
         if c + n > end:
             assert src.first_token is None, "an import's chunks never cross its end (nothing follows)"
             plan.compute_index.append(b)
@@ -100,7 +99,7 @@ def _tail_of(seq: Sequence, end: int) -> Sequence:
 def copy_sequentially(kv: DualKVCache, jobs: Seq[CopyJob]) -> None:
     """Every job's whole chunk, one after the other, on the calling thread."""
     for job in jobs:
-        job.source.write(kv, job.full_pages, job.swa_pages, job.lo, job.hi)
+        job.source.write(kv, job.rows, job.lo, job.hi)
 
 
 class LayeredCopy:
@@ -151,7 +150,7 @@ class LayeredCopy:
                     if gate.error is not None:
                         return  # the forward gave up
                     for job in self._jobs:
-                        job.source.write_layer(kv, i, job.full_pages, job.swa_pages, job.lo, job.hi)
+                        job.source.write_layer(kv, i, job.rows, job.lo, job.hi)
                     gate.mark_ready(i)
         except BaseException as e:  # handed to the forward's thread: re-raised there
             self._error = e

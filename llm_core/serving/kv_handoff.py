@@ -88,7 +88,7 @@ class KVHandoff:
         t0 = time.perf_counter()
         plan = LayerPlan(self.layout, self.kv.page_size, seq.num_prompt_tokens)
         try:
-            buf = pack(plan, self.kv, seq.full_pages, seq.swa_pages)
+            buf = pack(plan, self.kv, seq.pages)
             handle = self.transport().export(buf.numpy().data, ttl_s=self.ttl_s)
         except KVTransferError as e:
             log.warning("KV export of %s failed (%s): %s", seq.seq_id, e.reason, e)

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from llm_core.caches.kv_manager import KVManager
-from llm_core.caches.kv_pool import swa_pages_per_sequence
 from llm_core.serving.sequence import Sampled, Sequence, SequenceStatus
 from llm_core.serving.waiting_queue import PriorityWeights, WaitingQueue, fair_split
 
@@ -99,17 +98,16 @@ class Scheduler:
                 f"request {seq.seq_id!r}: {seq.num_tokens} prompt + {seq.max_new_tokens} new tokens "
                 f"exceed max_model_len {self.config.max_model_len}"
             )
-        p = self.kv.page_size
-        full_need = math.ceil(total / p)
-        swa_need = (
-            full_need
-            if not self.kv.swa_aware
-            else min(full_need, swa_pages_per_sequence(self.kv.sliding_window, p))
-        )
-        if full_need > self.kv.full_pool.num_pages or swa_need > self.kv.swa_pool.num_pages:
+        num_pages = math.ceil(total / self.kv.page_size)
+        groups = self.kv.groups
+        needs = [g.pages_per_sequence(num_pages) for g in groups]
+        if any(n > g.pool.num_pages for n, g in zip(needs, groups, strict=True)):
+            kinds = ["full" if g.window is None else "SWA" for g in groups]
             raise RequestTooLarge(
-                f"request {seq.seq_id!r}: needs {full_need} full and {swa_need} SWA KV pages, the pools "
-                f"hold {self.kv.full_pool.num_pages} and {self.kv.swa_pool.num_pages}"
+                f"request {seq.seq_id!r}: needs "
+                + " and ".join(f"{n} {k}" for n, k in zip(needs, kinds, strict=True))
+                + " KV pages, the pools hold "
+                + " and ".join(str(g.pool.num_pages) for g in groups)
             )
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"waiting queue is full ({self.config.max_waiting} requests)")

@@ -9,14 +9,17 @@ Token layout::
     cache_keys  = prompt_keys + output_ids          what the prefix cache matches on
     prompt_keys = prompt_ids with each media placeholder run replaced by a pseudo-id of its MediaKey
 
-    positions   [0 ............ num_computed_tokens) KV written (full pool; SWA pool only the window)
+    positions   [0 ............ num_computed_tokens) KV written (full attention: all; a window: its window)
                 [num_computed_tokens .. num_tokens)  still to compute (the last one is the decode input)
 
-Page tables (``full_pages``, ``swa_pages``) map logical page ``i`` (positions [i*page, (i+1)*page))
-to a physical page of each pool; ``swa_pages[i] == -1`` means that page's SWA KV is not resident
-(it left the window, or the prefix cache never had to keep it). The first ``num_borrowed_pages``
-entries of both rows belong to the radix prefix cache (locked while this sequence runs), the rest
-belong to the sequence.
+Page tables: ``pages[g]`` maps logical page ``i`` (positions [i*page, (i+1)*page)) to a physical
+page of KV group ``g`` (``caches.kv_groups``; group 0 is full attention, then the sliding-window
+groups); all rows have one entry per logical page, and ``pages[g][i] == -1`` means that page's KV
+is not resident in window group ``g`` (it left the window, or the prefix cache never had to keep
+it). The first ``num_borrowed_pages`` entries of every row belong to the radix prefix cache
+(locked while this sequence runs), the rest belong to the sequence. A full-attention model has
+one row. ``full_pages`` / ``swa_pages`` are read-only views of group 0's row and the
+sliding-window group's row (what the attention kernels' two tables hold).
 """
 
 from __future__ import annotations
@@ -66,11 +69,12 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at the last admission
     num_preemptions: int = 0
-    # KV state, owned by the KV manager.
-    full_pages: list[int] = field(default_factory=list)
-    swa_pages: list[int] = field(default_factory=list)
+    # KV state, owned by the KV manager: one page row per KV group (empty: no pages held).
+    pages: list[list[int]] = field(default_factory=list)
     num_borrowed_pages: int = 0
-    num_swa_released: int = 0  # leading logical SWA pages already dropped (NOT_RESIDENT unless pinned)
+    # Per group: leading logical pages already dropped from its window (NOT_RESIDENT unless
+    # pinned; always 0 for full attention).
+    num_released: list[int] = field(default_factory=list)
     swa_pin_end: int = 0  # keep the SWA window before this position until release (heals a branch point)
     swa_prompt_pin: int = 0  # likewise for the prompt's last page boundary (a next turn resumes there)
     prefix_lock: Any = None  # radix_cache.PrefixLock while holding a prefix-cache hit
@@ -155,6 +159,25 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status in (SequenceStatus.FINISHED, SequenceStatus.ABORTED)
 
+    @property
+    def num_pages(self) -> int:
+        """Logical pages held (every group's row has this many entries)."""
+        return len(self.pages[0]) if self.pages else 0
+
+    @property
+    def full_pages(self) -> list[int]:
+        """Group 0's row (full attention)."""
+        return self.pages[0] if self.pages else []
+
+    @property
+    def swa_pages(self) -> list[int]:
+        """The sliding-window group's row (group 1); [] when the model has none."""
+        return self.pages[1] if len(self.pages) > 1 else []
+
+    @property
+    def num_swa_released(self) -> int:
+        return self.num_released[1] if len(self.num_released) > 1 else 0
+
     def full_slot(self, pos: int, page_size: int) -> int:
         return self.full_pages[pos // page_size] * page_size + pos % page_size
 
@@ -229,7 +252,7 @@ class DecodePageTables:
     def build(self, seqs: list[Sequence], positions: np.ndarray, page_size: int) -> PageTables:
         if not self._patch(seqs):
             self._full, self._swa = _page_table_arrays(seqs)
-            self._rows = [(list(s.full_pages), list(s.swa_pages)) for s in seqs]
+            self._rows = [(list(full), list(swa)) for full, swa in map(_attention_rows, seqs)]
         self._shared = True
         tokens = TokenPositions(np.arange(len(seqs)), positions)
         return _tables_and_slots(seqs, self._full, self._swa, tokens, page_size)
@@ -242,9 +265,10 @@ class DecodePageTables:
         width = self._full.shape[1]
         changed = False
         for b, (s, (full, swa)) in enumerate(zip(seqs, self._rows, strict=True)):
-            if s.full_pages == full and s.swa_pages == swa:
+            now_full, now_swa = _attention_rows(s)
+            if now_full == full and now_swa == swa:
                 continue
-            full, swa = list(s.full_pages), list(s.swa_pages)
+            full, swa = list(now_full), list(now_swa)
             if len(full) > width or len(swa) > width:
                 return False
             if self._shared:
@@ -286,13 +310,13 @@ def _page_table_arrays(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
     """int32 [B, P] full and SWA page tables of ``seqs`` (P: the longest row, at least 1), padded
     with 0 and NOT_RESIDENT. Flat Python lists and one numpy conversion per table: ~25 ns per entry,
     where torch.tensor on lists is ~4x slower and a row-by-row fill ~2x."""
-    width = max(1, max(len(s.full_pages) for s in seqs))
+    width = max(1, max(s.num_pages for s in seqs))
     full_pad = [0] * width
     swa_pad = [NOT_RESIDENT] * width
     full_rows: list[int] = []
     swa_rows: list[int] = []
     for s in seqs:
-        full, swa = s.full_pages, s.swa_pages
+        full, swa = _attention_rows(s)
         assert len(swa) <= width, f"seq {s.seq_id}: an SWA table longer than the full one"
         full_rows += full
         full_rows += full_pad[len(full) :]
@@ -303,3 +327,12 @@ def _page_table_arrays(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
         np.array(full_rows, dtype=np.int32).reshape(b, width),
         np.array(swa_rows, dtype=np.int32).reshape(b, width),
     )
+
+
+def _attention_rows(s: Sequence) -> tuple[list[int], list[int]]:
+    """The rows the attention kernels' two tables read: full attention's and the sliding window's.
+    A model without a sliding-window group has no layer that reads the SWA table: it gets the full
+    row, so that its write slots stay valid."""
+    assert len(s.pages) <= 2, "the attention kernels read one sliding-window table"
+    full = s.pages[0] if s.pages else []
+    return full, (s.pages[1] if len(s.pages) > 1 else full)

@@ -312,8 +312,10 @@ def create_app(
                 "role": config.role,
                 "kv_handoff": engine.handoff.stats() if engine.handoff else None,
                 "kv_tiers": engine.kv_tier_stats(),
-                "page_size": engine.kv.full_pages.page_size,
+                "page_size": engine.kv.page_size,
                 "sliding_window": engine.model_config.sliding_window,
+                # the KV cache groups (llm_core.caches.kv_groups): spec, layers, pages and bytes
+                "kv_groups": engine.kv.describe_groups(),
                 "kv_events_endpoint": events.endpoint if events else None,
                 "kv_events_replay_endpoint": events.replay_endpoint if events else None,
                 **extra,

@@ -16,10 +16,11 @@ import pytest
 
 from epd.llm_routing import llm_router
 from epd.llm_routing.kv_event_subscriber import SubscriberCounters
-from epd.llm_routing.llm_router import LLMRouter, NoEngineAvailable, connect_address
+from epd.llm_routing.llm_router import LLMRouter, NoEngineAvailable, connect_address, health_window
 from epd.llm_routing.load_counters import Dispatch
 from epd.llm_routing.policy import RouterConfig
 from llm_core.caches.kv_events import AllBlocksCleared, KVEventBatch
+from llm_core.caches.kv_group_manager import FullAttentionManager, SlidingWindowManager
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.kv_pool import PagePool
 from llm_core.serving.kv_event_publisher import KVEventPublisher
@@ -80,7 +81,11 @@ class FakeEngine:
         self.url = url
         self.page_size = page_size
         self.kv = KVManager(
-            PagePool(pages, page_size, "full"), PagePool(pages, page_size, "swa"), WINDOW, record_events=True
+            [
+                FullAttentionManager(PagePool(pages, page_size, "full")),
+                SlidingWindowManager(PagePool(pages, page_size, "swa"), WINDOW),
+            ],
+            record_events=True,
         )
         self.events = events
         self.instance_id = f"{url}#1"
@@ -449,3 +454,13 @@ def test_external_load_steers_only_when_configured() -> None:
             assert set(picks) == {"http://e1"}
         else:
             assert len(picks) == 2
+
+
+def test_health_window_reads_the_engine_kv_groups() -> None:
+    full = {"group": 0, "kind": "full_attention", "sliding_window": None}
+    swa = {"group": 1, "kind": "sliding_window", "sliding_window": 128}
+    # a full-attention engine has no window rule (its events name group 0 only)
+    assert health_window({"kv_groups": [full], "sliding_window": 32768}) == 1
+    assert health_window({"kv_groups": [full, swa], "sliding_window": 128}) == 128
+    assert health_window({"sliding_window": 64}) == 64  # an engine that lists no groups
+    assert health_window({}) is None

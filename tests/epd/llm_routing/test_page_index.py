@@ -11,6 +11,7 @@ import time
 import pytest
 
 from epd.llm_routing.kv_event_subscriber import KVEventSubscriber
+from epd.llm_routing.llm_router import health_window
 from epd.llm_routing.page_index import ApproxPageIndex, EnginePageIndex
 from llm_core.caches.kv_events import (
     FULL_GROUP,
@@ -21,7 +22,9 @@ from llm_core.caches.kv_events import (
     KVEventBatch,
     SwaTombstoned,
 )
+from llm_core.caches.kv_pool import PagePool
 from llm_core.caches.page_hash import page_hashes
+from llm_core.caches.radix_cache import RadixCache
 from llm_core.serving.kv_event_publisher import KVEventPublisher
 from tests.epd.llm_routing.traces import P, Trace
 
@@ -179,3 +182,25 @@ def test_invalid_geometry_is_refused() -> None:
         EnginePageIndex(0, 4)
     with pytest.raises(ValueError, match="ttl_s"):
         ApproxPageIndex(P, ttl_s=0)
+
+
+def test_full_attention_engine_events_predict_its_hits() -> None:
+    """A full-attention engine (one KV group) publishes group-0 events only; the router, told by
+    /health that the engine has no window group, predicts exactly the tree's hits."""
+    pool = PagePool(64, P, "full")
+    tree = RadixCache(P, (None,), (pool.free,), record_events=True)
+    window = health_window({"kv_groups": [{"group": 0, "kind": "full_attention", "sliding_window": None}]})
+    assert window == 1
+    index = EnginePageIndex(P, window)
+    keys = [list(range(24)), [*range(12), *range(50, 62)], list(range(100, 108))]
+    for key in keys:
+        pages = pool.alloc(len(key) // P)
+        assert pages is not None
+        pool.free(tree.insert(key, pages).to_free[0])
+    tree.evict_full(2)
+    batch = KVEventBatch(time.time(), tuple(tree.drain_events()))
+    assert all(getattr(e, "group_idx", 0) in (0, None) for e in batch.events)
+    index.apply(batch)
+    for key in [*keys, list(range(20)), [*range(12), 7, 7, 7, 7, 7]]:
+        want = tree.match_prefix(key, len(key) - 1, touch=False).length
+        assert index.hit_tokens(page_hashes(key[: (len(key) - 1) // P * P], P), len(key) - 1) == want

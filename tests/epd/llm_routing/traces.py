@@ -18,7 +18,7 @@ class Trace:
         self.rng = random.Random(seed)
         self.full, self.swa = PagePool(pages, P, "full"), PagePool(pages, P, "swa")
         self.cache = RadixCache(
-            P, window, self.full.free, self.swa.free, swa_aware=swa_aware, record_events=True
+            P, (None, window), (self.full.free, self.swa.free), swa_aware=swa_aware, record_events=True
         )
         self.swa_aware = swa_aware
         self.keys: list[list[int]] = []

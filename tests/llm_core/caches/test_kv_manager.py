@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epd_common.messages.cache_keys import MediaSpan
+from llm_core.caches.kv_group_manager import FullAttentionManager, SlidingWindowManager
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.kv_pool import PagePool, swa_pages_per_sequence
 from llm_core.serving.sequence import NOT_RESIDENT, Sequence, build_page_tables
@@ -49,7 +50,11 @@ class Shadow:
 
 def make_manager(full_pages: int, swa_pages: int, window: int, swa_aware: bool = True) -> KVManager:
     return KVManager(
-        PagePool(full_pages, P, "full"), PagePool(swa_pages, P, "swa"), window, swa_aware=swa_aware
+        [
+            FullAttentionManager(PagePool(full_pages, P, "full")),
+            SlidingWindowManager(PagePool(swa_pages, P, "swa"), window),
+        ],
+        swa_aware=swa_aware,
     )
 
 
@@ -76,7 +81,7 @@ def test_swa_pages_stay_within_window_during_decode() -> None:
         assert run_step(kv, shadow, seq, 1)
         resident = sum(1 for p in seq.swa_pages if p != NOT_RESIDENT)
         # the moving window, plus the window kept at the prompt's end (``pin_prompt_end``)
-        pinned = sum(hi - lo for lo, hi in kv._pinned_pages(seq))
+        pinned = sum(hi - lo for lo, hi in kv.windows[0].pinned_pages((seq.swa_pin_end, seq.swa_prompt_pin)))
         assert seq.swa_prompt_pin == 28 and pinned == 2  # pages [(28 - 8) // 4, 28 // 4)
         assert resident <= swa_pages_per_sequence(window, P) + pinned
         assert kv.swa_pool.num_used == resident

@@ -13,7 +13,7 @@ P = 4  # page size in tokens
 def make_cache(window: int, swa_aware: bool = True, pages: int = 64) -> tuple[RadixCache, PagePool, PagePool]:
     full = PagePool(pages, P, "full")
     swa = PagePool(pages, P, "swa")
-    return RadixCache(P, window, full.free, swa.free, swa_aware=swa_aware), full, swa
+    return RadixCache(P, (None, window), (full.free, swa.free), swa_aware=swa_aware), full, swa
 
 
 def key_of(*pages: int) -> list[int]:

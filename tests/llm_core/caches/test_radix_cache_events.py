@@ -80,7 +80,7 @@ def tree_state(cache: RadixCache, keys: list[list[int]]) -> dict[int, bool]:
 def test_replayed_events_equal_the_tree_after_every_operation(seed: int, swa_aware: bool) -> None:
     rng = random.Random(seed)
     full, swa = PagePool(40, P, "full"), PagePool(40, P, "swa")
-    cache = RadixCache(P, 9, full.free, swa.free, swa_aware=swa_aware, record_events=True)
+    cache = RadixCache(P, (None, 9), (full.free, swa.free), swa_aware=swa_aware, record_events=True)
     replica = Replica()
     keys: list[list[int]] = []
     for _ in range(150):
@@ -124,7 +124,7 @@ def test_replayed_events_equal_the_tree_after_every_operation(seed: int, swa_awa
 
 def test_no_events_unless_recording() -> None:
     full, swa = PagePool(8, P, "full"), PagePool(8, P, "swa")
-    cache = RadixCache(P, 9, full.free, swa.free)
+    cache = RadixCache(P, (None, 9), (full.free, swa.free))
     fp = full.alloc(2)
     sp = swa.alloc(2)
     assert fp is not None and sp is not None

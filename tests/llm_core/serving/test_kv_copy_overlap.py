@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from llm_core.caches.host_restore import HostRestore
-from llm_core.caches.kv_pool import DualKVCache, KVLayout, LayerKV
+from llm_core.caches.kv_pool import DualKVCache, KVLayout, LayerKV, PageRows
 from llm_core.caches.layer_gate import LayerCopyFailed
 from llm_core.kv_transfer.kv_import import KVImport
 from llm_core.kv_transfer.layer_plan import LayerPlan
@@ -89,16 +89,14 @@ def test_a_restored_session_gives_the_recomputed_ids(
 class HalfK(HostRestore):
     """A wrong copy: full layers' K of the copied positions halved."""
 
-    def write_layer(
-        self, kv: DualKVCache, layer: int, full_pages: list[int], swa_pages: list[int], lo: int, hi: int
-    ) -> None:
-        super().write_layer(kv, layer, full_pages, swa_pages, lo, hi)
+    def write_layer(self, kv: DualKVCache, layer: int, rows: PageRows, lo: int, hi: int) -> None:
+        super().write_layer(kv, layer, rows, lo, hi)
         dst = kv.layer_storage(layer)
         if dst.is_swa:
             return
         p = self.page_size
         for pos in range(lo, hi):
-            dst.k[full_pages[pos // p], pos % p] *= 0.5
+            dst.k[rows[0][pos // p], pos % p] *= 0.5
 
 
 def test_a_corrupted_copy_changes_the_ids(
@@ -120,14 +118,12 @@ def test_the_forward_waits_for_each_layers_copy(
     events: list[tuple[str, float]] = []  # in the order they happened (list.append is atomic)
 
     class SlowLayer1(HostRestore):
-        def write_layer(
-            self, kv: DualKVCache, layer: int, full_pages: list[int], swa_pages: list[int], lo: int, hi: int
-        ) -> None:
+        def write_layer(self, kv: DualKVCache, layer: int, rows: PageRows, lo: int, hi: int) -> None:
             beside = layer == 1 and kv.gate is not None  # a copy beside a forward, not before it
             if beside:
                 events.append(("copy1-start", time.perf_counter()))
                 time.sleep(0.2)
-            super().write_layer(kv, layer, full_pages, swa_pages, lo, hi)
+            super().write_layer(kv, layer, rows, lo, hi)
             if beside:
                 events.append(("copy1-done", time.perf_counter()))
 
@@ -170,14 +166,14 @@ def test_an_imports_per_layer_writes_equal_its_chunk_write() -> None:
         lk.v.copy_(torch.randn(lk.v.shape, generator=gen))
     plan = LayerPlan(layout, page, 22)
     rows = list(range(6))
-    payload = read(bytearray(pack(plan, src, rows, rows).numpy().tobytes()), layout, page, torch.float32)
+    payload = read(bytearray(pack(plan, src, [rows, rows]).numpy().tobytes()), layout, page, torch.float32)
     imp = KVImport(payload, first_token=7, nbytes=0, seconds=0.0)
     dst_rows = [9, 3, 5, 0, 12, 7]
     whole, layered = DualKVCache(layout, 16, 16, page), DualKVCache(layout, 16, 16, page)
     for lo, hi in ((0, 9), (9, 22)):  # two chunks, the second reaching the window pages
-        imp.write(whole, dst_rows, dst_rows, lo, hi)
+        imp.write(whole, [dst_rows, dst_rows], lo, hi)
         for i in range(layout.num_layers):
-            imp.write_layer(layered, i, dst_rows, dst_rows, lo, hi)
+            imp.write_layer(layered, i, [dst_rows, dst_rows], lo, hi)
     for i in range(layout.num_layers):
         a, b = whole.layer_storage(i), layered.layer_storage(i)
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
@@ -193,13 +189,11 @@ class RecordingSource:
 
     start, end, first_token = 0, 8, None
 
-    def write(self, kv: DualKVCache, full_pages: list[int], swa_pages: list[int], lo: int, hi: int) -> None:
+    def write(self, kv: DualKVCache, rows: PageRows, lo: int, hi: int) -> None:
         for i in range(kv.num_layers):
-            self.write_layer(kv, i, full_pages, swa_pages, lo, hi)
+            self.write_layer(kv, i, rows, lo, hi)
 
-    def write_layer(
-        self, kv: DualKVCache, layer: int, full_pages: list[int], swa_pages: list[int], lo: int, hi: int
-    ) -> None:
+    def write_layer(self, kv: DualKVCache, layer: int, rows: PageRows, lo: int, hi: int) -> None:
         time.sleep(self.delay_s)
         if layer == self.fail_at:
             raise ValueError(f"layer {layer} lost")
@@ -213,7 +207,7 @@ def small_kv() -> DualKVCache:
 def test_a_failed_copy_fails_the_forward_with_its_error_and_clears_the_gate() -> None:
     kv = small_kv()
     src = RecordingSource(fail_at=2)
-    copy = LayeredCopy(kv, [CopyJob(src, [0, 1], [0, 1], 0, 8)])
+    copy = LayeredCopy(kv, [CopyJob(src, [[0, 1], [0, 1]], 0, 8)])
     with pytest.raises(ValueError, match="layer 2 lost") as info, copy:
         for i in range(kv.num_layers):
             kv.layer(i)  # the forward: layer 2 never opens
@@ -225,7 +219,7 @@ def test_a_failed_copy_fails_the_forward_with_its_error_and_clears_the_gate() ->
 def test_a_failed_forward_stops_the_copy_and_keeps_its_own_error() -> None:
     kv = small_kv()
     src = RecordingSource(delay_s=0.05)
-    jobs = [CopyJob(src, [0, 1], [0, 1], 0, 8), CopyJob(src, [2, 3], [2, 3], 0, 8)]
+    jobs = [CopyJob(src, [[0, 1], [0, 1]], 0, 8), CopyJob(src, [[2, 3], [2, 3]], 0, 8)]
     with pytest.raises(RuntimeError, match="forward"), LayeredCopy(kv, jobs):
         kv.layer(0)
         raise RuntimeError("forward failed")

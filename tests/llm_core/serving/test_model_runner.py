@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from epd_common.messages.cache_keys import MediaSpan, media_spans
+from llm_core.caches.kv_group_manager import FullAttentionManager, SlidingWindowManager
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.kv_pool import PagePool
 from llm_core.models.positions import LinearPositions, MRopePositions, PositionScheme
@@ -41,7 +42,12 @@ def make_runner(scheme: PositionScheme | None = None) -> ModelRunner:
 
 
 def make_manager(window: int) -> KVManager:
-    return KVManager(PagePool(512, P, "full"), PagePool(512, P, "swa"), window)
+    return KVManager(
+        [
+            FullAttentionManager(PagePool(512, P, "full")),
+            SlidingWindowManager(PagePool(512, P, "swa"), window),
+        ]
+    )
 
 
 def image_sequence(seq_id: str, text_before: int, text_after: int, grid: tuple[int, int, int]) -> Sequence:

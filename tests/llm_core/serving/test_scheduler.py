@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llm_core.caches.kv_group_manager import FullAttentionManager, SlidingWindowManager
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.kv_pool import PagePool
 from llm_core.serving.scheduler import QueueFull, RequestTooLarge, ScheduledBatch, Scheduler, SchedulerConfig
@@ -28,7 +29,12 @@ class Clock:
 def make(
     full_pages: int = 256, swa_pages: int = 64, window: int = 9, clock: Clock | None = None, **cfg: object
 ) -> Scheduler:
-    kv = KVManager(PagePool(full_pages, P, "full"), PagePool(swa_pages, P, "swa"), window)
+    kv = KVManager(
+        [
+            FullAttentionManager(PagePool(full_pages, P, "full")),
+            SlidingWindowManager(PagePool(swa_pages, P, "swa"), window),
+        ]
+    )
     return Scheduler(SchedulerConfig(**cfg), kv, clock or Clock())  # type: ignore[arg-type]
 
 
