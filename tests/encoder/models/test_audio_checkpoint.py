@@ -23,8 +23,9 @@ def test_loads_the_fixture_audio_encoder(mimo_v2_dir: Path) -> None:
     assert isinstance(loaded, LoadedAudioEncoder)
     assert loaded.settings == AudioSettings()  # the fixture keeps the release's audio fields
     assert loaded.out_hidden_size == 128
-    assert load_audio_encoder(mimo_v2_dir).fingerprint == loaded.fingerprint
-    assert load_audio_encoder(mimo_v2_dir, dtype=torch.bfloat16).fingerprint != loaded.fingerprint
+    again, bf16 = load_audio_encoder(mimo_v2_dir), load_audio_encoder(mimo_v2_dir, dtype=torch.bfloat16)
+    assert isinstance(again, LoadedAudioEncoder) and isinstance(bf16, LoadedAudioEncoder)
+    assert again.fingerprint == loaded.fingerprint and bf16.fingerprint != loaded.fingerprint
     # the same modules built by hand from the files give the same rows
     raw = json.loads((mimo_v2_dir / "config.json").read_text())
     tok_cfg = AudioTokenizerConfig.from_dict(
