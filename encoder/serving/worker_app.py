@@ -11,10 +11,10 @@
                             "settings", "out_hidden_size"}, "queue_depth", ..., "paths": what
                             decodes and preprocesses, "fallbacks": stand-ins in use and why}
 
-Audio (a checkpoint with an audio encoder, ``encoder.models.audio_checkpoint``): the clip is
-decoded to mono at the model's rate and turned into its log-mel in the decode pool (torch, on the
-model's device: ``paths.log_mel`` says "torch"), then batched with other requests' clips into one
-call of the audio encoder. Its ref has modality "audio", shape [pads, hidden] with one row per
+Audio (a checkpoint with an audio encoder, ``encoder.models.audio_checkpoint``; the steps are
+``audio_path.AudioPath``'s): the clip is decoded to mono at the model's rate and turned into its
+log-mel in the decode pool (torch, on the model's device: ``paths.log_mel`` says "torch"), then
+batched with other requests' clips into one call of the audio encoder. Its ref has modality "audio", shape [pads, hidden] with one row per
 ``<|audio_pad|>`` (``AudioTokenRule.pad_count`` of the mel frames) and grid_thw ((1, 1, pads),).
 Its MediaKey folds the audio settings (``AudioSettings``) and the audio encoder's own fingerprint
 (``audio.fingerprint`` in /health), so image and video keys are what they were. A checkpoint
@@ -61,7 +61,7 @@ from encoder.caches.embedding_tier import EmbeddingTier
 from encoder.caches.media_key import KeySettings, media_key
 from encoder.models.audio_checkpoint import LoadedAudioEncoder, NoAudio, load_audio_encoder
 from encoder.models.checkpoint import LoadedEncoder, load_encoder
-from encoder.serving.audio_batcher import AudioBatcher
+from encoder.serving.audio_path import LOG_MEL_PATH, AudioPath
 from encoder.serving.batcher import EncodeBatcher, QueueFull
 from encoder.serving.worker import WorkerConfig
 from epd_common.active_paths import report
@@ -71,8 +71,6 @@ from epd_common.messages.embedding_ref import EmbeddingRef
 from epd_common.runtime import freeze_startup_objects
 from epd_common.store_config import build_store
 from media_io.active_paths import media_paths
-from media_io.audio import decode_audio
-from media_io.audio_features import log_mel
 from media_io.errors import BadMedia, MediaError, MediaTooLarge, UnsupportedMedia
 from media_io.preprocess import Patches, PreprocessBackend, get_backend
 from media_io.sniff import sniff
@@ -140,12 +138,6 @@ class _Metrics:
         )
 
 
-def audio_serving_fingerprint(audio_fingerprint: str, mel_path: str = "torch") -> str:
-    """What every audio MediaKey of this worker folds in: the audio encoder's weights and the
-    log-mel implementation (only ours, "torch", exists; another would key apart)."""
-    return hashlib.sha256(f"{audio_fingerprint}|log_mel={mel_path}".encode()).hexdigest()
-
-
 def serving_fingerprint(checkpoint_fingerprint: str, backend: str) -> str:
     """What every MediaKey of this worker folds in: the checkpoint and the preprocessing backend.
 
@@ -183,12 +175,10 @@ class EncoderWorker:
             max_queue_patches=config.max_queue_patches,
             forward_streams=config.forward_streams or 1,
         )
-        self.audio_batcher: AudioBatcher | None = None
+        self.audio_path: AudioPath | None = None
         if isinstance(audio, LoadedAudioEncoder):
-            self.audio_batcher = AudioBatcher(
-                audio.model, max_wait_ms=config.max_wait_ms, forward_streams=config.forward_streams or 1
-            )
-            self.paths["paths"]["log_mel"] = "torch"
+            self.audio_path = AudioPath(audio, config.max_wait_ms, config.forward_streams or 1)
+            self.paths["paths"]["log_mel"] = LOG_MEL_PATH
         self.pool = ThreadPoolExecutor(
             max_workers=config.decode_threads, thread_name_prefix="epd-encoder-decode"
         )
@@ -211,32 +201,25 @@ class EncoderWorker:
     def fingerprint(self) -> str:
         return serving_fingerprint(self.loaded.fingerprint, self.backend.name)
 
-    @property
-    def audio_fingerprint(self) -> str | None:
-        """The fingerprint of this worker's audio keys; None without an audio encoder."""
-        if not isinstance(self.audio, LoadedAudioEncoder):
-            return None
-        return audio_serving_fingerprint(self.audio.fingerprint)
-
     def key_settings(self, modality: str) -> tuple[KeySettings, str]:
         """What a ``modality`` item's MediaKey folds in: its settings and the fingerprint."""
         if modality == "audio":
-            assert isinstance(self.audio, LoadedAudioEncoder)
-            return self.audio.settings, audio_serving_fingerprint(self.audio.fingerprint)
+            assert self.audio_path is not None
+            return self.audio_path.settings, self.audio_path.fingerprint
         return self.config.preprocess, self.fingerprint
 
     async def start(self) -> None:
         await self.batcher.start()
-        if self.audio_batcher is not None:
-            await self.audio_batcher.start()
+        if self.audio_path is not None:
+            await self.audio_path.start()
 
     async def stop(self) -> None:
         for task in list(self._inflight.values()):
             task.cancel()
         await asyncio.gather(*self._inflight.values(), return_exceptions=True)
         await self.batcher.stop()
-        if self.audio_batcher is not None:
-            await self.audio_batcher.stop()
+        if self.audio_path is not None:
+            await self.audio_path.stop()
         self.pool.shutdown(wait=True)
         self.io_pool.shutdown(wait=True)
         self.cache.close()
@@ -416,14 +399,15 @@ class EncoderWorker:
 
     async def _compute_audio(self, data: bytes, key: str, item: str | None) -> EncodeOutcome:
         """An audio clip: its log-mel (decode pool), its rows (audio batcher), into the cache."""
-        assert self.audio_batcher is not None
+        path = self.audio_path
+        assert path is not None
         loop = asyncio.get_running_loop()
         timings: dict[str, float] = {}
-        mel = await loop.run_in_executor(self.pool, self._decode_audio, data, item, timings)
+        mel = await loop.run_in_executor(self.pool, path.mel, data, self.config.limits, item, timings)
         frames = int(mel.shape[0])
         self.estimator.observe("audio", frames)
         self._correct(key, float(frames))
-        result = await self.audio_batcher.encode_timed(mel)
+        result = await path.rows(mel)
         timings["queue"] = result.queue_ms
         timings["forward"] = result.forward_ms
         rows = int(result.embedding.shape[0])
@@ -436,22 +420,6 @@ class EncoderWorker:
         for stage, ms in timings.items():
             self.metrics.stage.labels(stage=stage).observe(ms / 1000.0)
         return EncodeOutcome(self._public(ref), False, timings)
-
-    def _decode_audio(self, data: bytes, item: str | None, timings: dict[str, float]) -> torch.Tensor:
-        """Runs in the decode pool: the clip's log-mel [T, n_mels] float32 on the audio encoder's
-        device. Fills timings["decode"] and timings["preprocess"] (the log-mel), in ms."""
-        assert isinstance(self.audio, LoadedAudioEncoder)
-        settings = self.audio.settings
-        t0 = time.perf_counter()
-        clip = decode_audio(data, settings.audio, self.config.limits, item)
-        t1 = time.perf_counter()
-        device = self.audio.model.tokenizer.conv1.weight.device
-        samples = torch.from_numpy(clip.samples).to(device)  # [N] float32 mono
-        with torch.inference_mode():
-            mel = log_mel([samples], settings.audio)[0]  # [N // hop + 1, n_mels]
-        timings["decode"] = (t1 - t0) * 1000.0
-        timings["preprocess"] = (time.perf_counter() - t1) * 1000.0
-        return mel
 
     def _decode_preprocess(
         self, data: bytes, modality: str, item: str | None, timings: dict[str, float]
@@ -509,7 +477,7 @@ class EncoderWorker:
         return {
             "status": "ok",
             "fingerprint": self.fingerprint,
-            "audio": self._audio_health(),
+            "audio": None if self.audio_path is None else self.audio_path.health(),
             "queue_depth": s.queue_items,
             "queue_patches": s.queue_patches,
             "inflight": self._admitted,
@@ -527,19 +495,6 @@ class EncoderWorker:
             "cache_namespace": self.cache.namespace,
             "pid": os.getpid(),
             **self.paths,
-        }
-
-    def _audio_health(self) -> dict[str, Any] | None:
-        """What the ingress needs to key audio as this worker does (None: no audio encoder)."""
-        if not isinstance(self.audio, LoadedAudioEncoder) or self.audio_batcher is None:
-            return None
-        s = self.audio_batcher.stats()
-        return {
-            "fingerprint": self.audio_fingerprint,
-            "settings": self.audio.settings.to_dict(),
-            "out_hidden_size": self.audio.out_hidden_size,
-            "queue_frames": s.queue_patches,
-            "batches": s.batches,
         }
 
     def metrics_text(self) -> bytes:
@@ -586,6 +541,8 @@ def build_app(
             if aud is None:
                 aud = load_audio_encoder(config.model_path, config.torch_dtype, config.resolve_device())
             _warm_up(enc)
+            if isinstance(aud, LoadedAudioEncoder):
+                AudioPath(aud, 0.0, 1).warm_up()
             warm_decode_pool(config.video_decode_workers)
             cache = EmbedCache(config.cache_namespace, config.cache_capacity_bytes, config.cache_root)
             store = build_store(config.store)

@@ -19,7 +19,7 @@ import torch
 
 from encoder.caches.media_key import media_key
 from encoder.models.audio_checkpoint import LoadedAudioEncoder, load_audio_encoder
-from encoder.serving.worker_app import audio_serving_fingerprint
+from encoder.serving.audio_path import audio_serving_fingerprint
 from media_io.audio import decode_audio
 from media_io.audio_features import log_mel
 from tests.epd.conftest import ServeProcess, embedding_of, http_json, start_serve, stop_serve, upload

@@ -14,8 +14,8 @@ from safetensors.torch import load as load_safetensors
 from encoder.caches.embed_cache import EmbedCache
 from encoder.caches.media_key import media_key
 from encoder.models.audio_checkpoint import LoadedAudioEncoder, load_audio_encoder
+from encoder.serving.audio_path import audio_serving_fingerprint
 from encoder.serving.worker import WorkerConfig
-from encoder.serving.worker_app import audio_serving_fingerprint
 from media_io.audio import decode_audio
 from media_io.audio_features import log_mel
 from media_io.config import MediaLimits, PreprocessConfig
