@@ -3,8 +3,8 @@
 
 - an ``audio/*`` upload gives one row per <|audio_pad|>: the rows of the audio encoder run directly
   on ``log_mel(decode_audio(bytes))``, keyed by the audio settings and the audio fingerprint;
-- the same clip again (an octet-stream upload, then a JSON data: item) is a node-cache hit with
-  identical rows;
+- the same clip again (an octet-stream upload, a JSON data: item, a JSON http URL item) is a
+  node-cache hit with identical rows;
 - bad clips get the 4xx naming the item, and the service keeps serving.
 """
 
@@ -22,7 +22,7 @@ from encoder.models.audio_checkpoint import LoadedAudioEncoder, load_audio_encod
 from encoder.serving.audio_path import audio_serving_fingerprint
 from media_io.audio import decode_audio
 from media_io.audio_features import log_mel
-from tests.epd.conftest import ServeProcess, embedding_of, http_json, start_serve, stop_serve, upload
+from tests.epd.conftest import Media, ServeProcess, embedding_of, http_json, start_serve, stop_serve, upload
 from tests.media_io.audio_files import encode, tone
 from tests.media_io.test_audio import unknown_codec_wav
 
@@ -31,7 +31,7 @@ from tests.media_io.test_audio import unknown_codec_wav
 def server(mimo_v2_dir: Path) -> Iterator[ServeProcess]:
     srv = start_serve(
         ["--model", str(mimo_v2_dir), "--encoder-dtype", "float32", "--llm-dtype", "float32",
-         "--llm-engine-max-model-len", "1024"]
+         "--llm-engine-max-model-len", "1024", "--fetch-allow-cidrs", "127.0.0.0/8"]
     )  # fmt: skip
     try:
         yield srv
@@ -53,7 +53,9 @@ def direct_rows(audio: LoadedAudioEncoder, data: bytes) -> torch.Tensor:
         return audio.model([mel]).rows
 
 
-def test_audio_upload_is_encoded_then_a_cache_hit(server: ServeProcess, audio: LoadedAudioEncoder) -> None:
+def test_audio_upload_is_encoded_then_a_cache_hit(
+    server: ServeProcess, audio: LoadedAudioEncoder, media: Media
+) -> None:
     data = encode(tone(2.2, 22050, (330.0, 550.0)), 22050, "mp3")
     status, reply = upload(server, [("song.mp3", data, "audio/mpeg")], "?embeddings=true")
     assert status == 200, reply
@@ -74,6 +76,11 @@ def test_audio_upload_is_encoded_then_a_cache_hit(server: ServeProcess, audio: L
 
     uri = "data:audio/mpeg;base64," + base64.b64encode(data).decode()
     status, js = http_json("POST", f"{server.url}/v1/encode", {"items": [{"data": uri, "modality": "audio"}]})
+    assert status == 200, js
+    assert js["data"][0]["cache_hit"] is True and js["data"][0]["key"] == item["key"]
+
+    url = media.server.add("song.mp3", data, "audio/mpeg")
+    status, js = http_json("POST", f"{server.url}/v1/encode", {"items": [{"url": url}]})
     assert status == 200, js
     assert js["data"][0]["cache_hit"] is True and js["data"][0]["key"] == item["key"]
 
