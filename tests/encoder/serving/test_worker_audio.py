@@ -16,6 +16,7 @@ from encoder.caches.media_key import media_key
 from encoder.models.audio_checkpoint import LoadedAudioEncoder, load_audio_encoder
 from encoder.serving.audio_path import audio_serving_fingerprint
 from encoder.serving.worker import WorkerConfig
+from epd_common.store_config import StoreConfig
 from media_io.audio import decode_audio
 from media_io.audio_features import log_mel
 from media_io.config import MediaLimits, PreprocessConfig
@@ -165,3 +166,59 @@ def test_a_checkpoint_without_an_audio_tokenizer_refuses_audio(tmp_path: Path) -
         assert "audio (wav)" in body["error"]["message"] and "audio_tokenizer/" in body["error"]["message"]
         status, health, _ = s.request("GET", "/health")
         assert health["audio"] is None and "log_mel" not in health["paths"]
+
+
+def _config(root: Path, ckpt: Path, name: str, store: StoreConfig | None = None) -> WorkerConfig:
+    return WorkerConfig(
+        uds=str(root / f"{name}.sock"),
+        model_path=str(ckpt),
+        cache_root=str(root / f"cache-{name}"),
+        cache_namespace=name,
+        dtype="float32",
+        max_wait_ms=20.0,
+        limits=LIMITS,
+        store=store or StoreConfig(),
+    )
+
+
+def test_same_clip_at_once_is_encoded_once(tmp_path: Path, mimo_v2_dir: Path) -> None:
+    import asyncio
+
+    import aiohttp
+
+    clip = encode(tone(0.9, 8000, (350.0,)), 8000, "wav")
+    with _serving(_config(tmp_path, mimo_v2_dir, "sf")) as s:
+
+        async def go() -> list[dict]:
+            async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=s.sock)) as session:
+
+                async def one(i: int) -> dict:
+                    async with session.post("http://w/encode", data=clip, params={"item": f"c{i}"}) as r:
+                        assert r.status == 200, await r.text()
+                        return await r.json()
+
+                return list(await asyncio.gather(*(one(i) for i in range(4))))
+
+        bodies = asyncio.run(go())
+        assert len({b["ref"]["key"] for b in bodies}) == 1
+        assert sorted(b["cache_hit"] for b in bodies) == [False, True, True, True]
+        _, health, _ = s.request("GET", "/health")
+        assert health["audio"]["batches"] == 1
+
+
+def test_a_clip_encoded_on_one_node_is_a_store_hit_on_another(tmp_path: Path, mimo_v2_dir: Path) -> None:
+    store = StoreConfig(dir=str(tmp_path / "store"), max_bytes=16 << 20)
+    clip = encode(tone(0.8, 8000, (420.0,)), 8000, "wav")
+    with _serving(_config(tmp_path, mimo_v2_dir, "a", store)) as a:
+        status, first, _ = a.request("POST", "/encode", clip, item="a.wav")
+        assert status == 200 and first["cache_hit"] is False
+        _, rows_a, _ = a.request("GET", f"/embeddings/{first['ref']['key']}")
+    # (the publish runs after the reply; a worker's stop waits for it)
+    with _serving(_config(tmp_path, mimo_v2_dir, "b", store)) as b:
+        status, second, _ = b.request("POST", "/encode", clip, item="b.wav")
+        assert status == 200 and second["cache_hit"] is True
+        assert second["ref"]["key"] == first["ref"]["key"] and second["ref"]["modality"] == "audio"
+        _, rows_b, _ = b.request("GET", f"/embeddings/{second['ref']['key']}")
+        _, health, _ = b.request("GET", "/health")
+        assert health["audio"]["batches"] == 0  # nothing encoded on b
+    assert torch.equal(load_safetensors(rows_a)["embedding"], load_safetensors(rows_b)["embedding"])
