@@ -23,7 +23,7 @@ from epd.llm_backends.base import BackendMismatch, LLMBackend
 from epd.llm_backends.epd_engine import EpdEngineBackend
 from epd.llm_backends.vllm_backend import ModelInfo, VLLMBackend
 from epd.llm_backends.vllm_ec import ECFolder
-from epd.media_pipeline import MediaPipeline
+from epd.media_pipeline import AudioKeying, MediaPipeline
 from epd.metrics import IngressMetrics
 from epd.prompt_format import PromptFormat
 from epd_common.errors import APIError
@@ -43,6 +43,7 @@ class Ingress:
         self.config = config
         self.metrics = IngressMetrics()
         self.fingerprint = ""
+        self.audio: AudioKeying | None = None  # how the encoders key audio (None: they take none)
         self._session: aiohttp.ClientSession | None = None
         self._fetcher: Fetcher | None = None
         self._pipeline: MediaPipeline | None = None
@@ -116,6 +117,7 @@ class Ingress:
             max_inflight=self.config.max_inflight_items,
             max_queue_wait_s=self.config.max_queue_wait_s,
             tier=tier,
+            audio=self.audio,
         )
         await self.poll_health()
         self._health_task = asyncio.create_task(self._health_loop(), name="epd-ingress-health")
@@ -215,6 +217,10 @@ class Ingress:
             if len(prints) > 1:
                 raise RuntimeError(f"encoder workers serve different checkpoints: {sorted(map(str, prints))}")
             if prints:
+                audio = {AudioKeying.from_health(h.get("audio")) for h in healths if h}
+                if len(audio) > 1:
+                    raise RuntimeError("encoder workers disagree on their audio encoders")
+                self.audio = audio.pop()
                 return str(prints.pop())
             if asyncio.get_running_loop().time() > deadline:
                 raise RuntimeError(f"no encoder answered /health: {list(self.config.encoder_urls)}")

@@ -10,6 +10,10 @@
 The event loop only awaits: hashing of large bodies runs in the default executor; decode and the
 forward run in the encoder processes.
 
+Audio takes the same path. Its MediaKey folds the audio settings and the audio encoder's
+fingerprint the workers report in /health (``AudioKeying``), so it is the key a worker derives;
+without one (the encoders have no audio encoder) an audio item is refused with 415.
+
 Admission is by expected wait (``epd_common.admission``), in items: a request's items are taken
 while the items in flight plus its own would be done within its deadline at the items per second
 this ingress has been resolving (hits included: they are part of the mix it serves). The deadline
@@ -41,10 +45,26 @@ from epd.metrics import IngressMetrics
 from epd_common.admission import ServiceRate, seconds_left
 from epd_common.errors import APIError, bad_request, overloaded
 from epd_common.messages.embedding_ref import EmbeddingRef
+from media_io.audio_settings import AudioSettings
 from media_io.config import PreprocessConfig
 from media_io.errors import MediaError, UnsupportedMedia
 from media_io.fetch import Fetcher
 from media_io.sniff import sniff
+
+
+@dataclass(frozen=True)
+class AudioKeying:
+    """What an audio MediaKey folds in, as the encoder workers report it (/health "audio")."""
+
+    settings: AudioSettings
+    fingerprint: str
+
+    @classmethod
+    def from_health(cls, audio: object) -> AudioKeying | None:
+        """From a worker's /health "audio" value (None: it has no audio encoder)."""
+        if not isinstance(audio, dict):
+            return None
+        return cls(AudioSettings.from_dict(audio["settings"]), str(audio["fingerprint"]))
 
 
 @dataclass(frozen=True)
@@ -72,10 +92,11 @@ class MediaPipeline:
         max_queue_wait_s: float = 10.0,
         seed_items_per_s: float = 50.0,
         tier: EmbeddingTier | None = None,
+        audio: AudioKeying | None = None,
     ) -> None:
         """``max_queue_wait_s``: the deadline of a request that sends none (``X-Request-Timeout``
         shortens it); ``max_inflight``: a memory guard on items at once; ``seed_items_per_s``: the
-        rate assumed until measured."""
+        rate assumed until measured; ``audio``: how the workers key audio (None: they take none)."""
         self.fetcher = fetcher
         self.router = router
         self.cache = cache
@@ -84,6 +105,7 @@ class MediaPipeline:
         self.fingerprint = fingerprint
         self.metrics = metrics
         self.tier = tier
+        self.audio = audio
         self.max_inflight = max_inflight
         self.max_queue_wait_s = max_queue_wait_s
         self.rate = ServiceRate(seed_items_per_s)
@@ -166,7 +188,7 @@ class MediaPipeline:
             kind = sniff(data)
         except MediaError as exc:  # sniff sees bytes only; name the item so the client knows which
             raise type(exc)(exc.message, exc.item or src.name) from exc
-        if kind.modality == "audio":  # recognized, so that the refusal can say what it is
+        if kind.modality == "audio" and self.audio is None:  # recognized, so the refusal says what
             raise UnsupportedMedia(
                 f"audio ({kind.format}) is not supported: the encoders have no audio tower", src.name
             )
@@ -175,7 +197,11 @@ class MediaPipeline:
                 f"{src.name} was sent as {src.modality_hint} but its bytes are {kind.modality} ({kind.format})",
                 src.name,
             )
-        key = await media_key_async(data, kind.modality, self.preprocess, self.fingerprint)
+        if kind.modality == "audio":
+            assert self.audio is not None
+            key = await media_key_async(data, "audio", self.audio.settings, self.audio.fingerprint)
+        else:
+            key = await media_key_async(data, kind.modality, self.preprocess, self.fingerprint)
         t_key = time.perf_counter()
         timings = {"download": (t_download - t0) * 1e3, "hash": (t_key - t_download) * 1e3}
 

@@ -19,11 +19,11 @@ from typing import Any, Literal
 
 from epd_common.errors import APIError, bad_request, unprocessable
 
-Modality = Literal["image", "video"]
+Modality = Literal["image", "video", "audio"]
 
 # Content types an upload may declare. Anything else (text/html, application/json, ...) is refused
 # with 415 before we look at the bytes; octet-stream and a missing type fall through to sniffing.
-_ACCEPTED_UPLOAD_PREFIXES = ("image/", "video/")
+_ACCEPTED_UPLOAD_PREFIXES = ("image/", "video/", "audio/")
 _NEUTRAL_UPLOAD_TYPES = ("application/octet-stream", "")
 
 
@@ -56,10 +56,13 @@ def upload_source(filename: str, content_type: str, data: bytes, index: int) -> 
         hint = "image"
     elif ctype.startswith("video/"):
         hint = "video"
+    elif ctype.startswith("audio/"):
+        hint = "audio"
     elif ctype not in _NEUTRAL_UPLOAD_TYPES:
         raise APIError(
             415,
-            f"upload {name!r} has content type {ctype!r}; expected image/*, video/* or application/octet-stream",
+            f"upload {name!r} has content type {ctype!r}; expected image/*, video/*, audio/* or "
+            "application/octet-stream",
             type="unsupported_media_type",
             param=name,
         )
@@ -75,8 +78,10 @@ def json_item_source(item: Any, index: int) -> MediaSource:
         raise unprocessable(f"{name} must be an object with 'url' or 'data'", name)
     url, data = item.get("url"), item.get("data")
     hint = item.get("modality")
-    if hint is not None and hint not in ("image", "video"):
-        raise unprocessable(f"{name}.modality must be 'image' or 'video', got {hint!r}", f"{name}.modality")
+    if hint is not None and hint not in ("image", "video", "audio"):
+        raise unprocessable(
+            f"{name}.modality must be 'image', 'video' or 'audio', got {hint!r}", f"{name}.modality"
+        )
     if (url is None) == (data is None):
         raise unprocessable(f"{name} must have exactly one of 'url' and 'data'", name)
     if url is not None:

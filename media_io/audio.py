@@ -71,7 +71,8 @@ def decode_audio(
         stream = container.streams.audio[0]
         ctx = stream.codec_context
         if ctx is None or not ctx.name or ctx.name == "none":
-            raise UnsupportedMedia(f"audio codec {stream.codec_tag or 'unknown'!r} cannot be decoded", item)
+            # (PyAV gives no codec context, hence no name or tag, for a codec it does not know)
+            raise UnsupportedMedia("audio codec unknown to this build cannot be decoded", item)
         source = AudioSource(
             ctx.name, int(ctx.sample_rate or 0), int(ctx.channels or 0), _declared(container, stream)
         )

@@ -4,7 +4,10 @@ An image's header gives its size without decoding (Pillow reads a few hundred by
 ``smart_resize`` turns that into the grid the preprocessing will produce, so a 4K photo counts as
 ~20x a thumbnail at admission instead of as one item like it. A video's patch count depends on
 its duration and frame rate, which only a demux reveals; its estimate is the mean of the videos
-seen so far (``PatchEstimator``), corrected to the real count once the frames are sampled.
+seen so far (``PatchEstimator``), corrected to the real count once the frames are sampled. An
+audio clip counts its mel frames (100 a second at MiMo-V2.5's rate) the same way: the recent mean,
+then the real count once decoded. Frames and patches share one measured rate; a coarse mix, but
+a mel frame costs the audio encoder about what a patch costs the vision tower at real widths.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from media_io.preprocess.resize import smart_resize
 # size (8 x video_min_pixels / patch^2 = 8 x 512 under Qwen2-VL's defaults). A guess that only
 # the first videos' admission uses.
 DEFAULT_VIDEO_FRAMES = 8
+# An audio clip's mel frames before any clip was seen: 10 s.
+AUDIO_SEED_FRAMES = 1000
 
 
 def image_patches(data: bytes, cfg: PreprocessConfig) -> int | None:
@@ -45,6 +50,7 @@ class PatchEstimator:
         self._video_seed = float(per_frame * DEFAULT_VIDEO_FRAMES)
         self._videos: deque[int] = deque(maxlen=window)
         self._images: deque[int] = deque(maxlen=window)  # for images whose header says nothing
+        self._audio: deque[int] = deque(maxlen=window)  # audio clips' mel frames
 
     def estimate(self, data: bytes, modality: str) -> float:
         if modality == "image":
@@ -56,8 +62,11 @@ class PatchEstimator:
                 if self._images
                 else self.cfg.min_pixels / (self.cfg.patch_size**2)
             )
+        if modality == "audio":  # mel frames (100 a second): the recent mean, else 10 s
+            return sum(self._audio) / len(self._audio) if self._audio else float(AUDIO_SEED_FRAMES)
         return sum(self._videos) / len(self._videos) if self._videos else self._video_seed
 
     def observe(self, modality: str, patches: int) -> None:
         """The real count of an item once preprocessed (what later estimates learn from)."""
-        (self._videos if modality == "video" else self._images).append(patches)
+        by = {"video": self._videos, "audio": self._audio}
+        by.get(modality, self._images).append(patches)

@@ -41,7 +41,7 @@ MAX_TIMESTAMPS = 0xFFFF  # the count is a u16
 PAGE = 4096
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
-MODALITIES: tuple[str, ...] = ("image", "video")
+MODALITIES: tuple[str, ...] = ("image", "video", "audio")  # codes 0, 1, 2
 
 _FIXED = struct.Struct("<8sHBBIQQQQIIHHHH")  # 64 bytes: offsets 0..63 above
 _SLOT = struct.Struct("<II")  # 8 bytes at SLOT_OFFSET

@@ -14,6 +14,11 @@ is never used). A client-supplied id is never part of the key.
 Hashing 64 MiB takes ~100 ms: on an event loop call ``media_key_async`` (or run ``media_key`` in
 an executor yourself). hashlib releases the GIL on large updates, so a thread pool scales.
 
+"Preprocessing" is the settings of the item's modality: ``PreprocessConfig.key_params()`` for an
+image or a video, ``AudioSettings.key_params()`` (the log-mel and the pad-count rule) for audio. An
+image or video key is the same bytes whatever audio settings exist; the fingerprint of an audio key
+is the audio encoder's (its weights), not the vision tower's.
+
 This module knows nothing of decoding or of where embeddings are stored.
 """
 
@@ -26,10 +31,13 @@ import struct
 from collections.abc import Iterable
 from concurrent.futures import Executor
 
+from media_io.audio_settings import AudioSettings
 from media_io.config import PreprocessConfig
 from media_io.errors import UnsupportedMedia
 
-MODALITIES: tuple[str, ...] = ("image", "video")
+MODALITIES: tuple[str, ...] = ("image", "video", "audio")
+# The settings a modality's key folds in: PreprocessConfig for pixels, AudioSettings for audio.
+KeySettings = PreprocessConfig | AudioSettings
 _DOMAIN = b"epd-media-key/v1\0"
 # Hash in chunks so that a memoryview of a huge body is never copied as a whole.
 CHUNK_BYTES = 1 << 20
@@ -37,10 +45,13 @@ CHUNK_BYTES = 1 << 20
 INLINE_BYTES = 256 * 1024
 
 
-def canonical_params(modality: str, preprocess: PreprocessConfig, fingerprint: str) -> bytes:
+def canonical_params(modality: str, preprocess: KeySettings, fingerprint: str) -> bytes:
     """The canonical JSON of everything except the media bytes that goes into the key."""
     if modality not in MODALITIES:
         raise UnsupportedMedia(f"modality must be one of {list(MODALITIES)}, got {modality!r}")
+    if (modality == "audio") != isinstance(preprocess, AudioSettings):
+        want = "AudioSettings" if modality == "audio" else "PreprocessConfig"
+        raise TypeError(f"a {modality} key needs {want}, got {type(preprocess).__name__}")
     if not fingerprint:
         raise ValueError("media_key needs the encoder checkpoint fingerprint, got an empty string")
     doc = {"modality": modality, "preprocess": preprocess.key_params(), "fingerprint": fingerprint}
@@ -53,7 +64,7 @@ class MediaKeyHasher:
     ``MediaKeyHasher(...).update(a).update(b).hexdigest() == media_key(a + b, ...)``.
     """
 
-    def __init__(self, modality: str, preprocess: PreprocessConfig, fingerprint: str) -> None:
+    def __init__(self, modality: str, preprocess: KeySettings, fingerprint: str) -> None:
         params = canonical_params(modality, preprocess, fingerprint)
         self._h = hashlib.sha256(_DOMAIN)
         self._h.update(struct.pack("<I", len(params)))
@@ -75,7 +86,7 @@ class MediaKeyHasher:
 
 
 def media_key(
-    data: bytes | bytearray | memoryview, modality: str, preprocess: PreprocessConfig, fingerprint: str
+    data: bytes | bytearray | memoryview, modality: str, preprocess: KeySettings, fingerprint: str
 ) -> str:
     """The 64-hex-digit MediaKey of one item's raw bytes. Pure and deterministic."""
     return MediaKeyHasher(modality, preprocess, fingerprint).update(data).hexdigest()
@@ -84,7 +95,7 @@ def media_key(
 def media_key_chunks(
     chunks: Iterable[bytes | bytearray | memoryview],
     modality: str,
-    preprocess: PreprocessConfig,
+    preprocess: KeySettings,
     fingerprint: str,
 ) -> str:
     """The same key as ``media_key(b"".join(chunks), ...)`` without joining the chunks."""
@@ -97,7 +108,7 @@ def media_key_chunks(
 async def media_key_async(
     data: bytes | bytearray | memoryview,
     modality: str,
-    preprocess: PreprocessConfig,
+    preprocess: KeySettings,
     fingerprint: str,
     executor: Executor | None = None,
 ) -> str:

@@ -1,13 +1,25 @@
 """The encoder worker's HTTP app (starlette): bytes in, EmbeddingRef out.
 
-    POST /encode?modality=image|video&item=NAME   body: raw compressed media
+    POST /encode?modality=image|video|audio&item=NAME   body: raw compressed media
         sniff ─▶ MediaKey ─▶ node cache hit? ──yes──▶ ref (cache_hit: true)
                                │ no (one in-flight encode per key in this process)
                                ▼
         decode + preprocess (thread pool) ─▶ EncodeBatcher (forward thread) ─▶ cache.put ─▶ ref
+        audio: decode_audio + log_mel (thread pool) ─▶ AudioBatcher (its forward threads) ─▶ ...
     GET /embeddings/{key}   safetensors body: tensor "embedding", metadata grid_thw/modality
-    GET /health             {"status": "ok", "fingerprint", "queue_depth", ..., "paths": what decodes
-                            and preprocesses, "fallbacks": stand-ins in use and why}
+    GET /health             {"status": "ok", "fingerprint", "audio": null or {"fingerprint",
+                            "settings", "out_hidden_size"}, "queue_depth", ..., "paths": what
+                            decodes and preprocesses, "fallbacks": stand-ins in use and why}
+
+Audio (a checkpoint with an audio encoder, ``encoder.models.audio_checkpoint``; the steps are
+``audio_path.AudioPath``'s): the clip is decoded to mono at the model's rate and turned into its
+log-mel in the decode pool (torch, on the model's device: ``paths.log_mel`` says "torch"), then
+batched with other requests' clips into one call of the audio encoder. Its ref has modality "audio", shape [pads, hidden] with one row per
+``<|audio_pad|>`` (``AudioTokenRule.pad_count`` of the mel frames) and grid_thw ((1, 1, pads),).
+Its MediaKey folds the audio settings (``AudioSettings``) and the audio encoder's own fingerprint
+(``audio.fingerprint`` in /health), so image and video keys are what they were. A checkpoint
+without one answers audio with 415 naming what it lacks. Admission counts a clip's mel frames as
+its units, in the same measured rate as patches (a coarse mix, see ``work_estimate``).
     GET /metrics            prometheus text
 
 The event loop only awaits: hashing, decoding, preprocessing and cache I/O run in the decode
@@ -46,8 +58,10 @@ from starlette.routing import Route
 
 from encoder.caches.embed_cache import EmbedCache, EntryTooLarge, InvalidKey
 from encoder.caches.embedding_tier import EmbeddingTier
-from encoder.caches.media_key import media_key
+from encoder.caches.media_key import KeySettings, media_key
+from encoder.models.audio_checkpoint import LoadedAudioEncoder, NoAudio, load_audio_encoder
 from encoder.models.checkpoint import LoadedEncoder, load_encoder
+from encoder.serving.audio_path import LOG_MEL_PATH, AudioPath
 from encoder.serving.batcher import EncodeBatcher, QueueFull
 from encoder.serving.worker import WorkerConfig
 from epd_common.active_paths import report
@@ -143,10 +157,13 @@ class EncoderWorker:
         loaded: LoadedEncoder,
         cache: EmbedCache,
         tier: EmbeddingTier | None = None,
+        audio: LoadedAudioEncoder | NoAudio = NoAudio("no audio encoder was loaded"),
     ) -> None:
-        """``tier``: the store shared by the nodes (asked before encoding, written after)."""
+        """``tier``: the store shared by the nodes (asked before encoding, written after);
+        ``audio``: the checkpoint's audio encoder, or why there is none."""
         self.config = config
         self.loaded = loaded
+        self.audio = audio
         self.cache = cache
         self.tier = tier
         self.backend: PreprocessBackend = get_backend(config.preprocess_backend, config.preprocess)  # type: ignore[arg-type]
@@ -158,6 +175,10 @@ class EncoderWorker:
             max_queue_patches=config.max_queue_patches,
             forward_streams=config.forward_streams or 1,
         )
+        self.audio_path: AudioPath | None = None
+        if isinstance(audio, LoadedAudioEncoder):
+            self.audio_path = AudioPath(audio, config.max_wait_ms, config.forward_streams or 1)
+            self.paths["paths"]["log_mel"] = LOG_MEL_PATH
         self.pool = ThreadPoolExecutor(
             max_workers=config.decode_threads, thread_name_prefix="epd-encoder-decode"
         )
@@ -180,14 +201,25 @@ class EncoderWorker:
     def fingerprint(self) -> str:
         return serving_fingerprint(self.loaded.fingerprint, self.backend.name)
 
+    def key_settings(self, modality: str) -> tuple[KeySettings, str]:
+        """What a ``modality`` item's MediaKey folds in: its settings and the fingerprint."""
+        if modality == "audio":
+            assert self.audio_path is not None
+            return self.audio_path.settings, self.audio_path.fingerprint
+        return self.config.preprocess, self.fingerprint
+
     async def start(self) -> None:
         await self.batcher.start()
+        if self.audio_path is not None:
+            await self.audio_path.start()
 
     async def stop(self) -> None:
         for task in list(self._inflight.values()):
             task.cancel()
         await asyncio.gather(*self._inflight.values(), return_exceptions=True)
         await self.batcher.stop()
+        if self.audio_path is not None:
+            await self.audio_path.stop()
         self.pool.shutdown(wait=True)
         self.io_pool.shutdown(wait=True)
         self.cache.close()
@@ -203,14 +235,15 @@ class EncoderWorker:
         kind = sniff(data)
         if modality is not None and modality != kind.modality:
             raise BadMedia(f"sent as {modality} but its bytes are {kind.modality} ({kind.format})", item)
-        if kind.modality == "audio":  # recognized, so that the refusal can say what it is
+        if kind.modality == "audio" and isinstance(self.audio, NoAudio):
             raise UnsupportedMedia(
-                f"audio ({kind.format}) is not supported: this encoder has no audio tower", item
+                f"audio ({kind.format}) is not supported: this encoder has no audio tower"
+                f" ({self.audio.reason})",
+                item,
             )
         loop = asyncio.get_running_loop()
-        key = await loop.run_in_executor(
-            self.io_pool, media_key, data, kind.modality, self.config.preprocess, self.fingerprint
-        )
+        settings, fingerprint = self.key_settings(kind.modality)
+        key = await loop.run_in_executor(self.io_pool, media_key, data, kind.modality, settings, fingerprint)
         hit = await loop.run_in_executor(self.io_pool, self.cache.get, key)
         if hit is not None:
             self.metrics.requests.labels(outcome="hit").inc()
@@ -334,6 +367,8 @@ class EncoderWorker:
         asyncio.get_running_loop().run_in_executor(self.io_pool, fn, *args)
 
     async def _compute(self, data: bytes, modality: str, key: str, item: str | None) -> EncodeOutcome:
+        if modality == "audio":
+            return await self._compute_audio(data, key, item)
         loop = asyncio.get_running_loop()
         timings: dict[str, float] = {}
         patches, timing = await loop.run_in_executor(
@@ -355,6 +390,30 @@ class EncoderWorker:
                 self.writer,
                 timing.seconds_per_grid_t,
                 timing.grid_t_timestamps,
+            )
+        except EntryTooLarge as e:
+            raise MediaTooLarge(f"its embedding does not fit the node cache: {e}", item) from e
+        for stage, ms in timings.items():
+            self.metrics.stage.labels(stage=stage).observe(ms / 1000.0)
+        return EncodeOutcome(self._public(ref), False, timings)
+
+    async def _compute_audio(self, data: bytes, key: str, item: str | None) -> EncodeOutcome:
+        """An audio clip: its log-mel (decode pool), its rows (audio batcher), into the cache."""
+        path = self.audio_path
+        assert path is not None
+        loop = asyncio.get_running_loop()
+        timings: dict[str, float] = {}
+        mel = await loop.run_in_executor(self.pool, path.mel, data, self.config.limits, item, timings)
+        frames = int(mel.shape[0])
+        self.estimator.observe("audio", frames)
+        self._correct(key, float(frames))
+        result = await path.rows(mel)
+        timings["queue"] = result.queue_ms
+        timings["forward"] = result.forward_ms
+        rows = int(result.embedding.shape[0])
+        try:
+            ref = await loop.run_in_executor(
+                self.io_pool, self.cache.put, key, result.embedding, [(1, 1, rows)], "audio", self.writer
             )
         except EntryTooLarge as e:
             raise MediaTooLarge(f"its embedding does not fit the node cache: {e}", item) from e
@@ -418,6 +477,7 @@ class EncoderWorker:
         return {
             "status": "ok",
             "fingerprint": self.fingerprint,
+            "audio": None if self.audio_path is None else self.audio_path.health(),
             "queue_depth": s.queue_items,
             "queue_patches": s.queue_patches,
             "inflight": self._admitted,
@@ -461,8 +521,13 @@ def _error(
     return JSONResponse(error_body(status, kind, message, param), status_code=status, headers=headers)
 
 
-def build_app(config: WorkerConfig, loaded: LoadedEncoder | None = None) -> Starlette:
-    """The worker app. The model (unless ``loaded`` is given) loads and the cache opens at start-up."""
+def build_app(
+    config: WorkerConfig,
+    loaded: LoadedEncoder | None = None,
+    audio: LoadedAudioEncoder | NoAudio | None = None,
+) -> Starlette:
+    """The worker app. The models (unless ``loaded`` / ``audio`` are given) load and the cache opens
+    at start-up; the audio encoder is the checkpoint's, when it has one."""
     state: dict[str, EncoderWorker] = {}
 
     def worker() -> EncoderWorker:
@@ -472,7 +537,12 @@ def build_app(config: WorkerConfig, loaded: LoadedEncoder | None = None) -> Star
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         def open_all() -> EncoderWorker:
             enc = loaded or load_encoder(config.model_path, config.torch_dtype, config.resolve_device())
+            aud = audio
+            if aud is None:
+                aud = load_audio_encoder(config.model_path, config.torch_dtype, config.resolve_device())
             _warm_up(enc)
+            if isinstance(aud, LoadedAudioEncoder):
+                AudioPath(aud, 0.0, 1).warm_up()
             warm_decode_pool(config.video_decode_workers)
             cache = EmbedCache(config.cache_namespace, config.cache_capacity_bytes, config.cache_root)
             store = build_store(config.store)
@@ -481,7 +551,7 @@ def build_app(config: WorkerConfig, loaded: LoadedEncoder | None = None) -> Star
                 if store
                 else None
             )
-            return EncoderWorker(config, enc, cache, tier)
+            return EncoderWorker(config, enc, cache, tier, aud)
 
         w = await asyncio.get_running_loop().run_in_executor(None, open_all)
         await w.start()
@@ -496,9 +566,12 @@ def build_app(config: WorkerConfig, loaded: LoadedEncoder | None = None) -> Star
     async def encode(request: Request) -> Response:
         item = request.query_params.get("item")
         modality = request.query_params.get("modality")
-        if modality not in (None, "image", "video"):
+        if modality not in (None, "image", "video", "audio"):
             return _error(
-                400, "invalid_request", f"modality must be 'image' or 'video', got {modality!r}", "modality"
+                400,
+                "invalid_request",
+                f"modality must be 'image', 'video' or 'audio', got {modality!r}",
+                "modality",
             )
         w = worker()
         declared = request.headers.get("content-length")

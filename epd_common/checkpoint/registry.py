@@ -1,15 +1,16 @@
 """The registry of the architectures this build serves: config.json -> the language-model family,
 the tower family and the processor settings, one row per architecture.
 
-    architecture                             language family        tower family        processor
-    MiMoV2FlashForCausalLM                   mimo_v2_flash          -                   Qwen2-VL's
-    MiMoV2ForCausalLM                        mimo_v2                mimo_v2             config.json's processor_config
-    Qwen2_5_VLForConditionalGeneration       qwen2_5_vl             qwen2_5_vl          Qwen2-VL's
-    Qwen2_5_VisionTransformerPretrainedModel -                      qwen2_5_vl          Qwen2-VL's
+    architecture                             language family  tower family  audio family  processor
+    MiMoV2FlashForCausalLM                   mimo_v2_flash    -             -             Qwen2-VL's
+    MiMoV2ForCausalLM                        mimo_v2          mimo_v2       mimo_audio    config.json's processor_config
+    Qwen2_5_VLForConditionalGeneration       qwen2_5_vl       qwen2_5_vl    -             Qwen2-VL's
+    Qwen2_5_VisionTransformerPretrainedModel -                qwen2_5_vl    -             Qwen2-VL's
 
 A family is named by its module's import path and imported when first asked for, so this module
 (which the encoder, the LLM engine, the media code and epd all import) loads neither model stack.
-The modules implement ``llm_core.models.family.LLMFamily`` / ``encoder.models.family.VisionFamily``;
+The modules implement ``llm_core.models.family.LLMFamily`` / ``encoder.models.family.VisionFamily`` (an audio family:
+``missing_part``, ``settings`` and ``load``, as ``encoder.models.mimo_audio.family``);
 ``llm_core.models.family_for`` and ``encoder.models.family_for`` give them their types.
 
 Lookup rules (those of the released checkpoints' own loaders):
@@ -55,6 +56,8 @@ class Architecture:
     language: str | None  # import path of its LLMFamily module; None: no language model
     tower: str | None  # import path of its VisionFamily module; None: no vision tower
     processor: ProcessorSpec = QWEN2_VL_PROCESSOR
+    # import path of its audio family module (``encoder.models.audio_checkpoint``); None: no audio
+    audio: str | None = None
 
     def language_module(self) -> ModuleType:
         if self.language is None:
@@ -70,6 +73,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "llm_core.models.mimo_v2",
         "encoder.models.mimo_v2",
         ProcessorSpec(settings_block="processor_config", video_sampling="mimo_v2"),
+        audio="encoder.models.mimo_audio.family",
     ),
     Architecture(
         "Qwen2_5_VLForConditionalGeneration",
@@ -134,6 +138,13 @@ def tower_family(raw: dict[str, Any]) -> ModuleType:
             f"(supported: {', '.join(repr(m) for m in supported_towers())})"
         )
     return importlib.import_module(arch.tower)
+
+
+def audio_family(raw: dict[str, Any]) -> ModuleType | None:
+    """The audio family module of a config.json dict, by model_type (as the tower's); None when
+    the architecture has no audio encoder."""
+    arch = _BY_MODEL_TYPE.get(str(raw.get("model_type")))
+    return None if arch is None or arch.audio is None else importlib.import_module(arch.audio)
 
 
 def processor_spec(raw: dict[str, Any]) -> ProcessorSpec:

@@ -22,8 +22,10 @@ class EmbeddingRef(msgspec.Struct, frozen=True):
     key: MediaKey
     dtype: str  # "float32" | "bfloat16" | "float16"
     shape: tuple[int, int]  # [num_tokens, hidden]
-    grid_thw: tuple[tuple[int, int, int], ...]  # one (t, h, w) in patches per image or video
-    modality: str = "image"  # "image" | "video"
+    # One (t, h, w) in patches per image or video. Audio: ((1, 1, n),) with n the clip's rows (one
+    # per <|audio_pad|>, = shape[0]; no merge applies, so a reader takes the row count from shape).
+    grid_thw: tuple[tuple[int, int, int], ...]
+    modality: str = "image"  # "image" | "video" | "audio"
     url: str | None = None  # where to fetch the bytes when not in this node's cache
     # Video: seconds of the clip per temporal patch (temporal_patch_size / the sampled frame rate);
     # M-RoPE spaces a video's temporal positions by it. None for images.

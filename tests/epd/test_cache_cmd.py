@@ -178,3 +178,14 @@ def test_stats_shows_an_engines_kv_tiers(root: Path, capsys: pytest.CaptureFixtu
         thread.join(10)
     rc, out = run_json(capsys, "stats", "--root", str(root), "--llm-url", url)  # the engine is gone
     assert rc == 2 and isinstance(out, dict) and "did not answer" in out["error"]["message"]
+
+
+def test_ls_shows_an_audio_entry_as_audio(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cache = EmbedCache("t", capacity_bytes=1 << 20, root=tmp_path / "c", writer="enc-test")
+    cache.put(key(7), torch.ones(5, 8), [(1, 1, 5)], "audio")
+    cache.close()
+    rc, rows = run_json(capsys, "ls", "--root", str(tmp_path / "c"))
+    assert rc == 0 and isinstance(rows, list)
+    assert [(r["modality"], r["grid_thw"]) for r in rows] == [("audio", [[1, 1, 5]])]
+    assert main(["cache", "ls", "--root", str(tmp_path / "c")]) == 0
+    assert "audio" in capsys.readouterr().out

@@ -29,7 +29,7 @@ def test_json_items_url_data_and_data_uri() -> None:
         ({"items": [{"url": "x", "data": "eA=="}]}, 422, "items[0]"),
         ({"items": [{"data": "%%%"}]}, 400, "items[0].data"),
         ({"items": [{"url": 5}]}, 422, "items[0].url"),
-        ({"items": [{"url": "u", "modality": "audio"}]}, 422, "items[0].modality"),
+        ({"items": [{"url": "u", "modality": "text"}]}, 422, "items[0].modality"),
         ({"items": [{"url": "u"}] * 10_000}, 413, "items"),
     ],
 )

@@ -12,7 +12,7 @@ import pytest
 from media_io.audio import decode_audio
 from media_io.audio_config import AudioConfig
 from media_io.config import MediaLimits
-from media_io.errors import BadMedia, MediaTooLarge
+from media_io.errors import BadMedia, MediaTooLarge, UnsupportedMedia
 from media_io.sniff import MediaKind, sniff
 from tests.media_io.audio_files import FORMATS, encode, tone
 
@@ -110,3 +110,25 @@ def _video_only() -> bytes:
 def test_no_audio_stream_names_what_is_there() -> None:
     with pytest.raises(BadMedia, match=r"no audio stream \(streams: video\)"):
         decode_audio(_video_only(), item="v.mp4")
+
+
+def unknown_codec_wav() -> bytes:
+    """A well-formed WAV whose format tag (0x7777) names no codec."""
+    fmt_chunk = b"fmt " + struct.pack("<IHHIIHH", 16, 0x7777, 1, 8000, 16000, 2, 16)
+    data = bytes(1600)
+    size = 4 + len(fmt_chunk) + 8 + len(data)
+    return (
+        b"RIFF"
+        + struct.pack("<I", size)
+        + b"WAVE"
+        + fmt_chunk
+        + b"data"
+        + struct.pack("<I", len(data))
+        + data
+    )
+
+
+def test_an_unknown_codec_is_unsupported_media() -> None:
+    with pytest.raises(UnsupportedMedia, match="codec") as err:
+        decode_audio(unknown_codec_wav(), item="u.wav")
+    assert err.value.status == 415 and err.value.item == "u.wav"

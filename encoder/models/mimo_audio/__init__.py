@@ -8,8 +8,9 @@
 
 Owns: the two configs (``tokenizer_config``, ``tower_config``), the modules (``tokenizer``,
 ``rvq``, ``tower``, ``local_transformer``), their packed attention (``window_attention``) and
-rotary (``rope``), the checkpoint names (``weights``) and the clip-level driver (``encoder``).
+rotary (``rope``), the checkpoint names (``weights``), the clip-level driver (``encoder``) and
+the checkpoint family (``family``: which files hold it, its log-mel settings, loading).
 Imports torch, ``encoder.kernels`` (attention), ``encoder.models.packed_layout`` (segments),
-``encoder.models.tower`` (RMSNorm) and ``media_io.audio_tokens`` (the pad-count rule); nothing of
-files, HTTP, the worker or the cache.
+``encoder.models.tower`` (RMSNorm), ``media_io`` (the pad-count rule, the audio settings) and, in
+``family`` only, ``epd_common.checkpoint`` (the readers); nothing of HTTP, the worker or the cache.
 """

@@ -135,7 +135,7 @@ def test_request_errors_name_the_problem(root: Path) -> None:
     with pytest.raises(CacheError, match="2-D"):
         cache.put(key(0), torch.zeros(4), [(1, 1, 4)], "image")
     with pytest.raises(CacheError, match="modality"):
-        cache.put(key(0), torch.zeros(1, 4), [(1, 1, 4)], "audio")
+        cache.put(key(0), torch.zeros(1, 4), [(1, 1, 4)], "text")
     with pytest.raises(EntryTooLarge, match="exceeds capacity"):
         cache.put(key(0), torch.zeros(1024, 8), [(1, 32, 32)], "image")
     with pytest.raises(CacheError, match="namespace"):

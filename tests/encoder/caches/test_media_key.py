@@ -9,6 +9,9 @@ import sys
 import pytest
 
 from encoder.caches.media_key import MediaKeyHasher, media_key, media_key_async, media_key_chunks
+from media_io.audio_config import AudioConfig
+from media_io.audio_settings import AudioSettings
+from media_io.audio_tokens import AudioTokenRule
 from media_io.config import PreprocessConfig
 from media_io.errors import UnsupportedMedia
 
@@ -61,8 +64,8 @@ def test_boundary_between_params_and_bytes_is_unambiguous() -> None:
 
 
 def test_bad_modality_is_a_typed_error_naming_it() -> None:
-    with pytest.raises(UnsupportedMedia, match="audio"):
-        media_key(DATA, "audio", CFG, FP)
+    with pytest.raises(UnsupportedMedia, match="text"):
+        media_key(DATA, "text", CFG, FP)
     with pytest.raises(ValueError, match="fingerprint"):
         media_key(DATA, "image", CFG, "")
 
@@ -89,3 +92,54 @@ def test_same_key_in_a_fresh_process() -> None:
     env = dict(os.environ, PYTHONHASHSEED="12345")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == media_key(DATA, "image", CFG, FP)
+
+
+AUDIO = AudioSettings()
+
+
+def test_image_keys_are_unchanged_by_audio_support() -> None:
+    # Pinned: the key of these bytes as every release before audio derived it (image and video
+    # keys must not move, or every cached embedding would be lost).
+    assert media_key(b"abc", "image", CFG, "fp") == _pinned_key(b"abc", "image", CFG, "fp")
+    assert media_key(DATA, "video", CFG, FP) == _pinned_key(DATA, "video", CFG, FP)
+
+
+def _pinned_key(data: bytes, modality: str, cfg: PreprocessConfig, fp: str) -> str:
+    """The v1 key derivation written out (domain tag, params JSON, bytes, length trailer)."""
+    import json
+    import struct
+
+    params = json.dumps(
+        {"modality": modality, "preprocess": cfg.key_params(), "fingerprint": fp},
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=True,
+        allow_nan=False,
+    ).encode()
+    h = hashlib.sha256(b"epd-media-key/v1\0" + struct.pack("<I", len(params)) + params + data)
+    h.update(struct.pack("<Q", len(data)))
+    return h.hexdigest()
+
+
+def test_audio_settings_change_the_audio_key() -> None:
+    base = media_key(DATA, "audio", AUDIO, FP)
+    variants = [
+        media_key(DATA[:-1], "audio", AUDIO, FP),
+        media_key(DATA, "audio", AUDIO, FP + "x"),
+        media_key(DATA, "audio", AudioSettings(AudioConfig(sample_rate=16000)), FP),
+        media_key(DATA, "audio", AudioSettings(AudioConfig(n_mels=80)), FP),
+        media_key(DATA, "audio", AudioSettings(AudioConfig(log_floor=1e-5)), FP),
+        media_key(DATA, "audio", AudioSettings(rule=AudioTokenRule(group_size=2)), FP),
+        media_key(DATA, "audio", AudioSettings(rule=AudioTokenRule(segment_size=3000)), FP),
+        media_key(DATA, "image", CFG, FP),
+    ]
+    assert len({base, *variants}) == len(variants) + 1
+    assert media_key(DATA, "audio", AudioSettings(), FP) == base  # equal settings, equal key
+    assert AudioSettings.from_dict(AUDIO.to_dict()) == AUDIO
+
+
+def test_settings_must_match_the_modality() -> None:
+    with pytest.raises(TypeError, match="AudioSettings"):
+        media_key(DATA, "audio", CFG, FP)
+    with pytest.raises(TypeError, match="PreprocessConfig"):
+        media_key(DATA, "image", AUDIO, FP)

@@ -169,7 +169,7 @@ def test_concurrent_items_batch_and_stay_correct(served: Served) -> None:
         (b"", {"item": "empty"}, 400, "bad_media", "empty"),
         (b"\x89PNG\r\n\x1a\n" + b"\x00" * 64, {"item": "trunc.png"}, 400, "bad_media", ""),
         (b"\x89PNG\r\n\x1a\n", {"item": "x", "modality": "video"}, 400, "bad_media", "sent as video"),
-        (b"\x89PNG\r\n\x1a\n", {"item": "x", "modality": "audio"}, 400, "invalid_request", "modality"),
+        (b"\x89PNG\r\n\x1a\n", {"item": "x", "modality": "text"}, 400, "invalid_request", "modality"),
     ],
 )
 def test_bad_media_fails_alone_with_named_error(
