@@ -22,6 +22,8 @@ def prompt_cache_keys(
         ids = list(prompt)
     else:
         return []
+    if not media:
+        return ids  # no run becomes a pseudo-id (a prompt with runs but no media is refused)
     pads = tokenizer.media_pad_ids
     if any(modality not in pads for _, _, modality in media):
         return ids
