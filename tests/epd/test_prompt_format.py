@@ -169,3 +169,47 @@ def test_media_item_of_a_video_with_its_track() -> None:
     assert media_item(video, ref("audio", 30, "t")).audio_tokens == 30
     assert media_item(video, ref("audio", 0, "t")).audio_tokens == 0
     assert media_item(video).audio_tokens == 0
+
+
+def test_epd_backend_sends_a_video_and_its_track_in_pad_order(tmp_path: Path) -> None:
+    """The epd backend's chat call: the engine body lists the refs in the order their rows take the
+    pads (clip, video, its track; a silent video's zero-row track left out) and the routing keys
+    give each run its own item's pseudo-id."""
+    import asyncio
+
+    from epd.llm_backends.epd_engine import EpdEngineBackend
+    from epd.media_pipeline import EncodedItem
+    from epd_common.messages.cache_keys import media_pseudo_id
+
+    root = mimo_with_audio(tmp_path / "mimo", tokenizer_dir=True)
+    backend = EpdEngineBackend(PromptFormat.load(root, load_tokenizer(root)))
+    refs = [
+        ref("audio", 5, "clip"),
+        ref("video", 4, "vid", grid_thw=((2, 2, 4),), grid_t_timestamps=(0.0, 2.0)),
+        ref("audio", 20, "track"),
+        ref("video", 2, "still", grid_thw=((1, 2, 4),), grid_t_timestamps=(0.0,)),
+        ref("audio", 0, "none"),
+    ]
+    messages = user(
+        {"type": "audio", "index": 0},
+        {"type": "video", "index": 1, "audio_index": 2},
+        {"type": "video", "index": 3, "audio_index": 4},
+    )
+    items = [EncodedItem(f"messages[0].content[{i}]", r, False) for i, r in enumerate(refs)]
+
+    async def call() -> tuple[list[int], list[EmbeddingRef], list[int]]:
+        try:
+            chat = await backend.chat_call(messages, items, {})
+        finally:
+            await backend.close()
+        return chat.body["prompt"], chat.body["multimodal"], chat.keys
+
+    prompt, sent, keys = asyncio.run(call())
+    assert sent == refs[:4]
+    tok = backend.prompt_format.tokenizer
+    apad, vpad = tok.audio_token_id, tok.video_token_id
+    runs = [(keys[i], t) for i, t in enumerate(prompt) if t in (apad, vpad)]
+    clip, vid, track, still = (media_pseudo_id(k) for k in ("clip", "vid", "track", "still"))
+    assert [k for k, _ in runs] == [clip] * 5 + [vid] * 2 + [track] * 12 + [vid] * 2 + [track] * 8 + [
+        still
+    ] * 2
