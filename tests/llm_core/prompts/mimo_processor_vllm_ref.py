@@ -1,7 +1,8 @@
 """Run in vLLM's venv by ``test_media_expansion_vllm.py``: the prompt ids vLLM's MiMo processor
 (``vllm/transformers_utils/processors/mimo_v2_omni.py``, ``MiMoVLProcessor.process``) lays out.
 
-argv[1]: a JSON list of cases; each a list of parts: ``{"text": [ids]}``, ``{"audio": n}`` (a clip
+argv[1]: a JSON list of cases, each ``{"interleave": video_audio_interleave_length, "parts": [...]}``;
+parts are ``{"text": [ids]}``, ``{"audio": n}`` (a clip
 of n audio tokens, given as 4n pre-tokenized code frames, which the processor groups by 4), or
 ``{"video_audio": {"times": [...], "audio": n}}`` (128x128 frames at those times, and a track of
 n audio tokens). Prints a JSON list of id lists.
@@ -30,7 +31,7 @@ class CharTokenizer:
         return [20 if c == ":" else 10 + int(c) for c in text]
 
 
-def processor() -> MiMoVLProcessor:
+def processor(interleave: float) -> MiMoVLProcessor:
     return MiMoVLProcessor(
         CharTokenizer(),
         patch_size=16,
@@ -46,7 +47,7 @@ def processor() -> MiMoVLProcessor:
         audio_channels=CHANNELS,
         audio_group_size=GROUP,
         audio_input_id_per_second=25.0,
-        video_audio_interleave_length=0,
+        video_audio_interleave_length=interleave,
         image_token_id=151655,
         video_token_id=151656,
         audio_token_id=151669,
@@ -76,8 +77,10 @@ def content(part: dict) -> Content:
 
 
 def main() -> None:
-    proc = processor()
-    out = [proc.process([content(p) for p in case]).input_ids.tolist() for case in json.loads(sys.argv[1])]
+    out = [
+        processor(case["interleave"]).process([content(p) for p in case["parts"]]).input_ids.tolist()
+        for case in json.loads(sys.argv[1])
+    ]
     print(json.dumps(out))
 
 

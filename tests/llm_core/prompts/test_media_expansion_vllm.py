@@ -1,7 +1,8 @@
 """MiMo-V2.5's audio and video-with-sound prompt layout against vLLM's MiMo processor
 (``vllm/transformers_utils/processors/mimo_v2_omni.py``), run in vLLM's venv in a subprocess
 (``mimo_processor_vllm_ref.py``) on the same token counts: audio clips of n tokens, and videos of
-128x128 frames (16 pads per temporal patch) with a track of n tokens, at interleave length 0.
+128x128 frames (16 pads per temporal patch) with a track of n tokens, at interleave lengths 0
+(MiMo-V2.5's), -1 and a few seconds.
 
 What the encoder does for us and the test does here: a video's track keeps the rows from the first
 patch's time to the end of its last sampled frame (the processor's ``segment_end_time``: the last
@@ -39,7 +40,8 @@ def encode(text: str) -> list[int]:
     return [20 if c == ":" else 10 + int(c) for c in text]
 
 
-OMNI = TimestampedVideo(IMG, VID, VS, VE, V_START, V_END, encode, AUD, A_START, A_END, RATE, 0.0)
+def omni(interleave: float) -> TimestampedVideo:
+    return TimestampedVideo(IMG, VID, VS, VE, V_START, V_END, encode, AUD, A_START, A_END, RATE, interleave)
 
 
 def video_item(times: list[float], track: int) -> MediaItem:
@@ -52,10 +54,10 @@ def video_item(times: list[float], track: int) -> MediaItem:
     return MediaItem("video", PER_PATCH * len(grid), len(grid), tuple(grid), audio_tokens=kept)
 
 
-def ours(case: list[dict]) -> list[int]:
+def ours(case: dict) -> list[int]:
     prompt: list[int] = []
     items: list[MediaItem] = []
-    for part in case:
+    for part in case["parts"]:
         if "text" in part:
             prompt += part["text"]
         elif "audio" in part:
@@ -64,7 +66,7 @@ def ours(case: list[dict]) -> list[int]:
         else:
             prompt += [VS, VID, VE]
             items.append(video_item(part["video_audio"]["times"], part["video_audio"]["audio"]))
-    return OMNI.expand(prompt, items)
+    return omni(case["interleave"]).expand(prompt, items)
 
 
 def ten_second_clip() -> list[float]:
@@ -72,7 +74,7 @@ def ten_second_clip() -> list[float]:
     return [math.floor(i * 299 / 9) / 30 for i in range(10)]
 
 
-CASES: list[list[dict]] = [
+PARTS: list[list[dict]] = [
     [{"text": [1, 2]}, {"audio": 7}, {"text": [3]}],
     [{"audio": 1}],
     [{"video_audio": {"times": [0.0, 1.0, 2.0, 3.0], "audio": 26}}],  # the track outlasts the frames
@@ -86,6 +88,13 @@ CASES: list[list[dict]] = [
         {"text": [7]},
         {"audio": 2},
     ],
+]
+
+
+CASES = [{"interleave": 0, "parts": parts} for parts in PARTS] + [
+    {"interleave": interleave, "parts": [{"video_audio": {"times": times, "audio": track}}, {"audio": 2}]}
+    for interleave in (-1, 3, 4.5)
+    for times, track in (([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0], 63), (ten_second_clip(), 63))
 ]
 
 
