@@ -134,6 +134,8 @@ class LLMEngine:
         self._exports: dict[str, dict[str, object]] = {}
         # The checkpoint directory (``from_checkpoint``): names the weights in KV store keys.
         self.model_dir: Path | None = None
+        # M-RoPE (dims 3) places each image or video as one grid: one placeholder run per item
+        self._one_run_per_item = positions is not None and positions.dims == 3
         if kv_events is not None:
             kv_events.publish(KVEventBatch(time.time(), (AllBlocksCleared(),)))
         self.runner = ModelRunner(
@@ -317,6 +319,15 @@ class LLMEngine:
             raise EngineRequestError(
                 str(e), "multimodal" if e.item is None else f"multimodal[{e.item}]"
             ) from e
+        if self._one_run_per_item:
+            runs = collections.Counter(span.item for span in spans)
+            for i, item in enumerate(mm):
+                if item.ref.modality == "audio" or runs[i] > 1:
+                    why = "no audio" if item.ref.modality == "audio" else f"{runs[i]} runs for media {i}"
+                    raise EngineRequestError(
+                        f"this model's M-RoPE positions take one placeholder run per image or video ({why})",
+                        f"multimodal[{i}]",
+                    )
         hidden = self.model_config.hidden_size
         for i, item in enumerate(mm):
             width = item.embedding.shape[1]

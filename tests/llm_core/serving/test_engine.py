@@ -11,6 +11,7 @@ import torch
 from tokenizers import AddedToken
 
 from epd_common.messages.embedding_ref import EmbeddingRef
+from llm_core.models.positions import MRopePositions
 from llm_core.prompts.tokenizer import (
     AUDIO_PAD,
     VISION_END,
@@ -167,6 +168,33 @@ def test_audio_rows_match_dense_reference(loaded: Any) -> None:
         with pytest.raises(EngineRequestError) as ei:
             asyncio.run(submit())
         assert ei.value.param == param, str(ei.value)
+
+
+def test_mrope_engines_refuse_media_over_several_runs_and_audio(loaded: Any) -> None:
+    """M-RoPE places each image or video as one grid: a video over two runs (MiMo-V2.5's layout)
+    or audio is refused at submit, naming the item, before any step runs."""
+    tok = audio_tokenizer()
+    hidden = loaded.config.hidden_size
+    vpad, apad = tok.video_token_id, tok.audio_token_id
+    assert vpad is not None and apad is not None
+    cfg = EngineConfig(kv_memory_bytes=4 << 20, max_model_len=512)
+    engine = LLMEngine(loaded.model, loaded.config, tok, cfg, positions=MRopePositions(2, 2.0))
+    sp = SamplingParams(max_tokens=2)
+    cases = [
+        (
+            [1, vpad, vpad, 2, vpad, vpad, 3],
+            MultimodalInput(media_ref("v", 4, hidden, "video"), torch.zeros(4, hidden)),
+        ),
+        ([1, apad, apad, 3], MultimodalInput(media_ref("a", 2, hidden, "audio"), torch.zeros(2, hidden))),
+    ]
+    for prompt, item in cases:
+
+        async def submit(prompt: list[int] = prompt, item: MultimodalInput = item) -> None:
+            engine.submit(prompt, sp, [item])
+
+        with pytest.raises(EngineRequestError, match="M-RoPE") as ei:
+            asyncio.run(submit())
+        assert ei.value.param == "multimodal[0]"
 
 
 def test_multimodal_alignment_errors_name_the_item(loaded: Any) -> None:
