@@ -200,7 +200,9 @@ def media_expansion(raw: dict[str, Any], encode: Callable[[str], list[int]]) -> 
         return value
 
     def number(name: str, default: float) -> float:
-        value = block.get(name, default)
+        value = block.get(name)
+        if value is None:
+            return default
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config.json: processor_config.{name} must be a number, got {value!r}")
         return float(value)
@@ -208,6 +210,11 @@ def media_expansion(raw: dict[str, Any], encode: Callable[[str], list[int]]) -> 
     audio = block.get("audio_token_id", raw.get("audio_token_id")) is not None
     per_second = number("audio_input_id_per_second", 25.0)
     group = number("audio_group_size", 4)
+    interleave = number("video_audio_interleave_length", 0.0)
+    if interleave < 0 and interleave != -1:
+        raise ConfigError(
+            f"config.json: processor_config.video_audio_interleave_length must be -1, 0 or > 0, got {interleave}"
+        )
     if audio and (per_second <= 0 or group <= 0):
         raise ConfigError(
             "config.json: processor_config.audio_input_id_per_second and audio_group_size must be > 0"
@@ -224,5 +231,5 @@ def media_expansion(raw: dict[str, Any], encode: Callable[[str], list[int]]) -> 
         audio_start_token_id=token("audio_start_token_id") if audio else None,
         audio_end_token_id=token("audio_end_token_id") if audio else None,
         audio_tokens_per_second=per_second / group,
-        interleave_length=number("video_audio_interleave_length", 0.0),
+        interleave_length=interleave,
     )
