@@ -26,7 +26,7 @@ from epd.encode_api import read_json
 from epd.engine_client import StreamedChunk
 from epd.ingress import Ingress
 from epd.media_pipeline import EncodedItem
-from epd.media_request import chat_prompt
+from epd.media_request import MediaSource, chat_prompt
 from epd.prompt_format import ChatTemplateError, UnservedModality
 from epd.served_model import resolve_model
 from epd_common.admission import request_deadline_s
@@ -55,12 +55,15 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _media_usage(items: list[EncodedItem]) -> dict[str, int]:
-    usage = {"image_tokens": 0, "video_tokens": 0, "images": 0, "videos": 0, "cached_media": 0}
-    for it in items:
-        kind = "image" if it.ref.modality == "image" else "video"
+def _media_usage(items: list[EncodedItem], sources: list[MediaSource]) -> dict[str, int]:
+    """Tokens and items per modality; a video's audio track adds its tokens to ``audio_tokens``
+    but is no audio item of its own."""
+    usage = {k: 0 for k in ("image_tokens", "video_tokens", "audio_tokens", "images", "videos", "audios")}
+    usage["cached_media"] = 0
+    for it, src in zip(items, sources, strict=True):
+        kind = it.ref.modality if it.ref.modality in ("image", "audio") else "video"
         usage[f"{kind}_tokens"] += it.ref.num_tokens
-        usage[f"{kind}s"] += 1
+        usage[f"{kind}s"] += int(not src.audio_track)
         usage["cached_media"] += int(it.cache_hit)
     return usage
 
@@ -96,7 +99,7 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
         ingress.chats_inflight -= 1
     backend = ingress.backend
     call = await backend.chat_call(prompt.messages, items, sampling)
-    media_usage = _media_usage(items)
+    media_usage = _media_usage(items, prompt.media)
     chat_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if not stream:

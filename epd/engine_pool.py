@@ -285,7 +285,7 @@ class EnginePool:
         return out
 
     # -- requests ----------------------------------------------------------------------------
-    def cache_keys(self, prompt: Any, media: Sequence[tuple[str, int]] = ()) -> list[int]:
+    def cache_keys(self, prompt: Any, media: Sequence[tuple[str, int, str]] = ()) -> list[int]:
         """The keys the engine's prefix cache will match the prompt on (``prompt_cache_keys``)."""
         return prompt_cache_keys(self.tokenizer, prompt, media)
 

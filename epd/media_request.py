@@ -4,10 +4,17 @@ Three shapes arrive at the ingress:
 
 * ``multipart/form-data`` uploads to ``/v1/encode`` (every file field is one item),
 * JSON ``{"items": [{"url": ...} | {"data": ...}]}`` to ``/v1/encode``,
-* OpenAI chat messages whose content parts are ``image_url`` / ``video_url``.
+* OpenAI chat messages whose content parts are ``image_url`` / ``video_url``, and, for a model
+  that takes audio, ``input_audio`` (base64 ``data`` and its ``format``) / ``audio_url``.
 
 Each becomes a ``MediaSource``: either bytes already in hand or a URL to fetch. Limits on the
 number of items are enforced here so that a 10k-item request is refused before any work starts.
+
+A video of a chat for a model that takes audio is two sources, in order: the video, then its audio
+track (``audio_track=True``, the same URL or bytes, ``modality_hint="audio"``); the chat part names
+both (``{"type": "video", "index": i, "audio_index": i + 1}``). The track resolves to an
+EmbeddingRef of modality "audio" whose rows are the track's pads in the prompt, or to zero rows
+when the container has no audio stream (then the video is laid out without sound).
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ class MediaSource:
     data: bytes | None = None
     url: str | None = None
     modality_hint: Modality | None = None  # from the part type or the upload's content type
+    # The audio track of the video source just before it (same url or data): see the module docstring.
+    audio_track: bool = False
 
     def __post_init__(self) -> None:
         assert (self.data is None) != (self.url is None), "exactly one of data and url"
@@ -118,8 +127,9 @@ class ChatPrompt:
     """Chat messages with media parts replaced by markers, plus the media in order of appearance.
 
     ``messages`` keeps the OpenAI structure but every content becomes a list of
-    ``{"type": "text", "text": ...}`` and ``{"type": "image" | "video", "index": i}`` parts, where
-    ``i`` indexes ``media``.
+    ``{"type": "text", "text": ...}`` and ``{"type": "image" | "video" | "audio", "index": i}``
+    parts, where ``i`` indexes ``media`` (a video with its track also has ``"audio_index"``). Audio
+    parts of a chat parsed without audio stay ``{"type": "audio"}``, indexing nothing.
     """
 
     messages: list[dict[str, Any]]
@@ -129,8 +139,15 @@ class ChatPrompt:
 _ROLES = ("system", "user", "assistant", "tool")
 
 
-def chat_prompt(messages: Any, max_items: int) -> ChatPrompt:
-    """Validate OpenAI chat ``messages`` and pull out their image and video parts."""
+# ``input_audio.format`` values taken (OpenAI's wav and mp3, and the containers the decoder reads);
+# the content is sniffed whatever the format says.
+AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "opus", "m4a", "aac")
+
+
+def chat_prompt(messages: Any, max_items: int, audio: bool = False) -> ChatPrompt:
+    """Validate OpenAI chat ``messages`` and pull out their media parts. ``audio``: the model takes
+    audio (its audio parts become sources, each video also its track's); otherwise audio parts
+    stay unparsed markers for the model's part check to refuse (415 or 400)."""
     if not isinstance(messages, list) or not messages:
         raise unprocessable("'messages' must be a non-empty list", "messages")
     out: list[dict[str, Any]] = []
@@ -142,14 +159,15 @@ def chat_prompt(messages: Any, max_items: int) -> ChatPrompt:
         role = msg.get("role")
         if role not in _ROLES:
             raise unprocessable(f"{where}.role must be one of {list(_ROLES)}, got {role!r}", f"{where}.role")
-        parts = _content_parts(msg.get("content"), f"{where}.content", media)
+        parts = _content_parts(msg.get("content"), f"{where}.content", media, audio)
         out.append({"role": role, "content": parts})
-        if len(media) > max_items:
+        # a video's track is part of the video: the limit counts the parts
+        if sum(not m.audio_track for m in media) > max_items:
             raise APIError(413, f"more than {max_items} media items in one request", param="messages")
     return ChatPrompt(messages=out, media=media)
 
 
-def _content_parts(content: Any, where: str, media: list[MediaSource]) -> list[dict[str, Any]]:
+def _content_parts(content: Any, where: str, media: list[MediaSource], audio: bool) -> list[dict[str, Any]]:
     if content is None:
         return []
     if isinstance(content, str):
@@ -172,16 +190,54 @@ def _content_parts(content: Any, where: str, media: list[MediaSource]) -> list[d
             url = _part_url(part.get(ptype), f"{pwhere}.{ptype}")
             parts.append({"type": modality, "index": len(media)})
             media.append(MediaSource(name=pwhere, url=url, modality_hint=modality))
-        elif ptype in ("input_audio", "audio"):
-            # Kept (never fetched) so the model's part check answers for it: 415 for a model that
-            # takes audio we cannot encode yet, 400 for one that takes none.
-            parts.append({"type": "audio"})
+            if modality == "video" and audio:
+                parts[-1]["audio_index"] = len(media)
+                media.append(MediaSource(name=pwhere, url=url, modality_hint="audio", audio_track=True))
+        elif ptype in ("input_audio", "audio_url", "audio"):
+            if not audio:
+                # Kept (never fetched) so the model's part check answers for it: 415 for a model
+                # that takes audio we cannot encode, 400 for one that takes none.
+                parts.append({"type": "audio"})
+                continue
+            parts.append({"type": "audio", "index": len(media)})
+            media.append(_audio_source(part, ptype, pwhere))
         else:
             raise unprocessable(
-                f"{pwhere}.type must be 'text', 'image_url', 'video_url' or 'input_audio', got {ptype!r}",
+                f"{pwhere}.type must be 'text', 'image_url', 'video_url', 'input_audio' or "
+                f"'audio_url', got {ptype!r}",
                 f"{pwhere}.type",
             )
     return parts
+
+
+def _audio_source(part: dict[str, Any], ptype: str, where: str) -> MediaSource:
+    """An ``input_audio`` part (``{"data": base64, "format": ...}``) or an ``audio_url`` one
+    (``{"url": http(s) or data: URI}``; transformers' ``audio`` part the same) as a source."""
+    if ptype != "input_audio":
+        return MediaSource(
+            name=where, url=_part_url(part.get(ptype), f"{where}.{ptype}"), modality_hint="audio"
+        )
+    body = part.get("input_audio")
+    if not isinstance(body, dict):
+        raise unprocessable(
+            f"{where}.input_audio must be an object with 'data' and 'format'", f"{where}.input_audio"
+        )
+    fmt = body.get("format")
+    if fmt is not None and (not isinstance(fmt, str) or fmt.lower() not in AUDIO_FORMATS):
+        raise bad_request(
+            f"{where}.input_audio.format {fmt!r} is not one of {list(AUDIO_FORMATS)}",
+            f"{where}.input_audio.format",
+        )
+    data = body.get("data")
+    if not isinstance(data, str):
+        raise unprocessable(f"{where}.input_audio.data must be a base64 string", f"{where}.input_audio.data")
+    if not data:
+        raise bad_request(f"{where}.input_audio.data is empty", f"{where}.input_audio.data")
+    if data.startswith("data:"):
+        return MediaSource(name=where, url=data, modality_hint="audio")
+    return MediaSource(
+        name=where, data=decode_base64(data, f"{where}.input_audio.data"), modality_hint="audio"
+    )
 
 
 def _part_url(value: Any, where: str) -> str:

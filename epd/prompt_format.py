@@ -1,7 +1,8 @@
 """How the ingress turns a chat into prompt ids for the served model.
 
-    messages (parts: text | image | video) --check against what the model takes--> 4xx naming a part
-    media resolved to EmbeddingRefs (token counts, a video's temporal patches and their times)
+    messages (parts: text | image | video | audio) --check against what the model takes--> 4xx naming a part
+    media resolved to EmbeddingRefs (token counts, a video's temporal patches and their times, and
+    for a video with sound its track's ref)
     --render--> text --tokenize--> ids --the family lays each item out--> prompt ids
 
 Text from the request is text: rendering and tokenizing go through ``llm_core.prompts.request_text``,
@@ -17,9 +18,12 @@ Two renderers, chosen once at start from the LLM's checkpoint directory:
 - without a template (the embedded default), the tokenizer's built-in ChatML, which writes the runs
   at their lengths itself.
 
-Which parts the model takes comes from config.json: images need ``image_token_id`` (or the
-tokenizer's image pad), videos ``video_token_id``; audio is never encoded here (a model that
-declares it gets a 415 naming the part).
+Which parts the model takes comes from the checkpoint: images need ``image_token_id`` (or the
+tokenizer's image pad), videos ``video_token_id``; audio needs the model to declare it and the
+checkpoint to carry its encoder (``serves_audio``: ``audio_config`` and an ``audio_tokenizer/``
+folder). A model that declares audio without the encoder gets a 415 naming the part. A model that
+takes audio hears each video's track too: the video's item carries its track's rows
+(``media_item``), which the family lays out beside the frames.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from llm_core.prompts.media_expansion import MediaExpansion, MediaItem, PadRuns
 from llm_core.prompts.media_parts import (
     UnservedModality,
     check_message_parts,
+    serves_audio,
     supported_part_types,
     unserved_part_types,
 )
@@ -56,14 +61,17 @@ class PromptFormat:
         video_token_id: int | None,
         expansion: MediaExpansion | None = None,
         unserved: frozenset[str] = frozenset(),
+        audio: bool = False,
     ) -> None:
+        """``audio``: the model takes audio (``serves_audio``); its expansion must lay it out."""
         self.tokenizer = tokenizer
         self.template = template
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
         self.expansion = expansion or PadRuns(image_token_id, video_token_id)
+        self.serves_audio = audio
         self.supported = supported_part_types(
-            {"image_token_id": image_token_id, "video_token_id": video_token_id}
+            {"image_token_id": image_token_id, "video_token_id": video_token_id}, audio
         )
         self.unserved = unserved
 
@@ -77,13 +85,15 @@ class PromptFormat:
         image = config.get("image_token_id", tokenizer.image_token_id)
         video = config.get("video_token_id", tokenizer.video_token_id)
         expansion = media_expansion_of(family_for(config))(config, tokenizer.encode) if config else None
+        audio = serves_audio(config, model_dir)
         return cls(
             tokenizer,
             load_chat_template(model_dir),
             image,
             video,
             expansion,
-            unserved_part_types(config),
+            unserved_part_types(config, audio),
+            audio,
         )
 
     def check_parts(self, messages: Sequence[Mapping[str, Any]]) -> None:
@@ -93,8 +103,8 @@ class PromptFormat:
 
     def prompt_ids(self, messages: Sequence[Mapping[str, Any]], media: Sequence[MediaItem]) -> list[int]:
         """Prompt ids of ``messages`` (content parts ``{"type": "text", "text"}`` or
-        ``{"type": "image" | "video"}``), the i-th media part being ``media[i]``. The messages'
-        text never becomes special ids (``request_text``); the template's specials do."""
+        ``{"type": "image" | "video" | "audio"}``), the i-th media part being ``media[i]``. The
+        messages' text never becomes special ids (``request_text``); the template's specials do."""
         kinds = [p["type"] for m in messages for p in m["content"] if p["type"] != "text"]
         assert kinds == [it.kind for it in media], (kinds, media)
         if self.template is None:
@@ -123,14 +133,38 @@ class PromptFormat:
         return self.expansion.expand(ids, media)
 
 
-def media_item(ref: EmbeddingRef) -> MediaItem:
-    """What the prompt needs of an encoded item: its kind, rows, temporal patches and their times."""
+def media_item(ref: EmbeddingRef, track: EmbeddingRef | None = None) -> MediaItem:
+    """What the prompt needs of an encoded item: its kind, rows, temporal patches and their times;
+    for a video, ``track`` is its audio track's ref (None, or zero rows: a video without sound)."""
     return MediaItem(
         kind=ref.modality,
         num_tokens=ref.num_tokens,
         grid_t=sum(g[0] for g in ref.grid_thw) if ref.modality == "video" else 1,
         timestamps=ref.grid_t_timestamps,
+        audio_tokens=track.num_tokens if track is not None else 0,
     )
+
+
+def prompt_media(
+    messages: Sequence[Mapping[str, Any]], refs: Sequence[EmbeddingRef]
+) -> tuple[list[MediaItem], list[EmbeddingRef]]:
+    """The media of a parsed chat (``epd.media_request.chat_prompt``: parts index ``refs``, a video
+    with its track also by ``audio_index``), in part order: one MediaItem per part, and the refs the
+    engine receives, in the order their rows take the prompt's pads (a video, then its track; a
+    track of zero rows, a video without sound, is left out)."""
+    items: list[MediaItem] = []
+    sent: list[EmbeddingRef] = []
+    for m in messages:
+        for p in m["content"]:
+            if "index" not in p:
+                continue
+            ref = refs[p["index"]]
+            track = refs[p["audio_index"]] if "audio_index" in p else None
+            items.append(media_item(ref, track))
+            sent.append(ref)
+            if track is not None and track.num_tokens:
+                sent.append(track)
+    return items, sent
 
 
 def _template_part(part: Mapping[str, Any]) -> dict[str, Any]:
@@ -146,4 +180,4 @@ def _config(model_dir: Path) -> dict[str, Any]:
         return {}  # the engine's loader reports a missing or broken config.json with its path
 
 
-__all__ = ["ChatTemplateError", "PromptFormat", "UnservedModality", "media_item"]
+__all__ = ["ChatTemplateError", "PromptFormat", "UnservedModality", "media_item", "prompt_media"]

@@ -19,8 +19,9 @@ from epd.engine_client import EngineClient
 from epd.llm_backends.base import ChatCall, ChatDelta, ChatResult
 from epd.llm_backends.cache_keys import prompt_cache_keys
 from epd.media_pipeline import EncodedItem
-from epd.prompt_format import ChatTemplateError, PromptFormat, media_item
+from epd.prompt_format import ChatTemplateError, PromptFormat, prompt_media
 from epd_common.errors import bad_request
+from epd_common.messages.embedding_ref import EmbeddingRef
 
 COMPLETIONS = "/v1/completions"
 # Rendering threads: enough that one long prompt does not hold up the others, few because the
@@ -51,24 +52,25 @@ class EpdEngineBackend:
     async def chat_call(
         self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem], sampling: dict[str, Any]
     ) -> ChatCall:
-        prompt_ids, keys = await self._off_loop(partial(self._render, messages, items))
+        prompt_ids, refs, keys = await self._off_loop(partial(self._render, messages, items))
         # the refs go as Structs: the engine client encodes the body with msgspec
-        body = {"prompt": prompt_ids, "multimodal": [it.ref for it in items], **sampling}
+        body = {"prompt": prompt_ids, "multimodal": refs, **sampling}
         return ChatCall(COMPLETIONS, body, keys)
 
     def _render(
         self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem]
-    ) -> tuple[list[int], list[int]]:
-        """Prompt ids and cache keys of a chat (a rendering thread)."""
-        media = [media_item(items[p["index"]].ref) for m in messages for p in m["content"] if "index" in p]
+    ) -> tuple[list[int], list[EmbeddingRef], list[int]]:
+        """Prompt ids, the refs the engine gets (in the order their rows take the prompt's pads)
+        and the cache keys of a chat (a rendering thread)."""
+        media, refs = prompt_media(messages, [it.ref for it in items])
         try:
             prompt_ids = self.prompt_format.prompt_ids(messages, media)
         except ChatTemplateError as exc:  # the checkpoint's template refused these messages
             raise bad_request(str(exc), exc.param) from exc
         keys = prompt_cache_keys(
-            self.prompt_format.tokenizer, prompt_ids, [(it.ref.key, it.ref.num_tokens) for it in items]
+            self.prompt_format.tokenizer, prompt_ids, [(r.key, r.num_tokens, r.modality) for r in refs]
         )
-        return prompt_ids, keys
+        return prompt_ids, refs, keys
 
     async def completion_call(self, body: dict[str, Any]) -> ChatCall:
         """A text prompt is tokenized for its cache keys on a rendering thread."""

@@ -3,14 +3,17 @@ exactly the keys the engine's prefix cache will match.
 
     cache keys = prompt ids, each media placeholder run replaced by a pseudo-id of its MediaKey
 
-The placeholder runs are paired with the request's media in order (``media_spans``); a pseudo-id
-is negative, so it never equals a vocabulary id.
+The placeholder runs are paired with the request's media in order (``media_spans``): each item
+takes the next runs of its own placeholder id (an image's ``<|image_pad|>``, an audio clip's
+``<|audio_pad|>``), so a MiMo-V2.5 video with sound, whose video and audio runs alternate patch
+by patch, pairs its video rows and its track's rows each with their own runs. A pseudo-id is
+negative, so it never equals a vocabulary id.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from epd_common.messages.embedding_ref import MediaKey
@@ -65,38 +68,72 @@ def find_placeholder_runs(prompt_ids: Iterable[int], placeholder_ids: Iterable[i
     return runs
 
 
+class MediaRows(NamedTuple):
+    """One media item as the prompt pairs it: its key, its embedding rows and the placeholder id
+    those rows go to (None: whichever of the placeholder ids comes next, the pairing of a caller
+    that lists items of one kind, or items whose runs never interleave)."""
+
+    key: MediaKey
+    rows: int
+    pad: int | None = None
+
+
 def media_spans(
-    prompt_ids: list[int], placeholder_ids: Iterable[int], media: list[tuple[MediaKey, int]]
+    prompt_ids: list[int],
+    placeholder_ids: Iterable[int],
+    media: Sequence[tuple[MediaKey, int] | MediaRows],
 ) -> list[MediaSpan]:
-    """Pair the prompt's placeholder runs, in order, with the media (``(key, rows)`` each): every
-    item takes runs until their lengths add up to its rows (one run per item in the Qwen2-VL
-    layout). Typed error when runs and rows do not line up."""
-    runs = iter(find_placeholder_runs(prompt_ids, placeholder_ids))
+    """Pair the prompt's placeholder runs with the media (``(key, rows)`` or ``MediaRows`` each, in
+    prompt order): every item takes the next runs not yet taken whose id is its ``pad`` (any of
+    ``placeholder_ids`` when None) until their lengths add up to its rows (one run per item in the
+    Qwen2-VL layout; a MiMo-V2.5 video one per temporal patch, its audio track too). Spans come
+    back in prompt order. Typed error when runs and rows do not line up, or when an item's first
+    run comes before the previous item's (the media are not in prompt order)."""
+    items = [MediaRows(*m) for m in media]
+    pads = set(placeholder_ids) | {m.pad for m in items if m.pad is not None}
+    runs = [(start, n, prompt_ids[start]) for start, n in find_placeholder_runs(prompt_ids, pads)]
+    taken_runs = [False] * len(runs)
+    # per placeholder id (None: any), the index of the first run it has not looked past yet
+    cursor: dict[int | None, int] = {}
     spans: list[MediaSpan] = []
-    for index, (key, rows) in enumerate(media):
+    prev_first = -1
+    for index, (key, rows, pad) in enumerate(items):
         taken = 0
+        r = cursor.get(pad, 0)
         while taken < rows:
-            run = next(runs, None)
-            if run is None:
+            while r < len(runs) and (taken_runs[r] or (pad is not None and runs[r][2] != pad)):
+                r += 1
+            if r == len(runs):
                 raise MediaSpanError(
                     f"the prompt's media placeholder runs end before media {index} ({rows} rows) is "
                     f"placed ({taken} rows so far; {len(media)} media were given)",
                     index,
                 )
-            start, n = run
+            start, n, _ = runs[r]
             if taken + n > rows:
                 raise MediaSpanError(
                     f"placeholder run at token {start} has {n} tokens but media {index} has "
                     f"{rows - taken} rows left to place",
                     index,
                 )
+            if taken == 0:
+                if start < prev_first:
+                    raise MediaSpanError(
+                        f"media {index}'s first placeholder run (token {start}) comes before the "
+                        "previous item's: the media are not in prompt order",
+                        index,
+                    )
+                prev_first = start
+            taken_runs[r] = True
             spans.append(MediaSpan(start, n, key, index, taken))
             taken += n
-    extra = sum(1 for _ in runs)
+        cursor[pad] = r
+    extra = taken_runs.count(False)
     if extra:
         raise MediaSpanError(
             f"the prompt has {extra} media placeholder run(s) beyond the {len(media)} media given"
         )
+    spans.sort(key=lambda s: s.start)
     return spans
 
 

@@ -184,10 +184,12 @@ def tensor_converter(raw: dict[str, Any], config: DecoderConfig, dtype: torch.dt
 
 
 def media_expansion(raw: dict[str, Any], encode: Callable[[str], list[int]]) -> MediaExpansion:
-    """MiMo-V2.5's prompt layout: images as pad runs; each video as <|video_start|>, per temporal
-    patch its "MM:SS" time and its pads between <|vision_start|> / <|vision_end|>, <|video_end|>.
-    The token ids are the processor_config block's (what the release's processor reads), else the
-    top-level ones."""
+    """MiMo-V2.5's prompt layout: images and audio clips as pad runs; each video as <|video_start|>,
+    per temporal patch its "MM:SS" time and its pads between <|vision_start|> / <|vision_end|>
+    (a video with sound: then that stretch's audio pads between <|mimo_audio_start|> /
+    <|mimo_audio_end|>), <|video_end|>. The token ids and audio rates are the processor_config
+    block's (what the release's processor reads), else the top-level ones; a checkpoint without
+    audio ids takes no audio."""
     nested = raw.get("processor_config")
     block: dict[str, Any] = nested if isinstance(nested, dict) else {}
 
@@ -197,6 +199,26 @@ def media_expansion(raw: dict[str, Any], encode: Callable[[str], list[int]]) -> 
             raise ConfigError(f"config.json: processor_config.{name} must be a token id, got {value!r}")
         return value
 
+    def number(name: str, default: float) -> float:
+        value = block.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config.json: processor_config.{name} must be a number, got {value!r}")
+        return float(value)
+
+    audio = block.get("audio_token_id", raw.get("audio_token_id")) is not None
+    per_second = number("audio_input_id_per_second", 25.0)
+    group = number("audio_group_size", 4)
+    interleave = number("video_audio_interleave_length", 0.0)
+    if interleave < 0 and interleave != -1:
+        raise ConfigError(
+            f"config.json: processor_config.video_audio_interleave_length must be -1, 0 or > 0, got {interleave}"
+        )
+    if audio and (per_second <= 0 or group <= 0):
+        raise ConfigError(
+            "config.json: processor_config.audio_input_id_per_second and audio_group_size must be > 0"
+        )
     return TimestampedVideo(
         image_token_id=token("image_token_id"),
         video_token_id=token("video_token_id"),
@@ -205,4 +227,9 @@ def media_expansion(raw: dict[str, Any], encode: Callable[[str], list[int]]) -> 
         video_start_token_id=token("video_start_token_id"),
         video_end_token_id=token("video_end_token_id"),
         encode=encode,
+        audio_token_id=token("audio_token_id") if audio else None,
+        audio_start_token_id=token("audio_start_token_id") if audio else None,
+        audio_end_token_id=token("audio_end_token_id") if audio else None,
+        audio_tokens_per_second=per_second / group,
+        interleave_length=interleave,
     )

@@ -1,7 +1,7 @@
 """Media parts of a chat: which a model takes, and the pad runs that stand for them in its prompt.
 
 - ``supported_part_types`` / ``check_message_parts``: a part the model cannot take (a video for an
-  image-only model, audio) is refused before anything is fetched, naming ``messages[i].content[j]``
+  image-only model, audio for a model without an audio encoder: ``serves_audio``) is refused before anything is fetched, naming ``messages[i].content[j]``
   (text that spells a media token is not refused: it is tokenized as text, see
   ``llm_core.prompts.request_text``);
 - ``expand_media_placeholders``: the one pad a chat template writes per item, repeated to the
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
 from typing import Any, overload
 
 from llm_core.prompts.chat_template import ChatTemplateError
@@ -28,6 +29,7 @@ PART_MODALITIES: Mapping[str, str] = {
     "video_url": "video",
     "audio": "audio",
     "input_audio": "audio",
+    "audio_url": "audio",
 }
 
 
@@ -35,7 +37,11 @@ PART_MODALITIES: Mapping[str, str] = {
 
 
 class UnservedModality(ChatTemplateError):
-    """A part the model takes but this build has no encoder for (MiMo-V2.5's audio): HTTP 415."""
+    """A part the model takes but whose encoder its checkpoint does not carry (MiMo-V2.5's audio
+    without the ``audio_tokenizer/`` folder): HTTP 415."""
+
+
+AUDIO_TOKENIZER_DIR = "audio_tokenizer"
 
 
 def _token_sources(config: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -44,22 +50,41 @@ def _token_sources(config: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [config, nested] if isinstance(nested, Mapping) else [config]
 
 
-def unserved_part_types(config: Mapping[str, Any]) -> frozenset[str]:
-    """Modalities the model declares (``audio_token_id`` at the top level of config.json or in its
-    ``processor_config``) that no encoder here serves: audio."""
-    declared = any(isinstance(c.get("audio_token_id"), int) for c in _token_sources(config))
-    return frozenset({"audio"} if declared else ())
+def declares_audio(config: Mapping[str, Any]) -> bool:
+    """The model has audio placeholders: ``audio_token_id`` at the top level of config.json or in
+    its ``processor_config``."""
+    return any(isinstance(c.get("audio_token_id"), int) for c in _token_sources(config))
 
 
-def supported_part_types(config: Mapping[str, Any]) -> frozenset[str]:
+def serves_audio(config: Mapping[str, Any], model_dir: str | Path | None) -> bool:
+    """The model takes audio and its checkpoint carries the audio encoder the encoder workers run:
+    it declares audio, config.json has an ``audio_config`` block (the language-side tower) and the
+    directory an ``audio_tokenizer/`` folder (the frozen tokenizer, MiMo-V2.5's release layout)."""
+    return (
+        model_dir is not None
+        and declares_audio(config)
+        and isinstance(config.get("audio_config"), Mapping)
+        and (Path(model_dir) / AUDIO_TOKENIZER_DIR).is_dir()
+    )
+
+
+def unserved_part_types(config: Mapping[str, Any], audio_served: bool = False) -> frozenset[str]:
+    """Modalities the model declares that its checkpoint has no encoder for: audio, unless
+    ``audio_served`` (``serves_audio``)."""
+    return frozenset({"audio"} if declares_audio(config) and not audio_served else ())
+
+
+def supported_part_types(config: Mapping[str, Any], audio_served: bool = False) -> frozenset[str]:
     """The modalities a model takes, from its ``config.json``: text always; image when it declares
-    ``image_token_id`` (or LLaVA's ``image_token_index``); video when it declares ``video_token_id``.
-    Audio never (no audio encoder here; see ``unserved_part_types``)."""
+    ``image_token_id`` (or LLaVA's ``image_token_index``); video when it declares ``video_token_id``;
+    audio when ``audio_served`` (``serves_audio``: declared, and the checkpoint has the encoder)."""
     kinds = {"text"}
     if isinstance(config.get("image_token_id", config.get("image_token_index")), int):
         kinds.add("image")
     if isinstance(config.get("video_token_id"), int):
         kinds.add("video")
+    if audio_served:
+        kinds.add("audio")
     return frozenset(kinds)
 
 

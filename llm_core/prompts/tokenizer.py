@@ -40,6 +40,8 @@ VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
+# MiMo-V2.5's audio placeholder; not among the byte-level default's specials (no audio there).
+AUDIO_PAD = "<|audio_pad|>"
 SPECIAL_TOKENS: tuple[str, ...] = (
     EOS_TOKEN,
     IM_START,
@@ -153,6 +155,7 @@ class Tokenizer:
         self.im_end_token_id: int | None = tok.token_to_id(IM_END)
         self.image_token_id: int | None = tok.token_to_id(IMAGE_PAD)
         self.video_token_id: int | None = tok.token_to_id(VIDEO_PAD)
+        self.audio_token_id: int | None = tok.token_to_id(AUDIO_PAD)
         # The added tokens marked special (what transformers' split_special_tokens reads as text);
         # a non-special added token (Qwen's <tool_call>) is vocabulary like any word.
         specials = {i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special}
@@ -163,6 +166,13 @@ class Tokenizer:
         self._as_text = HFTokenizer.from_str(tok.to_str())
         self._as_text.encode_special_tokens = True
         self._one: dict[int, str] = {}  # decode_one's cache (ids are few; strings are short)
+
+    @property
+    def media_pad_ids(self) -> dict[str, int]:
+        """The placeholder id each modality's embedding rows go to ("image", "video", "audio"),
+        for those this tokenizer has."""
+        pads = {"image": self.image_token_id, "video": self.video_token_id, "audio": self.audio_token_id}
+        return {kind: pad for kind, pad in pads.items() if pad is not None}
 
     def encode(self, text: str) -> list[int]:
         """Text to ids; special tokens written in the text (e.g. ``<|im_start|>``) become their ids.

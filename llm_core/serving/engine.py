@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from epd_common.messages.cache_keys import MediaSpanError, media_spans
+from epd_common.messages.cache_keys import MediaRows, MediaSpanError, media_spans
 from epd_common.store.store import Store
 from llm_core.caches.host_tier import HostKVTier
 from llm_core.caches.kv_events import AllBlocksCleared, KVEventBatch
@@ -135,6 +135,8 @@ class LLMEngine:
         self._exports: dict[str, dict[str, object]] = {}
         # The checkpoint directory (``from_checkpoint``): names the weights in KV store keys.
         self.model_dir: Path | None = None
+        # M-RoPE (dims 3) places each image or video as one grid: one placeholder run per item
+        self._one_run_per_item = positions is not None and positions.dims == 3
         if kv_events is not None:
             kv_events.publish(KVEventBatch(time.time(), (AllBlocksCleared(),)))
         self.runner = ModelRunner(
@@ -299,23 +301,35 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}",
                 "max_tokens",
             )
-        tok = self.tokenizer
+        pads = self.tokenizer.media_pad_ids
+        for i, item in enumerate(mm):
+            if item.ref.modality not in pads:
+                raise EngineRequestError(
+                    f"this model's tokenizer has no placeholder for {item.ref.modality!r} media",
+                    f"multimodal[{i}]",
+                )
         try:
-            pads = [t for t in (tok.image_token_id, tok.video_token_id) if t is not None]
-            spans = media_spans(prompt_ids, pads, [(m.ref.key, int(m.embedding.shape[0])) for m in mm])
+            # Each item's rows go to the runs of its own pad, in item order: a video with sound has
+            # its frames' runs and its track's runs interleaved (MiMo-V2.5's ``video_audio``).
+            spans = media_spans(
+                prompt_ids,
+                pads.values(),
+                [MediaRows(m.ref.key, int(m.embedding.shape[0]), pads[m.ref.modality]) for m in mm],
+            )
         except MediaSpanError as e:
             raise EngineRequestError(
                 str(e), "multimodal" if e.item is None else f"multimodal[{e.item}]"
             ) from e
+        if self._one_run_per_item:
+            runs = collections.Counter(span.item for span in spans)
+            for i, item in enumerate(mm):
+                if item.ref.modality == "audio" or runs[i] > 1:
+                    why = "no audio" if item.ref.modality == "audio" else f"{runs[i]} runs for media {i}"
+                    raise EngineRequestError(
+                        f"this model's M-RoPE positions take one placeholder run per image or video ({why})",
+                        f"multimodal[{i}]",
+                    )
         hidden = self.model_config.hidden_size
-        for span in spans:
-            item = mm[span.item]
-            want_pad = tok.video_token_id if item.ref.modality == "video" else tok.image_token_id
-            if prompt_ids[span.start] != want_pad:
-                raise EngineRequestError(
-                    f"placeholder run at token {span.start} does not match modality {item.ref.modality!r}",
-                    f"multimodal[{span.item}]",
-                )
         for i, item in enumerate(mm):
             width = item.embedding.shape[1]
             if width != hidden:

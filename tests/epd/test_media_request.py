@@ -2,7 +2,7 @@ import base64
 
 import pytest
 
-from epd.media_request import chat_prompt, json_items_sources, upload_source
+from epd.media_request import MediaSource, chat_prompt, json_items_sources, upload_source
 from epd_common.errors import APIError
 
 
@@ -94,3 +94,79 @@ def test_chat_prompt_schema_errors(messages: object, param: str) -> None:
     with pytest.raises(APIError) as info:
         chat_prompt(messages, max_items=4)
     assert info.value.status == 422 and info.value.param == param
+
+
+WAV_B64 = base64.b64encode(b"RIFF\x24\x00\x00\x00WAVEfmt ").decode()
+
+
+def hear(*parts: dict[str, object]) -> list[dict[str, object]]:
+    return [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": [{"type": "text", "text": "hear"}, *parts]},
+    ]
+
+
+def test_chat_prompt_audio_parts_become_sources() -> None:
+    """For a model that takes audio: input_audio (base64 or a data: URI) and audio_url (http(s) or
+    data:) parts are audio sources; a video is two sources, the video then its track."""
+    messages = hear(
+        {"type": "input_audio", "input_audio": {"data": WAV_B64, "format": "wav"}},
+        {"type": "audio_url", "audio_url": {"url": "https://h/a.mp3"}},
+        {"type": "input_audio", "input_audio": {"data": f"data:audio/wav;base64,{WAV_B64}", "format": "WAV"}},
+        {"type": "audio_url", "audio_url": {"url": f"data:audio/mpeg;base64,{WAV_B64}"}},
+        {"type": "video_url", "video_url": {"url": "https://h/v.mp4"}},
+    )
+    prompt = chat_prompt(messages, max_items=5, audio=True)
+    media = prompt.media
+    assert media[0] == MediaSource(
+        "messages[1].content[1]", data=base64.b64decode(WAV_B64), modality_hint="audio"
+    )
+    assert media[1] == MediaSource("messages[1].content[2]", url="https://h/a.mp3", modality_hint="audio")
+    assert media[2].url is not None and media[2].url.startswith("data:audio/wav;base64,")
+    assert media[3].url is not None and media[3].url.startswith("data:audio/mpeg;base64,")
+    assert media[4] == MediaSource("messages[1].content[5]", url="https://h/v.mp4", modality_hint="video")
+    assert media[5] == MediaSource(
+        "messages[1].content[5]", url="https://h/v.mp4", modality_hint="audio", audio_track=True
+    )
+    content = prompt.messages[1]["content"]
+    assert [p.get("index") for p in content[1:5]] == [0, 1, 2, 3]
+    assert all(p["type"] == "audio" for p in content[1:5])
+    assert content[5] == {"type": "video", "index": 4, "audio_index": 5}
+    # the limit counts parts: a video's track is part of it
+    with pytest.raises(APIError) as info:
+        chat_prompt(messages, max_items=4, audio=True)
+    assert info.value.status == 413
+    # a model that takes no audio: the video is one source, and audio parts stay markers
+    plain = chat_prompt(messages, max_items=5)
+    assert [m.modality_hint for m in plain.media] == ["video"]
+    assert plain.messages[1]["content"][2] == {"type": "audio"}
+
+
+@pytest.mark.parametrize(
+    ("part", "status", "param"),
+    [
+        (
+            {"type": "input_audio", "input_audio": {"data": "no!base64", "format": "wav"}},
+            400,
+            ".input_audio.data",
+        ),
+        ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, 400, ".input_audio.data"),
+        (
+            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "midi"}},
+            400,
+            ".input_audio.format",
+        ),
+        ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": 3}}, 400, ".input_audio.format"),
+        ({"type": "input_audio", "input_audio": {"data": 5}}, 422, ".input_audio.data"),
+        ({"type": "input_audio", "input_audio": "AAAA"}, 422, ".input_audio"),
+        ({"type": "input_audio"}, 422, ".input_audio"),
+        ({"type": "audio_url", "audio_url": {}}, 422, ".audio_url.url"),
+        ({"type": "audio_url", "audio_url": {"url": ""}}, 422, ".audio_url.url"),
+    ],
+)
+def test_chat_prompt_bad_audio_parts_name_the_part(part: dict[str, object], status: int, param: str) -> None:
+    with pytest.raises(APIError) as info:
+        chat_prompt(hear(part), max_items=4, audio=True)
+    assert info.value.status == status
+    assert info.value.param == "messages[1].content[1]" + param
+    assert "messages[1].content[1]" in info.value.message

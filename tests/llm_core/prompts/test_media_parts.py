@@ -13,6 +13,7 @@ from llm_core.prompts.media_parts import (
     UnservedModality,
     check_message_parts,
     expand_media_placeholders,
+    serves_audio,
     supported_part_types,
     unserved_part_types,
 )
@@ -147,3 +148,34 @@ def test_declared_audio_is_unserved_not_unknown() -> None:
     with pytest.raises(ChatTemplateError, match="does not take audio") as plain:
         check_message_parts(messages, IMAGE_ONLY, unserved_part_types({"image_token_id": 1}))
     assert not isinstance(plain.value, UnservedModality)
+
+
+def test_audio_is_served_when_the_checkpoint_carries_its_encoder(tmp_path: Path) -> None:
+    """Audio is taken when the model declares it, config.json has ``audio_config`` and the
+    checkpoint an ``audio_tokenizer/`` folder; without the folder (or the block) it stays a 415."""
+    mimo = {
+        "image_token_id": 151655,
+        "video_token_id": 151656,
+        "audio_config": {"group_size": 4},
+        "processor_config": {"audio_token_id": 151669},
+    }
+    assert not serves_audio(mimo, tmp_path) and not serves_audio(mimo, None)
+    (tmp_path / "audio_tokenizer").mkdir()
+    assert serves_audio(mimo, tmp_path)
+    assert not serves_audio({k: v for k, v in mimo.items() if k != "audio_config"}, tmp_path)
+    assert not serves_audio({"image_token_id": 1, "audio_config": {}}, tmp_path)  # declares no audio
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                text("hear"),
+                {"type": "input_audio", "input_audio": {}},
+                {"type": "audio_url", "audio_url": {"url": "u"}},
+            ],
+        }
+    ]
+    check_message_parts(messages, supported_part_types(mimo, True), unserved_part_types(mimo, True))
+    assert unserved_part_types(mimo, True) == set() and "audio" in supported_part_types(mimo, True)
+    with pytest.raises(UnservedModality) as ei:
+        check_message_parts(messages, supported_part_types(mimo), unserved_part_types(mimo))
+    assert ei.value.param == "messages[0].content[1]"

@@ -8,13 +8,24 @@ from typing import Any
 
 import pytest
 import torch
+from tokenizers import AddedToken
 
 from epd_common.messages.embedding_ref import EmbeddingRef
-from llm_core.prompts.tokenizer import VISION_END, VISION_START, load_tokenizer
+from llm_core.models.positions import MRopePositions
+from llm_core.prompts.tokenizer import (
+    AUDIO_PAD,
+    VISION_END,
+    VISION_START,
+    Tokenizer,
+    build_default_tokenizer,
+    load_tokenizer,
+)
 from llm_core.serving.engine import EngineOverloaded, EngineRequestError, LLMEngine, StepOutput
 from llm_core.serving.model_runner import MultimodalInput
 from llm_core.serving.sampling import SamplingParams
 from llm_core.serving.server_config import EngineConfig
+
+AUDIO_START, AUDIO_END = "<|mimo_audio_start|>", "<|mimo_audio_end|>"
 
 
 def make_engine(loaded: Any, start: bool = True, **kw: Any) -> LLMEngine:
@@ -93,6 +104,97 @@ def test_multimodal_embeddings_match_dense_reference(loaded: Any) -> None:
             assert ids_of(asyncio.run(collect(engine, prompt, sp, mm))) == expected, kw
         finally:
             engine.stop()
+
+
+def audio_tokenizer() -> Tokenizer:
+    """The tiny checkpoint's byte-level tokenizer plus MiMo-V2.5's audio placeholders (ids 263..265,
+    inside the tiny model's 512 embedding rows)."""
+    hf = build_default_tokenizer()
+    hf.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in (AUDIO_START, AUDIO_PAD, AUDIO_END)]
+    )
+    return Tokenizer(hf)
+
+
+def test_audio_rows_match_dense_reference(loaded: Any) -> None:
+    """An audio clip and a video with sound (its frames' runs and its track's runs interleaved per
+    temporal patch): each item's rows land on its own pads, in item order, as in a dense reference
+    with the rows written at the pads."""
+    tok = audio_tokenizer()
+    a_start, apad, a_end = (tok.encode(t)[0] for t in (AUDIO_START, AUDIO_PAD, AUDIO_END))
+    vs, ve, vpad = tok.encode(VISION_START)[0], tok.encode(VISION_END)[0], tok.video_token_id
+    assert apad == tok.audio_token_id and vpad is not None
+    hidden = loaded.config.hidden_size
+    g = torch.Generator().manual_seed(5)
+    clip = torch.randn(5, hidden, generator=g) * 0.5  # [5, hidden]: 5 audio pads
+    vid = torch.randn(4, hidden, generator=g) * 0.5  # [4, hidden]: 2 patches of 2 pads
+    track = torch.randn(3, hidden, generator=g) * 0.5  # [3, hidden]: 1 + 2 audio pads
+    prompt = [*prompt_of(7, 1), a_start, *([apad] * 5), a_end, *prompt_of(3, 2)]
+    prompt += [*b"00:00", vs, vpad, vpad, ve, a_start, apad, a_end]
+    prompt += [*b"00:02", vs, vpad, vpad, ve, a_start, apad, apad, a_end, *prompt_of(4, 3)]
+    clip_at = prompt.index(apad)
+    v0 = prompt.index(vpad)
+    v1 = prompt.index(vpad, v0 + 2)
+    t0 = prompt.index(apad, v0)
+    t1 = prompt.index(apad, v1)
+    rows = [(clip_at, clip), (v0, vid[:2]), (v1, vid[2:]), (t0, track[:1]), (t1, track[1:])]
+    expected = dense_greedy(loaded.model, prompt, rows, 10)
+    assert expected != dense_greedy(loaded.model, prompt, rows[:1], 10)  # the track matters
+
+    mm = [
+        MultimodalInput(media_ref("clip", 5, hidden, "audio"), clip),
+        MultimodalInput(media_ref("vid", 4, hidden, "video"), vid),
+        MultimodalInput(media_ref("track", 3, hidden, "audio"), track),
+    ]
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    cfg = EngineConfig(kv_memory_bytes=4 << 20, max_model_len=512, max_num_batched_tokens=4)
+    engine = LLMEngine(loaded.model, loaded.config, tok, cfg)
+    engine.start()
+    try:
+        assert ids_of(asyncio.run(collect(engine, prompt, sp, mm))) == expected
+    finally:
+        engine.stop()
+    # Rows in the wrong order (the track before its video) or a tokenizer without the audio pad:
+    # refused, naming the item.
+    for tokenizer, items, param in (
+        (tok, [mm[0], mm[2], mm[1]], "multimodal[2]"),
+        (load_tokenizer(loaded.model_dir), mm, "multimodal[0]"),
+    ):
+        bad = LLMEngine(loaded.model, loaded.config, tokenizer, cfg)
+
+        async def submit(engine: LLMEngine = bad, items: list[MultimodalInput] = items) -> None:
+            engine.submit(prompt, sp, items)
+
+        with pytest.raises(EngineRequestError) as ei:
+            asyncio.run(submit())
+        assert ei.value.param == param, str(ei.value)
+
+
+def test_mrope_engines_refuse_media_over_several_runs_and_audio(loaded: Any) -> None:
+    """M-RoPE places each image or video as one grid: a video over two runs (MiMo-V2.5's layout)
+    or audio is refused at submit, naming the item, before any step runs."""
+    tok = audio_tokenizer()
+    hidden = loaded.config.hidden_size
+    vpad, apad = tok.video_token_id, tok.audio_token_id
+    assert vpad is not None and apad is not None
+    cfg = EngineConfig(kv_memory_bytes=4 << 20, max_model_len=512)
+    engine = LLMEngine(loaded.model, loaded.config, tok, cfg, positions=MRopePositions(2, 2.0))
+    sp = SamplingParams(max_tokens=2)
+    cases = [
+        (
+            [1, vpad, vpad, 2, vpad, vpad, 3],
+            MultimodalInput(media_ref("v", 4, hidden, "video"), torch.zeros(4, hidden)),
+        ),
+        ([1, apad, apad, 3], MultimodalInput(media_ref("a", 2, hidden, "audio"), torch.zeros(2, hidden))),
+    ]
+    for prompt, item in cases:
+
+        async def submit(prompt: list[int] = prompt, item: MultimodalInput = item) -> None:
+            engine.submit(prompt, sp, [item])
+
+        with pytest.raises(EngineRequestError, match="M-RoPE") as ei:
+            asyncio.run(submit())
+        assert ei.value.param == "multimodal[0]"
 
 
 def test_multimodal_alignment_errors_name_the_item(loaded: Any) -> None:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from epd_common.messages.cache_keys import MediaSpan, MediaSpanError, media_spans
+from epd_common.messages.cache_keys import (
+    MediaRows,
+    MediaSpan,
+    MediaSpanError,
+    build_cache_keys,
+    media_pseudo_id,
+    media_spans,
+)
 from llm_core.serving.sequence import Sequence
 
 
@@ -52,3 +59,54 @@ def test_media_spans_mismatch_is_a_typed_error(
 ) -> None:
     with pytest.raises(MediaSpanError, match=match):
         media_spans(prompt, [IMG, VID], media)
+
+
+AUD = 92
+
+
+def test_media_spans_pair_each_item_with_its_own_pad() -> None:
+    """A MiMo-V2.5 video with sound: per temporal patch its video run, then its audio run; the
+    video item takes the video runs, its track (the next item) the audio runs, then an audio clip
+    takes the next audio run."""
+    prompt = [1, VID, VID, 8, AUD, 9, 7, VID, VID, 8, AUD, AUD, 9, 3, AUD, AUD, AUD, 4]
+    media = [MediaRows("vid", 4, VID), MediaRows("track", 3, AUD), MediaRows("clip", 3, AUD)]
+    spans = media_spans(prompt, [IMG, VID, AUD], media)
+    assert spans == [
+        MediaSpan(1, 2, "vid", 0, 0),
+        MediaSpan(4, 1, "track", 1, 0),
+        MediaSpan(7, 2, "vid", 0, 2),
+        MediaSpan(10, 2, "track", 1, 1),
+        MediaSpan(14, 3, "clip", 2, 0),
+    ]
+    keys = build_cache_keys(prompt, spans)
+    assert keys[4] == keys[10] == media_pseudo_id("track") != keys[14] == media_pseudo_id("clip")
+    assert keys[1] == keys[8] == media_pseudo_id("vid")
+
+
+@pytest.mark.parametrize(
+    ("media", "match"),
+    [
+        # the track's rows do not cover its runs: the clip would take the second one
+        ([MediaRows("v", 2, VID), MediaRows("t", 1, AUD)], "1 media placeholder run"),
+        ([MediaRows("v", 2, VID), MediaRows("t", 2, AUD)], "has 2 tokens but media 1 has 1 rows"),
+        # listed against prompt order
+        ([MediaRows("t", 3, AUD), MediaRows("v", 2, VID)], "not in prompt order"),
+        ([MediaRows("v", 2, IMG), MediaRows("t", 2, AUD)], "end before media 0"),
+    ],
+)
+def test_media_spans_by_pad_mismatches(media: list[MediaRows], match: str) -> None:
+    prompt = [1, VID, 8, AUD, 9, VID, 8, AUD, AUD, 9]
+    with pytest.raises(MediaSpanError, match=match):
+        media_spans(prompt, [IMG, VID, AUD], media)
+
+
+def test_prefix_keys_differ_for_different_audio() -> None:
+    """Same prompt, different clips: the keys part at the audio run (prefix cache and routing)."""
+    prompt = [1, 2, AUD, AUD, AUD, 3]
+
+    def keys(key: str) -> list[int]:
+        return build_cache_keys(prompt, media_spans(prompt, [AUD], [MediaRows(key, 3, AUD)]))
+
+    a, b = keys("clip-a"), keys("clip-b")
+    assert a[:2] == b[:2] == [1, 2] and a[2:5] != b[2:5] and a[5:] == b[5:] == [3]
+    assert keys("clip-a") == a
