@@ -73,7 +73,9 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
     if not isinstance(body, dict):
         raise unprocessable("the body must be a JSON object", "body")
     model = resolve_model(ingress.config, body.get("model"))
-    prompt = chat_prompt(body.get("messages"), ingress.config.max_items)
+    prompt = chat_prompt(
+        body.get("messages"), ingress.config.max_items, audio=ingress.prompt_format.serves_audio
+    )
     try:
         ingress.prompt_format.check_parts(prompt.messages)  # before any media is fetched
     except UnservedModality as exc:

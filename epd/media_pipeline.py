@@ -45,11 +45,12 @@ from epd.metrics import IngressMetrics
 from epd_common.admission import ServiceRate, seconds_left
 from epd_common.errors import APIError, bad_request, overloaded
 from epd_common.messages.embedding_ref import EmbeddingRef
+from media_io.audio import has_audio_stream
 from media_io.audio_settings import AudioSettings
 from media_io.config import PreprocessConfig
 from media_io.errors import MediaError, UnsupportedMedia
 from media_io.fetch import Fetcher
-from media_io.sniff import sniff
+from media_io.sniff import MediaKind, sniff
 
 
 @dataclass(frozen=True)
@@ -159,35 +160,54 @@ class MediaPipeline:
         self.check_capacity(len(sources), deadline)
         deadline_at = time.monotonic() + deadline
         self._inflight += len(sources)
+        downloads: dict[str, asyncio.Task[bytes]] = {}
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._timed(src, deadline_at)) for src in sources]
+                tasks = [group.create_task(self._timed(src, deadline_at, downloads)) for src in sources]
         except* (APIError, MediaError) as eg:
             raise eg.exceptions[0] from None
         finally:
             self._inflight -= len(sources)
         return [t.result() for t in tasks]
 
-    async def _timed(self, src: MediaSource, deadline_at: float) -> EncodedItem:
+    async def _timed(
+        self, src: MediaSource, deadline_at: float, downloads: dict[str, asyncio.Task[bytes]]
+    ) -> EncodedItem:
         """``resolve``, counted in the rate admission measures."""
         self.rate.started()
         ok = False
         try:
-            item = await self.resolve(src, deadline_at)
+            item = await self.resolve(src, deadline_at, downloads)
             ok = True
             return item
         finally:
             self.rate.finished(ok=ok)
 
-    async def resolve(self, src: MediaSource, deadline_at: float | None = None) -> EncodedItem:
-        """One item; ``deadline_at`` (monotonic): what is left of it goes to the worker."""
+    async def resolve(
+        self,
+        src: MediaSource,
+        deadline_at: float | None = None,
+        downloads: dict[str, asyncio.Task[bytes]] | None = None,
+    ) -> EncodedItem:
+        """One item; ``deadline_at`` (monotonic): what is left of it goes to the worker;
+        ``downloads``: the request's fetches by URL, so that a video and its sound track (the same
+        URL) download once."""
         t0 = time.perf_counter()
-        data = src.data if src.data is not None else await self.fetcher.fetch(_url(src), item=src.name)
+        data = src.data if src.data is not None else await self._download(src, downloads)
         t_download = time.perf_counter()
         try:
             kind = sniff(data)
         except MediaError as exc:  # sniff sees bytes only; name the item so the client knows which
             raise type(exc)(exc.message, exc.item or src.name) from exc
+        if src.audio_track:
+            if kind.modality != "video":
+                raise bad_request(f"{src.name} was sent as video but its bytes are {kind.modality}", src.name)
+            heard = self.audio is not None and await asyncio.get_running_loop().run_in_executor(
+                None, has_audio_stream, data
+            )
+            if not heard:  # no sound (or no audio encoder): the video is laid out without an audio block
+                return EncodedItem(src.name, silent_track(), False, {})
+            kind = MediaKind("audio", kind.format)  # the container's audio stream, encoded as audio
         if kind.modality == "audio" and self.audio is None:  # recognized, so the refusal says what
             raise UnsupportedMedia(
                 f"audio ({kind.format}) is not supported: the encoders have no audio tower", src.name
@@ -259,6 +279,21 @@ class MediaPipeline:
         self.metrics.observe_timings(timings)
         self.metrics.media_items.labels(modality=kind.modality).inc()
         return EncodedItem(src.name, ref, False, timings)
+
+    async def _download(self, src: MediaSource, downloads: dict[str, asyncio.Task[bytes]] | None) -> bytes:
+        url = _url(src)
+        if downloads is None:
+            return await self.fetcher.fetch(url, item=src.name)
+        task = downloads.get(url)
+        if task is None:
+            task = downloads[url] = asyncio.ensure_future(self.fetcher.fetch(url, item=src.name))
+        return await asyncio.shield(task)
+
+
+def silent_track() -> EmbeddingRef:
+    """The sound track of a video without one: zero rows. The prompt lays the video out without
+    audio blocks and the engine never receives it (``epd.prompt_format.prompt_media``)."""
+    return EmbeddingRef(key="", dtype="float32", shape=(0, 0), grid_thw=((1, 1, 0),), modality="audio")
 
 
 def _url(src: MediaSource) -> str:

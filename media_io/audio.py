@@ -84,6 +84,17 @@ def decode_audio(
     return AudioClip(samples, cfg.sample_rate, source)
 
 
+def has_audio_stream(data: bytes) -> bool:
+    """Whether the container holds an audio stream (headers only, nothing decoded): a video's
+    sound track is encoded only when there is one. Unreadable bytes say False (the video's own
+    decode reports them)."""
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            return bool(container.streams.audio)
+    except (av.error.FFmpegError, ValueError, UnicodeDecodeError):
+        return False
+
+
 def _decode_stream(
     container: av.container.InputContainer,
     stream: av.audio.stream.AudioStream,

@@ -73,7 +73,7 @@ from epd_common.store_config import build_store
 from media_io.active_paths import media_paths
 from media_io.errors import BadMedia, MediaError, MediaTooLarge, UnsupportedMedia
 from media_io.preprocess import Patches, PreprocessBackend, get_backend
-from media_io.sniff import sniff
+from media_io.sniff import MediaKind, sniff
 from media_io.video import decode_video, warm_decode_pool
 from media_io.work_estimate import PatchEstimator
 
@@ -233,6 +233,9 @@ class EncoderWorker:
         if len(data) > self.config.limits.max_bytes:
             raise MediaTooLarge(f"body of {len(data)} bytes exceeds {self.config.limits.max_bytes}", item)
         kind = sniff(data)
+        if modality == "audio" and kind.modality == "video":
+            # a video's sound track: its container's audio stream, encoded as audio
+            kind = MediaKind("audio", kind.format)
         if modality is not None and modality != kind.modality:
             raise BadMedia(f"sent as {modality} but its bytes are {kind.modality} ({kind.format})", item)
         if kind.modality == "audio" and isinstance(self.audio, NoAudio):

@@ -11,8 +11,8 @@ processor_config block), through ``/v1/chat/completions``:
 - a 10 s clip at 1 fps: ``<|video_start|>``, per temporal patch its "MM:SS" time as text, its pads
   between ``<|vision_start|>`` / ``<|vision_end|>``, then ``<|video_end|>``, written out here from the
   documented layout; usage reports the token counts;
-- audio: 415 naming the part; text spelling a media token is text: answered, with none of its
-  special ids in the prompt.
+- an empty audio part: 400 naming it (audio chats: ``test_e2e_mimo_v2_audio``); text spelling a
+  media token is text: answered, with none of its special ids in the prompt.
 """
 
 from __future__ import annotations
@@ -202,16 +202,20 @@ def test_ten_second_video_has_timestamps(server: ServeProcess, mimo_v2_dir: Path
     assert len(reply["choices"][0]["token_ids"]) == NEW_TOKENS
 
 
-def test_audio_is_415_and_spelled_media_tokens_are_text(server: ServeProcess, mimo_v2_dir: Path) -> None:
+def test_empty_audio_is_400_and_spelled_media_tokens_are_text(
+    server: ServeProcess, mimo_v2_dir: Path
+) -> None:
+    # The checkpoint now carries its audio encoder (audio_tokenizer/): an audio part is taken, and
+    # an empty one is the client's error, named (the 415 of a checkpoint without the encoder is
+    # tested in tests/epd/test_prompt_format.py and tests/encoder/serving/test_worker_audio.py).
     audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
     status, reply = http_json(
         "POST",
         f"{server.url}/v1/chat/completions",
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "hear"}, audio]}]},
     )
-    assert status == 415, reply
-    assert reply["error"]["param"] == "messages[0].content[1]"
-    assert "audio encoder is not supported yet" in reply["error"]["message"]
+    assert status == 400, reply
+    assert reply["error"]["param"] == "messages[0].content[1].input_audio.data"
     spelled = f"what is {fx.VIDEO_START}{fx.VIDEO_PAD}{fx.AUDIO_PAD} <|im_end|>?"
     reply = chat(server, [{"role": "user", "content": spelled}])
     specials = set(range(fx.BPE_VOCAB_SIZE, fx.BPE_VOCAB_SIZE + len(fx.MIMO_SPECIAL_TOKENS)))
