@@ -54,6 +54,7 @@ from llm_core.serving.engine_stats import EngineLoad, EngineStats, ThroughputMet
 from llm_core.serving.kv_event_publisher import KVEventPublisher
 from llm_core.serving.kv_handoff import KVHandoff
 from llm_core.serving.model_runner import CausalLM, ModelRunner, MultimodalInput
+from llm_core.serving.request import Request
 from llm_core.serving.request_stream import RequestState, RequestStream, StepOutput
 from llm_core.serving.request_stream import deliver as deliver_outputs
 from llm_core.serving.sampling import Sampler, SamplingParams
@@ -224,10 +225,11 @@ class LLMEngine:
         """
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
-        seq = self._build_sequence(rid, list(prompt_ids), sampling, mm)
+        request = self._build_request(rid, list(prompt_ids), sampling, mm, deadline_s, kv_export)
         if kv_export and self.handoff is None:
             raise EngineRequestError("this engine has no KV transport to export with", "kv_transfer")
-        seq.kv_source, seq.kv_export = kv_import, kv_export
+        seq = Seq.of(request)
+        seq.kv_source = kv_import
         req = RequestState.create(seq, sampling, self.tokenizer, loop)
         cfg = self.config
         deadline = cfg.max_queue_wait_s if deadline_s is None else min(deadline_s, cfg.max_queue_wait_s)
@@ -288,9 +290,16 @@ class LLMEngine:
         self._aborts.append(request_id)
         self._wake.set()
 
-    def _build_sequence(
-        self, rid: str, prompt_ids: list[int], sampling: SamplingParams, mm: Sequence[MultimodalInput]
-    ) -> Seq:
+    def _build_request(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        mm: Sequence[MultimodalInput],
+        deadline_s: float | None,
+        kv_export: bool,
+    ) -> Request:
+        """The request record, checked against the model (``EngineRequestError`` when it does not fit)."""
         if not prompt_ids:
             raise EngineRequestError("the prompt is empty", "prompt")
         if len(prompt_ids) + sampling.max_tokens > self.max_model_len:
@@ -325,14 +334,16 @@ class LLMEngine:
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop_ids |= self.eos_token_ids
-        return Seq(
-            seq_id=rid,
-            prompt_ids=prompt_ids,
-            sampling=sampling,
+        return Request.create(
+            rid,
+            prompt_ids,
+            sampling,
             max_new_tokens=sampling.max_tokens,
-            stop_token_ids=frozenset(stop_ids),
+            stop_token_ids=stop_ids,
             media=spans,
-            mm_items=list(mm),
+            mm_items=mm,
+            deadline_s=deadline_s,
+            kv_export=kv_export,
         )
 
     # ---- engine thread -----------------------------------------------------------------------

@@ -22,12 +22,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from epd_common.messages.embedding_ref import EmbeddingRef
 from llm_core.backends.selector import Backends
 from llm_core.caches.kv_pool import DualKVCache
 from llm_core.kernels.attention_batch import AttentionBatch
 from llm_core.models.positions import LinearPositions, PositionScheme
 from llm_core.serving.kv_copy import LayeredCopy, copy_sequentially, plan_copies
+from llm_core.serving.request import MultimodalInput  # noqa: F401  (re-exported: callers import it here)
 from llm_core.serving.sampling import Sampler, SamplingParams, filtered_probs, params_of
 from llm_core.serving.sequence import (
     DecodePageTables,
@@ -42,16 +42,6 @@ from llm_core.serving.speculative import Speculator, accept_greedy, accept_sampl
 # Logits projections of at most this many multiply-adds (rows x hidden x vocab; 2M for 32 rows of
 # the tiny Qwen2.5-VL) run on one torch thread (``ModelRunner._logits``): ~0.1 ms on one core.
 SMALL_LOGITS_MACS = 1 << 23
-
-
-class MultimodalInput(NamedTuple):
-    """One media item of a request: its reference and embedding rows [num_tokens, hidden].
-
-    The tensor may be a zero-copy view of the node embedding cache; the runner only reads it.
-    """
-
-    ref: EmbeddingRef
-    embedding: Tensor  # [num_tokens, hidden]
 
 
 class CausalLM(Protocol):

@@ -1,7 +1,8 @@
 """One request's state in the LLM core: its tokens, cache keys, page tables and progress.
 
-The scheduler and the KV manager mutate a ``Sequence``; the model runner only reads it. The
-sequence knows nothing of sampling (``sampling`` is opaque here) or of how pages are chosen.
+The request itself (prompt, sampling, media) is a frozen ``request.Request`` the sequence refers
+to; the scheduler and the KV manager mutate the rest of a ``Sequence``; the model runner only
+reads it. The sequence knows nothing of how pages are chosen.
 
 Token layout::
 
@@ -25,16 +26,23 @@ sliding-window group's row (what the attention kernels' two tables hold).
 from __future__ import annotations
 
 import enum
-import time
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
+from torch import Tensor
 
 # The media-span parsing and the cache-key rule are shared with the ingress (it routes on the
 # keys the prefix cache matches): they live with the other messages between roles.
 from epd_common.messages.cache_keys import MediaSpan, build_cache_keys
+from llm_core.serving.request import MultimodalInput, Request, RequestId
+from llm_core.serving.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from llm_core.caches.kv_source import KVSource
+    from llm_core.caches.kv_store_tier import StoreFetch
+    from llm_core.caches.radix_node import PrefixLock
 
 # What a step yields per sequence: a token, None (a prefill chunk short of the end), or the tokens a
 # verify step accepted (speculative decoding, ``speculative.py``).
@@ -50,62 +58,143 @@ class SequenceStatus(enum.Enum):
     ABORTED = "aborted"  # cancelled by the client or the engine; pages released
 
 
-@dataclass(eq=False)
 class Sequence:
-    """A request inside the engine. Identity semantics (``eq=False``): two sequences are never equal."""
+    """The scheduler's state of one request: a reference to the frozen ``Request`` and what
+    scheduling moves. Identity semantics: two sequences are never equal (hashable by identity)."""
 
-    seq_id: int | str
-    prompt_ids: list[int]
-    sampling: Any = None  # the engine's SamplingParams; opaque to the scheduler and the KV manager
-    max_new_tokens: int = 16
-    stop_token_ids: frozenset[int] = frozenset()
-    media: list[MediaSpan] = field(default_factory=list)
-    mm_items: list[Any] = field(default_factory=list)  # the runner's multimodal inputs, in span order
-    arrival_time: float = field(default_factory=time.monotonic)
-
-    output_ids: list[int] = field(default_factory=list)
-    status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prefix-cache hit at the last admission
-    num_preemptions: int = 0
+    request: Request
+    output_ids: list[int]
+    status: SequenceStatus
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_computed_tokens: int
+    num_cached_tokens: int  # prefix-cache hit at the last admission
+    num_preemptions: int
     # KV state, owned by the KV manager: one page row per KV group (empty: no pages held).
-    pages: list[list[int]] = field(default_factory=list)
-    num_borrowed_pages: int = 0
+    pages: list[list[int]]
+    num_borrowed_pages: int
     # Per group: leading logical pages already dropped from its window (NOT_RESIDENT unless
     # pinned; always 0 for full attention).
-    num_released: list[int] = field(default_factory=list)
-    swa_pin_end: int = 0  # keep the SWA window before this position until release (heals a branch point)
-    swa_prompt_pin: int = 0  # likewise for the prompt's last page boundary (a next turn resumes there)
-    prefix_lock: Any = None  # radix_cache.PrefixLock while holding a prefix-cache hit
+    num_released: list[int]
+    swa_pin_end: int  # keep the SWA window before this position until release (heals a branch point)
+    swa_prompt_pin: int  # likewise for the prompt's last page boundary (a next turn resumes there)
+    prefix_lock: PrefixLock | None  # held while the sequence uses a prefix-cache hit
     # Leading tokens whose KV a later prompt with the same cache keys would compute identically
     # (None: all). The model's position scheme lowers it when generated tokens sit at positions a
     # prompt would not give them (``positions.MRopePositions``); only that much enters the cache.
-    cacheable_tokens: int | None = None
-    # ``kv_export``: hand the prompt's KV (the layer plan) to the engine's transport when its
-    # prefill completes (prefill/decode disaggregation). ``kv_source``: positions whose KV is
-    # copied in rather than computed (``caches.kv_source.KVSource``: a prefill engine's hand-off,
-    # or the host tier's pages).
-    kv_export: bool = False
-    kv_source: Any = None
-    # The store tier's fetch of this prompt's pages (``caches.kv_store_tier.StoreFetch``) while it
-    # runs; the sequence is not admitted until it settles. Once settled (absorbed or given up)
-    # ``FETCH_SPENT``: a sequence asks the store once.
-    kv_fetch: Any = None
+    cacheable_tokens: int | None
+    # ``kv_source``: positions whose KV is copied in rather than computed (a prefill engine's
+    # hand-off, or the host tier's pages).
+    kv_source: KVSource | None
+    # The store tier's fetch of this prompt's pages while it runs; the sequence is not admitted
+    # until it settles. Once settled (absorbed or given up) ``FETCH_SPENT``: a sequence asks the
+    # store once.
+    kv_fetch: StoreFetch | str | None
     # Speculative decoding (``serving/speculative.py``): the tokens the MTP heads propose after
     # the last known token, verified by the next step; ``mtp_start``: the first position whose MTP
     # KV is not yet computed from known tokens (every MTP layer recomputes from there);
     # ``mtp_h0`` [rows, hidden]: the target's hidden states at positions ``mtp_start`` .. of the
     # rows computed before this step (the MTP layers' input there).
-    draft_ids: list[int] = field(default_factory=list)
-    draft_probs: list[Any] = field(default_factory=list)  # [V] each: what a sampled draft was drawn from
-    mtp_start: int = 0
-    mtp_h0: Any = None
+    draft_ids: list[int]
+    draft_probs: list[Tensor]  # [V] each: what a sampled draft was drawn from
+    mtp_start: int
+    mtp_h0: Tensor | None
 
-    def __post_init__(self) -> None:
-        if not self.prompt_ids:
-            raise ValueError(f"sequence {self.seq_id!r}: empty prompt")
-        self._prompt_keys = build_cache_keys(self.prompt_ids, self.media)
+    def __init__(
+        self,
+        seq_id: RequestId,
+        prompt_ids: Iterable[int],
+        sampling: SamplingParams | None = None,
+        max_new_tokens: int = 16,
+        stop_token_ids: Iterable[int] = (),
+        media: Iterable[MediaSpan] = (),
+        mm_items: Iterable[MultimodalInput] = (),
+        arrival_time: float | None = None,
+    ) -> None:
+        """A sequence of a request built from these fields (``Sequence.of`` takes a ``Request``)."""
+        self._start(
+            Request.create(
+                seq_id, prompt_ids, sampling, max_new_tokens, stop_token_ids, media, mm_items, arrival_time
+            )
+        )
+
+    @classmethod
+    def of(cls, request: Request) -> Sequence:
+        """The scheduler's state for ``request``, nothing computed yet."""
+        seq = cls.__new__(cls)
+        seq._start(request)
+        return seq
+
+    def _start(self, request: Request) -> None:
+        if not request.prompt_ids:
+            raise ValueError(f"sequence {request.request_id!r}: empty prompt")
+        self.request = request
+        # a list copy: token_ids concatenates it with output_ids every step
+        self._prompt_list = list(request.prompt_ids)
+        self._prompt_keys = build_cache_keys(self._prompt_list, request.media)
+        self.output_ids = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.pages = []
+        self.num_borrowed_pages = 0
+        self.num_released = []
+        self.swa_pin_end = 0
+        self.swa_prompt_pin = 0
+        self.prefix_lock = None
+        self.cacheable_tokens = None
+        self.kv_source = None
+        self.kv_fetch = None
+        self.draft_ids = []
+        self.draft_probs = []
+        self.mtp_start = 0
+        self.mtp_h0 = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.seq_id!r}, {self.num_prompt_tokens} prompt + {len(self.output_ids)} output tokens,"
+            f" {self.num_computed_tokens} computed, {self.status.value})"
+        )
+
+    # ---- the request's fields (read-only) ------------------------------------------------------
+
+    @property
+    def seq_id(self) -> RequestId:
+        return self.request.request_id
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The prompt (a list view of ``request.prompt_ids``; never written)."""
+        return self._prompt_list
+
+    @property
+    def sampling(self) -> SamplingParams | None:
+        return self.request.sampling
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.request.max_new_tokens
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        return self.request.stop_token_ids
+
+    @property
+    def media(self) -> tuple[MediaSpan, ...]:
+        return self.request.media
+
+    @property
+    def mm_items(self) -> tuple[MultimodalInput, ...]:
+        return self.request.mm_items
+
+    @property
+    def arrival_time(self) -> float:
+        return self.request.arrival_time
+
+    @property
+    def kv_export(self) -> bool:
+        return self.request.kv_export
 
     def reset_speculation(self, start: int) -> None:
         """Forget drafts and MTP state: the heads' KV is recomputed from ``start`` on (admission

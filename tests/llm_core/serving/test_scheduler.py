@@ -108,8 +108,8 @@ def test_decodes_are_scheduled_before_prefill() -> None:
 
 def test_stop_token_finishes() -> None:
     sched = make()
-    s = seq("s", 10, new=100)
-    s.stop_token_ids = frozenset(range(300, 350))  # every token the fake model emits
+    # every token the fake model emits stops it (the request is frozen: stop ids at construction)
+    s = Sequence("s", seq("s", 10).prompt_ids, max_new_tokens=100, stop_token_ids=range(300, 350))
     sched.add(s)
     done = drain(sched)
     assert done == [s] and s.finish_reason == "stop" and len(s.output_ids) == 1

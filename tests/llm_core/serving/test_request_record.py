@@ -1,0 +1,43 @@
+"""Structure checks on the request record: the request is frozen, and no field of it or of the
+scheduler's per-request state is annotated ``Any``."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from llm_core.serving.request import Request
+from llm_core.serving.sequence import Sequence
+
+ANY = re.compile(r"\bAny\b")
+
+
+def _annotations(cls: type) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        for name, ann in getattr(klass, "__annotations__", {}).items():
+            out[name] = ann if isinstance(ann, str) else repr(ann)
+    return out
+
+
+@pytest.mark.parametrize("cls", [Request, Sequence])
+def test_no_field_is_typed_any(cls: type) -> None:
+    fields = _annotations(cls)
+    assert fields, f"{cls.__name__} declares no fields"
+    typed_any = {name: ann for name, ann in fields.items() if ANY.search(ann)}
+    assert not typed_any, f"{cls.__name__} fields typed Any: {typed_any}"
+
+
+def test_request_is_frozen_and_the_sequence_reads_it() -> None:
+    req = Request.create("r", [1, 2, 3], max_new_tokens=4, stop_token_ids=[7])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        req.max_new_tokens = 5  # type: ignore[misc]
+    assert req.prompt_ids == (1, 2, 3) and req.stop_token_ids == frozenset({7})
+    seq = Sequence.of(req)
+    assert seq.request is req and seq.seq_id == "r" and seq.prompt_ids == [1, 2, 3]
+    with pytest.raises(AttributeError):
+        seq.max_new_tokens = 9  # type: ignore[misc]
+    seq.output_ids.append(4)
+    assert seq.token_ids == [1, 2, 3, 4] and req.prompt_ids == (1, 2, 3)
