@@ -380,7 +380,7 @@ class LLMEngine:
             return False
         t0 = time.perf_counter()
         try:
-            sampled = self.runner.execute(batch.seqs, batch.num_new_tokens)
+            sampled = self.runner.execute(batch)
         except Exception:
             log.exception("forward failed; failing the requests of the batch")
             with self._lock:

@@ -23,9 +23,9 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from llm_core.caches.kv_manager import KVManager
+from llm_core.serving.scheduler_output import SchedulerOutput
 from llm_core.serving.sequence import Sampled, Sequence, SequenceStatus
 from llm_core.serving.waiting_queue import PriorityWeights, WaitingQueue, fair_split
 
@@ -65,13 +65,6 @@ class SchedulerConfig:
             raise ValueError(f"need max_num_seqs >= 1 and max_num_batched_tokens >= 1: {self}")
         if not self.bucket_bounds or list(self.bucket_bounds) != sorted(self.bucket_bounds):
             raise ValueError(f"bucket_bounds must be non-empty and ascending: {self.bucket_bounds}")
-
-
-class ScheduledBatch(NamedTuple):
-    """One step: compute tokens [num_computed, num_computed + num_new_tokens[i]) of ``seqs[i]``."""
-
-    seqs: list[Sequence]
-    num_new_tokens: list[int]
 
 
 class Scheduler:
@@ -142,7 +135,7 @@ class Scheduler:
         return seq
 
     # ---- planning ------------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self) -> SchedulerOutput | None:
         """Plan one step (pages allocated); None when there is nothing to compute."""
         budget = self.config.max_num_batched_tokens
         plan: dict[int, int] = {}  # id(seq) -> tokens this step
@@ -176,7 +169,7 @@ class Scheduler:
                 self._fill_bucket(b, grant, plan, take)
         if not seqs:
             return None
-        return ScheduledBatch(seqs, [plan[id(s)] for s in seqs])
+        return SchedulerOutput.build(seqs, [plan[id(s)] for s in seqs])
 
     def _drafts_to_verify(self, seq: Sequence, budget: int) -> int:
         """How many of ``seq``'s drafts (``speculative.py``) this step verifies: all that fit the
@@ -295,7 +288,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ---- results -------------------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, sampled: list[Sampled]) -> list[Sequence]:
+    def update(self, batch: SchedulerOutput, sampled: list[Sampled]) -> list[Sequence]:
         """Commit a computed step; ``sampled[i]`` is the token sampled for ``seqs[i]`` (None
         mid-prefill), or the tokens a verify step accepted (a list: only the positions they
         cover are committed; the rejected drafts' KV is overwritten by the next step). A list

@@ -308,14 +308,19 @@ def token_positions(
 
 
 def build_page_tables(
-    seqs: list[Sequence], num_new_tokens: list[int], page_size: int, tokens: TokenPositions | None = None
+    seqs: list[Sequence],
+    num_new_tokens: list[int],
+    page_size: int,
+    tokens: TokenPositions | None = None,
+    page_rows: list[list[list[int]]] | None = None,
 ) -> PageTables:
     """Page tables and write slots for computing ``num_new_tokens[b]`` tokens of ``seqs[b]`` this step
-    (``tokens``: their ``token_positions``, when the caller has them already).
+    (``tokens``: their ``token_positions``, when the caller has them already; ``page_rows[b]``:
+    the page rows per KV group of ``seqs[b]``, default its ``pages``).
 
     Call after the KV manager allocated the step's pages and before ``num_computed_tokens`` moves.
     """
-    full_table, swa_table = _page_table_arrays(seqs)
+    full_table, swa_table = _page_table_arrays(seqs, _rows_of(seqs, page_rows))
     if tokens is None:
         tokens = token_positions(seqs, num_new_tokens)
     return _tables_and_slots(seqs, full_table, swa_table, tokens, page_size)
@@ -338,23 +343,31 @@ class DecodePageTables:
         # tensors never change afterwards), so that steps without changes copy nothing.
         self._shared = False
 
-    def build(self, seqs: list[Sequence], positions: np.ndarray, page_size: int) -> PageTables:
-        if not self._patch(seqs):
-            self._full, self._swa = _page_table_arrays(seqs)
-            self._rows = [(list(full), list(swa)) for full, swa in map(_attention_rows, seqs)]
+    def build(
+        self,
+        seqs: list[Sequence],
+        positions: np.ndarray,
+        page_size: int,
+        page_rows: list[list[list[int]]] | None = None,
+    ) -> PageTables:
+        """``page_rows[b]``: the page rows per KV group of ``seqs[b]`` (default its ``pages``)."""
+        rows = _rows_of(seqs, page_rows)
+        if not self._patch(seqs, rows):
+            self._full, self._swa = _page_table_arrays(seqs, rows)
+            self._rows = [(list(full), list(swa)) for full, swa in map(_attention_rows, rows)]
         self._shared = True
         tokens = TokenPositions(np.arange(len(seqs)), positions)
         return _tables_and_slots(seqs, self._full, self._swa, tokens, page_size)
 
-    def _patch(self, seqs: list[Sequence]) -> bool:
+    def _patch(self, seqs: list[Sequence], rows: list[list[list[int]]]) -> bool:
         """Bring the kept tables up to date for ``seqs``; False when they must be rebuilt (another
         number of rows, or a row longer than the tables are wide)."""
         if len(seqs) != len(self._rows):
             return False
         width = self._full.shape[1]
         changed = False
-        for b, (s, (full, swa)) in enumerate(zip(seqs, self._rows, strict=True)):
-            now_full, now_swa = _attention_rows(s)
+        for b, (group_rows, (full, swa)) in enumerate(zip(rows, self._rows, strict=True)):
+            now_full, now_swa = _attention_rows(group_rows)
             if now_full == full and now_swa == swa:
                 continue
             full, swa = list(now_full), list(now_swa)
@@ -395,17 +408,21 @@ def _tables_and_slots(
     )
 
 
-def _page_table_arrays(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+def _rows_of(seqs: list[Sequence], page_rows: list[list[list[int]]] | None) -> list[list[list[int]]]:
+    return [s.pages for s in seqs] if page_rows is None else page_rows
+
+
+def _page_table_arrays(seqs: list[Sequence], rows: list[list[list[int]]]) -> tuple[np.ndarray, np.ndarray]:
     """int32 [B, P] full and SWA page tables of ``seqs`` (P: the longest row, at least 1), padded
     with 0 and NOT_RESIDENT. Flat Python lists and one numpy conversion per table: ~25 ns per entry,
     where torch.tensor on lists is ~4x slower and a row-by-row fill ~2x."""
-    width = max(1, max(s.num_pages for s in seqs))
+    width = max(1, max(len(r[0]) if r else 0 for r in rows))
     full_pad = [0] * width
     swa_pad = [NOT_RESIDENT] * width
     full_rows: list[int] = []
     swa_rows: list[int] = []
-    for s in seqs:
-        full, swa = _attention_rows(s)
+    for s, group_rows in zip(seqs, rows, strict=True):
+        full, swa = _attention_rows(group_rows)
         assert len(swa) <= width, f"seq {s.seq_id}: an SWA table longer than the full one"
         full_rows += full
         full_rows += full_pad[len(full) :]
@@ -418,10 +435,10 @@ def _page_table_arrays(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
-def _attention_rows(s: Sequence) -> tuple[list[int], list[int]]:
+def _attention_rows(pages: list[list[int]]) -> tuple[list[int], list[int]]:
     """The rows the attention kernels' two tables read: full attention's and the sliding window's.
     A model without a sliding-window group has no layer that reads the SWA table: it gets the full
     row, so that its write slots stay valid."""
-    assert len(s.pages) <= 2, "the attention kernels read one sliding-window table"
-    full = s.pages[0] if s.pages else []
-    return full, (s.pages[1] if len(s.pages) > 1 else full)
+    assert len(pages) <= 2, "the attention kernels read one sliding-window table"
+    full = pages[0] if pages else []
+    return full, (pages[1] if len(pages) > 1 else full)

@@ -41,3 +41,21 @@ def test_request_is_frozen_and_the_sequence_reads_it() -> None:
         seq.max_new_tokens = 9  # type: ignore[misc]
     seq.output_ids.append(4)
     assert seq.token_ids == [1, 2, 3, 4] and req.prompt_ids == (1, 2, 3)
+
+
+def test_the_runner_takes_one_scheduler_output() -> None:
+    """``ModelRunner.execute``'s only input is the frozen ``SchedulerOutput``."""
+    import inspect
+
+    from llm_core.serving.model_runner import ModelRunner
+    from llm_core.serving.scheduler_output import SchedulerOutput
+
+    params = list(inspect.signature(ModelRunner.execute).parameters)
+    assert params == ["self", "step"]
+    assert ModelRunner.execute.__annotations__["step"] == "SchedulerOutput"
+    seq = Sequence("s", [1, 2, 3])
+    out = SchedulerOutput.build([seq], [3])
+    assert out.copies is None and out.page_rows == [seq.pages]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.seqs = []  # type: ignore[misc]
+    assert not any(ANY.search(a) for a in _annotations(SchedulerOutput).values())
