@@ -200,11 +200,13 @@ class ModelRunner:
         for b, (s, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
             start, end = s.num_computed_tokens, s.num_computed_tokens + n
             known = s.num_tokens
-            assert n > 0 and end <= known + len(s.draft_ids), (s.seq_id, start, n, known)
             if end <= known:
+                assert n > 0, (s.seq_id, start, n, known)
                 ids.extend(s.token_slice(start, end))
             else:  # a verify chunk: the last known token, then drafts (``speculative.py``)
-                ids.extend(s.token_slice(start, known) + s.draft_ids[: end - known])
+                drafts = self._drafts(s)
+                assert n > 0 and end <= known + len(drafts), (s.seq_id, start, n, known)
+                ids.extend(s.token_slice(start, known) + drafts[: end - known])
             if end >= known:  # the chunk reaches the last known token: its logits (and the drafts') are next
                 first = len(ids) - (end - known) - 1
                 sample_rows.extend(range(first, len(ids)))
@@ -351,12 +353,13 @@ class ModelRunner:
             drafts = s.num_computed_tokens + n - s.num_tokens  # > 0: this chunk verifies drafts
             if drafts > 0:
                 p = params_of(s.sampling)
+                st = self.speculator.states.of(s.seq_id)
                 if p.greedy:
-                    toks = accept_greedy(s.draft_ids[:drafts], toks)
+                    toks = accept_greedy(st.draft_ids[:drafts], toks)
                 else:  # [k + 1, V] the target's filtered distributions at the verified positions
                     target = filtered_probs(logits[rows_of[b]], [p] * (drafts + 1))
-                    q = torch.stack(s.draft_probs[:drafts])
-                    toks = accept_sampled(s.draft_ids[:drafts], q, target, self._generator(s))
+                    q = torch.stack(st.draft_probs[:drafts])
+                    toks = accept_sampled(st.draft_ids[:drafts], q, target, self._generator(s))
                 self.speculator.count_verified(drafts, len(toks))
                 out[b] = toks
             elif toks:
@@ -440,7 +443,13 @@ class ModelRunner:
         finally:
             torch.set_num_threads(threads)
 
+    def _drafts(self, s: Sequence) -> list[int]:
+        """``s``'s drafts (the speculator's, by request id; none without speculation)."""
+        return self.speculator.states.drafts(s.seq_id) if self.speculator is not None else []
+
     def release(self, seq_id: int | str) -> None:
-        """Forget a finished or aborted sequence's generator and positions."""
+        """Forget a finished or aborted sequence's generator, positions and drafts."""
         self._generators.pop(seq_id, None)
         self.position_scheme.release(seq_id)
+        if self.speculator is not None:
+            self.speculator.states.release(seq_id)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llm_core.caches.kv_manager import KVManager
+from llm_core.serving.draft_state import DraftStates
 from llm_core.serving.scheduler_output import SchedulerOutput
 from llm_core.serving.sequence import Sampled, Sequence, SequenceStatus
 from llm_core.serving.waiting_queue import PriorityWeights, WaitingQueue, fair_split
@@ -81,6 +82,8 @@ class Scheduler:
         self._by_id: dict[int | str, Sequence] = {}
         self._rr = 0
         self.num_preemptions = 0
+        # The speculator's per-request drafts (set by the engine when it speculates).
+        self.drafts: DraftStates | None = None
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -175,10 +178,13 @@ class Scheduler:
         """How many of ``seq``'s drafts (``speculative.py``) this step verifies: all that fit the
         budget, the output and length limits, and KV pages (allocated here; none is preempted for
         a draft). Its page for the token itself is allocated already."""
+        if self.drafts is None:
+            return 0
+        drafts = self.drafts.drafts(seq.seq_id)
         n = max(
             0,
             min(
-                len(seq.draft_ids),
+                len(drafts),
                 budget,
                 seq.max_new_tokens - len(seq.output_ids) - 1,
                 self.config.max_model_len - seq.num_tokens - 1,
@@ -186,9 +192,12 @@ class Scheduler:
         )
         while n > 0 and not self.kv.allocate(seq, 1 + n):
             n -= 1
-        if n < len(seq.draft_ids):
-            seq.draft_ids, seq.draft_probs = seq.draft_ids[:n], seq.draft_probs[:n]
+        self.drafts.keep(seq.seq_id, n)
         return n
+
+    def _reset_speculation(self, seq: Sequence, start: int) -> None:
+        if self.drafts is not None:
+            self.drafts.reset(seq.seq_id, start)
 
     def _prefill_demand(self, b: int, prefilling: list[Sequence]) -> int:
         """Prefill tokens bucket ``b`` could use: its running ``prefilling`` sequences' and its waiting ones'."""
@@ -243,7 +252,9 @@ class Scheduler:
                 p = self.kv.page_size  # pin only a window the payload holds (layer_plan.py)
                 self.kv.pin_prompt_end(seq, seq.num_prompt_tokens // p * p)
             # MTP KV from the first position this sequence computes (``speculative.py``)
-            seq.reset_speculation(seq.kv_source.end if seq.kv_source is not None else seq.num_computed_tokens)
+            self._reset_speculation(
+                seq, seq.kv_source.end if seq.kv_source is not None else seq.num_computed_tokens
+            )
             n = self._fit(seq, min(self._chunk_limit(seq), left))
             if n == 0:
                 self.kv.release(seq, cache=False)
@@ -282,7 +293,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         seq.num_preemptions += 1
-        seq.reset_speculation(0)
+        self._reset_speculation(seq, 0)
         seq.status = SequenceStatus.WAITING
         self.waiting.add(seq)
         self.num_preemptions += 1

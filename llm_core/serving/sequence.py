@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
-from torch import Tensor
 
 # The media-span parsing and the cache-key rule are shared with the ingress (it routes on the
 # keys the prefix cache matches): they live with the other messages between roles.
@@ -89,15 +88,6 @@ class Sequence:
     # until it settles. Once settled (absorbed or given up) ``FETCH_SPENT``: a sequence asks the
     # store once.
     kv_fetch: StoreFetch | str | None
-    # Speculative decoding (``serving/speculative.py``): the tokens the MTP heads propose after
-    # the last known token, verified by the next step; ``mtp_start``: the first position whose MTP
-    # KV is not yet computed from known tokens (every MTP layer recomputes from there);
-    # ``mtp_h0`` [rows, hidden]: the target's hidden states at positions ``mtp_start`` .. of the
-    # rows computed before this step (the MTP layers' input there).
-    draft_ids: list[int]
-    draft_probs: list[Tensor]  # [V] each: what a sampled draft was drawn from
-    mtp_start: int
-    mtp_h0: Tensor | None
 
     def __init__(
         self,
@@ -146,10 +136,6 @@ class Sequence:
         self.cacheable_tokens = None
         self.kv_source = None
         self.kv_fetch = None
-        self.draft_ids = []
-        self.draft_probs = []
-        self.mtp_start = 0
-        self.mtp_h0 = None
 
     def __repr__(self) -> str:
         return (
@@ -195,14 +181,6 @@ class Sequence:
     @property
     def kv_export(self) -> bool:
         return self.request.kv_export
-
-    def reset_speculation(self, start: int) -> None:
-        """Forget drafts and MTP state: the heads' KV is recomputed from ``start`` on (admission
-        with a prefix hit, preemption, a range whose KV was copied in)."""
-        self.draft_ids = []
-        self.draft_probs = []
-        self.mtp_start = start
-        self.mtp_h0 = None
 
     @property
     def num_prompt_tokens(self) -> int:

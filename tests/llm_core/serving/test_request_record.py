@@ -59,3 +59,18 @@ def test_the_runner_takes_one_scheduler_output() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         out.seqs = []  # type: ignore[misc]
     assert not any(ANY.search(a) for a in _annotations(SchedulerOutput).values())
+
+
+def test_speculation_state_is_the_speculators() -> None:
+    """Drafts and MTP progress live in ``Speculator.states`` by request id, not on the sequence."""
+    from llm_core.serving.draft_state import DraftStates
+
+    assert not {"draft_ids", "draft_probs", "mtp_start", "mtp_h0"} & set(_annotations(Sequence))
+    states = DraftStates()
+    states.of("r").draft_ids.extend([5, 6, 7])
+    states.keep("r", 2)
+    assert states.drafts("r") == [5, 6] and states.drafts("other") == []
+    states.reset("r", 4)
+    assert states.drafts("r") == [] and states.of("r").mtp_start == 4
+    states.release("r")
+    assert len(states) == 0
