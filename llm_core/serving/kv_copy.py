@@ -68,7 +68,8 @@ def plan_copies(seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> CopyPlan:
             plan.compute_seqs.append(s)
             plan.compute_tokens.append(n)
             continue
-        src: KVSource = s.kv_source
+        src = s.kv_source
+        assert src is not None  # copying_kv
         c, end = s.num_computed_tokens, src.end
         plan.jobs.append(CopyJob(src, s.pages, c, min(end, c + n)))
         if c + n > end:

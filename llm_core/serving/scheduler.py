@@ -214,8 +214,13 @@ class Scheduler:
         computed in the same step, beside the copy. An import always stops there: it covers the
         whole prompt and brings the token after it (nothing is left to compute)."""
         n = min(seq.num_uncomputed_tokens, self._chunk_cap())
-        if seq.copying_kv and not (self.config.kv_copy_overlap and seq.kv_source.first_token is None):
-            n = min(n, seq.kv_source.end - seq.num_computed_tokens)
+        src = seq.kv_source
+        if (
+            seq.copying_kv
+            and src is not None
+            and not (self.config.kv_copy_overlap and src.first_token is None)
+        ):
+            n = min(n, src.end - seq.num_computed_tokens)
         return n
 
     def _fill_bucket(
