@@ -44,6 +44,7 @@ from llm_core.caches.host_tier import HostKVTier
 from llm_core.caches.kv_group_manager import FullAttentionManager, GroupManager, SlidingWindowManager
 from llm_core.caches.kv_pool import DualKVCache, PagePool
 from llm_core.caches.kv_store_tier import FETCH_SPENT, StoreFetch
+from llm_core.caches.kv_transfers import KVTransfers
 from llm_core.caches.page_hash import page_hashes
 from llm_core.caches.radix_cache import InsertResult, RadixCache, RadixNode
 from llm_core.serving.sequence import NOT_RESIDENT, Sequence
@@ -102,6 +103,8 @@ class KVManager:
         self.swa_extra_tokens = 0
         # Speculative decoding: a prefix hit backs off to the previous hit point (see match_prefix).
         self.mtp_backoff = False
+        # KV copied in (imports, host-tier restores) and store fetches, by request id.
+        self.transfers = KVTransfers()
         self._peeks: weakref.WeakKeyDictionary[Sequence, tuple[tuple[int, int], int]] = (
             weakref.WeakKeyDictionary()
         )
@@ -213,20 +216,20 @@ class KVManager:
         pages also join the host tier; a sequence asks the store once."""
         host = self.host_tier
         assert host is not None and host.store is not None
-        store, f = host.store, seq.kv_fetch
+        store, f = host.store, self.transfers.fetch(seq.seq_id)
         if f is FETCH_SPENT:
             return False, {}
         now = store.clock()
         if isinstance(f, StoreFetch):
             if not f.settled(now):
                 return True, {}
-            seq.kv_fetch = FETCH_SPENT
+            self.transfers.set_fetch(seq.seq_id, FETCH_SPENT)
             if not f.done.is_set():
                 store.abandon(f)  # slower than recomputing would have been: recompute
                 return False, {}
             host.absorb(f.pages)
             return False, dict(f.pages)
-        seq.kv_fetch = FETCH_SPENT
+        self.transfers.set_fetch(seq.seq_id, FETCH_SPENT)
         p = self.page_size
         usable, first = (seq.num_tokens - 1) // p, hit // p
         if usable <= first:
@@ -239,12 +242,14 @@ class KVManager:
         recompute_s = n * p / host.cost.prefill_tokens_per_s
         if not store.worth_fetching(n, host.estimate_nbytes(n, self.window_tokens), recompute_s):
             return False, {}
-        seq.kv_fetch = store.fetch(hashes[start:usable], deadline=now + max(recompute_s, store.min_wait_s))
+        self.transfers.set_fetch(
+            seq.seq_id, store.fetch(hashes[start:usable], deadline=now + max(recompute_s, store.min_wait_s))
+        )
         return True, {}
 
     def _restore_from_host(self, seq: Sequence, hit: int, fetched: dict[int, HostPage]) -> None:
         """Past the tree's hit, the host tier (and a store fetch's ``fetched`` pages) may hold the
-        next pages: plan them as a copy (``seq.kv_source``) when the cost model says a copy beats
+        next pages: plan them as a copy (``transfers.source``) when the cost model says a copy beats
         computing them (fetched pages are copied: the fetch was already judged worth it)."""
         host = self.host_tier
         assert host is not None
@@ -258,7 +263,7 @@ class KVManager:
         if end > first and (
             fetched or host.cost.fetch_is_faster(host.nbytes(hashes, first, end, fetched), (end - first) * p)
         ):
-            seq.kv_source = host.restore(hashes, first, end, fetched)
+            self.transfers.set_source(seq.seq_id, host.restore(hashes, first, end, fetched))
             if seq.swa_pin_end and seq.swa_pin_end <= end * p:
                 # The branch point lies in the copied range, where SWA pages below the copy's own
                 # window are never written: keeping them would cache unwritten KV as live.
@@ -382,7 +387,7 @@ class KVManager:
         """
         nb = seq.num_borrowed_pages
         # A half-copied import holds SWA pages whose positions were never written: never cached.
-        cache = cache and not seq.copying_kv
+        cache = cache and not self.transfers.copying(seq)
         if self.radix is not None and cache:
             computed = seq.num_computed_tokens
             if seq.cacheable_tokens is not None:
@@ -401,8 +406,11 @@ class KVManager:
         if seq.prefix_lock is not None:
             assert self.radix is not None
             self.radix.unlock(seq.prefix_lock)
-        if seq.kv_source is not None and seq.kv_source.first_token is None:
-            seq.kv_source = None  # a restore (not an import): the next admission matches anew
+        src = self.transfers.source(seq.seq_id)
+        if src is not None and src.first_token is None:
+            self.transfers.set_source(
+                seq.seq_id, None
+            )  # a restore (not an import): the next admission matches anew
         seq.pages = []
         seq.num_borrowed_pages = 0
         seq.num_released = []

@@ -161,7 +161,11 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._requests: dict[str, RequestState] = {}
         self._meter = ThroughputMeter()
-        self.admission = EngineAdmission(self.config.admission_seed_tokens_per_s)
+        transfers = self.scheduler.kv.transfers
+        self.admission = EngineAdmission(
+            self.config.admission_seed_tokens_per_s,
+            copied_in=lambda s: transfers.source(s.seq_id) is not None,
+        )
         self._expected_wait_s = 0.0  # the last estimate (a gauge)
         self._busy_since: float | None = None  # end of the last busy step (None after idling)
         self._refusals: collections.Counter[str] = collections.Counter()
@@ -230,12 +234,11 @@ class LLMEngine:
         if kv_export and self.handoff is None:
             raise EngineRequestError("this engine has no KV transport to export with", "kv_transfer")
         seq = Seq.of(request)
-        seq.kv_source = kv_import
         req = RequestState.create(seq, sampling, self.tokenizer, loop)
         cfg = self.config
         deadline = cfg.max_queue_wait_s if deadline_s is None else min(deadline_s, cfg.max_queue_wait_s)
         with self._lock:
-            est = self.admission.estimate(self.scheduler.waiting, seq)
+            est = self.admission.estimate(self.scheduler.waiting, seq, kv_import is not None)
             # A prompt that alone outlasts the deadline is judged by its start, or it could never
             # be taken while anything else runs.
             wait = est.wait_s if est.wait_s - est.start_s <= deadline else est.start_s
@@ -258,7 +261,7 @@ class LLMEngine:
                     reason="memory",
                 )
             try:
-                self.scheduler.add(seq)
+                self.scheduler.add(seq, kv_import)
             except QueueFull as e:
                 self._refusals["memory"] += 1
                 raise EngineOverloaded(str(e), retry_after_s=est.wait_s, reason="memory") from e
@@ -390,12 +393,13 @@ class LLMEngine:
         if self.handoff is not None:
             self._export_finished_prefills(batch.seqs, batch.num_new_tokens)
         host = self.scheduler.kv.host_tier
+        sources = self.scheduler.kv.transfers
         if host is not None:  # the cost model's prefill rate: tokens computed by multi-token chunks
             computed = sum(
                 n
                 for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
                 # a verify chunk (drafts past the known tokens) costs a decode step, not a prefill's
-                if n > 1 and s.kv_source is None and s.num_computed_tokens + n <= s.num_tokens
+                if n > 1 and sources.source(s.seq_id) is None and s.num_computed_tokens + n <= s.num_tokens
             )
             host.cost.observe_prefill(computed, time.perf_counter() - t0)
         # Admission's unit of work: prompt tokens this step computed, and tokens it sampled.

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llm_core.caches.kv_manager import KVManager
+from llm_core.caches.kv_source import KVSource
 from llm_core.serving.draft_state import DraftStates
 from llm_core.serving.scheduler_output import SchedulerOutput
 from llm_core.serving.sequence import Sampled, Sequence, SequenceStatus
@@ -86,8 +87,9 @@ class Scheduler:
         self.drafts: DraftStates | None = None
 
     # ---- requests ------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence; RequestTooLarge if it can never run, QueueFull when saturated."""
+    def add(self, seq: Sequence, kv_import: KVSource | None = None) -> None:
+        """Queue a new sequence; RequestTooLarge if it can never run, QueueFull when saturated.
+        ``kv_import``: its prompt's KV from a prefill engine (copied in, not computed)."""
         total = seq.num_tokens + seq.max_new_tokens
         if total > self.config.max_model_len:
             raise RequestTooLarge(
@@ -112,6 +114,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.add(seq)
         self._by_id[seq.seq_id] = seq
+        if kv_import is not None:
+            self.kv.transfers.set_source(seq.seq_id, kv_import)
 
     def has_work(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
@@ -133,6 +137,7 @@ class Scheduler:
             self.kv.release(seq)
         else:
             self.waiting.remove(seq)
+        self.kv.transfers.release(seq_id)
         seq.status = status
         seq.finish_reason = reason
         return seq
@@ -172,7 +177,7 @@ class Scheduler:
                 self._fill_bucket(b, grant, plan, take)
         if not seqs:
             return None
-        return SchedulerOutput.build(seqs, [plan[id(s)] for s in seqs])
+        return SchedulerOutput.build(seqs, [plan[id(s)] for s in seqs], self.kv.transfers)
 
     def _drafts_to_verify(self, seq: Sequence, budget: int) -> int:
         """How many of ``seq``'s drafts (``speculative.py``) this step verifies: all that fit the
@@ -214,9 +219,9 @@ class Scheduler:
         computed in the same step, beside the copy. An import always stops there: it covers the
         whole prompt and brings the token after it (nothing is left to compute)."""
         n = min(seq.num_uncomputed_tokens, self._chunk_cap())
-        src = seq.kv_source
+        src = self.kv.transfers.source(seq.seq_id)
         if (
-            seq.copying_kv
+            self.kv.transfers.copying(seq)
             and src is not None
             and not (self.config.kv_copy_overlap and src.first_token is None)
         ):
@@ -250,16 +255,16 @@ class Scheduler:
         for seq in self.waiting.ordered(b, now, self.kv.peek_prefix):
             if left == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            if seq.kv_source is None:
+            src = self.kv.transfers.source(seq.seq_id)
+            if src is None:
                 if self.kv.match_prefix(seq) is None:
                     continue  # its prefix's KV is on its way from the store: admitted once it is here
             else:  # an import brings the whole prompt's KV: nothing to borrow
                 p = self.kv.page_size  # pin only a window the payload holds (layer_plan.py)
                 self.kv.pin_prompt_end(seq, seq.num_prompt_tokens // p * p)
             # MTP KV from the first position this sequence computes (``speculative.py``)
-            self._reset_speculation(
-                seq, seq.kv_source.end if seq.kv_source is not None else seq.num_computed_tokens
-            )
+            src = self.kv.transfers.source(seq.seq_id)  # an import's, or a restore planned just now
+            self._reset_speculation(seq, src.end if src is not None else seq.num_computed_tokens)
             n = self._fit(seq, min(self._chunk_limit(seq), left))
             if n == 0:
                 self.kv.release(seq, cache=False)
@@ -313,7 +318,7 @@ class Scheduler:
         Returns the sequences that finished in this step (their KV already released).
         """
         finished: list[Sequence] = []
-        commit, running = self.kv.commit, SequenceStatus.RUNNING
+        commit, running, transfers = self.kv.commit, SequenceStatus.RUNNING, self.kv.transfers
         for seq, n, tok in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
             if seq.status is not running:
                 continue  # aborted while the step ran
@@ -330,8 +335,11 @@ class Scheduler:
                 seq.output_ids.extend(tok)
             else:
                 commit(seq, n)
-                if seq.kv_source is not None and seq.num_computed_tokens >= seq.kv_source.end:
-                    seq.kv_source = None  # the copied KV is in the pools now; let its buffers go
+                src = transfers.source(seq.seq_id)
+                if src is not None and seq.num_computed_tokens >= src.end:
+                    transfers.set_source(
+                        seq.seq_id, None
+                    )  # the copied KV is in the pools now; let its buffers go
                 if seq.num_computed_tokens < seq.num_tokens:
                     continue  # a prefill chunk: no token yet
                 assert tok is not None, (

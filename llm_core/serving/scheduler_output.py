@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llm_core.caches.kv_transfers import KVTransfers
 from llm_core.serving.kv_copy import CopyPlan, plan_copies
 from llm_core.serving.sequence import Sequence
 
@@ -29,9 +30,12 @@ class SchedulerOutput:
     copies: CopyPlan | None = None
 
     @classmethod
-    def build(cls, seqs: list[Sequence], num_new_tokens: list[int]) -> SchedulerOutput:
-        """The output of a step whose pages are allocated (copies planned where a chunk copies)."""
+    def build(
+        cls, seqs: list[Sequence], num_new_tokens: list[int], transfers: KVTransfers | None = None
+    ) -> SchedulerOutput:
+        """The output of a step whose pages are allocated (copies planned where a chunk copies
+        from a source in ``transfers``)."""
         copies = None
-        if any(s.copying_kv for s in seqs):
-            copies = plan_copies(seqs, num_new_tokens)
+        if transfers is not None and len(transfers) and any(transfers.copying(s) for s in seqs):
+            copies = plan_copies(seqs, num_new_tokens, transfers)
         return cls(seqs, num_new_tokens, [s.pages for s in seqs], copies)

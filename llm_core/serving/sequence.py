@@ -39,8 +39,6 @@ from llm_core.serving.request import MultimodalInput, Request, RequestId
 from llm_core.serving.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from llm_core.caches.kv_source import KVSource
-    from llm_core.caches.kv_store_tier import StoreFetch
     from llm_core.caches.radix_node import PrefixLock
 
 # What a step yields per sequence: a token, None (a prefill chunk short of the end), or the tokens a
@@ -81,13 +79,6 @@ class Sequence:
     # (None: all). The model's position scheme lowers it when generated tokens sit at positions a
     # prompt would not give them (``positions.MRopePositions``); only that much enters the cache.
     cacheable_tokens: int | None
-    # ``kv_source``: positions whose KV is copied in rather than computed (a prefill engine's
-    # hand-off, or the host tier's pages).
-    kv_source: KVSource | None
-    # The store tier's fetch of this prompt's pages while it runs; the sequence is not admitted
-    # until it settles. Once settled (absorbed or given up) ``FETCH_SPENT``: a sequence asks the
-    # store once.
-    kv_fetch: StoreFetch | str | None
 
     def __init__(
         self,
@@ -134,8 +125,6 @@ class Sequence:
         self.swa_prompt_pin = 0
         self.prefix_lock = None
         self.cacheable_tokens = None
-        self.kv_source = None
-        self.kv_fetch = None
 
     def __repr__(self) -> str:
         return (
@@ -206,11 +195,6 @@ class Sequence:
     @property
     def cache_keys(self) -> list[int]:
         return self._prompt_keys + self.output_ids
-
-    @property
-    def copying_kv(self) -> bool:
-        """Part of its KV is still to be copied in (``kv_source``), not computed."""
-        return self.kv_source is not None and self.num_computed_tokens < self.kv_source.end
 
     @property
     def num_uncomputed_tokens(self) -> int:

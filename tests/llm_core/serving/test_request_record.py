@@ -74,3 +74,37 @@ def test_speculation_state_is_the_speculators() -> None:
     assert states.drafts("r") == [] and states.of("r").mtp_start == 4
     states.release("r")
     assert len(states) == 0
+
+
+class _Import:
+    """A copy-in source of a whole 8-token prompt (what a prefill engine's hand-off gives)."""
+
+    end = 8
+    first_token = 77
+
+    def write(self, kv: object, rows: object, lo: int, hi: int) -> None:
+        pass
+
+    def write_layer(self, kv: object, layer: int, rows: object, lo: int, hi: int) -> None:
+        pass
+
+
+def test_kv_copied_in_is_kept_by_request_id_and_forgotten_at_the_end() -> None:
+    """The import lives in the KV manager's transfers (not on the sequence), is planned as the
+    step's copy, and is gone once the request finished."""
+    from llm_core.caches.kv_group_manager import FullAttentionManager
+    from llm_core.caches.kv_manager import KVManager
+    from llm_core.caches.kv_pool import PagePool
+    from llm_core.serving.scheduler import Scheduler, SchedulerConfig
+
+    assert not {"kv_source", "kv_fetch", "kv_export"} & set(_annotations(Sequence))
+    kv = KVManager([FullAttentionManager(PagePool(32, 4, "full"))])
+    sched = Scheduler(SchedulerConfig(), kv)
+    seq = Sequence("imp", list(range(1, 9)), max_new_tokens=1)
+    sched.add(seq, _Import())  # type: ignore[arg-type]
+    assert kv.transfers.source("imp") is not None and kv.transfers.copying(seq)
+    step = sched.schedule()
+    assert step is not None and step.copies is not None and step.num_new_tokens == [8]
+    assert step.copies.out == [77]  # the import brings the token after the prompt
+    assert sched.update(step, [77]) == [seq]
+    assert len(kv.transfers) == 0
