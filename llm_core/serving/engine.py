@@ -132,8 +132,8 @@ class LLMEngine:
         self.kv_events = kv_events
         # Prefill/decode disaggregation (set by the server): the KV exports of finished prefills,
         # by request id, until the server puts them in the response.
-        self.handoff: KVHandoff | None = None
-        self._exports: dict[str, dict[str, object]] = {}
+        self._handoff: KVHandoff | None = None
+        self.handoff = None
         # The checkpoint directory (``from_checkpoint``): names the weights in KV store keys.
         self.model_dir: Path | None = None
         if kv_events is not None:
@@ -390,8 +390,7 @@ class LLMEngine:
             with self._lock:
                 self._fail(batch.seqs)
             return True
-        if self.handoff is not None:
-            self._export_finished_prefills(batch.seqs, batch.num_new_tokens)
+        self.scheduler.copy_out(batch)  # KV leaving the engine (a P/D export), pages still held
         host = self.scheduler.kv.host_tier
         sources = self.scheduler.kv.transfers
         if host is not None:  # the cost model's prefill rate: tokens computed by multi-token chunks
@@ -422,17 +421,19 @@ class LLMEngine:
         deliver_outputs(outs)
         return True
 
-    def _export_finished_prefills(self, seqs: list[Seq], num_new_tokens: list[int]) -> None:
-        """Hand over the KV of prompts this step completed (before ``update`` moves on: the
-        pages are still the sequence's, its SWA window still resident)."""
-        assert self.handoff is not None
-        for s, n in zip(seqs, num_new_tokens, strict=True):
-            if s.kv_export and not s.output_ids and s.num_computed_tokens + n == s.num_prompt_tokens:
-                self._exports[str(s.seq_id)] = self.handoff.export(s)
+    @property
+    def handoff(self) -> KVHandoff | None:
+        """The P/D connector (set by the server): the scheduler consults it with the KV manager's."""
+        return self._handoff
+
+    @handoff.setter
+    def handoff(self, handoff: KVHandoff | None) -> None:
+        self._handoff = handoff
+        self.scheduler.connectors = [handoff] if handoff is not None else []
 
     def pop_export(self, request_id: str) -> dict[str, object] | None:
         """The KV export of a finished ``kv_export`` request (None if it produced none)."""
-        return self._exports.pop(request_id, None)
+        return self._handoff.pop_export(request_id) if self._handoff is not None else None
 
     def _flush_kv_events(self) -> None:
         """Publish what the prefix cache changed this step (caller holds the lock)."""
@@ -624,6 +625,7 @@ class LLMEngine:
         )
         tier.on_ready = self._wake.set  # a waiting sequence's pages arrived: schedule again
         host.store, host.store_policy = tier, self.config.kv_store_policy
+        self.scheduler.kv.connect_tiers()  # the store's connector joins the host tier's
         return tier
 
 

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from llm_core.caches.kv_connector import KVConnector
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.kv_source import KVSource
 from llm_core.serving.draft_state import DraftStates
@@ -83,6 +84,8 @@ class Scheduler:
         self._by_id: dict[int | str, Sequence] = {}
         self._rr = 0
         self.num_preemptions = 0
+        # Connectors beyond the KV manager's (``caches/kv_connector.py``; the engine's P/D one).
+        self.connectors: list[KVConnector] = []
         # The speculator's per-request drafts (set by the engine when it speculates).
         self.drafts: DraftStates | None = None
 
@@ -137,7 +140,9 @@ class Scheduler:
             self.kv.release(seq)
         else:
             self.waiting.remove(seq)
-        self.kv.transfers.release(seq_id)
+        self.kv.request_finished(seq_id)
+        for connector in self.connectors:
+            connector.request_finished(seq_id)
         seq.status = status
         seq.finish_reason = reason
         return seq
@@ -309,6 +314,12 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ---- results -------------------------------------------------------------------------
+    def copy_out(self, step: SchedulerOutput) -> None:
+        """After the step's forward, before ``update``: every connector sends what leaves the
+        engine (a P/D export of a prompt this step completed; its pages are still held)."""
+        for connector in (*self.kv.connectors, *self.connectors):
+            connector.copy_out(step.seqs, step.num_new_tokens)
+
     def update(self, batch: SchedulerOutput, sampled: list[Sampled]) -> list[Sequence]:
         """Commit a computed step; ``sampled[i]`` is the token sampled for ``seqs[i]`` (None
         mid-prefill), or the tokens a verify step accepted (a list: only the positions they

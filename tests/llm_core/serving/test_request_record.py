@@ -108,3 +108,12 @@ def test_kv_copied_in_is_kept_by_request_id_and_forgotten_at_the_end() -> None:
     assert step.copies.out == [77]  # the import brings the token after the prompt
     assert sched.update(step, [77]) == [seq]
     assert len(kv.transfers) == 0
+
+
+def test_kv_copied_in_or_out_goes_through_one_connector_interface() -> None:
+    """The P/D hand-off, the host tier and the store tier are each a ``KVConnector``."""
+    from llm_core.caches.kv_connector import HostTierConnector, KVConnector, StoreTierConnector
+    from llm_core.serving.kv_handoff import KVHandoff
+
+    for cls in (KVHandoff, HostTierConnector, StoreTierConnector):
+        assert issubclass(cls, KVConnector), cls
