@@ -59,7 +59,7 @@ class SchedulerConfig:
     bucket_bounds: tuple[int, ...] = (64 * 1024, 256 * 1024, 1024 * 1024)
     hit_weight: float = 0.5
     wait_tokens_per_s: float = 1024.0
-    # A chunk of a restore (a ``kv_source`` without ``first_token``) may cross the copy's end: the
+    # A chunk of a restore (a copy-in source without ``first_token``) may cross the copy's end: the
     # runner copies the part before it beside the forward of the rest (``serving/kv_copy.py``).
     kv_copy_overlap: bool = True
 
