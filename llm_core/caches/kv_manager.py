@@ -39,12 +39,11 @@ import weakref
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from llm_core.caches.host_restore import HostPage
 from llm_core.caches.host_tier import HostKVTier
+from llm_core.caches.kv_connector import HostTierConnector, KVConnector, StoreTierConnector
 from llm_core.caches.kv_group_manager import FullAttentionManager, GroupManager, SlidingWindowManager
 from llm_core.caches.kv_pool import DualKVCache, PagePool
-from llm_core.caches.kv_store_tier import FETCH_SPENT, StoreFetch
-from llm_core.caches.page_hash import page_hashes
+from llm_core.caches.kv_transfers import KVTransfers
 from llm_core.caches.radix_cache import InsertResult, RadixCache, RadixNode
 from llm_core.serving.sequence import NOT_RESIDENT, Sequence
 
@@ -102,6 +101,10 @@ class KVManager:
         self.swa_extra_tokens = 0
         # Speculative decoding: a prefix hit backs off to the previous hit point (see match_prefix).
         self.mtp_backoff = False
+        # KV copied in (imports, host-tier restores) and store fetches, by request id.
+        self.transfers = KVTransfers()
+        self.connectors: list[KVConnector] = []
+        self.connect_tiers()
         self._peeks: weakref.WeakKeyDictionary[Sequence, tuple[tuple[int, int], int]] = (
             weakref.WeakKeyDictionary()
         )
@@ -184,11 +187,8 @@ class KVManager:
             # it (layer j at i reads token i + j + 1): resume from the previous hit point instead,
             # so the target recomputes that part and the heads with it (``speculative.py``).
             hit = self.radix.match_prefix(seq.cache_keys, hit.length - 1)
-        fetched: dict[int, HostPage] = {}
-        if self.host_tier is not None and self.host_tier.store is not None:
-            waiting, fetched = self._await_store(seq, hit.length)
-            if waiting:
-                return None
+        if any(c.must_wait(seq, hit.length) for c in self.connectors):
+            return None  # its KV is on its way (a store fetch): admitted once it is here
         seq.prefix_lock = self.radix.lock(hit.node)
         seq.pages = [list(row) for row in hit.pages]
         seq.num_borrowed_pages = len(hit.full_pages)
@@ -197,8 +197,15 @@ class KVManager:
         seq.num_cached_tokens = hit.length
         if self.swa_aware and hit.key_length > hit.length and self._can_pin():
             seq.swa_pin_end = hit.key_length
-        if self.host_tier is not None:
-            self._restore_from_host(seq, hit.length, fetched)
+        for connector in self.connectors:  # the first that copies KV in from the hit on
+            src = connector.copy_in(seq, hit.length)
+            if src is not None:
+                self.transfers.set_source(seq.seq_id, src)
+                if seq.swa_pin_end and seq.swa_pin_end <= src.end:
+                    # The branch point lies in the copied range, where SWA pages below the copy's
+                    # own window are never written: keeping them would cache unwritten KV as live.
+                    seq.swa_pin_end = 0
+                break
         self.pin_prompt_end(seq)
         return hit.length
 
@@ -206,63 +213,24 @@ class KVManager:
         assert self.host_tier is not None
         self.host_tier.spill(node.page_hashes, node.pages)
 
-    def _await_store(self, seq: Sequence, hit: int) -> tuple[bool, dict[int, HostPage]]:
-        """(whether ``seq`` must wait for the store, the pages a settled fetch brought). It waits
-        while its fetch runs, or when one starts now: the tree and the host tier end short of the
-        prompt and the cost model says fetching the rest beats computing it. A settled fetch's
-        pages also join the host tier; a sequence asks the store once."""
-        host = self.host_tier
-        assert host is not None and host.store is not None
-        store, f = host.store, seq.kv_fetch
-        if f is FETCH_SPENT:
-            return False, {}
-        now = store.clock()
-        if isinstance(f, StoreFetch):
-            if not f.settled(now):
-                return True, {}
-            seq.kv_fetch = FETCH_SPENT
-            if not f.done.is_set():
-                store.abandon(f)  # slower than recomputing would have been: recompute
-                return False, {}
-            host.absorb(f.pages)
-            return False, dict(f.pages)
-        seq.kv_fetch = FETCH_SPENT
-        p = self.page_size
-        usable, first = (seq.num_tokens - 1) // p, hit // p
-        if usable <= first:
-            return False, {}
-        hashes = page_hashes(seq.cache_keys[: usable * p], p)
-        start = host.extent(hashes, first, self.window_tokens) if len(host) else first
-        if start >= usable:
-            return False, {}
-        n = usable - start
-        recompute_s = n * p / host.cost.prefill_tokens_per_s
-        if not store.worth_fetching(n, host.estimate_nbytes(n, self.window_tokens), recompute_s):
-            return False, {}
-        seq.kv_fetch = store.fetch(hashes[start:usable], deadline=now + max(recompute_s, store.min_wait_s))
-        return True, {}
-
-    def _restore_from_host(self, seq: Sequence, hit: int, fetched: dict[int, HostPage]) -> None:
-        """Past the tree's hit, the host tier (and a store fetch's ``fetched`` pages) may hold the
-        next pages: plan them as a copy (``seq.kv_source``) when the cost model says a copy beats
-        computing them (fetched pages are copied: the fetch was already judged worth it)."""
-        host = self.host_tier
-        assert host is not None
-        p = self.page_size
-        usable = (seq.num_tokens - 1) // p  # pages a hit may cover (one token is always computed)
-        first = hit // p
-        if usable <= first or not (len(host) or fetched):
+    def connect_tiers(self) -> None:
+        """(Re)build the connectors consulted at admission from the host tier, in order: the
+        store tier (when one is under the host tier), then the host tier. Called again when a
+        store is attached to the host tier (``LLMEngine.attach_kv_store``)."""
+        self.connectors = []
+        if self.host_tier is None:
             return
-        hashes = page_hashes(seq.cache_keys[: usable * p], p)
-        end = host.extent(hashes, first, self.window_tokens, fetched)
-        if end > first and (
-            fetched or host.cost.fetch_is_faster(host.nbytes(hashes, first, end, fetched), (end - first) * p)
-        ):
-            seq.kv_source = host.restore(hashes, first, end, fetched)
-            if seq.swa_pin_end and seq.swa_pin_end <= end * p:
-                # The branch point lies in the copied range, where SWA pages below the copy's own
-                # window are never written: keeping them would cache unwritten KV as live.
-                seq.swa_pin_end = 0
+        store = None
+        if self.host_tier.store is not None:
+            store = StoreTierConnector(self.host_tier, self.transfers, self.page_size, self.window_tokens)
+            self.connectors.append(store)
+        self.connectors.append(HostTierConnector(self.host_tier, self.page_size, self.window_tokens, store))
+
+    def request_finished(self, request_id: int | str) -> None:
+        """The request finished or was aborted: its transfers and connectors' state go."""
+        self.transfers.release(request_id)
+        for connector in self.connectors:
+            connector.request_finished(request_id)
 
     def pin_prompt_end(self, seq: Sequence, end: int | None = None) -> None:
         """Keep the SWA window of the prompt's last page boundary until release, so the tree
@@ -382,7 +350,7 @@ class KVManager:
         """
         nb = seq.num_borrowed_pages
         # A half-copied import holds SWA pages whose positions were never written: never cached.
-        cache = cache and not seq.copying_kv
+        cache = cache and not self.transfers.copying(seq)
         if self.radix is not None and cache:
             computed = seq.num_computed_tokens
             if seq.cacheable_tokens is not None:
@@ -401,8 +369,11 @@ class KVManager:
         if seq.prefix_lock is not None:
             assert self.radix is not None
             self.radix.unlock(seq.prefix_lock)
-        if seq.kv_source is not None and seq.kv_source.first_token is None:
-            seq.kv_source = None  # a restore (not an import): the next admission matches anew
+        src = self.transfers.source(seq.seq_id)
+        if src is not None and src.first_token is None:
+            self.transfers.set_source(
+                seq.seq_id, None
+            )  # a restore (not an import): the next admission matches anew
         seq.pages = []
         seq.num_borrowed_pages = 0
         seq.num_released = []

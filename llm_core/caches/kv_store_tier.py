@@ -41,7 +41,8 @@ from llm_core.caches.kv_pool import KVLayout
 
 log = logging.getLogger("epd.llm.kv_store")
 
-FETCH_SPENT = "spent"  # Sequence.kv_fetch once its one store fetch settled (or was not worth it)
+# a request's store fetch (KVTransfers.fetch) once it settled (or was not worth it): it asks once
+FETCH_SPENT = "spent"
 KEY_PREFIX = "epd:kv/"
 
 

@@ -36,7 +36,7 @@ Called under the engine's lock (the step thread observes, the event loop estimat
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from epd_common.admission import ServiceRate
@@ -56,7 +56,15 @@ class WaitEstimate(NamedTuple):
 
 
 class EngineAdmission:
-    def __init__(self, seed_tokens_per_s: float, window_requests: int = 64) -> None:
+    def __init__(
+        self,
+        seed_tokens_per_s: float,
+        window_requests: int = 64,
+        copied_in: Callable[[Sequence], bool] | None = None,
+    ) -> None:
+        """``copied_in(seq)``: the prompt's KV arrives by copy (an import from a prefill engine),
+        so its prompt costs no work; default: never (the engine asks its KV manager's transfers)."""
+        self.copied_in: Callable[[Sequence], bool] = copied_in or _never
         # steps: the last few seconds of them (ServiceRate's age bound), at least 8
         self.rate = ServiceRate(seed_tokens_per_s, min_samples=8)
         self._fills: deque[float] = deque(maxlen=window_requests)
@@ -72,9 +80,9 @@ class EngineAdmission:
         """The prefix-cache share of recent finished requests' prompts (0.0 until one finished)."""
         return sum(self._hits) / len(self._hits) if self._hits else 0.0
 
-    @staticmethod
-    def prompt_left(seq: Sequence, hit: float) -> float:
-        if seq.kv_source is not None:  # imported from a prefill engine: copied, not computed
+    def prompt_left(self, seq: Sequence, hit: float, copied_in: bool | None = None) -> float:
+        """``copied_in``: whether ``seq``'s prompt KV is copied in (None: ask ``self.copied_in``)."""
+        if self.copied_in(seq) if copied_in is None else copied_in:  # imported: copied, not computed
             return 0.0
         if seq.num_computed_tokens == 0:  # not started: its own prefix hit is not known yet
             return seq.num_prompt_tokens * (1.0 - hit)
@@ -88,11 +96,14 @@ class EngineAdmission:
         """Tokens ``seq`` still costs: its prompt left to compute and its expected output left."""
         return self.prompt_left(seq, hit) + self.output_left(seq, fill)
 
-    def estimate(self, waiting: Iterable[Sequence], new: Sequence) -> WaitEstimate:
-        """When ``new``'s first token would come with ``waiting`` queued ahead of it."""
+    def estimate(
+        self, waiting: Iterable[Sequence], new: Sequence, new_copied_in: bool = False
+    ) -> WaitEstimate:
+        """When ``new``'s first token would come with ``waiting`` queued ahead of it
+        (``new_copied_in``: its prompt's KV is imported, not computed)."""
         fill, hit = self.fill(), self.hit()
         ahead = sum(self.work(s, fill, hit) for s in waiting)
-        prompt = self.prompt_left(new, hit)
+        prompt = self.prompt_left(new, hit, new_copied_in)
         per_s, correction = self.rate.per_s(), self.correction()
         return WaitEstimate(
             (ahead + prompt) / per_s * correction,
@@ -140,3 +151,7 @@ class EngineAdmission:
             self._fills.append(min(len(seq.output_ids) / seq.max_new_tokens, 1.0))
         if seq.num_prompt_tokens > 0:
             self._hits.append(min(seq.num_cached_tokens / seq.num_prompt_tokens, 1.0))
+
+
+def _never(seq: Sequence) -> bool:
+    return False

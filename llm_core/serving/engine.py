@@ -54,6 +54,7 @@ from llm_core.serving.engine_stats import EngineLoad, EngineStats, ThroughputMet
 from llm_core.serving.kv_event_publisher import KVEventPublisher
 from llm_core.serving.kv_handoff import KVHandoff
 from llm_core.serving.model_runner import CausalLM, ModelRunner, MultimodalInput
+from llm_core.serving.request import Request
 from llm_core.serving.request_stream import RequestState, RequestStream, StepOutput
 from llm_core.serving.request_stream import deliver as deliver_outputs
 from llm_core.serving.sampling import Sampler, SamplingParams
@@ -131,8 +132,8 @@ class LLMEngine:
         self.kv_events = kv_events
         # Prefill/decode disaggregation (set by the server): the KV exports of finished prefills,
         # by request id, until the server puts them in the response.
-        self.handoff: KVHandoff | None = None
-        self._exports: dict[str, dict[str, object]] = {}
+        self._handoff: KVHandoff | None = None
+        self.handoff = None
         # The checkpoint directory (``from_checkpoint``): names the weights in KV store keys.
         self.model_dir: Path | None = None
         # M-RoPE (dims 3) places each image or video as one grid: one placeholder run per item
@@ -152,6 +153,7 @@ class LLMEngine:
             assert mtp is not None
             mtp.after_load(model.backends)  # the target's backends (serving only: never trained here)
             self.runner.speculator = Speculator(mtp, model, self.kv, k, self.runner.draw_draft)  # type: ignore[arg-type]
+            self.scheduler.drafts = self.runner.speculator.states  # the drafts, by request id
         # Guards the scheduler and ``_requests`` between the event loop (add) and the step thread
         # (schedule/update). Never held during the forward, so adds do not wait for a step.
         self._lock = threading.Lock()
@@ -161,7 +163,11 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._requests: dict[str, RequestState] = {}
         self._meter = ThroughputMeter()
-        self.admission = EngineAdmission(self.config.admission_seed_tokens_per_s)
+        transfers = self.scheduler.kv.transfers
+        self.admission = EngineAdmission(
+            self.config.admission_seed_tokens_per_s,
+            copied_in=lambda s: transfers.source(s.seq_id) is not None,
+        )
         self._expected_wait_s = 0.0  # the last estimate (a gauge)
         self._busy_since: float | None = None  # end of the last busy step (None after idling)
         self._refusals: collections.Counter[str] = collections.Counter()
@@ -226,15 +232,15 @@ class LLMEngine:
         """
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
-        seq = self._build_sequence(rid, list(prompt_ids), sampling, mm)
+        request = self._build_request(rid, list(prompt_ids), sampling, mm, deadline_s, kv_export)
         if kv_export and self.handoff is None:
             raise EngineRequestError("this engine has no KV transport to export with", "kv_transfer")
-        seq.kv_source, seq.kv_export = kv_import, kv_export
+        seq = Seq.of(request)
         req = RequestState.create(seq, sampling, self.tokenizer, loop)
         cfg = self.config
         deadline = cfg.max_queue_wait_s if deadline_s is None else min(deadline_s, cfg.max_queue_wait_s)
         with self._lock:
-            est = self.admission.estimate(self.scheduler.waiting, seq)
+            est = self.admission.estimate(self.scheduler.waiting, seq, kv_import is not None)
             # A prompt that alone outlasts the deadline is judged by its start, or it could never
             # be taken while anything else runs.
             wait = est.wait_s if est.wait_s - est.start_s <= deadline else est.start_s
@@ -257,7 +263,7 @@ class LLMEngine:
                     reason="memory",
                 )
             try:
-                self.scheduler.add(seq)
+                self.scheduler.add(seq, kv_import)
             except QueueFull as e:
                 self._refusals["memory"] += 1
                 raise EngineOverloaded(str(e), retry_after_s=est.wait_s, reason="memory") from e
@@ -290,9 +296,16 @@ class LLMEngine:
         self._aborts.append(request_id)
         self._wake.set()
 
-    def _build_sequence(
-        self, rid: str, prompt_ids: list[int], sampling: SamplingParams, mm: Sequence[MultimodalInput]
-    ) -> Seq:
+    def _build_request(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        mm: Sequence[MultimodalInput],
+        deadline_s: float | None,
+        kv_export: bool,
+    ) -> Request:
+        """The request record, checked against the model (``EngineRequestError`` when it does not fit)."""
         if not prompt_ids:
             raise EngineRequestError("the prompt is empty", "prompt")
         if len(prompt_ids) + sampling.max_tokens > self.max_model_len:
@@ -339,14 +352,16 @@ class LLMEngine:
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop_ids |= self.eos_token_ids
-        return Seq(
-            seq_id=rid,
-            prompt_ids=prompt_ids,
-            sampling=sampling,
+        return Request.create(
+            rid,
+            prompt_ids,
+            sampling,
             max_new_tokens=sampling.max_tokens,
-            stop_token_ids=frozenset(stop_ids),
+            stop_token_ids=stop_ids,
             media=spans,
-            mm_items=list(mm),
+            mm_items=mm,
+            deadline_s=deadline_s,
+            kv_export=kv_export,
         )
 
     # ---- engine thread -----------------------------------------------------------------------
@@ -383,21 +398,21 @@ class LLMEngine:
             return False
         t0 = time.perf_counter()
         try:
-            sampled = self.runner.execute(batch.seqs, batch.num_new_tokens)
+            sampled = self.runner.execute(batch)
         except Exception:
             log.exception("forward failed; failing the requests of the batch")
             with self._lock:
                 self._fail(batch.seqs)
             return True
-        if self.handoff is not None:
-            self._export_finished_prefills(batch.seqs, batch.num_new_tokens)
+        self.scheduler.copy_out(batch)  # KV leaving the engine (a P/D export), pages still held
         host = self.scheduler.kv.host_tier
+        sources = self.scheduler.kv.transfers
         if host is not None:  # the cost model's prefill rate: tokens computed by multi-token chunks
             computed = sum(
                 n
                 for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
                 # a verify chunk (drafts past the known tokens) costs a decode step, not a prefill's
-                if n > 1 and s.kv_source is None and s.num_computed_tokens + n <= s.num_tokens
+                if n > 1 and sources.source(s.seq_id) is None and s.num_computed_tokens + n <= s.num_tokens
             )
             host.cost.observe_prefill(computed, time.perf_counter() - t0)
         # Admission's unit of work: prompt tokens this step computed, and tokens it sampled.
@@ -420,17 +435,19 @@ class LLMEngine:
         deliver_outputs(outs)
         return True
 
-    def _export_finished_prefills(self, seqs: list[Seq], num_new_tokens: list[int]) -> None:
-        """Hand over the KV of prompts this step completed (before ``update`` moves on: the
-        pages are still the sequence's, its SWA window still resident)."""
-        assert self.handoff is not None
-        for s, n in zip(seqs, num_new_tokens, strict=True):
-            if s.kv_export and not s.output_ids and s.num_computed_tokens + n == s.num_prompt_tokens:
-                self._exports[str(s.seq_id)] = self.handoff.export(s)
+    @property
+    def handoff(self) -> KVHandoff | None:
+        """The P/D connector (set by the server): the scheduler consults it with the KV manager's."""
+        return self._handoff
+
+    @handoff.setter
+    def handoff(self, handoff: KVHandoff | None) -> None:
+        self._handoff = handoff
+        self.scheduler.connectors = [handoff] if handoff is not None else []
 
     def pop_export(self, request_id: str) -> dict[str, object] | None:
         """The KV export of a finished ``kv_export`` request (None if it produced none)."""
-        return self._exports.pop(request_id, None)
+        return self._handoff.pop_export(request_id) if self._handoff is not None else None
 
     def _flush_kv_events(self) -> None:
         """Publish what the prefix cache changed this step (caller holds the lock)."""
@@ -622,6 +639,7 @@ class LLMEngine:
         )
         tier.on_ready = self._wake.set  # a waiting sequence's pages arrived: schedule again
         host.store, host.store_policy = tier, self.config.kv_store_policy
+        self.scheduler.kv.connect_tiers()  # the store's connector joins the host tier's
         return tier
 
 

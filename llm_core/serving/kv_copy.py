@@ -1,8 +1,8 @@
 """The KV copies of one step: what of each copying sequence's chunk is copied and what computed,
 and the copy itself, either before the forward or beside it, layer by layer.
 
-A sequence copies while its chunk [c, c + n) starts inside its ``kv_source`` [start, end)
-(``caches/kv_source.py``)::
+A sequence copies while its chunk [c, c + n) starts inside its copy-in source [start, end)
+(``caches/kv_source.py``, kept by request id in ``caches/kv_transfers.py``)::
 
     c + n <= end   copy [c, c + n), compute nothing; an import's last chunk yields its first_token
     c + n >  end   copy [c, end), compute [end, c + n) in the same step: a restore's chunk crossing
@@ -29,6 +29,7 @@ import torch
 
 from llm_core.caches.kv_pool import DualKVCache
 from llm_core.caches.kv_source import KVSource
+from llm_core.caches.kv_transfers import KVTransfers
 from llm_core.caches.layer_gate import LayerGate
 from llm_core.serving.sequence import Sampled, Sequence
 
@@ -58,17 +59,19 @@ class CopyPlan(NamedTuple):
     num_crossing: int  # chunks that copy and compute in this step
 
 
-def plan_copies(seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> CopyPlan:
-    """Split the step's chunks at their sources' ends (see the module docstring)."""
+def plan_copies(seqs: Seq[Sequence], num_new_tokens: Seq[int], transfers: KVTransfers) -> CopyPlan:
+    """Split the step's chunks at their sources' ends (see the module docstring; the sources are
+    ``transfers``')."""
     plan = CopyPlan([], [], [], [], [None] * len(seqs), 0)
     crossing = 0
     for b, (s, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
-        if not s.copying_kv:
+        if not transfers.copying(s):
             plan.compute_index.append(b)
             plan.compute_seqs.append(s)
             plan.compute_tokens.append(n)
             continue
-        src: KVSource = s.kv_source
+        src = transfers.source(s.seq_id)
+        assert src is not None  # copying
         c, end = s.num_computed_tokens, src.end
         plan.jobs.append(CopyJob(src, s.pages, c, min(end, c + n)))
         if c + n > end:

@@ -19,8 +19,10 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Sequence as Seq
 from typing import Any, NamedTuple
 
+from llm_core.caches.kv_connector import KVConnector
 from llm_core.caches.kv_pool import DualKVCache, KVLayout
 from llm_core.kv_transfer.kv_import import KVImport
 from llm_core.kv_transfer.layer_plan import LayerPlan
@@ -36,7 +38,11 @@ class ImportResult(NamedTuple):
     info: dict[str, Any]  # what the response reports: imported, bytes, seconds, reason
 
 
-class KVHandoff:
+class KVHandoff(KVConnector):
+    """The P/D connector (``caches/kv_connector.py``): its export is ``copy_out`` (a prompt's KV
+    once its prefill completed, for a request that asked for it), its import a ``KVImport`` that
+    the scheduler registers as the request's copy-in source when the request is queued."""
+
     def __init__(
         self,
         transport: str,
@@ -63,6 +69,8 @@ class KVHandoff:
         self.exported = 0
         self.imported = 0
         self.fallbacks: dict[str, int] = {}
+        # The exports of finished prefills, by request id, until the server takes them.
+        self.exports: dict[str, dict[str, Any]] = {}
 
     def transport(self) -> KVTransport:
         with self._lock:
@@ -82,6 +90,17 @@ class KVHandoff:
                 self._transport = None
 
     # -- prefill side (engine thread) ---------------------------------------------------------
+    def copy_out(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> None:
+        """Hand over the KV of prompts this step completed (before the scheduler commits the
+        step: the pages are still the sequence's, its SWA window still resident)."""
+        for s, n in zip(seqs, num_new_tokens, strict=True):
+            if s.kv_export and not s.output_ids and s.num_computed_tokens + n == s.num_prompt_tokens:
+                self.exports[str(s.seq_id)] = self.export(s)
+
+    def pop_export(self, request_id: str) -> dict[str, Any] | None:
+        """The KV export of a finished ``kv_export`` request (None if it produced none)."""
+        return self.exports.pop(request_id, None)
+
     def export(self, seq: Sequence) -> dict[str, Any]:
         """The plan of ``seq``'s prompt (every prompt token computed, pages not yet released) put
         on the transport: ``{"handle", "bytes", "kv_bytes", "seconds"}``, or ``{"error": reason}``."""

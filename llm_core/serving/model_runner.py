@@ -1,6 +1,7 @@
 """Model runner: one scheduled batch in, one sampled token per finished-prefill sequence out.
 
-    ScheduledBatch(seqs, num_new_tokens)
+    SchedulerOutput(seqs, num_new_tokens, page_rows, copies)
+        -> KV copies (before or beside the forward)
         -> input_ids [T], positions [T] (or [3, T]: the model's PositionScheme), AttentionBatch,
            input_embeds [T, hidden] (media only)
         -> model.forward -> hidden [T, hidden]
@@ -22,13 +23,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from epd_common.messages.embedding_ref import EmbeddingRef
 from llm_core.backends.selector import Backends
 from llm_core.caches.kv_pool import DualKVCache
 from llm_core.kernels.attention_batch import AttentionBatch
 from llm_core.models.positions import LinearPositions, PositionScheme
-from llm_core.serving.kv_copy import LayeredCopy, copy_sequentially, plan_copies
+from llm_core.serving.kv_copy import CopyPlan, LayeredCopy, copy_sequentially
+from llm_core.serving.request import MultimodalInput  # noqa: F401  (re-exported: callers import it here)
 from llm_core.serving.sampling import Sampler, SamplingParams, filtered_probs, params_of
+from llm_core.serving.scheduler_output import SchedulerOutput
 from llm_core.serving.sequence import (
     DecodePageTables,
     Sampled,
@@ -42,16 +44,6 @@ from llm_core.serving.speculative import Speculator, accept_greedy, accept_sampl
 # Logits projections of at most this many multiply-adds (rows x hidden x vocab; 2M for 32 rows of
 # the tiny Qwen2.5-VL) run on one torch thread (``ModelRunner._logits``): ~0.1 ms on one core.
 SMALL_LOGITS_MACS = 1 << 23
-
-
-class MultimodalInput(NamedTuple):
-    """One media item of a request: its reference and embedding rows [num_tokens, hidden].
-
-    The tensor may be a zero-copy view of the node embedding cache; the runner only reads it.
-    """
-
-    ref: EmbeddingRef
-    embedding: Tensor  # [num_tokens, hidden]
 
 
 class CausalLM(Protocol):
@@ -117,16 +109,22 @@ class ModelRunner:
         # Chunks that copied KV and computed in the same step (a restore crossing its end).
         self.num_overlapped_copies = 0
 
-    def prepare(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> StepInputs:
-        """Pack the new tokens of ``seqs``; ``num_new_tokens[b]`` start at ``num_computed_tokens``."""
+    def prepare(
+        self, seqs: Seq[Sequence], num_new_tokens: Seq[int], page_rows: list[list[list[int]]] | None = None
+    ) -> StepInputs:
+        """Pack the new tokens of ``seqs``; ``num_new_tokens[b]`` start at ``num_computed_tokens``;
+        ``page_rows[b]``: the page rows per KV group of ``seqs[b]`` (default: its ``pages``)."""
         assert len(seqs) == len(num_new_tokens) and seqs
+        rows = [s.pages for s in seqs] if page_rows is None else page_rows
         if max(num_new_tokens) == 1:
-            decode = self._prepare_decode(seqs)
+            decode = self._prepare_decode(seqs, rows)
             if decode is not None:
                 return decode
-        return self._prepare_packed(seqs, num_new_tokens)
+        return self._prepare_packed(seqs, num_new_tokens, rows)
 
-    def _prepare_decode(self, seqs: Seq[Sequence]) -> StepInputs | None:
+    def _prepare_decode(
+        self, seqs: Seq[Sequence], page_rows: list[list[list[int]]] | None = None
+    ) -> StepInputs | None:
         """``prepare`` for a decode step: every sequence computes one token, its last (so every one
         samples), at positions its scheme gives by offsets, and no token is a media placeholder.
         One pass over the sequences for their ids, positions and page rows, then array operations
@@ -152,7 +150,7 @@ class ModelRunner:
             starts.append(start)
         b = len(seqs)
         start_np = np.array(starts, dtype=np.int64)  # [B] position of each new token
-        tables = self._decode_tables.build(list(seqs), start_np, self.page_size)
+        tables = self._decode_tables.build(list(seqs), start_np, self.page_size, page_rows)
         if linear:
             pos_np = start_np
         else:  # [dims, B]: the token's index plus its axis' offset
@@ -190,7 +188,9 @@ class ModelRunner:
                 t = self._aranges[key] = torch.arange(n, dtype=dtype, device=self.device)
         return t
 
-    def _prepare_packed(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> StepInputs:
+    def _prepare_packed(
+        self, seqs: Seq[Sequence], num_new_tokens: Seq[int], page_rows: list[list[list[int]]] | None = None
+    ) -> StepInputs:
         """``prepare`` for any step (prefill chunks, decodes, media): the ids of each sequence in one
         Python list, positions and write slots by array operations over the packed tokens."""
         ids: list[int] = []
@@ -200,11 +200,13 @@ class ModelRunner:
         for b, (s, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
             start, end = s.num_computed_tokens, s.num_computed_tokens + n
             known = s.num_tokens
-            assert n > 0 and end <= known + len(s.draft_ids), (s.seq_id, start, n, known)
             if end <= known:
+                assert n > 0, (s.seq_id, start, n, known)
                 ids.extend(s.token_slice(start, end))
             else:  # a verify chunk: the last known token, then drafts (``speculative.py``)
-                ids.extend(s.token_slice(start, known) + s.draft_ids[: end - known])
+                drafts = self._drafts(s)
+                assert n > 0 and end <= known + len(drafts), (s.seq_id, start, n, known)
+                ids.extend(s.token_slice(start, known) + drafts[: end - known])
             if end >= known:  # the chunk reaches the last known token: its logits (and the drafts') are next
                 first = len(ids) - (end - known) - 1
                 sample_rows.extend(range(first, len(ids)))
@@ -212,7 +214,7 @@ class ModelRunner:
             has_media = has_media or any(m.start < end and m.start + m.length > start for m in s.media)
         seq_list, counts = list(seqs), list(num_new_tokens)
         tokens = token_positions(seq_list, counts)
-        tables = build_page_tables(seq_list, counts, self.page_size, tokens)
+        tables = build_page_tables(seq_list, counts, self.page_size, tokens, page_rows)
         on = self._on_device
         count_np = np.array(counts, dtype=np.int32)
         cu_seqlens = np.zeros(len(counts) + 1, dtype=np.int32)
@@ -291,16 +293,22 @@ class ModelRunner:
         return embeds
 
     @torch.inference_mode()
-    def execute(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> list[Sampled]:
+    def execute(self, step: SchedulerOutput) -> list[Sampled]:
         """Run one step; the sampled token of each sequence, None where prefill is not complete,
         a list for a sequence that verified drafts (the tokens it accepted, ``speculative.py``).
 
         A sequence whose chunk lies in its ``kv_source`` (``caches/kv_source.py``) has it copied
-        instead of computed (the part past the source's end, if any, computed); a source that
-        covers the whole prompt yields the token after it."""
-        if any(s.copying_kv for s in seqs):
-            return self._execute_with_imports(seqs, num_new_tokens)
-        inp = self.prepare(seqs, num_new_tokens)
+        instead of computed (``step.copies``; the part past the source's end, if any, computed); a
+        source that covers the whole prompt yields the token after it."""
+        if step.copies is not None:
+            return self._execute_with_copies(step, step.copies)
+        return self._forward(step.seqs, step.num_new_tokens, step.page_rows)
+
+    def _forward(
+        self, seqs: Seq[Sequence], num_new_tokens: Seq[int], page_rows: list[list[list[int]]]
+    ) -> list[Sampled]:
+        """``execute`` of chunks that all compute (no copies)."""
+        inp = self.prepare(seqs, num_new_tokens, page_rows)
         hidden = self.model(inp.input_ids, inp.positions, inp.batch, self.kv, inp.input_embeds)  # [T, hidden]
         if self.speculator is not None:
             return self._sample_and_draft(seqs, num_new_tokens, inp, hidden)
@@ -345,12 +353,13 @@ class ModelRunner:
             drafts = s.num_computed_tokens + n - s.num_tokens  # > 0: this chunk verifies drafts
             if drafts > 0:
                 p = params_of(s.sampling)
+                st = self.speculator.states.of(s.seq_id)
                 if p.greedy:
-                    toks = accept_greedy(s.draft_ids[:drafts], toks)
+                    toks = accept_greedy(st.draft_ids[:drafts], toks)
                 else:  # [k + 1, V] the target's filtered distributions at the verified positions
                     target = filtered_probs(logits[rows_of[b]], [p] * (drafts + 1))
-                    q = torch.stack(s.draft_probs[:drafts])
-                    toks = accept_sampled(s.draft_ids[:drafts], q, target, self._generator(s))
+                    q = torch.stack(st.draft_probs[:drafts])
+                    toks = accept_sampled(st.draft_ids[:drafts], q, target, self._generator(s))
                 self.speculator.count_verified(drafts, len(toks))
                 out[b] = toks
             elif toks:
@@ -393,22 +402,22 @@ class ModelRunner:
             gens.append(self._own_generator(s, p, device))
         return params, gens
 
-    def _execute_with_imports(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> list[Sampled]:
+    def _execute_with_copies(self, step: SchedulerOutput, plan: CopyPlan) -> list[Sampled]:
         """``execute`` of a step in which some chunks copy KV (``kv_copy.py``): their copies, then
         or beside (``kv_copy_overlap``) the forward of the rest, a crossing chunk's computed tail
         included."""
-        plan = plan_copies(seqs, num_new_tokens)
         self.num_overlapped_copies += plan.num_crossing
         if not plan.compute_seqs:  # only copies: no forward to hide them behind
             copy_sequentially(self.kv, plan.jobs)
-            return plan.out
+            return list(plan.out)
+        rows = [step.page_rows[b] for b in plan.compute_index]
         if self.kv_copy_overlap:
             with LayeredCopy(self.kv, plan.jobs):
-                sampled = self.execute(plan.compute_seqs, plan.compute_tokens)
+                sampled = self._forward(plan.compute_seqs, plan.compute_tokens, rows)
         else:
             copy_sequentially(self.kv, plan.jobs)
-            sampled = self.execute(plan.compute_seqs, plan.compute_tokens)
-        out = plan.out
+            sampled = self._forward(plan.compute_seqs, plan.compute_tokens, rows)
+        out = list(plan.out)
         for b, t in zip(plan.compute_index, sampled, strict=True):
             out[b] = t
         return out
@@ -434,7 +443,13 @@ class ModelRunner:
         finally:
             torch.set_num_threads(threads)
 
+    def _drafts(self, s: Sequence) -> list[int]:
+        """``s``'s drafts (the speculator's, by request id; none without speculation)."""
+        return self.speculator.states.drafts(s.seq_id) if self.speculator is not None else []
+
     def release(self, seq_id: int | str) -> None:
-        """Forget a finished or aborted sequence's generator and positions."""
+        """Forget a finished or aborted sequence's generator, positions and drafts."""
         self._generators.pop(seq_id, None)
         self.position_scheme.release(seq_id)
+        if self.speculator is not None:
+            self.speculator.states.release(seq_id)

@@ -23,9 +23,12 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
+from llm_core.caches.kv_connector import KVConnector
 from llm_core.caches.kv_manager import KVManager
+from llm_core.caches.kv_source import KVSource
+from llm_core.serving.draft_state import DraftStates
+from llm_core.serving.scheduler_output import SchedulerOutput
 from llm_core.serving.sequence import Sampled, Sequence, SequenceStatus
 from llm_core.serving.waiting_queue import PriorityWeights, WaitingQueue, fair_split
 
@@ -56,7 +59,7 @@ class SchedulerConfig:
     bucket_bounds: tuple[int, ...] = (64 * 1024, 256 * 1024, 1024 * 1024)
     hit_weight: float = 0.5
     wait_tokens_per_s: float = 1024.0
-    # A chunk of a restore (a ``kv_source`` without ``first_token``) may cross the copy's end: the
+    # A chunk of a restore (a copy-in source without ``first_token``) may cross the copy's end: the
     # runner copies the part before it beside the forward of the rest (``serving/kv_copy.py``).
     kv_copy_overlap: bool = True
 
@@ -65,13 +68,6 @@ class SchedulerConfig:
             raise ValueError(f"need max_num_seqs >= 1 and max_num_batched_tokens >= 1: {self}")
         if not self.bucket_bounds or list(self.bucket_bounds) != sorted(self.bucket_bounds):
             raise ValueError(f"bucket_bounds must be non-empty and ascending: {self.bucket_bounds}")
-
-
-class ScheduledBatch(NamedTuple):
-    """One step: compute tokens [num_computed, num_computed + num_new_tokens[i]) of ``seqs[i]``."""
-
-    seqs: list[Sequence]
-    num_new_tokens: list[int]
 
 
 class Scheduler:
@@ -88,10 +84,15 @@ class Scheduler:
         self._by_id: dict[int | str, Sequence] = {}
         self._rr = 0
         self.num_preemptions = 0
+        # Connectors beyond the KV manager's (``caches/kv_connector.py``; the engine's P/D one).
+        self.connectors: list[KVConnector] = []
+        # The speculator's per-request drafts (set by the engine when it speculates).
+        self.drafts: DraftStates | None = None
 
     # ---- requests ------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence; RequestTooLarge if it can never run, QueueFull when saturated."""
+    def add(self, seq: Sequence, kv_import: KVSource | None = None) -> None:
+        """Queue a new sequence; RequestTooLarge if it can never run, QueueFull when saturated.
+        ``kv_import``: its prompt's KV from a prefill engine (copied in, not computed)."""
         total = seq.num_tokens + seq.max_new_tokens
         if total > self.config.max_model_len:
             raise RequestTooLarge(
@@ -116,6 +117,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.add(seq)
         self._by_id[seq.seq_id] = seq
+        if kv_import is not None:
+            self.kv.transfers.set_source(seq.seq_id, kv_import)
 
     def has_work(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
@@ -137,12 +140,15 @@ class Scheduler:
             self.kv.release(seq)
         else:
             self.waiting.remove(seq)
+        self.kv.request_finished(seq_id)
+        for connector in self.connectors:
+            connector.request_finished(seq_id)
         seq.status = status
         seq.finish_reason = reason
         return seq
 
     # ---- planning ------------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self) -> SchedulerOutput | None:
         """Plan one step (pages allocated); None when there is nothing to compute."""
         budget = self.config.max_num_batched_tokens
         plan: dict[int, int] = {}  # id(seq) -> tokens this step
@@ -176,16 +182,19 @@ class Scheduler:
                 self._fill_bucket(b, grant, plan, take)
         if not seqs:
             return None
-        return ScheduledBatch(seqs, [plan[id(s)] for s in seqs])
+        return SchedulerOutput.build(seqs, [plan[id(s)] for s in seqs], self.kv.transfers)
 
     def _drafts_to_verify(self, seq: Sequence, budget: int) -> int:
         """How many of ``seq``'s drafts (``speculative.py``) this step verifies: all that fit the
         budget, the output and length limits, and KV pages (allocated here; none is preempted for
         a draft). Its page for the token itself is allocated already."""
+        if self.drafts is None:
+            return 0
+        drafts = self.drafts.drafts(seq.seq_id)
         n = max(
             0,
             min(
-                len(seq.draft_ids),
+                len(drafts),
                 budget,
                 seq.max_new_tokens - len(seq.output_ids) - 1,
                 self.config.max_model_len - seq.num_tokens - 1,
@@ -193,9 +202,12 @@ class Scheduler:
         )
         while n > 0 and not self.kv.allocate(seq, 1 + n):
             n -= 1
-        if n < len(seq.draft_ids):
-            seq.draft_ids, seq.draft_probs = seq.draft_ids[:n], seq.draft_probs[:n]
+        self.drafts.keep(seq.seq_id, n)
         return n
+
+    def _reset_speculation(self, seq: Sequence, start: int) -> None:
+        if self.drafts is not None:
+            self.drafts.reset(seq.seq_id, start)
 
     def _prefill_demand(self, b: int, prefilling: list[Sequence]) -> int:
         """Prefill tokens bucket ``b`` could use: its running ``prefilling`` sequences' and its waiting ones'."""
@@ -212,8 +224,13 @@ class Scheduler:
         computed in the same step, beside the copy. An import always stops there: it covers the
         whole prompt and brings the token after it (nothing is left to compute)."""
         n = min(seq.num_uncomputed_tokens, self._chunk_cap())
-        if seq.copying_kv and not (self.config.kv_copy_overlap and seq.kv_source.first_token is None):
-            n = min(n, seq.kv_source.end - seq.num_computed_tokens)
+        src = self.kv.transfers.source(seq.seq_id)
+        if (
+            self.kv.transfers.copying(seq)
+            and src is not None
+            and not (self.config.kv_copy_overlap and src.first_token is None)
+        ):
+            n = min(n, src.end - seq.num_computed_tokens)
         return n
 
     def _fill_bucket(
@@ -243,14 +260,16 @@ class Scheduler:
         for seq in self.waiting.ordered(b, now, self.kv.peek_prefix):
             if left == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            if seq.kv_source is None:
+            src = self.kv.transfers.source(seq.seq_id)
+            if src is None:
                 if self.kv.match_prefix(seq) is None:
                     continue  # its prefix's KV is on its way from the store: admitted once it is here
             else:  # an import brings the whole prompt's KV: nothing to borrow
                 p = self.kv.page_size  # pin only a window the payload holds (layer_plan.py)
                 self.kv.pin_prompt_end(seq, seq.num_prompt_tokens // p * p)
             # MTP KV from the first position this sequence computes (``speculative.py``)
-            seq.reset_speculation(seq.kv_source.end if seq.kv_source is not None else seq.num_computed_tokens)
+            src = self.kv.transfers.source(seq.seq_id)  # an import's, or a restore planned just now
+            self._reset_speculation(seq, src.end if src is not None else seq.num_computed_tokens)
             n = self._fit(seq, min(self._chunk_limit(seq), left))
             if n == 0:
                 self.kv.release(seq, cache=False)
@@ -289,13 +308,19 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         seq.num_preemptions += 1
-        seq.reset_speculation(0)
+        self._reset_speculation(seq, 0)
         seq.status = SequenceStatus.WAITING
         self.waiting.add(seq)
         self.num_preemptions += 1
 
     # ---- results -------------------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, sampled: list[Sampled]) -> list[Sequence]:
+    def copy_out(self, step: SchedulerOutput) -> None:
+        """After the step's forward, before ``update``: every connector sends what leaves the
+        engine (a P/D export of a prompt this step completed; its pages are still held)."""
+        for connector in (*self.kv.connectors, *self.connectors):
+            connector.copy_out(step.seqs, step.num_new_tokens)
+
+    def update(self, batch: SchedulerOutput, sampled: list[Sampled]) -> list[Sequence]:
         """Commit a computed step; ``sampled[i]`` is the token sampled for ``seqs[i]`` (None
         mid-prefill), or the tokens a verify step accepted (a list: only the positions they
         cover are committed; the rejected drafts' KV is overwritten by the next step). A list
@@ -304,7 +329,7 @@ class Scheduler:
         Returns the sequences that finished in this step (their KV already released).
         """
         finished: list[Sequence] = []
-        commit, running = self.kv.commit, SequenceStatus.RUNNING
+        commit, running, transfers = self.kv.commit, SequenceStatus.RUNNING, self.kv.transfers
         for seq, n, tok in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
             if seq.status is not running:
                 continue  # aborted while the step ran
@@ -321,8 +346,11 @@ class Scheduler:
                 seq.output_ids.extend(tok)
             else:
                 commit(seq, n)
-                if seq.kv_source is not None and seq.num_computed_tokens >= seq.kv_source.end:
-                    seq.kv_source = None  # the copied KV is in the pools now; let its buffers go
+                src = transfers.source(seq.seq_id)
+                if src is not None and seq.num_computed_tokens >= src.end:
+                    transfers.set_source(
+                        seq.seq_id, None
+                    )  # the copied KV is in the pools now; let its buffers go
                 if seq.num_computed_tokens < seq.num_tokens:
                     continue  # a prefill chunk: no token yet
                 assert tok is not None, (

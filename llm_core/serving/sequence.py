@@ -1,7 +1,8 @@
 """One request's state in the LLM core: its tokens, cache keys, page tables and progress.
 
-The scheduler and the KV manager mutate a ``Sequence``; the model runner only reads it. The
-sequence knows nothing of sampling (``sampling`` is opaque here) or of how pages are chosen.
+The request itself (prompt, sampling, media) is a frozen ``request.Request`` the sequence refers
+to; the scheduler and the KV manager mutate the rest of a ``Sequence``; the model runner only
+reads it. The sequence knows nothing of how pages are chosen.
 
 Token layout::
 
@@ -25,9 +26,8 @@ sliding-window group's row (what the attention kernels' two tables hold).
 from __future__ import annotations
 
 import enum
-import time
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -35,6 +35,11 @@ import torch
 # The media-span parsing and the cache-key rule are shared with the ingress (it routes on the
 # keys the prefix cache matches): they live with the other messages between roles.
 from epd_common.messages.cache_keys import MediaSpan, build_cache_keys
+from llm_core.serving.request import MultimodalInput, Request, RequestId
+from llm_core.serving.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from llm_core.caches.radix_node import PrefixLock
 
 # What a step yields per sequence: a token, None (a prefill chunk short of the end), or the tokens a
 # verify step accepted (speculative decoding, ``speculative.py``).
@@ -50,70 +55,121 @@ class SequenceStatus(enum.Enum):
     ABORTED = "aborted"  # cancelled by the client or the engine; pages released
 
 
-@dataclass(eq=False)
 class Sequence:
-    """A request inside the engine. Identity semantics (``eq=False``): two sequences are never equal."""
+    """The scheduler's state of one request: a reference to the frozen ``Request`` and what
+    scheduling moves. Identity semantics: two sequences are never equal (hashable by identity)."""
 
-    seq_id: int | str
-    prompt_ids: list[int]
-    sampling: Any = None  # the engine's SamplingParams; opaque to the scheduler and the KV manager
-    max_new_tokens: int = 16
-    stop_token_ids: frozenset[int] = frozenset()
-    media: list[MediaSpan] = field(default_factory=list)
-    mm_items: list[Any] = field(default_factory=list)  # the runner's multimodal inputs, in span order
-    arrival_time: float = field(default_factory=time.monotonic)
-
-    output_ids: list[int] = field(default_factory=list)
-    status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prefix-cache hit at the last admission
-    num_preemptions: int = 0
+    request: Request
+    output_ids: list[int]
+    status: SequenceStatus
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_computed_tokens: int
+    num_cached_tokens: int  # prefix-cache hit at the last admission
+    num_preemptions: int
     # KV state, owned by the KV manager: one page row per KV group (empty: no pages held).
-    pages: list[list[int]] = field(default_factory=list)
-    num_borrowed_pages: int = 0
+    pages: list[list[int]]
+    num_borrowed_pages: int
     # Per group: leading logical pages already dropped from its window (NOT_RESIDENT unless
     # pinned; always 0 for full attention).
-    num_released: list[int] = field(default_factory=list)
-    swa_pin_end: int = 0  # keep the SWA window before this position until release (heals a branch point)
-    swa_prompt_pin: int = 0  # likewise for the prompt's last page boundary (a next turn resumes there)
-    prefix_lock: Any = None  # radix_cache.PrefixLock while holding a prefix-cache hit
+    num_released: list[int]
+    swa_pin_end: int  # keep the SWA window before this position until release (heals a branch point)
+    swa_prompt_pin: int  # likewise for the prompt's last page boundary (a next turn resumes there)
+    prefix_lock: PrefixLock | None  # held while the sequence uses a prefix-cache hit
     # Leading tokens whose KV a later prompt with the same cache keys would compute identically
     # (None: all). The model's position scheme lowers it when generated tokens sit at positions a
     # prompt would not give them (``positions.MRopePositions``); only that much enters the cache.
-    cacheable_tokens: int | None = None
-    # ``kv_export``: hand the prompt's KV (the layer plan) to the engine's transport when its
-    # prefill completes (prefill/decode disaggregation). ``kv_source``: positions whose KV is
-    # copied in rather than computed (``caches.kv_source.KVSource``: a prefill engine's hand-off,
-    # or the host tier's pages).
-    kv_export: bool = False
-    kv_source: Any = None
-    # The store tier's fetch of this prompt's pages (``caches.kv_store_tier.StoreFetch``) while it
-    # runs; the sequence is not admitted until it settles. Once settled (absorbed or given up)
-    # ``FETCH_SPENT``: a sequence asks the store once.
-    kv_fetch: Any = None
-    # Speculative decoding (``serving/speculative.py``): the tokens the MTP heads propose after
-    # the last known token, verified by the next step; ``mtp_start``: the first position whose MTP
-    # KV is not yet computed from known tokens (every MTP layer recomputes from there);
-    # ``mtp_h0`` [rows, hidden]: the target's hidden states at positions ``mtp_start`` .. of the
-    # rows computed before this step (the MTP layers' input there).
-    draft_ids: list[int] = field(default_factory=list)
-    draft_probs: list[Any] = field(default_factory=list)  # [V] each: what a sampled draft was drawn from
-    mtp_start: int = 0
-    mtp_h0: Any = None
+    cacheable_tokens: int | None
 
-    def __post_init__(self) -> None:
-        if not self.prompt_ids:
-            raise ValueError(f"sequence {self.seq_id!r}: empty prompt")
-        self._prompt_keys = build_cache_keys(self.prompt_ids, self.media)
+    def __init__(
+        self,
+        seq_id: RequestId,
+        prompt_ids: Iterable[int],
+        sampling: SamplingParams | None = None,
+        max_new_tokens: int = 16,
+        stop_token_ids: Iterable[int] = (),
+        media: Iterable[MediaSpan] = (),
+        mm_items: Iterable[MultimodalInput] = (),
+        arrival_time: float | None = None,
+    ) -> None:
+        """A sequence of a request built from these fields (``Sequence.of`` takes a ``Request``)."""
+        self._start(
+            Request.create(
+                seq_id, prompt_ids, sampling, max_new_tokens, stop_token_ids, media, mm_items, arrival_time
+            )
+        )
 
-    def reset_speculation(self, start: int) -> None:
-        """Forget drafts and MTP state: the heads' KV is recomputed from ``start`` on (admission
-        with a prefix hit, preemption, a range whose KV was copied in)."""
-        self.draft_ids = []
-        self.draft_probs = []
-        self.mtp_start = start
-        self.mtp_h0 = None
+    @classmethod
+    def of(cls, request: Request) -> Sequence:
+        """The scheduler's state for ``request``, nothing computed yet."""
+        seq = cls.__new__(cls)
+        seq._start(request)
+        return seq
+
+    def _start(self, request: Request) -> None:
+        if not request.prompt_ids:
+            raise ValueError(f"sequence {request.request_id!r}: empty prompt")
+        self.request = request
+        # a list copy: token_ids concatenates it with output_ids every step
+        self._prompt_list = list(request.prompt_ids)
+        self._prompt_keys = build_cache_keys(self._prompt_list, request.media)
+        self.output_ids = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.pages = []
+        self.num_borrowed_pages = 0
+        self.num_released = []
+        self.swa_pin_end = 0
+        self.swa_prompt_pin = 0
+        self.prefix_lock = None
+        self.cacheable_tokens = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.seq_id!r}, {self.num_prompt_tokens} prompt + {len(self.output_ids)} output tokens,"
+            f" {self.num_computed_tokens} computed, {self.status.value})"
+        )
+
+    # ---- the request's fields (read-only) ------------------------------------------------------
+
+    @property
+    def seq_id(self) -> RequestId:
+        return self.request.request_id
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The prompt (a list view of ``request.prompt_ids``; never written)."""
+        return self._prompt_list
+
+    @property
+    def sampling(self) -> SamplingParams | None:
+        return self.request.sampling
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.request.max_new_tokens
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        return self.request.stop_token_ids
+
+    @property
+    def media(self) -> tuple[MediaSpan, ...]:
+        return self.request.media
+
+    @property
+    def mm_items(self) -> tuple[MultimodalInput, ...]:
+        return self.request.mm_items
+
+    @property
+    def arrival_time(self) -> float:
+        return self.request.arrival_time
+
+    @property
+    def kv_export(self) -> bool:
+        return self.request.kv_export
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -139,11 +195,6 @@ class Sequence:
     @property
     def cache_keys(self) -> list[int]:
         return self._prompt_keys + self.output_ids
-
-    @property
-    def copying_kv(self) -> bool:
-        """Part of its KV is still to be copied in (``kv_source``), not computed."""
-        return self.kv_source is not None and self.num_computed_tokens < self.kv_source.end
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -219,14 +270,19 @@ def token_positions(
 
 
 def build_page_tables(
-    seqs: list[Sequence], num_new_tokens: list[int], page_size: int, tokens: TokenPositions | None = None
+    seqs: list[Sequence],
+    num_new_tokens: list[int],
+    page_size: int,
+    tokens: TokenPositions | None = None,
+    page_rows: list[list[list[int]]] | None = None,
 ) -> PageTables:
     """Page tables and write slots for computing ``num_new_tokens[b]`` tokens of ``seqs[b]`` this step
-    (``tokens``: their ``token_positions``, when the caller has them already).
+    (``tokens``: their ``token_positions``, when the caller has them already; ``page_rows[b]``:
+    the page rows per KV group of ``seqs[b]``, default its ``pages``).
 
     Call after the KV manager allocated the step's pages and before ``num_computed_tokens`` moves.
     """
-    full_table, swa_table = _page_table_arrays(seqs)
+    full_table, swa_table = _page_table_arrays(seqs, _rows_of(seqs, page_rows))
     if tokens is None:
         tokens = token_positions(seqs, num_new_tokens)
     return _tables_and_slots(seqs, full_table, swa_table, tokens, page_size)
@@ -249,23 +305,31 @@ class DecodePageTables:
         # tensors never change afterwards), so that steps without changes copy nothing.
         self._shared = False
 
-    def build(self, seqs: list[Sequence], positions: np.ndarray, page_size: int) -> PageTables:
-        if not self._patch(seqs):
-            self._full, self._swa = _page_table_arrays(seqs)
-            self._rows = [(list(full), list(swa)) for full, swa in map(_attention_rows, seqs)]
+    def build(
+        self,
+        seqs: list[Sequence],
+        positions: np.ndarray,
+        page_size: int,
+        page_rows: list[list[list[int]]] | None = None,
+    ) -> PageTables:
+        """``page_rows[b]``: the page rows per KV group of ``seqs[b]`` (default its ``pages``)."""
+        rows = _rows_of(seqs, page_rows)
+        if not self._patch(seqs, rows):
+            self._full, self._swa = _page_table_arrays(seqs, rows)
+            self._rows = [(list(full), list(swa)) for full, swa in map(_attention_rows, rows)]
         self._shared = True
         tokens = TokenPositions(np.arange(len(seqs)), positions)
         return _tables_and_slots(seqs, self._full, self._swa, tokens, page_size)
 
-    def _patch(self, seqs: list[Sequence]) -> bool:
+    def _patch(self, seqs: list[Sequence], rows: list[list[list[int]]]) -> bool:
         """Bring the kept tables up to date for ``seqs``; False when they must be rebuilt (another
         number of rows, or a row longer than the tables are wide)."""
         if len(seqs) != len(self._rows):
             return False
         width = self._full.shape[1]
         changed = False
-        for b, (s, (full, swa)) in enumerate(zip(seqs, self._rows, strict=True)):
-            now_full, now_swa = _attention_rows(s)
+        for b, (group_rows, (full, swa)) in enumerate(zip(rows, self._rows, strict=True)):
+            now_full, now_swa = _attention_rows(group_rows)
             if now_full == full and now_swa == swa:
                 continue
             full, swa = list(now_full), list(now_swa)
@@ -306,17 +370,21 @@ def _tables_and_slots(
     )
 
 
-def _page_table_arrays(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+def _rows_of(seqs: list[Sequence], page_rows: list[list[list[int]]] | None) -> list[list[list[int]]]:
+    return [s.pages for s in seqs] if page_rows is None else page_rows
+
+
+def _page_table_arrays(seqs: list[Sequence], rows: list[list[list[int]]]) -> tuple[np.ndarray, np.ndarray]:
     """int32 [B, P] full and SWA page tables of ``seqs`` (P: the longest row, at least 1), padded
     with 0 and NOT_RESIDENT. Flat Python lists and one numpy conversion per table: ~25 ns per entry,
     where torch.tensor on lists is ~4x slower and a row-by-row fill ~2x."""
-    width = max(1, max(s.num_pages for s in seqs))
+    width = max(1, max(len(r[0]) if r else 0 for r in rows))
     full_pad = [0] * width
     swa_pad = [NOT_RESIDENT] * width
     full_rows: list[int] = []
     swa_rows: list[int] = []
-    for s in seqs:
-        full, swa = _attention_rows(s)
+    for s, group_rows in zip(seqs, rows, strict=True):
+        full, swa = _attention_rows(group_rows)
         assert len(swa) <= width, f"seq {s.seq_id}: an SWA table longer than the full one"
         full_rows += full
         full_rows += full_pad[len(full) :]
@@ -329,10 +397,10 @@ def _page_table_arrays(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
-def _attention_rows(s: Sequence) -> tuple[list[int], list[int]]:
+def _attention_rows(pages: list[list[int]]) -> tuple[list[int], list[int]]:
     """The rows the attention kernels' two tables read: full attention's and the sliding window's.
     A model without a sliding-window group has no layer that reads the SWA table: it gets the full
     row, so that its write slots stay valid."""
-    assert len(s.pages) <= 2, "the attention kernels read one sliding-window table"
-    full = s.pages[0] if s.pages else []
-    return full, (s.pages[1] if len(s.pages) > 1 else full)
+    assert len(pages) <= 2, "the attention kernels read one sliding-window table"
+    full = pages[0] if pages else []
+    return full, (pages[1] if len(pages) > 1 else full)

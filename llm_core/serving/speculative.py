@@ -36,6 +36,7 @@ from llm_core.caches.kv_pool import DualKVCache
 from llm_core.kernels.attention_batch import AttentionBatch
 from llm_core.models.decoder import RopeTables
 from llm_core.models.mtp import MTPHeads
+from llm_core.serving.draft_state import DraftState, DraftStates
 from llm_core.serving.sampling import params_of
 from llm_core.serving.sequence import Sequence, build_page_tables, token_positions
 
@@ -95,6 +96,7 @@ def accept_sampled(drafts: list[int], q: Tensor, p: Tensor, gen: torch.Generator
 
 class _Rows(NamedTuple):
     seq: Sequence
+    state: DraftState  # the sequence's drafts and MTP progress
     lo: int  # first MTP position this step
     hi: int  # one past the last
     h0: Tensor  # [hi - lo, hidden]
@@ -123,6 +125,8 @@ class Speculator:
         self.k = num_steps
         self.page_size = kv.page_size
         self._proposed = self._accepted = self._verify_steps = 0
+        # Per request id: its drafts and MTP progress (the scheduler reads and cuts the drafts).
+        self.states = DraftStates()
 
     def counters(self) -> SpecCounters:
         return SpecCounters(self._proposed, self._accepted, self._verify_steps)
@@ -142,26 +146,27 @@ class Speculator:
         Extends every MTP layer's KV and sets each sequence's drafts for the next step."""
         rows: list[_Rows] = []
         for s, c, new, h in zip(seqs, starts, new_tokens, hidden, strict=True):
+            st = self.states.of(s.seq_id)
             num_known = s.num_tokens + len(new)  # tokens after this step
             f = c + h.shape[0] - 1  # the last position with a target hidden state
-            prev = s.mtp_h0 if s.mtp_h0 is not None else h[:0]
-            lo = max(s.mtp_start, c - prev.shape[0])  # h^0 is known from ``lo`` on
+            prev = st.mtp_h0 if st.mtp_h0 is not None else h[:0]
+            lo = max(st.mtp_start, c - prev.shape[0])  # h^0 is known from ``lo`` on
             h0 = torch.cat([prev[prev.shape[0] - (c - lo) :], h]) if c > lo else h[lo - c :]
             drafting = bool(new) and num_known < s.max_new_tokens + s.num_prompt_tokens
             # Without a token sampled this step (a prefill chunk) no draft fills the gap: layer
             # k-1 at position i needs token i + k, so stop where it is known.
             hi = f + 1 if drafting else min(f + 1, num_known - self.k)
-            s.draft_ids, s.draft_probs = [], []
+            st.draft_ids, st.draft_probs = [], []
             if hi <= lo:
-                s.mtp_start, s.mtp_h0 = lo, h0
+                st.mtp_start, st.mtp_h0 = lo, h0
                 continue
             # tokens from position lo + 1 on (the first any layer reads), then this step's drafts
             tokens = s.token_slice(lo + 1, s.num_tokens) + list(new)
-            rows.append(_Rows(s, lo, hi, h0[: hi - lo], tokens, drafting))
+            rows.append(_Rows(s, st, lo, hi, h0[: hi - lo], tokens, drafting))
             # What the next step recomputes from: positions some layer computed from a draft.
             nxt = min(hi, num_known - self.k) if drafting else hi
             nxt = max(nxt, lo)
-            s.mtp_start, s.mtp_h0 = nxt, h0[nxt - lo :]
+            st.mtp_start, st.mtp_h0 = nxt, h0[nxt - lo :]
         if rows:
             self._run_heads(rows)
 
@@ -203,6 +208,6 @@ class Speculator:
                 if not params_of(r.seq.sampling).greedy:
                     assert self.draw is not None, "a sampled sequence drafts through ``draw``"
                     d, q = self.draw(r.seq, logits[b])
-                    r.seq.draft_probs.append(q)
+                    r.state.draft_probs.append(q)
                 r.tokens.append(d)  # the next layer's input at the frontier
-                r.seq.draft_ids.append(d)
+                r.state.draft_ids.append(d)

@@ -37,9 +37,8 @@ def test_work_is_the_prompt_left_and_the_expected_output_left() -> None:
 
 
 def test_an_imported_prompt_costs_no_prompt_work() -> None:
-    a = EngineAdmission(seed_tokens_per_s=100.0)
-    imported = seq(40, 10)
-    imported.kv_source = object()  # type: ignore[assignment]
+    imported = seq(40, 10)  # its KV source is the engine's (by request id): the predicate says so
+    a = EngineAdmission(seed_tokens_per_s=100.0, copied_in=lambda s: s is imported)
     assert a.work(imported, fill=1.0) == 10
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from llm_core.caches.kv_group_manager import FullAttentionManager, SlidingWindowManager
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.kv_pool import PagePool
-from llm_core.serving.scheduler import QueueFull, RequestTooLarge, ScheduledBatch, Scheduler, SchedulerConfig
+from llm_core.serving.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig, SchedulerOutput
 from llm_core.serving.sequence import Sequence, SequenceStatus
 from llm_core.serving.waiting_queue import PriorityWeights, fair_split, priority_score
 
@@ -43,7 +43,7 @@ def token_for(seq: Sequence) -> int:
     return 300 + (hash((tuple(seq.prompt_ids), seq.num_tokens)) % 50)
 
 
-def step(sched: Scheduler) -> tuple[ScheduledBatch, list[Sequence]]:
+def step(sched: Scheduler) -> tuple[SchedulerOutput, list[Sequence]]:
     batch = sched.schedule()
     assert batch is not None, "work is pending but nothing was scheduled"
     sampled: list[int | None] = [
@@ -108,8 +108,8 @@ def test_decodes_are_scheduled_before_prefill() -> None:
 
 def test_stop_token_finishes() -> None:
     sched = make()
-    s = seq("s", 10, new=100)
-    s.stop_token_ids = frozenset(range(300, 350))  # every token the fake model emits
+    # every token the fake model emits stops it (the request is frozen: stop ids at construction)
+    s = Sequence("s", seq("s", 10).prompt_ids, max_new_tokens=100, stop_token_ids=range(300, 350))
     sched.add(s)
     done = drain(sched)
     assert done == [s] and s.finish_reason == "stop" and len(s.output_ids) == 1

@@ -51,12 +51,13 @@ class OracleSpeculator(Speculator):
     def extend(self, seqs: Any, starts: Any, new_tokens: Any, hidden: Any) -> None:
         super().extend(seqs, starts, new_tokens, hidden)
         for s, new in zip(seqs, new_tokens, strict=True):
-            if not s.draft_ids:
+            st = self.states.of(s.seq_id)
+            if not st.draft_ids:
                 continue
             want = self.reference[tuple(s.prompt_ids)]
             done = len(s.output_ids) + len(new)
-            drafts = want[done : done + len(s.draft_ids)]
-            s.draft_ids = [t if (done + i) % 3 else (t + 1) % 256 for i, t in enumerate(drafts)]
+            drafts = want[done : done + len(st.draft_ids)]
+            st.draft_ids = [t if (done + i) % 3 else (t + 1) % 256 for i, t in enumerate(drafts)]
 
 
 def engine(
@@ -72,6 +73,7 @@ def engine(
         spec = e.runner.speculator
         e.runner.speculator = OracleSpeculator(spec.heads, spec.target, spec.kv, spec.k)
         e.runner.speculator.reference = oracle  # type: ignore[attr-defined]
+        e.scheduler.drafts = e.runner.speculator.states  # the drafts the scheduler cuts are the new one's
     e.start()
     return e
 
@@ -187,7 +189,7 @@ def test_more_steps_than_heads_is_refused(loaded: Any) -> None:
             cfg,
             mtp=random_heads(loaded.config),
         )
-    assert Sequence  # the module's state lives on Sequence (draft_ids, mtp_start, mtp_h0)
+    assert Sequence  # the module's state lives in Speculator.states (draft_state.py), by request id
 
 
 P0 = [0.30, 0.05, 0.25, 0.10, 0.20, 0.10]  # the target's distribution at the first drafted position
@@ -272,11 +274,12 @@ class RandomDrafts(Speculator):
     def extend(self, seqs: Any, starts: Any, new_tokens: Any, hidden: Any) -> None:
         super().extend(seqs, starts, new_tokens, hidden)
         for s, new in zip(seqs, new_tokens, strict=True):
-            if s.draft_ids:
+            st = self.states.of(s.seq_id)
+            if st.draft_ids:
                 want = self.reference[tuple(s.prompt_ids)]
                 done = len(s.output_ids) + len(new)
-                drafts = want[done : done + len(s.draft_ids)]
-                s.draft_ids = [t if self.rng.random() > self.miss else (t + 7) % 256 for t in drafts]
+                drafts = want[done : done + len(st.draft_ids)]
+                st.draft_ids = [t if self.rng.random() > self.miss else (t + 7) % 256 for t in drafts]
 
 
 @settings(max_examples=8, deadline=None)
@@ -308,6 +311,7 @@ def test_random_workloads_with_rejections_keep_the_ids_and_the_kv_books(
     rd.reference = {tuple(p): w for p, w in zip(prompts, want, strict=True)}
     rd.rng, rd.miss = random.Random(seed), miss
     e.runner.speculator = rd
+    e.scheduler.drafts = rd.states  # the drafts the scheduler cuts are the new one's
     try:
         got = run_all(e, prompts)  # check_integrity runs after the batch, before stop
         assert e.check_integrity() == "ok"

@@ -1,0 +1,119 @@
+"""Structure checks on the request record: the request is frozen, and no field of it or of the
+scheduler's per-request state is annotated ``Any``."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from llm_core.serving.request import Request
+from llm_core.serving.sequence import Sequence
+
+ANY = re.compile(r"\bAny\b")
+
+
+def _annotations(cls: type) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        for name, ann in getattr(klass, "__annotations__", {}).items():
+            out[name] = ann if isinstance(ann, str) else repr(ann)
+    return out
+
+
+@pytest.mark.parametrize("cls", [Request, Sequence])
+def test_no_field_is_typed_any(cls: type) -> None:
+    fields = _annotations(cls)
+    assert fields, f"{cls.__name__} declares no fields"
+    typed_any = {name: ann for name, ann in fields.items() if ANY.search(ann)}
+    assert not typed_any, f"{cls.__name__} fields typed Any: {typed_any}"
+
+
+def test_request_is_frozen_and_the_sequence_reads_it() -> None:
+    req = Request.create("r", [1, 2, 3], max_new_tokens=4, stop_token_ids=[7])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        req.max_new_tokens = 5  # type: ignore[misc]
+    assert req.prompt_ids == (1, 2, 3) and req.stop_token_ids == frozenset({7})
+    seq = Sequence.of(req)
+    assert seq.request is req and seq.seq_id == "r" and seq.prompt_ids == [1, 2, 3]
+    with pytest.raises(AttributeError):
+        seq.max_new_tokens = 9  # type: ignore[misc]
+    seq.output_ids.append(4)
+    assert seq.token_ids == [1, 2, 3, 4] and req.prompt_ids == (1, 2, 3)
+
+
+def test_the_runner_takes_one_scheduler_output() -> None:
+    """``ModelRunner.execute``'s only input is the frozen ``SchedulerOutput``."""
+    import inspect
+
+    from llm_core.serving.model_runner import ModelRunner
+    from llm_core.serving.scheduler_output import SchedulerOutput
+
+    params = list(inspect.signature(ModelRunner.execute).parameters)
+    assert params == ["self", "step"]
+    assert ModelRunner.execute.__annotations__["step"] == "SchedulerOutput"
+    seq = Sequence("s", [1, 2, 3])
+    out = SchedulerOutput.build([seq], [3])
+    assert out.copies is None and out.page_rows == [seq.pages]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.seqs = []  # type: ignore[misc]
+    assert not any(ANY.search(a) for a in _annotations(SchedulerOutput).values())
+
+
+def test_speculation_state_is_the_speculators() -> None:
+    """Drafts and MTP progress live in ``Speculator.states`` by request id, not on the sequence."""
+    from llm_core.serving.draft_state import DraftStates
+
+    assert not {"draft_ids", "draft_probs", "mtp_start", "mtp_h0"} & set(_annotations(Sequence))
+    states = DraftStates()
+    states.of("r").draft_ids.extend([5, 6, 7])
+    states.keep("r", 2)
+    assert states.drafts("r") == [5, 6] and states.drafts("other") == []
+    states.reset("r", 4)
+    assert states.drafts("r") == [] and states.of("r").mtp_start == 4
+    states.release("r")
+    assert len(states) == 0
+
+
+class _Import:
+    """A copy-in source of a whole 8-token prompt (what a prefill engine's hand-off gives)."""
+
+    end = 8
+    first_token = 77
+
+    def write(self, kv: object, rows: object, lo: int, hi: int) -> None:
+        pass
+
+    def write_layer(self, kv: object, layer: int, rows: object, lo: int, hi: int) -> None:
+        pass
+
+
+def test_kv_copied_in_is_kept_by_request_id_and_forgotten_at_the_end() -> None:
+    """The import lives in the KV manager's transfers (not on the sequence), is planned as the
+    step's copy, and is gone once the request finished."""
+    from llm_core.caches.kv_group_manager import FullAttentionManager
+    from llm_core.caches.kv_manager import KVManager
+    from llm_core.caches.kv_pool import PagePool
+    from llm_core.serving.scheduler import Scheduler, SchedulerConfig
+
+    assert not {"kv_source", "kv_fetch", "kv_export"} & set(_annotations(Sequence))
+    kv = KVManager([FullAttentionManager(PagePool(32, 4, "full"))])
+    sched = Scheduler(SchedulerConfig(), kv)
+    seq = Sequence("imp", list(range(1, 9)), max_new_tokens=1)
+    sched.add(seq, _Import())  # type: ignore[arg-type]
+    assert kv.transfers.source("imp") is not None and kv.transfers.copying(seq)
+    step = sched.schedule()
+    assert step is not None and step.copies is not None and step.num_new_tokens == [8]
+    assert step.copies.out == [77]  # the import brings the token after the prompt
+    assert sched.update(step, [77]) == [seq]
+    assert len(kv.transfers) == 0
+
+
+def test_kv_copied_in_or_out_goes_through_one_connector_interface() -> None:
+    """The P/D hand-off, the host tier and the store tier are each a ``KVConnector``."""
+    from llm_core.caches.kv_connector import HostTierConnector, KVConnector, StoreTierConnector
+    from llm_core.serving.kv_handoff import KVHandoff
+
+    for cls in (KVHandoff, HostTierConnector, StoreTierConnector):
+        assert issubclass(cls, KVConnector), cls
