@@ -68,11 +68,27 @@ def _media_usage(items: list[EncodedItem], sources: list[MediaSource]) -> dict[s
     return usage
 
 
+def _refuse_past_deadline(ingress: Ingress, deadline_s: float) -> None:
+    """503 with Retry-After now when every engine's last refusal, counted down, is still past the
+    request's deadline (``EnginePool.expected_wait_s``): before any parsing, fetching or rendering."""
+    behind = ingress.engines.expected_wait_s()
+    if behind > deadline_s:
+        ingress.metrics.refusals.labels(stage="engine", reason="wait").inc()
+        raise overloaded(
+            f"every LLM engine is {behind:.1f} s behind (from its last refusal), past the {deadline_s:g} s deadline",
+            retry_after_s=behind,
+        )
+
+
 async def chat_completions(ingress: Ingress, request: Request) -> Response:
     body = await read_json(request)
     if not isinstance(body, dict):
         raise unprocessable("the body must be a JSON object", "body")
     model = resolve_model(ingress.config, body.get("model"))
+    # One deadline for the whole chat: the media resolve against it, the engine gets what is left.
+    deadline = request_deadline_s(request.headers, ingress.config.max_queue_wait_s)
+    deadline_at = time.monotonic() + deadline
+    _refuse_past_deadline(ingress, deadline)
     prompt = chat_prompt(
         body.get("messages"), ingress.config.max_items, audio=ingress.prompt_format.serves_audio
     )
@@ -91,9 +107,6 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
     if ingress.chats_inflight >= ingress.config.max_inflight_chats:  # a memory guard
         ingress.metrics.refusals.labels(stage="ingress", reason="memory").inc()
         raise overloaded(f"{ingress.chats_inflight} chat requests in flight; try again shortly")
-    # One deadline for the whole chat: the media resolve against it, the engine gets what is left.
-    deadline = request_deadline_s(request.headers, ingress.config.max_queue_wait_s)
-    deadline_at = time.monotonic() + deadline
     ingress.chats_inflight += 1
     try:
         items = await ingress.pipeline.resolve_all(prompt.media, deadline) if prompt.media else []
@@ -178,8 +191,10 @@ async def completions(ingress: Ingress, request: Request) -> Response:
         raise unprocessable("use /v1/chat/completions to send media", "multimodal")
     model = resolve_model(ingress.config, body.get("model"))
     engines = ingress.engines
+    deadline = request_deadline_s(request.headers, ingress.config.max_queue_wait_s)
+    deadline_at = time.monotonic() + deadline
+    _refuse_past_deadline(ingress, deadline)
     call = await ingress.backend.completion_call(body)
-    deadline_at = time.monotonic() + request_deadline_s(request.headers, ingress.config.max_queue_wait_s)
     if not body.get("stream"):
         # the served id the client asked by, whatever the backend's server calls its model
         return JSONResponse(

@@ -278,6 +278,14 @@ class EnginePool:
             return bool(self.decode_lane.pool.live_members)
         return bool(self.lane.pool.live_members)
 
+    def expected_wait_s(self) -> float:
+        """The shortest wait a live engine a request enters through would give it now, from the
+        engines' last refusals counted down (``RefusalClock``; 0 while none refused lately). The
+        ingress refuses a chat whose deadline this exceeds before it parses, resolves or renders
+        anything: the engines would refuse it anyway, and under overload that work is what delays
+        the admitted chats' first tokens."""
+        return self.lane.pool.expected_wait_s()
+
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"router": self.router.stats(), "split": self.split}
         if self.decode_router is not None:

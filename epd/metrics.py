@@ -55,7 +55,7 @@ class IngressMetrics:
         )
         self.refusals = Counter(
             "epd_refusals",
-            "Requests refused at admission, by stage (ingress; encoder: every worker refused) and reason",
+            "Requests refused at admission, by stage (ingress; encoder: every worker refused; engine: every LLM engine behind, from its last refusal) and reason",
             ["stage", "reason"],
             registry=r,
         )

@@ -223,3 +223,24 @@ def test_every_engine_unreachable_or_down_is_a_503_engine_unavailable() -> None:
             assert sum(e.calls for e in engines) == 2
 
     asyncio.run(main())
+
+
+def test_expected_wait_is_the_least_refusal_counted_down() -> None:
+    """What the ingress refuses a chat by before any work: every live engine's last refusal, counted
+    down; an engine that has not refused lately (or is down) makes it 0 / is left out."""
+
+    async def main() -> list[float]:
+        async with aiohttp.ClientSession() as session:
+            pool, _ = _fake_pool(session, 2)
+            seen = [pool.expected_wait_s()]
+            pool.refusals.note("http://e0", 30.0)
+            seen.append(pool.expected_wait_s())  # e1 has not refused: it would take a chat now
+            pool.refusals.note("http://e1", 20.0)
+            seen.append(pool.expected_wait_s())
+            pool.mark("http://e1", False)  # a down engine is no way in
+            seen.append(pool.expected_wait_s())
+            return seen
+
+    none, one, both, down = asyncio.run(main())
+    assert none == 0.0 and one == 0.0
+    assert 19.0 < both <= 20.0 and 29.0 < down <= 30.0
