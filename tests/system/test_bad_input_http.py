@@ -145,7 +145,7 @@ def test_malformed_requests_get_documented_errors(svc: ServeProcess) -> None:
     check_error(request("POST", encode, {"items": [7]}), 422, "items[0]")
     check_error(request("POST", encode, {"items": [{"url": 3}]}), 422, "items[0].url")
     check_error(request("POST", encode, {"items": [{"url": "a", "data": "b"}]}), 422)
-    check_error(request("POST", encode, {"items": [{"url": "http://x/a.png", "modality": "audio"}]}), 422)
+    check_error(request("POST", encode, {"items": [{"url": "http://x/a.png", "modality": "text"}]}), 422)
     check_error(request("POST", encode, {"items": [{"data": "!!not base64!!"}]}), (400, 422))
     check_error(request("POST", f"{encode}?format=xml", {"items": []}), 400, "format")
     check_error(request("POST", chat, {"messages": "hi"}), 422, "messages")
