@@ -340,23 +340,29 @@ def ours(
         mels: list[torch.Tensor] = []
         first = 0
         decoded_s = 0.0
-        for k in range(n_ranges):
-            w0 = time.perf_counter()
-            while len(decoded) < min(k + 2, n_ranges):
-                decoded.append(futures[len(decoded)].result())
-            decoded_s += time.perf_counter() - w0
-            f0 = time.perf_counter()
-            pending.append(segment_features(decoded, k, cfg))
-            mels.append(pending[-1])
-            features_s += time.perf_counter() - f0
-            if len(pending) == batch or k == n_ranges - 1:
-                jobs.put((first, pending))
-                first += len(pending)
-                pending = []
-        for _ in pool:
-            jobs.put(None)
-        for t in pool:
-            t.join()
+        try:
+            for k in range(n_ranges):
+                w0 = time.perf_counter()
+                while len(decoded) < min(k + 2, n_ranges):  # range k and its right neighbour
+                    decoded.append(futures[len(decoded)].result())
+                decoded_s += time.perf_counter() - w0
+                f0 = time.perf_counter()
+                pending.append(segment_features(decoded, k, cfg))
+                mels.append(pending[-1])
+                if k > 0:
+                    decoded[k - 1] = decoded[k - 1][:0]  # no longer needed: free it
+                features_s += time.perf_counter() - f0
+                if len(pending) == batch or k == n_ranges - 1:
+                    jobs.put((first, pending))
+                    first += len(pending)
+                    pending = []
+        finally:
+            for f in futures:
+                f.cancel()
+            for _ in pool:
+                jobs.put(None)
+            for t in pool:
+                t.join()
     if errors:
         raise errors[0]
     t_end = time.perf_counter()
