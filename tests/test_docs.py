@@ -22,7 +22,8 @@ README_MAX_LINES = 260
 # llama.cpp's llama-server, SGLang's bench_serving client, huggingface-cli, ruff.
 FOREIGN_FLAGS = {
     # benchmarks
-    "--depth", "--frame-sizes", "--peer", "--pipeline-bound", "--quick", "--rounds", "--sessions",
+    "--depth", "--frame-sizes", "--minutes", "--peer", "--pipeline-bound", "--quick", "--repeats", "--rounds",
+    "--sessions",
     "--tiny-qwen",
     # vLLM
     "--ec-transfer-config", "--enable-mm-embeds", "--max-num-seqs", "--mm-processor-kwargs",
