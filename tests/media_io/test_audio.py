@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import struct
 
 import av
@@ -15,6 +14,7 @@ from media_io.config import MediaLimits
 from media_io.errors import BadMedia, MediaTooLarge, UnsupportedMedia
 from media_io.sniff import MediaKind, sniff
 from tests.media_io.audio_files import FORMATS, encode, tone
+from tests.media_io.test_sniff import _encode_video
 
 
 def _peak_hz(samples: np.ndarray, rate: int) -> float:
@@ -92,24 +92,9 @@ def test_a_header_with_no_samples_is_bad_media() -> None:
         decode_audio(silent, item="z.wav")
 
 
-def _video_only() -> bytes:
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as out:
-        stream = out.add_stream("mpeg4", rate=4)
-        assert isinstance(stream, av.VideoStream)
-        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
-        for i in range(2):
-            frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), i * 60, np.uint8), format="rgb24")
-            for packet in stream.encode(frame):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-    return buf.getvalue()
-
-
 def test_no_audio_stream_names_what_is_there() -> None:
     with pytest.raises(BadMedia, match=r"no audio stream \(streams: video\)"):
-        decode_audio(_video_only(), item="v.mp4")
+        decode_audio(_encode_video("mp4", "mpeg4"), item="v.mp4")
 
 
 def unknown_codec_wav() -> bytes:
