@@ -23,7 +23,8 @@ from media_io.config import MediaLimits, PreprocessConfig
 from media_io.processor_config import preprocess_config_from_dir
 from tests.encoder.serving.test_worker import Served, _serving, png
 from tests.media_io.audio_files import encode, tone
-from tests.media_io.test_audio import _video_only, unknown_codec_wav
+from tests.media_io.test_audio import unknown_codec_wav
+from tests.media_io.test_sniff import _encode_video
 
 LIMITS = MediaLimits(max_bytes=1 << 20, max_audio_seconds=5.0)
 
@@ -126,7 +127,7 @@ def _as_m4a(mp4: bytes) -> bytes:
         (lambda: encode(tone(1.0, 8000, (440.0,)), 8000, "flac")[:4] + bytes(2000), "c.flac", 400, ""),
         (lambda: encode(tone(1.0, 8000, (440.0,)), 8000, "wav")[:44], "h.wav", 400, ""),
         (lambda: encode(tone(6.0, 8000, (440.0,)), 8000, "wav"), "long.wav", 413, "limit"),
-        (lambda: _as_m4a(_video_only()), "v.m4a", 400, "no audio stream"),
+        (lambda: _as_m4a(_encode_video("mp4", "mpeg4")), "v.m4a", 400, "no audio stream"),
         (unknown_codec_wav, "u.wav", 415, "codec"),
     ],
 )
