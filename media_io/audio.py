@@ -20,6 +20,7 @@ import av.error
 import numpy as np
 
 from media_io.audio_config import AudioConfig
+from media_io.av_container import declared_seconds, error_reason, open_container, require_stream
 from media_io.config import MediaLimits
 from media_io.errors import BadMedia, MediaTooLarge, UnsupportedMedia
 
@@ -56,25 +57,16 @@ def decode_audio(
         UnsupportedMedia: a codec this build cannot decode.
         MediaTooLarge: over ``limits.max_bytes`` or ``limits.max_audio_seconds``.
     """
-    if not data:
-        raise BadMedia("audio is empty (0 bytes)", item)
-    if len(data) > limits.max_bytes:
-        raise MediaTooLarge(f"audio is {len(data)} bytes, above the {limits.max_bytes}-byte limit", item)
-    try:
-        container = av.open(io.BytesIO(data), mode="r")
-    except (av.error.FFmpegError, ValueError, UnicodeDecodeError) as e:
-        raise BadMedia(f"cannot open audio container: {_reason(e)}", item) from e
+    container = open_container(data, "audio", limits, item)
     with container:
-        if not container.streams.audio:
-            kinds = sorted({str(s.type) for s in container.streams}) or ["none"]
-            raise BadMedia(f"container has no audio stream (streams: {', '.join(kinds)})", item)
+        require_stream(container, "audio", item)
         stream = container.streams.audio[0]
         ctx = stream.codec_context
         if ctx is None or not ctx.name or ctx.name == "none":
             # (PyAV gives no codec context, hence no name or tag, for a codec it does not know)
             raise UnsupportedMedia("audio codec unknown to this build cannot be decoded", item)
         source = AudioSource(
-            ctx.name, int(ctx.sample_rate or 0), int(ctx.channels or 0), _declared(container, stream)
+            ctx.name, int(ctx.sample_rate or 0), int(ctx.channels or 0), declared_seconds(container, stream)
         )
         if source.declared_s > limits.max_audio_seconds:
             raise MediaTooLarge(_too_long(source.declared_s, limits), item)
@@ -128,23 +120,11 @@ def _decode_stream(
     except av.error.DecoderNotFoundError as e:
         raise UnsupportedMedia(f"audio codec {stream.codec_context.name!r} cannot be decoded", item) from e
     except (av.error.FFmpegError, ValueError) as e:
-        raise BadMedia(f"cannot decode audio: {_reason(e)}", item) from e
+        raise BadMedia(f"cannot decode audio: {error_reason(e)}", item) from e
     if not chunks:
         return np.zeros(0, np.float32)
     return np.concatenate(chunks).astype(np.float32, copy=False)
 
 
-def _declared(container: av.container.InputContainer, stream: av.audio.stream.AudioStream) -> float:
-    if stream.duration is not None and stream.time_base is not None and stream.duration > 0:
-        return float(stream.duration * stream.time_base)
-    if container.duration is not None and container.duration > 0:
-        return container.duration / av.time_base
-    return 0.0
-
-
 def _too_long(seconds: float, limits: MediaLimits) -> str:
     return f"audio is {seconds:.1f} s long, above the {limits.max_audio_seconds:g}-second limit"
-
-
-def _reason(e: BaseException) -> str:
-    return getattr(e, "strerror", None) or str(e) or type(e).__name__

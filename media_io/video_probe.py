@@ -11,7 +11,6 @@ This module knows nothing of sampling rates, target sizes or pixels.
 
 from __future__ import annotations
 
-import io
 from fractions import Fraction
 from typing import NamedTuple
 
@@ -19,6 +18,7 @@ import av
 import av.error
 import numpy as np
 
+from media_io.av_container import declared_seconds, error_reason, open_container, require_stream
 from media_io.config import MediaLimits
 from media_io.errors import BadMedia, MediaTooLarge
 
@@ -76,24 +76,15 @@ def probe_video(data: bytes, item: str | None = None, limits: MediaLimits | None
 def scan_video(data: bytes, item: str | None = None, limits: MediaLimits | None = None) -> Probe:
     """``probe_video`` plus the ``FrameTable`` (see the module docstring)."""
     limits = limits or MediaLimits()
-    if not data:
-        raise BadMedia("video is empty (0 bytes)", item)
-    if len(data) > limits.max_bytes:
-        raise MediaTooLarge(f"video is {len(data)} bytes, above the {limits.max_bytes}-byte limit", item)
-    try:
-        container = av.open(io.BytesIO(data), mode="r")
-    except (av.error.FFmpegError, ValueError, UnicodeDecodeError) as e:
-        raise BadMedia(f"cannot open video container: {_reason(e)}", item) from e
+    container = open_container(data, "video", limits, item)
     with container:
-        if not container.streams.video:
-            kinds: list[str] = sorted({str(s.type) for s in container.streams}) or ["none"]
-            raise BadMedia(f"container has no video stream (streams: {', '.join(kinds)})", item)
+        require_stream(container, "video", item)
         stream = container.streams.video[0]
         width, height = int(stream.codec_context.width), int(stream.codec_context.height)
         if width <= 0 or height <= 0:
             raise BadMedia(f"video stream has no frame size ({width}x{height})", item)
         time_base = stream.time_base if stream.time_base is not None else Fraction(1, 1_000_000)
-        declared_s = _declared_duration(container, stream)
+        declared_s = declared_seconds(container, stream)
         _check_header(width, height, declared_s, int(stream.frames), limits, item)
 
         table = _index_packets(container, stream, time_base, limits, item)
@@ -124,18 +115,6 @@ def scan_video(data: bytes, item: str | None = None, limits: MediaLimits | None 
             keyframe_times=tuple(table.seconds(int(p)) for p in table.keyframe_pts),
         )
         return Probe(info, table)
-
-
-def _reason(e: BaseException) -> str:
-    return getattr(e, "strerror", None) or str(e) or type(e).__name__
-
-
-def _declared_duration(container: av.container.InputContainer, stream: av.video.stream.VideoStream) -> float:
-    if stream.duration is not None and stream.time_base is not None and stream.duration > 0:
-        return float(stream.duration * stream.time_base)
-    if container.duration is not None and container.duration > 0:
-        return container.duration / av.time_base
-    return 0.0
 
 
 def _check_header(
@@ -182,7 +161,7 @@ def _index_packets(
             if len(pts) > max_source:
                 raise MediaTooLarge(f"video has more than {max_source} frames", item)
     except av.error.FFmpegError as e:
-        raise BadMedia(f"corrupt video packets: {_reason(e)}", item) from e
+        raise BadMedia(f"corrupt video packets: {error_reason(e)}", item) from e
     if not pts:
         raise BadMedia("video stream has no frames", item)
     order = np.unique(np.asarray(pts, dtype=np.int64))  # sorted, display order
