@@ -23,8 +23,12 @@ doing, and counting it would refuse every long answer whenever anything else run
 The rate moves while a request waits (a prompt mix that changes, a machine shared with other
 work), and a request admitted at the deadline's edge is late whenever it slows. So the estimate
 learns its own error: of the recent requests admitted behind others (with a measured rate), how
-much later their first token came than estimated (the 90th percentile of actual / estimated, at
-least 1, at most 3), and scales the wait by it. The refusal's Retry-After is the scaled wait too.
+much later their first token came than estimated (``LATENESS_QUANTILE`` of actual / estimated,
+at least 1, at most 3), and scales the wait by it. The quantile is the one the deadline is meant
+to bound: a client's read timeout fails the late tail, not the median, so the wait is scaled for
+the 99th percentile (with the 90th, one admitted request in a hundred came past the deadline
+under sustained overload). The refusal's Retry-After is when the queue is expected to have
+drained, not its late tail: the wait scaled by the median lateness instead (``retry_scale``).
 
 ``fill`` keeps a client that asks for 4096 tokens and stops at 50 from counting as 4096, and
 ``hit`` a shared system prompt from counting as computed again (both seeded pessimistically, at 1
@@ -43,6 +47,7 @@ from epd_common.admission import ServiceRate
 from llm_core.serving.sequence import Sequence
 
 MIN_ESTIMATE_S = 0.5  # estimates the error is learned from
+LATENESS_QUANTILE = 0.99  # of actual / estimated first-token times: what the wait is scaled by
 
 
 class WaitEstimate(NamedTuple):
@@ -53,6 +58,7 @@ class WaitEstimate(NamedTuple):
     tokens_per_s: float  # the rate (measured, or the seed)
     correction: float  # how much longer than estimated recent requests took (wait_s includes it)
     measured: bool  # the rate is measured (else the seed: its error says nothing of the model)
+    retry_scale: float  # wait_s times this: the typical wait (median lateness), for Retry-After
 
 
 class EngineAdmission:
@@ -113,15 +119,16 @@ class EngineAdmission:
             per_s,
             correction,
             self.rate.measured,
+            self.correction(0.5) / correction,
         )
 
-    def correction(self) -> float:
-        """The 90th percentile of actual / estimated over recent requests, within [1, 3] (1 until
-        8 are known)."""
+    def correction(self, quantile: float = LATENESS_QUANTILE) -> float:
+        """``quantile`` of actual / estimated over recent requests, within [1, 3] (1 until 8 are
+        known)."""
         if len(self._errors) < 8:
             return 1.0
         ordered = sorted(self._errors)
-        return min(max(ordered[int(0.9 * (len(ordered) - 1))], 1.0), 3.0)
+        return min(max(ordered[int(quantile * (len(ordered) - 1))], 1.0), 3.0)
 
     def admitted(self, request: object, estimate: WaitEstimate, now: float) -> None:
         """``request`` was admitted behind others with ``estimate`` (what its first token is

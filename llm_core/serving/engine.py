@@ -253,20 +253,22 @@ class LLMEngine:
                     f" work waiting ahead and {est.prompt_own:.0f} of its prompt at"
                     f" {est.tokens_per_s:.0f} tokens/s; x{est.correction:.2f} for how late recent"
                     f" requests were) exceeds the {deadline:g} s deadline",
-                    retry_after_s=wait,
+                    retry_after_s=wait * est.retry_scale,
                 )
             if self.scheduler.num_waiting >= cfg.max_waiting:
                 self._refusals["memory"] += 1
                 raise EngineOverloaded(
                     f"{self.scheduler.num_waiting} requests are waiting for the LLM engine (the guard)",
-                    retry_after_s=est.wait_s,
+                    retry_after_s=est.wait_s * est.retry_scale,
                     reason="memory",
                 )
             try:
                 self.scheduler.add(seq, kv_import)
             except QueueFull as e:
                 self._refusals["memory"] += 1
-                raise EngineOverloaded(str(e), retry_after_s=est.wait_s, reason="memory") from e
+                raise EngineOverloaded(
+                    str(e), retry_after_s=est.wait_s * est.retry_scale, reason="memory"
+                ) from e
             except SchedulerError as e:
                 raise EngineRequestError(str(e), "prompt") from e
             self._requests[rid] = req

@@ -267,7 +267,10 @@ def create_app(
                 if out.finish_reason == "error":
                     yield _sse(error_body(500, "internal_error", "the engine failed on this request", None))
                     break
-                if out.text or out.finished or req.return_token_ids:
+                # The first token always goes out, text or not: it starts the client's answer (a
+                # streamed chat's role chunk), and the time to it is what admission bounds. Held-back
+                # text (half a character, ids outside the tokenizer) would otherwise delay it.
+                if out.text or out.finished or req.return_token_ids or first:
                     chunk = chunk_body(req, model_name, out.text, out.token_ids, out.finish_reason, first)
                     if first and info is not None:
                         chunk.kv_transfer = info  # how the prompt's KV arrived (or why not)

@@ -145,3 +145,19 @@ def test_the_estimate_learns_how_late_requests_admitted_behind_others_were() -> 
         a.admitted(i, est, now=0.0)
         a.first_token(i, now=0.5 * est.wait_s)
     assert a.correction() == 1.0
+
+
+def test_the_wait_is_scaled_for_the_late_tail_and_retry_after_for_the_typical_request() -> None:
+    a = EngineAdmission(seed_tokens_per_s=100.0)
+    for _ in range(8):
+        a.observe_step(tokens=10, seconds=0.1)
+    est = a.estimate([seq(50, 50)], seq(10, 10))
+    # of the last 64, 2 came twice as late as estimated: the tail is what a read timeout fails
+    for i in range(100):
+        a.admitted(i, est, now=0.0)
+        a.first_token(i, now=(2.0 if i % 30 == 0 else 1.0) * est.wait_s)
+    later = a.estimate([seq(50, 50)], seq(10, 10))
+    assert later.correction == pytest.approx(2.0)  # the 99th percentile of the last 64
+    assert later.wait_s == pytest.approx(2.0 * est.wait_s)
+    # Retry-After: when the queue is expected to have drained (median lateness 1)
+    assert later.wait_s * later.retry_scale == pytest.approx(est.wait_s)

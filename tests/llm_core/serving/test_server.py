@@ -101,6 +101,20 @@ def test_completion_stream_matches_json(client: TestClient) -> None:
     assert "prompt_token_ids" in chunks[0]
 
 
+def test_stream_starts_at_the_first_token_even_when_its_text_is_held_back(client: TestClient) -> None:
+    # A 40-character stop string holds back the text of the first tokens (a stop string could be
+    # forming); the first token still goes out at once, as an empty chunk: the client's answer
+    # starts when the first token exists, which is what the engine's admission bounds.
+    req = {"prompt": "Hold me", **GREEDY, "max_tokens": 4, "stop": ["q" * 40]}
+    full = client.post("/v1/completions", json=req).json()["choices"][0]
+    assert len(full["text"]) < 40  # everything is held back until the end
+    events = sse_events(client.post("/v1/completions", json={**req, "stream": True}).text)
+    chunks = [c["choices"][0] for c in events[:-1]]
+    assert len(chunks) == 2, chunks
+    assert chunks[0]["text"] == "" and chunks[0]["finish_reason"] is None
+    assert chunks[1]["text"] == full["text"] and chunks[1]["finish_reason"] == "length"
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
