@@ -34,10 +34,17 @@ class EncoderClient:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def encode(
-        self, worker_url: str, data: bytes, modality: str, item: str, deadline_s: float | None = None
+        self,
+        worker_url: str,
+        data: bytes,
+        modality: str,
+        item: str,
+        deadline_s: float | None = None,
+        track: bool = False,
     ) -> EncodeReply:
-        """``deadline_s``: what is left of the client's deadline (the worker admits against it)."""
-        params = {"modality": modality, "item": item}
+        """``deadline_s``: what is left of the client's deadline (the worker admits against it);
+        ``track``: ``data`` is a video and its sound track is wanted (modality audio)."""
+        params = {"modality": modality, "item": item, **({"track": "1"} if track else {})}
         headers = {DEADLINE_HEADER: f"{deadline_s:.3f}"} if deadline_s is not None else None
         try:
             async with self.session.post(

@@ -219,7 +219,10 @@ class MediaPipeline:
             )
         if kind.modality == "audio":
             assert self.audio is not None
-            key = await media_key_async(data, "audio", self.audio.settings, self.audio.fingerprint)
+            settings = self.audio.settings
+            if src.audio_track:  # cut to the video's sampled frames, by the worker's own rule
+                settings = settings.for_track(self.preprocess)
+            key = await media_key_async(data, "audio", settings, self.audio.fingerprint)
         else:
             key = await media_key_async(data, kind.modality, self.preprocess, self.fingerprint)
         t_key = time.perf_counter()
@@ -241,7 +244,7 @@ class MediaPipeline:
 
         async def call(worker_url: str) -> EmbeddingRef:
             reply = await self.client.encode(
-                worker_url, data, kind.modality, src.name, seconds_left(deadline_at)
+                worker_url, data, kind.modality, src.name, seconds_left(deadline_at), src.audio_track
             )
             timings.update(reply.timings_ms)
             if not self.cache.contains(reply.ref.key):

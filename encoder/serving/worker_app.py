@@ -19,7 +19,10 @@ batched with other requests' clips into one call of the audio encoder. Its ref h
 Its MediaKey folds the audio settings (``AudioSettings``) and the audio encoder's own fingerprint
 (``audio.fingerprint`` in /health), so image and video keys are what they were. A checkpoint
 without one answers audio with 415 naming what it lacks. Admission counts a clip's mel frames as
-its units, in the same measured rate as patches (a coarse mix, see ``work_estimate``).
+its units, in the same measured rate as patches (a coarse mix, see ``work_estimate``). A video's
+sound track is ``modality=audio&track=1`` with the video's bytes: the whole track is encoded and
+the rows laid out beside the video's sampled frames are kept (``media_io.audio_track``); its key
+folds the video sampling that cut it (``AudioSettings.for_track``).
     GET /metrics            prometheus text
 
 The event loop only awaits: hashing, decoding, preprocessing and cache I/O run in the decode
@@ -71,6 +74,7 @@ from epd_common.messages.embedding_ref import EmbeddingRef
 from epd_common.runtime import freeze_startup_objects
 from epd_common.store_config import build_store
 from media_io.active_paths import media_paths
+from media_io.audio_track import track_rows, track_window
 from media_io.errors import BadMedia, MediaError, MediaTooLarge, UnsupportedMedia
 from media_io.preprocess import Patches, PreprocessBackend, get_backend
 from media_io.sniff import MediaKind, sniff
@@ -201,11 +205,15 @@ class EncoderWorker:
     def fingerprint(self) -> str:
         return serving_fingerprint(self.loaded.fingerprint, self.backend.name)
 
-    def key_settings(self, modality: str) -> tuple[KeySettings, str]:
-        """What a ``modality`` item's MediaKey folds in: its settings and the fingerprint."""
+    def key_settings(self, modality: str, track: bool = False) -> tuple[KeySettings, str]:
+        """What a ``modality`` item's MediaKey folds in: its settings and the fingerprint
+        (``track``: a video's sound track, cut by this worker's video sampling)."""
         if modality == "audio":
             assert self.audio_path is not None
-            return self.audio_path.settings, self.audio_path.fingerprint
+            settings = self.audio_path.settings
+            return settings.for_track(
+                self.config.preprocess
+            ) if track else settings, self.audio_path.fingerprint
         return self.config.preprocess, self.fingerprint
 
     async def start(self) -> None:
@@ -226,13 +234,26 @@ class EncoderWorker:
 
     # -- encode ------------------------------------------------------------------------------------
     async def encode(
-        self, data: bytes, modality: str | None, item: str | None, deadline_s: float | None = None
+        self,
+        data: bytes,
+        modality: str | None,
+        item: str | None,
+        deadline_s: float | None = None,
+        track: bool = False,
     ) -> EncodeOutcome:
         """Encode one item's bytes (or find it in the node cache). ``deadline_s``: the client's
-        timeout (admission uses the shorter of it and ``max_queue_wait_s``)."""
+        timeout (admission uses the shorter of it and ``max_queue_wait_s``). ``track``: the bytes
+        are a video whose sound track is wanted, cut to the video's sampled frames
+        (``media_io.audio_track``)."""
         if len(data) > self.config.limits.max_bytes:
             raise MediaTooLarge(f"body of {len(data)} bytes exceeds {self.config.limits.max_bytes}", item)
         kind = sniff(data)
+        if track and (modality != "audio" or kind.modality != "video"):
+            raise BadMedia(
+                f"a sound track is asked as modality audio of a video; got modality {modality} of "
+                f"{kind.modality} ({kind.format})",
+                item,
+            )
         if modality == "audio" and kind.modality == "video":
             # a video's sound track: its container's audio stream, encoded as audio
             kind = MediaKind("audio", kind.format)
@@ -245,7 +266,7 @@ class EncoderWorker:
                 item,
             )
         loop = asyncio.get_running_loop()
-        settings, fingerprint = self.key_settings(kind.modality)
+        settings, fingerprint = self.key_settings(kind.modality, track)
         key = await loop.run_in_executor(self.io_pool, media_key, data, kind.modality, settings, fingerprint)
         hit = await loop.run_in_executor(self.io_pool, self.cache.get, key)
         if hit is not None:
@@ -258,7 +279,7 @@ class EncoderWorker:
             self._admit(len(data), units, deadline_s)
             # A task of its own: if this request goes away, the encode still lands in the cache, and
             # concurrent requests for the same media (other ingresses) share it.
-            task = asyncio.create_task(self._encode_miss(data, kind.modality, key, item))
+            task = asyncio.create_task(self._encode_miss(data, kind.modality, key, item, track))
             self._inflight[key] = task
             self._admitted += 1
             self._admitted_bytes += len(data)
@@ -327,7 +348,9 @@ class EncoderWorker:
         if not task.cancelled():
             task.exception()  # retrieved here: the awaiting requests re-raise it
 
-    async def _encode_miss(self, data: bytes, modality: str, key: str, item: str | None) -> EncodeOutcome:
+    async def _encode_miss(
+        self, data: bytes, modality: str, key: str, item: str | None, track: bool = False
+    ) -> EncodeOutcome:
         loop = asyncio.get_running_loop()
         claimed = False
         if self.tier is not None:
@@ -342,7 +365,7 @@ class EncoderWorker:
                 self._correct(key, 0.0)  # nothing was encoded: no work done, no work ahead
                 return EncodeOutcome(self._public(ref), True, dict.fromkeys(STAGES, 0.0))
         try:
-            outcome = await self._compute(data, modality, key, item)
+            outcome = await self._compute(data, modality, key, item, track)
         except BaseException:
             if claimed and self.tier is not None:
                 self._background(self.tier.unclaim, key)
@@ -369,9 +392,11 @@ class EncoderWorker:
         """Store calls after the reply (the store is guarded: they never raise)."""
         asyncio.get_running_loop().run_in_executor(self.io_pool, fn, *args)
 
-    async def _compute(self, data: bytes, modality: str, key: str, item: str | None) -> EncodeOutcome:
+    async def _compute(
+        self, data: bytes, modality: str, key: str, item: str | None, track: bool = False
+    ) -> EncodeOutcome:
         if modality == "audio":
-            return await self._compute_audio(data, key, item)
+            return await self._compute_audio(data, key, item, track)
         loop = asyncio.get_running_loop()
         timings: dict[str, float] = {}
         patches, timing = await loop.run_in_executor(
@@ -400,23 +425,38 @@ class EncoderWorker:
             self.metrics.stage.labels(stage=stage).observe(ms / 1000.0)
         return EncodeOutcome(self._public(ref), False, timings)
 
-    async def _compute_audio(self, data: bytes, key: str, item: str | None) -> EncodeOutcome:
-        """An audio clip: its log-mel (decode pool), its rows (audio batcher), into the cache."""
+    async def _compute_audio(self, data: bytes, key: str, item: str | None, track: bool) -> EncodeOutcome:
+        """An audio clip: its log-mel (decode pool), its rows (audio batcher), into the cache. A
+        video's track (``track``) keeps the rows laid out beside its sampled frames."""
         path = self.audio_path
         assert path is not None
         loop = asyncio.get_running_loop()
         timings: dict[str, float] = {}
         mel = await loop.run_in_executor(self.pool, path.mel, data, self.config.limits, item, timings)
+        window = None
+        if track:  # the video's frame table only (no frame decoded)
+            window = await loop.run_in_executor(
+                self.pool, track_window, data, self.config.preprocess, self.config.limits, item
+            )
         frames = int(mel.shape[0])
         self.estimator.observe("audio", frames)
         self._correct(key, float(frames))
         result = await path.rows(mel)
         timings["queue"] = result.queue_ms
         timings["forward"] = result.forward_ms
-        rows = int(result.embedding.shape[0])
+        embedding = result.embedding  # [pads, hidden]
+        if window is not None:
+            kept = track_rows(int(embedding.shape[0]), window, path.settings.tokens_per_second)
+            if kept.stop <= kept.start:
+                raise BadMedia(
+                    f"its sound track ends before the video's first sampled frame ({window.start_s:.2f} s)",
+                    item,
+                )
+            embedding = embedding[kept]
+        rows = int(embedding.shape[0])
         try:
             ref = await loop.run_in_executor(
-                self.io_pool, self.cache.put, key, result.embedding, [(1, 1, rows)], "audio", self.writer
+                self.io_pool, self.cache.put, key, embedding, [(1, 1, rows)], "audio", self.writer
             )
         except EntryTooLarge as e:
             raise MediaTooLarge(f"its embedding does not fit the node cache: {e}", item) from e
@@ -584,7 +624,7 @@ def build_app(
         data = await request.body()
         deadline = request_deadline_s(request.headers, config.max_queue_wait_s)
         try:
-            outcome = await w.encode(data, modality, item, deadline)
+            outcome = await w.encode(data, modality, item, deadline, request.query_params.get("track") == "1")
         except MediaError as e:
             w.metrics.requests.labels(outcome="error").inc()
             return _error(e.status, e.kind, e.message, item)

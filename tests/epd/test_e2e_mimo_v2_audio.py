@@ -227,37 +227,62 @@ def _track_samples(path: Path) -> int:
         return sum(f.samples for f in c.decode(c.streams.audio[0]))
 
 
+def _documented_window(seconds: int) -> tuple[list[float], float]:
+    """A ``seconds`` clip at 10 fps sampled as MiMo-V2.5's processor documents it: 1 fps, at least
+    8 frames (its ``min_frames`` is null: the fallback), an even count, ``linspace(0, frames - 1,
+    count)`` floored; the temporal patches start at every second sampled frame; the sound is laid
+    out up to the last sampled frame plus one sampled spacing."""
+    frames = seconds * 10
+    count = max(int(frames / 10 * 1.0), 8) // 2 * 2
+    stamps = [int(i) / 10 for i in np.linspace(0, frames - 1, num=count)]
+    return stamps[::2], stamps[-1] + (stamps[1] - stamps[0])
+
+
+@pytest.mark.parametrize(
+    ("seconds", "sound_s", "stamps"),
+    [
+        (10, 9.5, ("00:00", "00:02", "00:04", "00:06", "00:08")),  # the track ends inside the video
+        (7, 9.5, ("00:00", "00:01", "00:03", "00:05")),  # the track runs past the window: cut
+    ],
+)
 def test_video_with_sound_is_interleaved_as_documented(
-    server: ServeProcess, mimo_v2_dir: Path, tmp_path: Path
+    server: ServeProcess,
+    mimo_v2_dir: Path,
+    tmp_path: Path,
+    seconds: int,
+    sound_s: float,
+    stamps: tuple[str, ...],
 ) -> None:
-    """10 s at 10 fps sampled at 1 fps: temporal patches at 0.0, 2.2, 4.4, 6.6, 8.8 s, 6 pads each
-    (see test_e2e_mimo_v2's silent clip); a 9.5 s track. Per patch: its "MM:SS", <vision_start>,
-    its video pads, <vision_end>, then <mimo_audio_start>, the track's pads from int(t_i * 6.25)
-    to int(t_(i+1) * 6.25) (the last patch: to the end), <mimo_audio_end>; <video_end> after."""
+    """Per temporal patch (10 s: at 0.0, 2.2, 4.4, 6.6, 8.8 s; 7 s: at 0.0, 1.9, 3.9, 5.9 s): its
+    "MM:SS", <vision_start>, its video pads, <vision_end>, then <mimo_audio_start>, the track's pads
+    from int(t_i * 6.25) to int(t_(i+1) * 6.25) (the last patch: to int(end * 6.25), at most the
+    track's own count; end = 11.0 s and 7.8 s), <mimo_audio_end>; <video_end> after."""
     from transformers import AutoTokenizer
 
     from tests.epd.test_e2e_mimo_v2 import _data_uri, chat, template_ids
 
-    clip = _video_with_sound(tmp_path / "sound.mp4", seconds=10, sound_s=9.5)
+    clip = _video_with_sound(tmp_path / "sound.mp4", seconds=seconds, sound_s=sound_s)
     question = "What is heard?"
     part = {"type": "video_url", "video_url": {"url": _data_uri(clip.read_bytes(), "video/mp4")}}
     reply = chat(server, [{"role": "user", "content": [part, {"type": "text", "text": question}]}])
 
     total = _pads_for_samples(_track_samples(clip))
-    starts = [0.0, 2.2, 4.4, 6.6, 8.8]
-    edges = [int(t * 6.25) for t in starts] + [total]
+    starts, end = _documented_window(seconds)
+    edges = [int(t * 6.25) for t in starts] + [min(int(end * 6.25), total)]
+    per_patch = reply["usage"]["video_tokens"] // len(starts)
     tok = AutoTokenizer.from_pretrained(str(mimo_v2_dir))
     vs, ve, vpad = fx.token_id(fx.VISION_START), fx.token_id(fx.VISION_END), fx.token_id(fx.VIDEO_PAD)
     a_start, a_end, apad = fx.token_id(fx.AUDIO_START), fx.token_id(fx.AUDIO_END), fx.token_id(fx.AUDIO_PAD)
     block = [fx.token_id(fx.VIDEO_START)]
-    for i, stamp in enumerate(("00:00", "00:02", "00:04", "00:06", "00:08")):
-        block += tok.encode(stamp, add_special_tokens=False) + [vs] + [vpad] * 6 + [ve]
+    for i, stamp in enumerate(stamps):
+        block += tok.encode(stamp, add_special_tokens=False) + [vs] + [vpad] * per_patch + [ve]
         block += [a_start] + [apad] * (edges[i + 1] - edges[i]) + [a_end]
     block.append(fx.token_id(fx.VIDEO_END))
     rendered = template_ids(mimo_v2_dir, ["video"], question)
     at = rendered.index(vpad)
     expected = rendered[: at - 1] + block + rendered[at + 2 :]
     assert reply["choices"][0]["prompt_token_ids"] == expected  # what the engine received
-    assert reply["usage"]["video_tokens"] == 30 and reply["usage"]["audio_tokens"] == total
+    assert reply["usage"]["video_tokens"] == per_patch * len(starts)
+    assert reply["usage"]["audio_tokens"] == edges[-1] < (total if seconds == 7 else total + 1)
     assert reply["usage"]["videos"] == 1 and reply["usage"]["audios"] == 0
     assert len(reply["choices"][0]["token_ids"]) == 16

@@ -55,7 +55,8 @@ def settings(raw: dict[str, Any]) -> AudioSettings:
         f_min=float(p.get("audio_fmin") or 0.0),
         f_max=None if fmax is None else float(fmax),
     )
-    return AudioSettings(audio, tower.rule)
+    per_second = float(p.get("audio_input_id_per_second", 25.0))
+    return AudioSettings(audio, tower.rule, per_second / tower.rule.group_size)
 
 
 def load(
