@@ -84,7 +84,13 @@ class SimWorkers(EncoderClient):
         self.copies = 0
 
     async def encode(
-        self, worker_url: str, data: bytes, modality: str, item: str, deadline_s: float | None = None
+        self,
+        worker_url: str,
+        data: bytes,
+        modality: str,
+        item: str,
+        deadline_s: float | None = None,
+        track: bool = False,
     ) -> EncodeReply:
         i = self.item_of_body[data]
         key = self.w.keys[i]
