@@ -139,10 +139,12 @@ class Ingress:
         self.cache.close()
 
     def _make_backend(self) -> LLMBackend:
+        """The configured backend; the prompt format keeps only the modalities it hands on."""
         if self.config.llm_backend == "epd":
             return EpdEngineBackend(self.prompt_format)
         if self.config.llm_model_dir is None:
             raise ValueError("--llm-backend vllm needs the checkpoint directory (--model DIR)")
+        self.prompt_format = self.prompt_format.only(VLLMBackend.modalities, VLLMBackend.name)
         return VLLMBackend(
             self.prompt_format,
             ModelInfo.of(self.config.llm_model_dir),

@@ -28,6 +28,7 @@ takes audio hears each video's track too: the video's item carries its track's r
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,24 @@ class PromptFormat:
             {"image_token_id": image_token_id, "video_token_id": video_token_id}, audio
         )
         self.unserved = unserved
+        self.unserved_why: dict[str, str] = {}  # modality -> why it is not served (default: no encoder)
+
+    def only(self, modalities: frozenset[str], backend: str) -> PromptFormat:
+        """This format for an LLM backend that hands only ``modalities`` to its server: a part of
+        another modality the model takes gets 415 naming the backend (and a video is laid out
+        without its sound track when audio is dropped)."""
+        dropped = (self.supported - {"text"}) - modalities
+        if not dropped:
+            return self
+        out = copy.copy(self)
+        out.supported = self.supported - dropped
+        out.unserved = self.unserved | dropped
+        out.unserved_why = {
+            **self.unserved_why,
+            **{m: f"the {backend} LLM backend does not take {m} input" for m in dropped},
+        }
+        out.serves_audio = self.serves_audio and "audio" not in dropped
+        return out
 
     @classmethod
     def load(cls, model_dir: str | Path | None, tokenizer: Tokenizer) -> PromptFormat:
@@ -99,7 +118,7 @@ class PromptFormat:
     def check_parts(self, messages: Sequence[Mapping[str, Any]]) -> None:
         """A 4xx (``ChatTemplateError`` with ``param`` ``messages[i].content[j]``) for a part the
         model cannot take; call before any media is fetched."""
-        check_message_parts(messages, self.supported, self.unserved)
+        check_message_parts(messages, self.supported, self.unserved, self.unserved_why)
 
     def prompt_ids(self, messages: Sequence[Mapping[str, Any]], media: Sequence[MediaItem]) -> list[int]:
         """Prompt ids of ``messages`` (content parts ``{"type": "text", "text"}`` or

@@ -42,6 +42,9 @@ class LLMBackend(Protocol):
     """How chats and completions reach one kind of language-model server."""
 
     name: str
+    # The media modalities it hands to its server (the ingress drops the model's others: a part of
+    # one gets 415 naming the backend)
+    modalities: frozenset[str]
     # policies the router may use over this backend's servers (affinity needs KV events or the
     # engine's own page geometry)
     routing_policies: tuple[str, ...]

@@ -33,6 +33,7 @@ T = TypeVar("T")
 
 class EpdEngineBackend:
     name = "epd"
+    modalities: frozenset[str] = frozenset({"image", "video", "audio"})
     routing_policies: tuple[str, ...] = ("affinity", "round_robin", "least_load")
     checks_servers = False  # `epd serve` started them from the same checkpoint
 

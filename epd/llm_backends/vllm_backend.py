@@ -114,6 +114,8 @@ class VLLMClient(EngineClient):
 
 class VLLMBackend:
     name = "vllm"
+    # embeddings input for images and videos; MiMo's audio (and a video's sound track) is not wired
+    modalities: frozenset[str] = frozenset({"image", "video"})
     routing_policies: tuple[str, ...] = ("round_robin", "least_load")
     checks_servers = True  # a server of another model or without embeddings input would die
 

@@ -92,11 +92,12 @@ def check_message_parts(
     messages: Sequence[Mapping[str, Any]],
     supported: Collection[str],
     unserved: Collection[str] = (),
+    why: Mapping[str, str] | None = None,
 ) -> None:
     """Raise ``ChatTemplateError`` naming the first part (``messages[i].content[j]``) whose modality
     is not in ``supported`` (see ``supported_part_types``) or whose type is unknown;
-    ``UnservedModality`` when the modality is one the model takes but nothing here encodes
-    (``unserved``)."""
+    ``UnservedModality`` when the modality is one the model takes but nothing here encodes or
+    hands on (``unserved``; ``why[modality]``: the reason, default: no encoder)."""
     takes = ", ".join(k for k in ("text", "image", "video", "audio") if k in supported)
     for mi, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
@@ -115,7 +116,8 @@ def check_message_parts(
                     f"unknown content part type {kind!r} (this model takes {takes})", param
                 )
             if modality in unserved and modality not in supported:
-                raise UnservedModality(f"this model's {modality} encoder is not supported yet", param)
+                reason = (why or {}).get(modality, f"this model's {modality} encoder is not supported yet")
+                raise UnservedModality(reason, param)
             if modality not in supported:
                 raise ChatTemplateError(
                     f"this model does not take {modality} input (part type {kind!r}; it takes {takes})", param

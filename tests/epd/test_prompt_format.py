@@ -164,6 +164,26 @@ def test_mimo_with_audio_lays_out_clips_and_videos_with_sound(tmp_path: Path) ->
     assert ei.value.param == "messages[0].content[1]"
 
 
+def test_a_backend_without_audio_refuses_audio_parts_by_name(tmp_path: Path) -> None:
+    """The vLLM backend hands images and videos only: for a checkpoint that serves audio, an audio
+    part is a 415 naming the backend and the part, and videos are laid out without their track
+    (no track is fetched); images and videos still pass."""
+    from epd.llm_backends.epd_engine import EpdEngineBackend
+    from epd.llm_backends.vllm_backend import VLLMBackend
+
+    root = mimo_with_audio(tmp_path / "mimo", tokenizer_dir=True)
+    fmt = PromptFormat.load(root, load_tokenizer(root))
+    assert fmt.only(EpdEngineBackend.modalities, EpdEngineBackend.name) is fmt
+    narrowed = fmt.only(VLLMBackend.modalities, VLLMBackend.name)
+    assert fmt.serves_audio and not narrowed.serves_audio
+    with pytest.raises(UnservedModality) as ei:
+        narrowed.check_parts(user({"type": "text", "text": "hear"}, {"type": "audio", "index": 0}))
+    assert ei.value.param == "messages[0].content[1]"
+    assert "vllm LLM backend does not take audio" in str(ei.value)
+    narrowed.check_parts(user({"type": "video", "index": 0}, {"type": "image", "index": 1}))
+    fmt.check_parts(user({"type": "audio", "index": 0}))  # the original is unchanged
+
+
 def test_media_item_of_a_video_with_its_track() -> None:
     video = ref("video", 6, "v", grid_thw=((3, 2, 4),), grid_t_timestamps=(0.0, 2.0, 4.0))
     assert media_item(video, ref("audio", 30, "t")).audio_tokens == 30
