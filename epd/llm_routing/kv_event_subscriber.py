@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import zmq
 
-from llm_core.caches.kv_events import KVEventBatch, decode_batch
+from epd_common.messages.kv_events import KVEventBatch, decode_batch
 
 log = logging.getLogger("epd.llm_routing.kv_events")
 

@@ -39,8 +39,8 @@ from epd.llm_routing.kv_event_subscriber import KVEventSubscriber, SubscriberCou
 from epd.llm_routing.load_counters import Dispatch, EngineLoad, LoadSnapshot
 from epd.llm_routing.page_index import ApproxPageIndex, EnginePageIndex
 from epd.llm_routing.policy import Candidate, RouterConfig, choose_affinity, choose_least_load
-from llm_core.caches.kv_events import KVEventBatch
-from llm_core.caches.page_hash import page_hashes
+from epd_common.messages.kv_events import KVEventBatch
+from epd_common.messages.page_hash import page_hashes
 
 log = logging.getLogger("epd.llm_routing")
 

@@ -1,6 +1,6 @@
 """What one engine's prefix cache holds, page by page, and how many prompt tokens it would hit.
 
-Pages are named by their chained content hash (``llm_core.caches.page_hash``): the name of page i
+Pages are named by their chained content hash (``epd_common.messages.page_hash``): the name of page i
 covers every cache key of pages [0, i], so one name stands for a whole prefix and a lookup needs no
 tree, only a walk over the request's own page names. The hit rule is the radix cache's, exactly:
 
@@ -32,8 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from llm_core.caches.hit_rule import window_accepts
-from llm_core.caches.kv_events import (
+from epd_common.messages.kv_events import (
     FULL_GROUP,
     SWA_GROUP,
     AllBlocksCleared,
@@ -42,6 +41,7 @@ from llm_core.caches.kv_events import (
     KVEventBatch,
     SwaTombstoned,
 )
+from llm_core.caches.hit_rule import window_accepts
 
 # Page state bits (an int per page keeps the dict small).
 FULL = 1  # the page's full-attention KV is in the tree
@@ -77,7 +77,7 @@ def longest_hit(
 class EnginePageIndex:
     """hash -> FULL / SWA_LIVE bits of one engine's prefix cache, kept from its KV events.
 
-    Groups (``kv_events.py``): group 0 ("full_attention") stores full KV only, its SWA state is not
+    Groups (``epd_common.messages.kv_events``): group 0 ("full_attention") stores full KV only, its SWA state is not
     live until a group-1 ("sliding_window") event says so; ``SwaTombstoned`` and a group-1
     ``BlockRemoved`` drop the SWA bit; a group-0 ``BlockRemoved`` drops the page. An event with no
     group or one this index does not know (a vLLM engine) counts as full and SWA-live: such an

@@ -23,12 +23,12 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
+from epd_common.messages.page_hash import page_hashes
 from llm_core.caches.host_restore import HostPage
 from llm_core.caches.host_tier import HostKVTier
 from llm_core.caches.kv_source import KVSource
 from llm_core.caches.kv_store_tier import FETCH_SPENT, StoreFetch
 from llm_core.caches.kv_transfers import KVTransfers, RequestId
-from llm_core.caches.page_hash import page_hashes
 
 if TYPE_CHECKING:
     from llm_core.serving.sequence import Sequence

@@ -37,8 +37,8 @@ window pages heals a tombstone.
 live for a hit, SWA eviction removes whole leaves, and no tombstone is ever made.
 
 Events (``record_events=True``): every change of what the tree holds is recorded, in order, as a
-KV event a router can replay to know exactly what this tree would hit (``kv_events.py``; pages are
-named by their chained content hash, ``page_hash.py``)::
+KV event a router can replay to know exactly what this tree would hit (``epd_common.messages.kv_events``; pages are
+named by their chained content hash, ``epd_common.messages.page_hash``)::
 
     new pages                       BlockStored group 0 (full KV), + group g for each live window run
     tombstone healed                BlockStored group g
@@ -46,7 +46,7 @@ named by their chained content hash, ``page_hash.py``)::
     node deleted                    BlockRemoved group 0 (+ group g where its window KV was live)
 
 (``SwaTombstoned`` names no group: with one window group, as every model served today, it is
-exact; ``kv_events.py``'s format is not this module's to change.)
+exact; ``epd_common.messages.kv_events``'s format is not this module's to change.)
 
 A split changes no page, so it emits nothing. ``drain_events`` hands them to the publisher.
 """
@@ -58,15 +58,15 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 
-from llm_core.caches.hit_rule import groups_accept
-from llm_core.caches.kv_events import (
+from epd_common.messages.kv_events import (
     FULL_GROUP,
     BlockRemoved,
     BlockStored,
     KVEvent,
     SwaTombstoned,
 )
-from llm_core.caches.page_hash import page_hashes
+from epd_common.messages.page_hash import page_hashes
+from llm_core.caches.hit_rule import groups_accept
 from llm_core.caches.radix_node import InsertResult, MatchResult, PrefixLock, RadixNode
 
 __all__ = ["NOT_RESIDENT", "InsertResult", "MatchResult", "PrefixLock", "RadixCache", "RadixNode"]

@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from epd_common.messages.cache_keys import MediaRows, MediaSpanError, media_spans
+from epd_common.messages.kv_events import AllBlocksCleared, KVEventBatch
 from epd_common.store.store import Store
 from llm_core.caches.host_tier import HostKVTier
-from llm_core.caches.kv_events import AllBlocksCleared, KVEventBatch
 from llm_core.caches.kv_groups import kv_groups_from_config
 from llm_core.caches.kv_manager import KVManager, group_managers
 from llm_core.caches.kv_pool import DualKVCache, KVCacheConfig, KVLayout

@@ -22,7 +22,7 @@ from collections import deque
 
 import zmq
 
-from llm_core.caches.kv_events import KVEventBatch, encode_batch
+from epd_common.messages.kv_events import KVEventBatch, encode_batch
 
 log = logging.getLogger("epd.kv_events")
 

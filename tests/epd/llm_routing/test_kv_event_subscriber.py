@@ -14,7 +14,7 @@ import zmq
 
 from epd.llm_routing.kv_event_subscriber import KVEventSubscriber
 from epd.llm_routing.page_index import EnginePageIndex
-from llm_core.caches.kv_events import AllBlocksCleared, KVEventBatch, encode_batch
+from epd_common.messages.kv_events import AllBlocksCleared, KVEventBatch, encode_batch
 from llm_core.serving.kv_event_publisher import END_SEQ, KVEventPublisher
 from tests.epd.llm_routing.traces import P, Trace
 

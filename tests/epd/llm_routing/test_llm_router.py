@@ -19,7 +19,7 @@ from epd.llm_routing.kv_event_subscriber import SubscriberCounters
 from epd.llm_routing.llm_router import LLMRouter, NoEngineAvailable, connect_address, health_window
 from epd.llm_routing.load_counters import Dispatch
 from epd.llm_routing.policy import RouterConfig
-from llm_core.caches.kv_events import AllBlocksCleared, KVEventBatch
+from epd_common.messages.kv_events import AllBlocksCleared, KVEventBatch
 from llm_core.caches.kv_group_manager import FullAttentionManager, SlidingWindowManager
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.kv_pool import PagePool

@@ -13,7 +13,7 @@ import pytest
 from epd.llm_routing.kv_event_subscriber import KVEventSubscriber
 from epd.llm_routing.llm_router import health_window
 from epd.llm_routing.page_index import ApproxPageIndex, EnginePageIndex
-from llm_core.caches.kv_events import (
+from epd_common.messages.kv_events import (
     FULL_GROUP,
     SWA_GROUP,
     AllBlocksCleared,
@@ -22,8 +22,8 @@ from llm_core.caches.kv_events import (
     KVEventBatch,
     SwaTombstoned,
 )
+from epd_common.messages.page_hash import page_hashes
 from llm_core.caches.kv_pool import PagePool
-from llm_core.caches.page_hash import page_hashes
 from llm_core.caches.radix_cache import RadixCache
 from llm_core.serving.kv_event_publisher import KVEventPublisher
 from tests.epd.llm_routing.traces import P, Trace

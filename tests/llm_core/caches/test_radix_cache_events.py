@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from llm_core.caches.kv_events import (
+from epd_common.messages.kv_events import (
     FULL_GROUP,
     SWA_GROUP,
     AllBlocksCleared,
@@ -15,8 +15,8 @@ from llm_core.caches.kv_events import (
     KVEvent,
     SwaTombstoned,
 )
+from epd_common.messages.page_hash import page_hashes
 from llm_core.caches.kv_pool import PagePool
-from llm_core.caches.page_hash import page_hashes
 from llm_core.caches.radix_cache import NOT_RESIDENT, RadixCache
 
 P = 4

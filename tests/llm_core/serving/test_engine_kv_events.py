@@ -10,7 +10,7 @@ from typing import Any
 import zmq
 from starlette.testclient import TestClient
 
-from llm_core.caches.kv_events import (
+from epd_common.messages.kv_events import (
     FULL_GROUP,
     AllBlocksCleared,
     BlockRemoved,
@@ -19,7 +19,7 @@ from llm_core.caches.kv_events import (
     SwaTombstoned,
     decode_batch,
 )
-from llm_core.caches.page_hash import page_hashes
+from epd_common.messages.page_hash import page_hashes
 from llm_core.prompts.tokenizer import load_tokenizer
 from llm_core.serving.engine import LLMEngine
 from llm_core.serving.kv_event_publisher import KVEventPublisher

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from llm_core.caches.kv_events import FULL_GROUP, BlockRemoved, BlockStored, KVEventBatch, decode_batch
+from epd_common.messages.kv_events import FULL_GROUP, BlockRemoved, BlockStored, KVEventBatch, decode_batch
 from llm_core.serving.kv_event_publisher import END_SEQ, KVEventPublisher
 
 

@@ -1,4 +1,4 @@
-"""KV events on the wire (llm_core/caches/kv_events.py), read the way vLLM's consumers read them:
+"""KV events on the wire (epd_common/messages/kv_events.py), read the way vLLM's consumers read them:
 msgspec structs with vLLM's field list, tagged, defaults omitted, written here from the schema."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from llm_core.caches.kv_events import (
+from epd_common.messages.kv_events import (
     FULL_GROUP,
     SWA_GROUP,
     AllBlocksCleared,

@@ -1,4 +1,4 @@
-"""Chained page hashes (llm_core/caches/page_hash.py)."""
+"""Chained page hashes (epd_common/messages/page_hash.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import xxhash
 
-from llm_core.caches.page_hash import page_hashes
+from epd_common.messages.page_hash import page_hashes
 
 
 def test_chain_is_the_documented_rule() -> None:
@@ -34,6 +34,6 @@ def test_shared_prefix_shares_hashes_and_a_difference_changes_every_later_page()
 
 def test_same_in_another_process() -> None:
     """Not Python's salted hash: another interpreter computes the same names."""
-    code = "from llm_core.caches.page_hash import page_hashes; print(page_hashes(list(range(12)), 4))"
+    code = "from epd_common.messages.page_hash import page_hashes; print(page_hashes(list(range(12)), 4))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(page_hashes(list(range(12)), 4))
