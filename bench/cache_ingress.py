@@ -32,11 +32,12 @@ from bench.cache_sim import FINGERPRINT, WORKERS, CacheSet, Workload, fake_embed
 from bench.common import Percentiles, percentiles
 from bench.service_proc import ServiceProcess, free_port
 from encoder.caches.embed_cache import EmbedCache
-from epd.encoder_client import EncoderClient, EncodeReply
+from epd.encoder_client import EncoderClient
 from epd.encoder_router import EncoderRouter, WorkerSpec
 from epd.media_pipeline import MediaPipeline
 from epd.media_request import MediaSource
 from epd.metrics import IngressMetrics
+from epd_common.messages.encode_reply import EncodeReply
 from media_io.config import PreprocessConfig
 from media_io.fetch import Fetcher
 
@@ -105,7 +106,7 @@ class SimWorkers(EncoderClient):
             self.encodes += 1
             tokens = int(self.w.tokens[i])
             ref = cache.put(key, fake_embedding(i, tokens), [(1, 2, 2 * tokens)], modality)
-        return EncodeReply({"ref": ref.to_json(), "cache_hit": hit is not None, "timings_ms": {}})
+        return EncodeReply(ref, hit is not None)
 
     async def fetch_embedding(self, ref_url: str) -> torch.Tensor:
         worker, key = ref_url.rsplit("/embeddings/", 1)

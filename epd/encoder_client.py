@@ -16,16 +16,7 @@ from safetensors.torch import load as load_safetensors
 from epd.encoder_router import WorkerUnavailable
 from epd_common.admission import DEADLINE_HEADER
 from epd_common.errors import APIError
-from epd_common.messages.embedding_ref import EmbeddingRef
-
-
-class EncodeReply:
-    """What a worker answered for one item."""
-
-    def __init__(self, body: dict[str, Any]) -> None:
-        self.ref = EmbeddingRef.from_json(body["ref"])
-        self.cache_hit = bool(body.get("cache_hit", False))
-        self.timings_ms: dict[str, float] = {k: float(v) for k, v in body.get("timings_ms", {}).items()}
+from epd_common.messages.encode_reply import EncodeReply
 
 
 class EncoderClient:
@@ -50,9 +41,15 @@ class EncoderClient:
             async with self.session.post(
                 f"{worker_url}/encode", data=data, params=params, timeout=self.timeout, headers=headers
             ) as resp:
+                if resp.status == 200:
+                    raw = await resp.read()
+                    try:
+                        return EncodeReply.decode(raw)
+                    except ValueError as exc:  # the worker's fault: the ring tries the next one
+                        raise WorkerUnavailable(
+                            worker_url, f"answered 200 with a reply that is not an EncodeReply: {exc}"
+                        ) from exc
                 body = await _json_or_none(resp)
-                if resp.status == 200 and body is not None:
-                    return EncodeReply(body)
                 if 400 <= resp.status < 500 and resp.status != 429:
                     err = (body or {}).get("error", {})
                     raise APIError(

@@ -71,6 +71,7 @@ from epd_common.active_paths import report
 from epd_common.admission import ServiceRate, request_deadline_s, retry_after_header
 from epd_common.errors import error_body
 from epd_common.messages.embedding_ref import EmbeddingRef
+from epd_common.messages.encode_reply import EncodeReply
 from epd_common.runtime import freeze_startup_objects
 from epd_common.store_config import build_store
 from media_io.active_paths import media_paths
@@ -645,9 +646,8 @@ def build_app(
             log.exception("encode failed for %s", item)
             w.metrics.requests.labels(outcome="error").inc()
             return _error(500, "internal_error", f"{type(e).__name__}: {e}", item)
-        return JSONResponse(
-            {"ref": outcome.ref.to_json(), "cache_hit": outcome.cache_hit, "timings_ms": outcome.timings_ms}
-        )
+        reply = EncodeReply(outcome.ref, outcome.cache_hit, outcome.timings_ms)
+        return Response(reply.encode(), media_type="application/json")
 
     async def embedding(request: Request) -> Response:
         key = request.path_params["key"]
