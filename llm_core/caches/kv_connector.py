@@ -4,6 +4,9 @@ Each way KV arrives by copy, or leaves, is a connector (the shape is vLLM v1's K
 scheduler side asks each connector, at fixed points of a request's life, what it can bring or
 must send):
 
+    admission, first                                     covers_prompt(seq)    the request brought
+                                                         its prompt's KV: copy_in(seq, 0), nothing
+                                                         borrowed, no other connector asked
     admission, before the prefix-cache hit is borrowed   must_wait(seq, hit)   its KV is on its way
     admission, after the hit is borrowed                 copy_in(seq, hit)     a KVSource from hit on
     after a step's forward                               copy_out(seqs, n)     KV leaving the engine
@@ -11,9 +14,11 @@ must send):
 
 The KV manager consults its connectors at admission (``KVManager.match_prefix``, called by the
 scheduler), the first source wins; the scheduler calls ``copy_out`` and ``request_finished``.
-Implementations: the store tier (``StoreTierConnector``: fetches a prompt's pages from the shared
-store while the request waits), the host tier (``HostTierConnector``: evicted pages copied back),
-and prefill/decode disaggregation (``serving/kv_handoff.py``: the import and the export). What a
+Implementations: the P/D import (``PromptImports``: a prefill engine's hand-off, registered when
+the request is queued, handed over at admission ahead of every tier), the store tier
+(``StoreTierConnector``: fetches a prompt's pages from the shared store while the request waits),
+the host tier (``HostTierConnector``: evicted pages copied back), and the P/D export
+(``serving/kv_handoff.py``: ``copy_out``). What a
 connector keeps per request is keyed by request id (``kv_transfers.KVTransfers`` holds the
 sources the scheduler plans copies from).
 """
@@ -37,6 +42,11 @@ if TYPE_CHECKING:
 class KVConnector:
     """A connector that brings and sends nothing; implementations override the points they use."""
 
+    def covers_prompt(self, seq: Sequence) -> bool:
+        """True: ``seq`` brought its whole prompt's KV through this connector (``copy_in(seq, 0)``
+        is its source; no prefix is borrowed and no other connector is asked)."""
+        return False
+
     def must_wait(self, seq: Sequence, hit: int) -> bool:
         """True: ``seq`` (no pages yet, prefix-cache hit of ``hit`` tokens) must not be admitted
         this step, its KV is on its way; the scheduler asks again on a later step."""
@@ -52,6 +62,34 @@ class KVConnector:
 
     def request_finished(self, request_id: RequestId) -> None:
         """The request finished or was aborted: forget it."""
+
+
+class PromptImports(KVConnector):
+    """Prompts' KV that requests bring with them (a prefill engine's hand-off, ``KVImport``): kept
+    by request id from when the request is queued (``expect``) until its admission takes it as
+    the copy-in source, or the request ends."""
+
+    def __init__(self) -> None:
+        self._pending: dict[RequestId, KVSource] = {}
+
+    def expect(self, request_id: RequestId, source: KVSource) -> None:
+        self._pending[request_id] = source
+
+    def brings(self, request_id: RequestId) -> bool:
+        """The request's prompt KV is here, not yet admitted (what admission's estimate asks)."""
+        return request_id in self._pending
+
+    def covers_prompt(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._pending
+
+    def copy_in(self, seq: Sequence, hit: int) -> KVSource | None:
+        return self._pending.pop(seq.seq_id, None)
+
+    def request_finished(self, request_id: RequestId) -> None:
+        self._pending.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._pending)
 
 
 class StoreTierConnector(KVConnector):

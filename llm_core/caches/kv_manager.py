@@ -40,7 +40,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from llm_core.caches.host_tier import HostKVTier
-from llm_core.caches.kv_connector import HostTierConnector, KVConnector, StoreTierConnector
+from llm_core.caches.kv_connector import HostTierConnector, KVConnector, PromptImports, StoreTierConnector
 from llm_core.caches.kv_group_manager import FullAttentionManager, GroupManager, SlidingWindowManager
 from llm_core.caches.kv_pool import DualKVCache, PagePool
 from llm_core.caches.kv_transfers import KVTransfers
@@ -103,6 +103,8 @@ class KVManager:
         self.mtp_backoff = False
         # KV copied in (imports, host-tier restores) and store fetches, by request id.
         self.transfers = KVTransfers()
+        # Prompts' KV that requests bring (P/D imports): the first connector asked at admission.
+        self.imports = PromptImports()
         self.connectors: list[KVConnector] = []
         self.connect_tiers()
         self._peeks: weakref.WeakKeyDictionary[Sequence, tuple[tuple[int, int], int]] = (
@@ -179,6 +181,15 @@ class KVManager:
         """
         assert not seq.num_pages and seq.prefix_lock is None and seq.num_computed_tokens == 0
         self._ensure_rows(seq)
+        if self.transfers.source(seq.seq_id) is None:
+            bringer = next((c for c in self.connectors if c.covers_prompt(seq)), None)
+            if bringer is not None:
+                self.transfers.set_source(seq.seq_id, bringer.copy_in(seq, 0))
+        if self.transfers.source(seq.seq_id) is not None:
+            # The whole prompt's KV comes by copy (brought, or a copy a preemption cut short):
+            # nothing to borrow; pin only a window the payload holds (``layer_plan.py``).
+            self.pin_prompt_end(seq, seq.num_prompt_tokens // self.page_size * self.page_size)
+            return 0
         if self.radix is None:
             return 0
         hit = self.radix.match_prefix(seq.cache_keys, seq.num_tokens - 1)
@@ -216,8 +227,9 @@ class KVManager:
     def connect_tiers(self) -> None:
         """(Re)build the connectors consulted at admission from the host tier, in order: the
         store tier (when one is under the host tier), then the host tier. Called again when a
-        store is attached to the host tier (``LLMEngine.attach_kv_store``)."""
-        self.connectors = []
+        store is attached to the host tier (``LLMEngine.attach_kv_store``). The prompts' imports
+        come first, tiers or not."""
+        self.connectors = [self.imports]
         if self.host_tier is None:
             return
         store = None

@@ -163,10 +163,10 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._requests: dict[str, RequestState] = {}
         self._meter = ThroughputMeter()
-        transfers = self.scheduler.kv.transfers
+        transfers, imports = self.scheduler.kv.transfers, self.scheduler.kv.imports
         self.admission = EngineAdmission(
             self.config.admission_seed_tokens_per_s,
-            copied_in=lambda s: transfers.source(s.seq_id) is not None,
+            copied_in=lambda s: transfers.source(s.seq_id) is not None or imports.brings(s.seq_id),
         )
         self._expected_wait_s = 0.0  # the last estimate (a gauge)
         self._busy_since: float | None = None  # end of the last busy step (None after idling)

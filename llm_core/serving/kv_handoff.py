@@ -39,9 +39,10 @@ class ImportResult(NamedTuple):
 
 
 class KVHandoff(KVConnector):
-    """The P/D connector (``caches/kv_connector.py``): its export is ``copy_out`` (a prompt's KV
-    once its prefill completed, for a request that asked for it), its import a ``KVImport`` that
-    the scheduler registers as the request's copy-in source when the request is queued."""
+    """The P/D transport's two ends. The export is this connector's ``copy_out`` (a prompt's KV once
+    its prefill completed, for a request that asked for it); the import, a ``KVImport`` read here,
+    goes with the request into the KV manager's ``PromptImports`` connector, which hands it over
+    as the copy-in source at admission (``caches/kv_connector.py``)."""
 
     def __init__(
         self,

@@ -117,8 +117,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.add(seq)
         self._by_id[seq.seq_id] = seq
-        if kv_import is not None:
-            self.kv.transfers.set_source(seq.seq_id, kv_import)
+        if kv_import is not None:  # handed over as its copy-in source at admission
+            self.kv.imports.expect(seq.seq_id, kv_import)
 
     def has_work(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
@@ -260,13 +260,8 @@ class Scheduler:
         for seq in self.waiting.ordered(b, now, self.kv.peek_prefix):
             if left == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            src = self.kv.transfers.source(seq.seq_id)
-            if src is None:
-                if self.kv.match_prefix(seq) is None:
-                    continue  # its prefix's KV is on its way from the store: admitted once it is here
-            else:  # an import brings the whole prompt's KV: nothing to borrow
-                p = self.kv.page_size  # pin only a window the payload holds (layer_plan.py)
-                self.kv.pin_prompt_end(seq, seq.num_prompt_tokens // p * p)
+            if self.kv.match_prefix(seq) is None:  # the connectors: an import, a hit, a restore
+                continue  # its prefix's KV is on its way from the store: admitted once it is here
             # MTP KV from the first position this sequence computes (``speculative.py``)
             src = self.kv.transfers.source(seq.seq_id)  # an import's, or a restore planned just now
             self._reset_speculation(seq, src.end if src is not None else seq.num_computed_tokens)

@@ -90,7 +90,8 @@ class _Import:
 
 
 def test_kv_copied_in_is_kept_by_request_id_and_forgotten_at_the_end() -> None:
-    """The import lives in the KV manager's transfers (not on the sequence), is planned as the
+    """The import waits in the KV manager's import connector (not on the sequence) until
+    admission hands it over as the copy-in source (kept in its transfers), is planned as the
     step's copy, and is gone once the request finished."""
     from llm_core.caches.kv_group_manager import FullAttentionManager
     from llm_core.caches.kv_manager import KVManager
@@ -102,8 +103,9 @@ def test_kv_copied_in_is_kept_by_request_id_and_forgotten_at_the_end() -> None:
     sched = Scheduler(SchedulerConfig(), kv)
     seq = Sequence("imp", list(range(1, 9)), max_new_tokens=1)
     sched.add(seq, _Import())  # type: ignore[arg-type]
-    assert kv.transfers.source("imp") is not None and kv.transfers.copying(seq)
+    assert kv.imports.brings("imp") and kv.transfers.source("imp") is None  # asked at admission
     step = sched.schedule()
+    assert kv.transfers.source("imp") is not None and not kv.imports.brings("imp")
     assert step is not None and step.copies is not None and step.num_new_tokens == [8]
     assert step.copies.out == [77]  # the import brings the token after the prompt
     assert sched.update(step, [77]) == [seq]
@@ -111,9 +113,10 @@ def test_kv_copied_in_is_kept_by_request_id_and_forgotten_at_the_end() -> None:
 
 
 def test_kv_copied_in_or_out_goes_through_one_connector_interface() -> None:
-    """The P/D hand-off, the host tier and the store tier are each a ``KVConnector``."""
-    from llm_core.caches.kv_connector import HostTierConnector, KVConnector, StoreTierConnector
+    """The P/D hand-off (its import and its export), the host tier and the store tier are each a
+    ``KVConnector``."""
+    from llm_core.caches.kv_connector import HostTierConnector, KVConnector, PromptImports, StoreTierConnector
     from llm_core.serving.kv_handoff import KVHandoff
 
-    for cls in (KVHandoff, HostTierConnector, StoreTierConnector):
+    for cls in (PromptImports, KVHandoff, HostTierConnector, StoreTierConnector):
         assert issubclass(cls, KVConnector), cls
