@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
@@ -55,3 +56,26 @@ def test_poll_brings_back_a_worker_that_a_connection_error_took_out() -> None:
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_the_vllm_backend_narrows_the_prompt_format_to_what_it_hands_on(mimo_v2_dir: Path) -> None:
+    """A checkpoint whose audio epd serves, behind vLLM: the ingress's format (what chats are
+    checked against) drops audio, and the backend renders with that same format."""
+    namespace = f"test-ingress-narrow-{os.getpid()}"
+    for backend, hears in (("epd", True), ("vllm", False)):
+        ing = Ingress(
+            IngressConfig(
+                encoder_urls=("http://127.0.0.1:9",),
+                llm_model_dir=str(mimo_v2_dir),
+                llm_backend=backend,  # type: ignore[arg-type]
+                cache_namespace=namespace,
+            )
+        )
+        try:
+            assert ing.prompt_format.serves_audio
+            made = ing._make_backend()
+            assert ing.prompt_format.serves_audio is hears
+            assert made.prompt_format is ing.prompt_format  # type: ignore[attr-defined]
+        finally:
+            ing.cache.close()
+            shutil.rmtree(ing.cache.root, ignore_errors=True)
