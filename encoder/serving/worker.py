@@ -43,8 +43,9 @@ class WorkerConfig:
     forward) is by expected wait, in patches: an item is refused (503, Retry-After the expected
     wait) when the patches admitted ahead of it plus its own would take longer than
     ``max_queue_wait_s`` (or the client's shorter timeout) at the measured patches per second
-    (seeded with ``admission_seed_patches_per_s``); ``max_queued_bytes`` and ``max_inflight`` are
-    memory guards.
+    (seeded with ``admission_seed_patches_per_s``); audio clips likewise in mel frames against the
+    audio stage's own rate (``admission_seed_mel_frames_per_s``); ``max_queued_bytes`` and
+    ``max_inflight`` are memory guards.
     """
 
     host: str = "127.0.0.1"
@@ -63,6 +64,7 @@ class WorkerConfig:
     max_queued_bytes: int = 512 << 20  # memory guard: compressed bytes of the admitted items
     max_queue_wait_s: float = 10.0  # admission deadline: the expected wait a new item may have
     admission_seed_patches_per_s: float = 20000.0  # the rate assumed until measured
+    admission_seed_mel_frames_per_s: float = 2000.0  # the audio stage's, likewise
     decode_threads: int = 2  # decode + preprocess executor threads
     video_decode_workers: int | None = 1  # processes per video decode (1: in the decode thread)
     preprocess_backend: str = "cpu"  # "cpu" | "dali"
@@ -83,7 +85,7 @@ class WorkerConfig:
         for name in ("max_inflight", "decode_threads", "max_queued_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"WorkerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_queue_wait_s", "admission_seed_patches_per_s"):
+        for name in ("max_queue_wait_s", "admission_seed_patches_per_s", "admission_seed_mel_frames_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"WorkerConfig.{name} must be > 0, got {getattr(self, name)}")
         for name in ("torch_threads", "forward_streams", "patch_budget"):

@@ -18,8 +18,8 @@ batched with other requests' clips into one call of the audio encoder. Its ref h
 ``<|audio_pad|>`` (``AudioTokenRule.pad_count`` of the mel frames) and grid_thw ((1, 1, pads),).
 Its MediaKey folds the audio settings (``AudioSettings``) and the audio encoder's own fingerprint
 (``audio.fingerprint`` in /health), so image and video keys are what they were. A checkpoint
-without one answers audio with 415 naming what it lacks. Admission counts a clip's mel frames as
-its units, in the same measured rate as patches (a coarse mix, see ``work_estimate``). A video's
+without one answers audio with 415 naming what it lacks. Admission counts a clip's mel frames
+against the audio stage's own queue and measured rate (``stage_work``), apart from the patches. A video's
 sound track is ``modality=audio&track=1`` with the video's bytes: the whole track is encoded and
 the rows laid out beside the video's sampled frames are kept (``media_io.audio_track``); its key
 folds the video sampling that cut it (``AudioSettings.for_track``).
@@ -66,9 +66,10 @@ from encoder.models.audio_checkpoint import LoadedAudioEncoder, NoAudio, load_au
 from encoder.models.checkpoint import LoadedEncoder, load_encoder
 from encoder.serving.audio_path import LOG_MEL_PATH, AudioPath
 from encoder.serving.batcher import EncodeBatcher, QueueFull
+from encoder.serving.stage_work import StageWork
 from encoder.serving.worker import WorkerConfig
 from epd_common.active_paths import report
-from epd_common.admission import ServiceRate, request_deadline_s, retry_after_header
+from epd_common.admission import request_deadline_s, retry_after_header
 from epd_common.errors import error_body
 from epd_common.messages.embedding_ref import EmbeddingRef
 from epd_common.messages.encode_reply import EncodeReply
@@ -197,10 +198,10 @@ class EncoderWorker:
         self.peak_admitted = 0  # the most items in flight at once since start
         # Admission by expected wait (``epd_common.admission``): patches per busy second, measured
         # from admission to done, so a burst the worker drains within the deadline is taken whole.
-        self.rate = ServiceRate(config.admission_seed_patches_per_s)
+        # Admission's work per stage: the vision batcher's patches, the audio batcher's mel frames
+        self.pixels = StageWork("patches", config.admission_seed_patches_per_s)
+        self.sound = StageWork("mel frames", config.admission_seed_mel_frames_per_s)
         self.estimator = PatchEstimator(config.preprocess)
-        self._units: dict[str, float] = {}  # per admitted key: its patches (estimated, then real)
-        self._queued_units = 0.0  # their sum: the work ahead of a new item
 
     @property
     def fingerprint(self) -> str:
@@ -277,16 +278,15 @@ class EncoderWorker:
         shared = task is not None
         if task is None:
             units = self.estimator.estimate(data, kind.modality)
-            self._admit(len(data), units, deadline_s)
+            stage = self.stage(kind.modality)
+            self._admit(len(data), units, deadline_s, stage)
             # A task of its own: if this request goes away, the encode still lands in the cache, and
             # concurrent requests for the same media (other ingresses) share it.
             task = asyncio.create_task(self._encode_miss(data, kind.modality, key, item, track))
             self._inflight[key] = task
             self._admitted += 1
             self._admitted_bytes += len(data)
-            self._units[key] = units
-            self._queued_units += units
-            self.rate.started()
+            stage.admit(key, units)
             self.metrics.inflight.set(self._admitted)
             self.peak_admitted = max(self.peak_admitted, self._admitted)
             self.metrics.inflight_peak.set(self.peak_admitted)
@@ -300,28 +300,32 @@ class EncoderWorker:
             self.metrics.requests.labels(outcome="miss").inc()
         return outcome
 
-    def expected_wait_s(self, units: float = 0.0) -> float:
-        """When a new item of ``units`` patches would be done: the patches admitted ahead of it
-        and its own at the measured rate."""
-        return self.rate.expected_wait_s(self._queued_units + units)
+    def stage(self, modality: str) -> StageWork:
+        """The stage that encodes ``modality`` (its queue and rate)."""
+        return self.sound if modality == "audio" else self.pixels
 
-    def _admit(self, nbytes: int, units: float, deadline_s: float | None) -> None:
+    def expected_wait_s(self, units: float = 0.0, stage: StageWork | None = None) -> float:
+        """When a new item of ``units`` would be done in ``stage`` (default the vision stage):
+        the work admitted ahead of it there and its own, at that stage's measured rate."""
+        return (stage or self.pixels).expected_wait_s(units)
+
+    def _admit(self, nbytes: int, units: float, deadline_s: float | None, stage: StageWork) -> None:
         """Raise ``Overloaded`` unless an item of ``nbytes`` and ``units`` patches can be taken: done
         within the deadline, and the bytes and items held within their guards. An idle worker
         takes any item; one whose own encode alone would outlast the deadline (a long video) is
         judged by the wait before its turn, or it could never be taken while others are."""
         deadline = self.config.max_queue_wait_s
         deadline = deadline if deadline_s is None else min(deadline_s, deadline)
-        wait = self.expected_wait_s(units)
-        if self.rate.expected_wait_s(units) > deadline:
-            wait = self.expected_wait_s()
+        wait = stage.expected_wait_s(units)
+        if stage.rate.expected_wait_s(units) > deadline:
+            wait = stage.expected_wait_s()
         self.metrics.expected_wait.set(wait)
         cfg = self.config
         if wait > deadline and self._admitted:
             self._refuse(
                 "wait",
-                f"expected wait {wait:.1f} s ({self._queued_units:.0f} patches ahead and {units:.0f} of"
-                f" its own at {self.rate.per_s():.0f} patches/s) exceeds the {deadline:g} s deadline",
+                f"expected wait {wait:.1f} s ({stage.queued:.0f} {stage.unit} ahead and {units:.0f} of"
+                f" its own at {stage.rate.per_s():.0f} {stage.unit}/s) exceeds the {deadline:g} s deadline",
                 wait,
             )
         if self._admitted_bytes + nbytes > cfg.max_queued_bytes or self._admitted >= cfg.max_inflight:
@@ -341,9 +345,8 @@ class EncoderWorker:
         del self._inflight[key]  # first: nothing below may leave a done task in the map
         self._admitted -= 1
         self._admitted_bytes -= nbytes
-        units = self._units.pop(key)
-        self._queued_units = max(self._queued_units - units, 0.0) if self._units else 0.0
-        self.rate.finished(ok=not task.cancelled() and task.exception() is None, units=units)
+        stage = self.sound if key in self.sound else self.pixels
+        stage.finish(key, ok=not task.cancelled() and task.exception() is None)
         self.metrics.inflight.set(self._admitted)
         self.metrics.expected_wait.set(self.expected_wait_s())
         if not task.cancelled():
@@ -376,11 +379,8 @@ class EncoderWorker:
         return outcome
 
     def _correct(self, key: str, units: float) -> None:
-        """An admitted item's real patch count replaces its estimate (in the work ahead of later
-        items, and as what its completion measures)."""
-        if key in self._units:
-            self._queued_units += units - self._units[key]
-            self._units[key] = units
+        """An admitted item's real units replace its estimate (``StageWork.correct``)."""
+        (self.sound if key in self.sound else self.pixels).correct(key, units)
 
     def _publish(self, key: str, claimed: bool) -> None:
         """After the reply: the new embedding goes to the shared store, then the claim is let go."""
@@ -521,13 +521,19 @@ class EncoderWorker:
         return {
             "status": "ok",
             "fingerprint": self.fingerprint,
-            "audio": None if self.audio_path is None else self.audio_path.health(),
+            "audio": None
+            if self.audio_path is None
+            else {
+                **self.audio_path.health(),
+                "expected_wait_s": round(self.sound.expected_wait_s(), 4),
+                "mel_frames_per_s": round(self.sound.rate.per_s(), 1),
+            },
             "queue_depth": s.queue_items,
             "queue_patches": s.queue_patches,
             "inflight": self._admitted,
             "expected_wait_s": round(self.expected_wait_s(), 4),
-            "patches_per_s": round(self.rate.per_s(), 1),
-            "rate_measured": self.rate.measured,
+            "patches_per_s": round(self.pixels.rate.per_s(), 1),
+            "rate_measured": self.pixels.rate.measured,
             "last_batch_items": s.last_batch_items,
             "batches": s.batches,
             "device": str(self.loaded.model.device),

@@ -151,6 +151,8 @@ def test_health_reports_the_audio_encoder(served: Served, audio: LoadedAudioEnco
     assert body["audio"]["fingerprint"] == audio_serving_fingerprint(audio.fingerprint)
     assert body["audio"]["settings"] == audio.settings.to_dict()
     assert body["audio"]["out_hidden_size"] == 128
+    # the audio stage's own admission: its queue's wait and its rate, in mel frames
+    assert body["audio"]["expected_wait_s"] >= 0 and body["audio"]["mel_frames_per_s"] > 0
 
 
 def test_a_checkpoint_without_an_audio_tokenizer_refuses_audio(tmp_path: Path) -> None:
