@@ -213,9 +213,9 @@ class EncoderWorker:
         if modality == "audio":
             assert self.audio_path is not None
             settings = self.audio_path.settings
-            return settings.for_track(
-                self.config.preprocess
-            ) if track else settings, self.audio_path.fingerprint
+            if track:
+                settings = settings.for_track(self.config.preprocess)
+            return settings, self.audio_path.fingerprint
         return self.config.preprocess, self.fingerprint
 
     async def start(self) -> None:
@@ -304,10 +304,14 @@ class EncoderWorker:
         """The stage that encodes ``modality`` (its queue and rate)."""
         return self.sound if modality == "audio" else self.pixels
 
-    def expected_wait_s(self, units: float = 0.0, stage: StageWork | None = None) -> float:
-        """When a new item of ``units`` would be done in ``stage`` (default the vision stage):
-        the work admitted ahead of it there and its own, at that stage's measured rate."""
-        return (stage or self.pixels).expected_wait_s(units)
+    def _stage_holding(self, key: str) -> StageWork:
+        """The stage an admitted ``key`` was admitted to."""
+        return self.sound if key in self.sound else self.pixels
+
+    def expected_wait_s(self) -> float:
+        """When a new image would be done: the vision stage's work ahead at its measured rate
+        (the audio stage's is in /health ``audio``)."""
+        return self.pixels.expected_wait_s()
 
     def _admit(self, nbytes: int, units: float, deadline_s: float | None, stage: StageWork) -> None:
         """Raise ``Overloaded`` unless an item of ``nbytes`` and ``units`` patches can be taken: done
@@ -345,8 +349,7 @@ class EncoderWorker:
         del self._inflight[key]  # first: nothing below may leave a done task in the map
         self._admitted -= 1
         self._admitted_bytes -= nbytes
-        stage = self.sound if key in self.sound else self.pixels
-        stage.finish(key, ok=not task.cancelled() and task.exception() is None)
+        self._stage_holding(key).finish(key, ok=not task.cancelled() and task.exception() is None)
         self.metrics.inflight.set(self._admitted)
         self.metrics.expected_wait.set(self.expected_wait_s())
         if not task.cancelled():
@@ -380,7 +383,7 @@ class EncoderWorker:
 
     def _correct(self, key: str, units: float) -> None:
         """An admitted item's real units replace its estimate (``StageWork.correct``)."""
-        (self.sound if key in self.sound else self.pixels).correct(key, units)
+        self._stage_holding(key).correct(key, units)
 
     def _publish(self, key: str, claimed: bool) -> None:
         """After the reply: the new embedding goes to the shared store, then the claim is let go."""

@@ -110,7 +110,8 @@ class EngineAdmission:
         fill, hit = self.fill(), self.hit()
         ahead = sum(self.work(s, fill, hit) for s in waiting)
         prompt = self.prompt_left(new, hit, new_copied_in)
-        per_s, correction = self.rate.per_s(), self.correction()
+        per_s = self.rate.per_s()
+        correction, typical = self._lateness(LATENESS_QUANTILE, 0.5)
         return WaitEstimate(
             (ahead + prompt) / per_s * correction,
             ahead / per_s * correction,
@@ -119,16 +120,20 @@ class EngineAdmission:
             per_s,
             correction,
             self.rate.measured,
-            self.correction(0.5) / correction,
+            typical / correction,
         )
 
     def correction(self, quantile: float = LATENESS_QUANTILE) -> float:
         """``quantile`` of actual / estimated over recent requests, within [1, 3] (1 until 8 are
         known)."""
+        return self._lateness(quantile)[0]
+
+    def _lateness(self, *quantiles: float) -> list[float]:
+        """``correction`` at each of ``quantiles``, from one sort of the recent errors."""
         if len(self._errors) < 8:
-            return 1.0
+            return [1.0] * len(quantiles)
         ordered = sorted(self._errors)
-        return min(max(ordered[int(quantile * (len(ordered) - 1))], 1.0), 3.0)
+        return [min(max(ordered[int(q * (len(ordered) - 1))], 1.0), 3.0) for q in quantiles]
 
     def admitted(self, request: object, estimate: WaitEstimate, now: float) -> None:
         """``request`` was admitted behind others with ``estimate`` (what its first token is
