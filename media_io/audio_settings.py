@@ -18,6 +18,9 @@ from media_io.audio_config import AudioConfig
 from media_io.audio_tokens import AudioTokenRule
 from media_io.config import PreprocessConfig
 
+# MiMo-V2.5's pads per second of sound: audio_input_id_per_second 25 / audio_group_size 4
+TOKENS_PER_SECOND = 25.0 / 4
+
 
 @dataclass(frozen=True)
 class AudioSettings:
@@ -25,7 +28,7 @@ class AudioSettings:
     rule: AudioTokenRule = field(default_factory=AudioTokenRule)
     # Pads per second of sound (``audio_input_id_per_second / audio_group_size``, 25 / 4): where a
     # video's sound track is cut (``media_io.audio_track``) and how its pads follow the frames.
-    tokens_per_second: float = 25.0 / 4
+    tokens_per_second: float = TOKENS_PER_SECOND
     # Set for a video's sound track: the video's settings, whose sampled frames decide which of the
     # track's rows are kept (``for_track``). None: a clip of its own, every row kept.
     track_of: PreprocessConfig | None = None
@@ -72,5 +75,5 @@ class AudioSettings:
         return cls(
             AudioConfig(**d["audio"]),
             AudioTokenRule(**d["rule"]),
-            float(d.get("tokens_per_second", 25.0 / 4)),
+            float(d.get("tokens_per_second", TOKENS_PER_SECOND)),
         )
