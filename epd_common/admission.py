@@ -18,13 +18,15 @@ The rate is measured over busy time only (time with work in flight), so an idle 
 rate it last showed rather than decaying towards zero; and only from completions that had company
 (another unit still in flight), whose spacing is the stage's throughput: a lone unit's completion
 is its latency, which understates a stage that overlaps or batches. Failed units (a bad input
-refused in a millisecond) are not samples either. It is the units completed per busy second over
-the samples of the last ``max_age_s`` seconds (at most ``window``, at least ``min_samples`` of
-the newest whatever their age): a batching stage completes in clumps (a batch of 20 is 19
-samples of zero time and one long one), so a few seconds of them are needed for a steady
-figure, while a slow stage keeps its last few samples however old. Until ``min_samples`` it is
-the seed (a guess no benchmark set: being wrong only makes the first burst's estimate wrong for
-a moment).
+refused in a millisecond) are not samples either. A batch's completions, delivered one by one
+within a blink of each other (``CLUMP_FRACTION`` of the busy time before the first), are one
+sample, a clump: counted apart, the first four delivered of a batch of 150 were four samples, 4
+items over the whole batch's time, a rate 40 times too low that refused the rest of a burst the
+stage was about to drain. It is the units completed per busy second over the samples of the last
+``max_age_s`` seconds (at most ``window``, at least ``min_samples`` of the newest whatever their
+age), so a batching stage is measured over a few batches, while a slow stage keeps its last few
+samples however old. Until ``min_samples`` it is the seed (a guess no benchmark set: being wrong
+only makes the first burst's estimate wrong for a moment).
 
 The deadline is the server's (``max_queue_wait_s``) unless the client sends a shorter one
 (``request_deadline_s``): a client that gives up after 2 s is better told at once than left to
@@ -45,6 +47,12 @@ DEADLINE_HEADERS = ("x-request-timeout", "x-stainless-read-timeout")
 DEADLINE_HEADER = "X-Request-Timeout"
 
 
+# A completion that follows the previous one within this fraction of the busy time that opened the
+# previous sample (or within CLUMP_S) is the same clump: a batch's items delivered one by one.
+CLUMP_FRACTION = 0.05
+CLUMP_S = 200e-6
+
+
 class ServiceRate:
     """Completions per busy second of one stage (not thread-safe: call from one thread or loop)."""
 
@@ -59,6 +67,8 @@ class ServiceRate:
         self._in_flight = 0
         self._busy_since: float | None = None  # when the current busy period (or sample) began
         self._spaced = False  # a completion happened in this busy period (the next one is spacing)
+        # the busy time that opened the newest sample, while completions may still join it (a clump)
+        self._open_gap: float | None = None
         # (when, units done, busy seconds) per sample: a completion and the busy time since the last
         self._samples: deque[tuple[float, float, float]] = deque()
         self._units = 0.0  # sums over the samples (per_s is asked on every admission)
@@ -84,7 +94,14 @@ class ServiceRate:
         # The first completion of a busy period is the pipeline's latency, not its spacing: a burst
         # of 200 into an idle stage would read as a few items per second and be refused.
         if ok and self._in_flight >= 2 and self._spaced:
-            self._add(now, units, max(now - self._busy_since, 0.0))
+            gap = max(now - self._busy_since, 0.0)
+            if self._open_gap is not None and gap < max(CLUMP_S, CLUMP_FRACTION * self._open_gap):
+                self._merge(now, units, gap)
+            else:
+                self._add(now, units, gap)
+                self._open_gap = gap
+        else:
+            self._open_gap = None
         self._spaced = True
         self._busy_since = now
         self._in_flight -= 1
@@ -95,6 +112,13 @@ class ServiceRate:
         """One measured stretch of busy time directly (a stage that times its own steps)."""
         if units > 0 and seconds > 0:
             self._add(time.monotonic() if now is None else now, units, seconds)
+
+    def _merge(self, now: float, units: float, seconds: float) -> None:
+        """A completion of the clump the newest sample opened joins that sample."""
+        _, u, b = self._samples[-1]
+        self._samples[-1] = (now, u + units, b + seconds)
+        self._units += units
+        self._busy += seconds
 
     def _add(self, now: float, units: float, seconds: float) -> None:
         self._samples.append((now, units, seconds))

@@ -112,3 +112,31 @@ def test_old_samples_age_out_but_a_slow_stage_keeps_its_last_few() -> None:
     assert rate.per_s() == pytest.approx(100.0)
     rate.observe(1, 1.0, now=1000.0)  # a slow stage: the newest two count, however old
     assert rate.per_s() == pytest.approx(11 / 1.1)
+
+
+def test_a_batch_delivered_one_by_one_is_one_sample() -> None:
+    rate = ServiceRate(seed_per_s=50.0, min_samples=4)
+    for _ in range(453):  # a burst: a batch of 2, then batches of 150 taking 1.5 s each
+        rate.started(now=0.0)
+    rate.finished(now=0.1)  # the first batch: its first is the latency, its second one clump
+    rate.finished(now=0.1001)
+    for i in range(4):  # the first four of the next batch, delivered 0.1 ms apart
+        rate.finished(now=1.6 + 1e-4 * i)
+    # two clumps so far: the seed, not 4 items over 1.5 s (2.7 items/s: 447 queued read as 166 s)
+    assert not rate.measured and rate.per_s() == 50.0
+    for i in range(4, 150):
+        rate.finished(now=1.6 + 1e-4 * i)
+    for k in (1, 2):
+        for i in range(150):
+            rate.finished(now=1.6 + 1.5 * k + 1e-4 * i)
+    assert rate.measured and rate.in_flight == 1
+    assert rate.per_s() == pytest.approx(451 / 4.5, rel=0.02)  # the stage's rate: 100 items/s
+
+
+def test_steady_completions_are_samples_each() -> None:
+    rate = ServiceRate(seed_per_s=1.0, min_samples=4)
+    for _ in range(6):
+        rate.started(now=0.0)
+    for i in range(6):  # 1000 items/s, spaced evenly: not a clump
+        rate.finished(now=0.001 * (i + 1))
+    assert rate.measured and rate.per_s() == pytest.approx(1000.0)

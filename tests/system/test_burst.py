@@ -16,15 +16,15 @@ from tests.system.conftest import percentile, shm_entries, stop_checked
 BURST = 200
 
 
-async def _burst(url: str, bodies: list[tuple[bytes, dict[str, str]]]) -> list[tuple[int, float]]:
+async def _burst(url: str, bodies: list[tuple[bytes, dict[str, str]]]) -> list[tuple[int, float, bytes]]:
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
 
-        async def one(body: tuple[bytes, dict[str, str]]) -> tuple[int, float]:
+        async def one(body: tuple[bytes, dict[str, str]]) -> tuple[int, float, bytes]:
             t0 = time.perf_counter()
             async with session.post(url, data=body[0], headers=body[1]) as resp:
-                await resp.read()
-                return resp.status, time.perf_counter() - t0
+                text = await resp.read()
+                return resp.status, time.perf_counter() - t0, text
 
         return list(await asyncio.gather(*(one(b) for b in bodies)))
 
@@ -41,8 +41,10 @@ def test_a_burst_of_200_distinct_uploads_is_served_whole() -> None:
         got = asyncio.run(_burst(f"{server.url}/v1/encode", bodies))
     finally:
         stop_checked(server, before)
-    statuses = [s for s, _ in got]
-    p99 = percentile([t for _, t in got], 99)
-    print(f"burst of {BURST}: P50 {percentile([t for _, t in got], 50):.2f} s, P99 {p99:.2f} s")
-    assert statuses == [200] * BURST, {s: statuses.count(s) for s in set(statuses)}
+    statuses = [s for s, _, _ in got]
+    times = [t for _, t, _ in got]
+    p99 = percentile(times, 99)
+    print(f"burst of {BURST}: P50 {percentile(times, 50):.2f} s, P99 {p99:.2f} s")
+    refused = [body[:400] for s, _, body in got if s != 200]
+    assert not refused, ({s: statuses.count(s) for s in set(statuses)}, refused[:3])
     assert p99 < 10.0  # within the default deadline (--encoder-max-queue-wait-s)
