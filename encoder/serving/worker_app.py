@@ -69,7 +69,7 @@ from encoder.serving.batcher import EncodeBatcher, QueueFull
 from encoder.serving.stage_work import StageWork
 from encoder.serving.worker import WorkerConfig
 from epd_common.active_paths import report
-from epd_common.admission import request_deadline_s, retry_after_header
+from epd_common.admission import admission_bound_s, request_deadline_s, retry_after_header
 from epd_common.errors import error_body
 from epd_common.messages.embedding_ref import EmbeddingRef
 from epd_common.messages.encode_reply import EncodeReply
@@ -320,16 +320,18 @@ class EncoderWorker:
         judged by the wait before its turn, or it could never be taken while others are."""
         deadline = self.config.max_queue_wait_s
         deadline = deadline if deadline_s is None else min(deadline_s, deadline)
+        bound = admission_bound_s(deadline)  # the answer's way out is not in the estimate
         wait = stage.expected_wait_s(units)
-        if stage.rate.expected_wait_s(units) > deadline:
+        if stage.rate.expected_wait_s(units) > bound:
             wait = stage.expected_wait_s()
         self.metrics.expected_wait.set(wait)
         cfg = self.config
-        if wait > deadline and self._admitted:
+        if wait > bound and self._admitted:
             self._refuse(
                 "wait",
                 f"expected wait {wait:.1f} s ({stage.queued:.0f} {stage.unit} ahead and {units:.0f} of"
-                f" its own at {stage.rate.per_s():.0f} {stage.unit}/s) exceeds the {deadline:g} s deadline",
+                f" its own at {stage.rate.per_s():.0f} {stage.unit}/s) exceeds {bound:.1f} s (of the"
+                f" {deadline:g} s deadline, the rest kept for the way out)",
                 wait,
             )
         if self._admitted_bytes + nbytes > cfg.max_queued_bytes or self._admitted >= cfg.max_inflight:

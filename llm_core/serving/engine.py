@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from epd_common.admission import admission_bound_s
 from epd_common.messages.cache_keys import MediaRows, MediaSpanError, media_spans
 from epd_common.messages.kv_events import AllBlocksCleared, KVEventBatch
 from epd_common.store.store import Store
@@ -239,20 +240,22 @@ class LLMEngine:
         req = RequestState.create(seq, sampling, self.tokenizer, loop)
         cfg = self.config
         deadline = cfg.max_queue_wait_s if deadline_s is None else min(deadline_s, cfg.max_queue_wait_s)
+        bound = admission_bound_s(deadline)  # the first token's way out is not in the estimate
         with self._lock:
             est = self.admission.estimate(self.scheduler.waiting, seq, kv_import is not None)
             # A prompt that alone outlasts the deadline is judged by its start, or it could never
             # be taken while anything else runs.
-            wait = est.wait_s if est.wait_s - est.start_s <= deadline else est.start_s
+            wait = est.wait_s if est.wait_s - est.start_s <= bound else est.start_s
             self._expected_wait_s = wait
             held_any = bool(self._requests)
-            if held_any and wait > deadline:  # an idle engine takes anything that fits
+            if held_any and wait > bound:  # an idle engine takes anything that fits
                 self._refusals["wait"] += 1
                 raise EngineOverloaded(
                     f"expected wait {wait:.1f} s for the first token ({est.tokens_ahead:.0f} tokens of"
                     f" work waiting ahead and {est.prompt_own:.0f} of its prompt at"
                     f" {est.tokens_per_s:.0f} tokens/s; x{est.correction:.2f} for how late recent"
-                    f" requests were) exceeds the {deadline:g} s deadline",
+                    f" requests were) exceeds {bound:.1f} s (of the {deadline:g} s deadline, the rest kept for"
+                    " the way out)",
                     retry_after_s=wait * est.retry_scale,
                 )
             if self.scheduler.num_waiting >= cfg.max_waiting:
