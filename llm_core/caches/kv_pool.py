@@ -327,6 +327,7 @@ class LayerKV(NamedTuple):
     k: torch.Tensor
     v: torch.Tensor
     is_swa: bool
+    group: int  # index of the layer's KV group in ``DualKVCache.groups``: its page table and slots
 
 
 class DualKVCache:
@@ -372,12 +373,12 @@ class DualKVCache:
             for g in self.groups
         )
         self._layers: list[LayerKV] = []
-        for is_swa in layout.layer_is_swa:
+        for is_swa, group in zip(layout.layer_is_swa, self.layer_group, strict=True):
             n = num_swa_pages if is_swa else num_full_pages
             h = layout.swa_kv_heads if is_swa else layout.full_kv_heads
             k = torch.zeros(n, page_size, h, layout.head_dim, dtype=dtype, device=device)
             v = torch.zeros(n, page_size, h, layout.v_head_dim, dtype=dtype, device=device)
-            self._layers.append(LayerKV(k, v, is_swa))
+            self._layers.append(LayerKV(k, v, is_swa, group))
         self.gate: LayerGate | None = None
 
     @classmethod

@@ -7,16 +7,19 @@ new tokens of B sequences back to back into T rows (varlen, no padding):
     seq b          [ cached (seq_lens[b] - n_b) | new n_b ]   positions of the new tokens:
                                                               seq_lens[b] - n_b .. seq_lens[b] - 1
 
-Pages: logical page i of a sequence holds positions [i * page_size, (i + 1) * page_size). Both
-page tables use this logical indexing. The full table maps every logical page < ceil(seq_len /
-page_size). The SWA table marks pages that slid out of every query's window with -1:
+Pages: logical page i of a sequence holds positions [i * page_size, (i + 1) * page_size). The
+batch has one page table per KV group (``llm_core.caches.kv_groups``: full attention, each
+sliding window), in the cache's group order; every table uses this logical indexing. A
+full-attention table maps every logical page < ceil(seq_len / page_size). A sliding-window table
+marks pages that slid out of every query's window with -1:
 
     positions   0        16       32       48       64   (page_size 16, W = 20, queries at 60..63)
     logical     | page 0 | page 1 | page 2 | page 3 |
     swa table      -1       -1       p7       p2        keys needed: 41..63 -> pages 2..3 only
 
-A KV "slot" is ``physical_page * page_size + offset`` into the pool viewed as
-[num_pages * page_size, Hkv, D]. This module knows nothing about models or the scheduler.
+A KV "slot" is ``physical_page * page_size + offset`` into a layer's pool viewed as
+[num_pages * page_size, Hkv, D]. A layer reads the table and slots of its group
+(``LayerKVLike.group``). This module knows nothing about models or the scheduler.
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ class AttentionBatch:
 
     cu_seqlens_q: Tensor  # int32 [B+1] offsets of each sequence's new tokens in the packed [T] batch
     seq_lens: Tensor  # int32 [B]   tokens of each sequence after this step (cached + new)
-    full_page_table: Tensor  # int32 [B, P] logical page i -> physical page in the full pool
-    swa_page_table: Tensor  # int32 [B, P] logical page i -> physical page in the SWA pool, -1 = absent
-    full_slots: Tensor  # int64 [T] flat slot (page * page_size + offset) of each new token's full KV
-    swa_slots: Tensor  # int64 [T] same for the SWA pool
+    # per KV group: int32 [B, P] logical page i -> physical page in the group's pool (-1: absent,
+    # a page that left a sliding window)
+    page_tables: tuple[Tensor, ...]
+    slots: tuple[
+        Tensor, ...
+    ]  # per KV group: int64 [T] flat slot (page * page_size + offset) of each new token
     max_seqlen_q: int
 
     @property
@@ -47,7 +52,7 @@ class AttentionBatch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.full_slots.shape[0])
+        return int(self.slots[0].shape[0])
 
     def positions(self) -> Tensor:
         """int64 [T]: absolute position of every packed new token."""
@@ -70,6 +75,8 @@ class LayerKVLike(Protocol):
     def v(self) -> Tensor: ...
     @property
     def is_swa(self) -> bool: ...
+    @property
+    def group(self) -> int: ...  # index of the layer's KV group: which of the batch's tables it reads
 
 
 class PagedKV(Protocol):
@@ -88,43 +95,40 @@ def slots_for(page_table_row: Tensor, positions: Tensor, page_size: int) -> Tens
 def build_attention_batch(
     seq_lens: Sequence[int],
     num_new_tokens: Sequence[int],
-    full_pages: Sequence[Sequence[int]],
-    swa_pages: Sequence[Sequence[int | None]],
+    group_pages: Sequence[Sequence[Sequence[int | None]]],
     page_size: int,
     device: torch.device | str = "cpu",
 ) -> AttentionBatch:
     """Build the batch from per-sequence page lists (the model runner's job in one place).
 
     ``seq_lens[b]`` counts tokens after this step; the new tokens are the last ``num_new_tokens[b]``.
-    ``swa_pages[b][i]`` is None (or -1) for logical pages that left the window. Tables are padded to
-    the longest list with -1.
+    ``group_pages[g][b]``: sequence b's page list in KV group g, None (or -1) for logical pages
+    that left the window. Tables are padded to the longest list with -1.
     """
     num = len(seq_lens)
-    assert num == len(num_new_tokens) == len(full_pages) == len(swa_pages)
-    width = max([1, *(len(p) for p in full_pages), *(len(p) for p in swa_pages)])
-    full_table = torch.full((num, width), -1, dtype=torch.int32)
-    swa_table = torch.full((num, width), -1, dtype=torch.int32)
-    for b in range(num):
-        if full_pages[b]:
-            full_table[b, : len(full_pages[b])] = torch.tensor(list(full_pages[b]), dtype=torch.int32)
-        row = [-1 if p is None else p for p in swa_pages[b]]
-        if row:
-            swa_table[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
-    full_slots, swa_slots = [], []
+    assert num == len(num_new_tokens) and all(len(rows) == num for rows in group_pages)
+    width = max([1, *(len(p) for rows in group_pages for p in rows)])
+    tables = []
+    for rows in group_pages:
+        table = torch.full((num, width), -1, dtype=torch.int32)
+        for b in range(num):
+            row = [-1 if p is None else p for p in rows[b]]
+            if row:
+                table[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        tables.append(table)
+    slots: list[list[Tensor]] = [[] for _ in tables]
     for b in range(num):
         n, total = num_new_tokens[b], seq_lens[b]
         assert 0 < n <= total, f"sequence {b}: {n} new tokens of {total}"
         pos = torch.arange(total - n, total, dtype=torch.int64)
-        full_slots.append(slots_for(full_table[b], pos, page_size))
-        swa_slots.append(slots_for(swa_table[b], pos, page_size))
+        for g, table in enumerate(tables):
+            slots[g].append(slots_for(table[b], pos, page_size))
     cu = torch.zeros(num + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(list(num_new_tokens), dtype=torch.int32), 0)
     return AttentionBatch(
         cu_seqlens_q=cu.to(device),
         seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
-        full_page_table=full_table.to(device),
-        swa_page_table=swa_table.to(device),
-        full_slots=torch.cat(full_slots).to(device),
-        swa_slots=torch.cat(swa_slots).to(device),
+        page_tables=tuple(t.to(device) for t in tables),
+        slots=tuple(torch.cat(s).to(device) for s in slots),
         max_seqlen_q=max(num_new_tokens),
     )

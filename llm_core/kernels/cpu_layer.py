@@ -198,7 +198,7 @@ def _view(t: Tensor, dtype: torch.dtype) -> object:
 
 
 class StepArgs:
-    """One forward's attention metadata as kernel buffers, per pool type (made once, used by all
+    """One forward's attention metadata as kernel buffers, per KV group (made once, used by all
     layers), and the buffers of the tensors its layers share (hidden state, rotary tables), each
     exported once per step."""
 
@@ -208,8 +208,8 @@ class StepArgs:
         def pool(slots: Tensor, table: Tensor) -> tuple[object, ...]:
             return _view(slots, torch.int64), _view(table, torch.int32), cu, lens
 
-        self.full = pool(batch.full_slots, batch.full_page_table)
-        self.swa = pool(batch.swa_slots, batch.swa_page_table)
+        # per KV group, as the batch's tables: a layer takes its group's (``LayerKVLike.group``)
+        self.groups = tuple(pool(s, t) for s, t in zip(batch.slots, batch.page_tables, strict=True))
         # tensor -> its buffer; holding the tensor keeps its memory (and identity) for the step
         self._buffers: dict[Tensor, object] = {}
 
@@ -243,7 +243,7 @@ def decoder_layer_cpu(
         first,
         step.buffer(cos),
         step.buffer(sin),
-        *(step.swa if kv.is_swa else step.full),
+        *step.groups[kv.group],
         kv.k.numpy(),
         kv.v.numpy(),
         kv.k.shape[1],

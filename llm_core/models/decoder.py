@@ -7,9 +7,10 @@ packed, paged batch.
 Attention per layer type (see config.py):
 
     full layers   Hkv = num_key_value_heads,      theta = rope_theta,     all previous keys,
-                  KV in the full pool (batch.full_slots / full_page_table)
+                  KV in the full-attention group's pool
     SWA layers    Hkv = swa_num_key_value_heads,  theta = swa_rope_theta, keys p-W+1..p + sinks,
-                  KV in the SWA pool (batch.swa_slots / swa_page_table)
+                  KV in the sliding-window group's pool (each layer reads its group's
+                  batch.slots / batch.page_tables entry: ``kv.layer(i).group``)
 
 Values are scaled by ``attention_value_scale`` before they are cached, so the cache holds exactly
 what attention reads. Rotary (cos, sin) rows are gathered once per step for each (rope_dim, theta)
@@ -203,8 +204,7 @@ class MiMoAttention(nn.Module):
         attention)."""
         layer_kv = kv.layer(self.layer_idx)
         assert layer_kv.is_swa == self.is_swa, f"layer {self.layer_idx}: KV pool type mismatch"
-        slots = batch.swa_slots if self.is_swa else batch.full_slots
-        table = batch.swa_page_table if self.is_swa else batch.full_page_table
+        slots, table = batch.slots[layer_kv.group], batch.page_tables[layer_kv.group]
         cos, sin = self._cos_sin(positions, x.dtype, rope)
         out = self.backend.forward(
             self.spec, self.qkv_rows(x), cos, sin, self.sinks, layer_kv, slots, table, batch
@@ -409,7 +409,7 @@ class DecoderForCausalLM(nn.Module):
         """Packed paged step: input_ids [T], positions [T] (or [3, T] for an M-RoPE model: temporal,
         height, width) -> final-normed hidden [T, hidden].
 
-        Writes every layer's KV for the T new tokens at batch.full_slots / batch.swa_slots before
+        Writes every layer's KV for the T new tokens at its group's batch.slots before
         attending, so a later step (or a later prefill chunk) reads them from the pools.
         ``input_embeds`` [T, hidden], when given, replaces the token embedding lookup.
         """

@@ -202,7 +202,7 @@ class MTPHeads(nn.Module):
 
         token_ids int64 [T]: row i's token t_{i+j+1}; prev_hidden [T, hidden]: h^j of each row;
         positions int64 [T] (row i's position, 1-D); ``batch``: these T rows (cu_seqlens over the
-        sequences, ``swa_slots`` where each row's KV goes, ``swa_page_table``); ``kv``: a cache with
+        sequences, each KV group's slots where a row's KV goes and page table); ``kv``: a cache with
         the heads' layers appended (``KVLayout.from_model_config(..., mtp_layers=...)``); ``embed``
         and ``rope``: the target's ``embed`` and its ``rope_tables(positions, dtype)``. Writes the
         rows' K/V into cache layer ``kv_layer(j)`` at their slots, then attends, as a target SWA

@@ -159,10 +159,8 @@ class ModelRunner:
         batch = AttentionBatch(
             cu_seqlens_q=self._arange(b + 1, torch.int32),
             seq_lens=on(torch.from_numpy((start_np + 1).astype(np.int32))),
-            full_page_table=on(tables.full_page_table),
-            swa_page_table=on(tables.swa_page_table),
-            full_slots=on(tables.full_slots),
-            swa_slots=on(tables.swa_slots),
+            page_tables=tuple(on(t) for t in tables.page_tables),
+            slots=tuple(on(t) for t in tables.slots),
             max_seqlen_q=1,
         )
         return StepInputs(
@@ -223,10 +221,8 @@ class ModelRunner:
         batch = AttentionBatch(
             cu_seqlens_q=on(torch.from_numpy(cu_seqlens)),
             seq_lens=on(torch.from_numpy(seq_lens)),
-            full_page_table=on(tables.full_page_table),
-            swa_page_table=on(tables.swa_page_table),
-            full_slots=on(tables.full_slots),
-            swa_slots=on(tables.swa_slots),
+            page_tables=tuple(on(t) for t in tables.page_tables),
+            slots=tuple(on(t) for t in tables.slots),
             max_seqlen_q=max(num_new_tokens),
         )
         input_ids = on(torch.from_numpy(np.array(ids, dtype=np.int64)))  # ~4x torch.tensor's speed

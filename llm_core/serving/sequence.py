@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from collections.abc import Sequence as SequenceOf
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 # verify step accepted (speculative decoding, ``speculative.py``).
 Sampled = int | list[int] | None
 
-NOT_RESIDENT = -1  # SWA page-table entry for a page whose SWA KV is not in the pool
+NOT_RESIDENT = -1  # page-table entry for a page whose KV is not in the pool (left a window)
 
 
 class SequenceStatus(enum.Enum):
@@ -239,12 +240,11 @@ class Sequence:
 
 
 class PageTables(NamedTuple):
-    """AttentionBatch inputs for a packed batch (see llm_core/kernels/attention_batch.py)."""
+    """AttentionBatch inputs for a packed batch, one entry per KV group in the sequences' row order
+    (see llm_core/kernels/attention_batch.py)."""
 
-    full_page_table: torch.Tensor  # int32 [B, P]; padding 0 (never read: beyond seq_lens)
-    swa_page_table: torch.Tensor  # int32 [B, P]; NOT_RESIDENT where the SWA KV is absent
-    full_slots: torch.Tensor  # int64 [T]
-    swa_slots: torch.Tensor  # int64 [T]
+    page_tables: tuple[torch.Tensor, ...]  # int32 [B, P]; NOT_RESIDENT where absent and as padding
+    slots: tuple[torch.Tensor, ...]  # int64 [T]
 
 
 class TokenPositions(NamedTuple):
@@ -282,10 +282,10 @@ def build_page_tables(
 
     Call after the KV manager allocated the step's pages and before ``num_computed_tokens`` moves.
     """
-    full_table, swa_table = _page_table_arrays(seqs, _rows_of(seqs, page_rows))
+    tables = _page_table_arrays(seqs, _rows_of(seqs, page_rows))
     if tokens is None:
         tokens = token_positions(seqs, num_new_tokens)
-    return _tables_and_slots(seqs, full_table, swa_table, tokens, page_size)
+    return _tables_and_slots(seqs, tables, tokens, page_size)
 
 
 class DecodePageTables:
@@ -298,9 +298,8 @@ class DecodePageTables:
     compared by content, so the tables equal a fresh build whatever changed the lists."""
 
     def __init__(self) -> None:
-        self._rows: list[tuple[list[int], list[int]]] = []  # copies of (full_pages, swa_pages)
-        self._full = np.zeros((0, 1), dtype=np.int32)
-        self._swa = np.zeros((0, 1), dtype=np.int32)
+        self._rows: list[tuple[list[int], ...]] = []  # copies of each sequence's rows, per group
+        self._tables: list[np.ndarray] = []  # int32 [B, P] per group
         # The tables went into a step's tensors: copy them before patching a row (a step's
         # tensors never change afterwards), so that steps without changes copy nothing.
         self._shared = False
@@ -315,92 +314,81 @@ class DecodePageTables:
         """``page_rows[b]``: the page rows per KV group of ``seqs[b]`` (default its ``pages``)."""
         rows = _rows_of(seqs, page_rows)
         if not self._patch(seqs, rows):
-            self._full, self._swa = _page_table_arrays(seqs, rows)
-            self._rows = [(list(full), list(swa)) for full, swa in map(_attention_rows, rows)]
+            self._tables = _page_table_arrays(seqs, rows)
+            self._rows = [tuple(list(r) for r in group_rows) for group_rows in rows]
         self._shared = True
         tokens = TokenPositions(np.arange(len(seqs)), positions)
-        return _tables_and_slots(seqs, self._full, self._swa, tokens, page_size)
+        return _tables_and_slots(seqs, self._tables, tokens, page_size)
 
     def _patch(self, seqs: list[Sequence], rows: list[list[list[int]]]) -> bool:
         """Bring the kept tables up to date for ``seqs``; False when they must be rebuilt (another
-        number of rows, or a row longer than the tables are wide)."""
-        if len(seqs) != len(self._rows):
+        number of rows or groups, or a row longer than the tables are wide)."""
+        if len(seqs) != len(self._rows) or not self._tables:
             return False
-        width = self._full.shape[1]
+        width = self._tables[0].shape[1]
         changed = False
-        for b, (group_rows, (full, swa)) in enumerate(zip(rows, self._rows, strict=True)):
-            now_full, now_swa = _attention_rows(group_rows)
-            if now_full == full and now_swa == swa:
+        for b, (group_rows, kept) in enumerate(zip(rows, self._rows, strict=True)):
+            if len(group_rows) != len(self._tables):
+                return False
+            if all(now == old for now, old in zip(group_rows, kept, strict=True)):
                 continue
-            full, swa = list(now_full), list(now_swa)
-            if len(full) > width or len(swa) > width:
+            fresh = tuple(list(r) for r in group_rows)
+            if any(len(r) > width for r in fresh):
                 return False
             if self._shared:
-                self._full, self._swa, self._shared = self._full.copy(), self._swa.copy(), False
-            self._full[b] = full + [0] * (width - len(full))
-            self._swa[b] = swa + [NOT_RESIDENT] * (width - len(swa))
-            self._rows[b] = (full, swa)
+                self._tables, self._shared = [t.copy() for t in self._tables], False
+            for table, row in zip(self._tables, fresh, strict=True):
+                table[b] = row + [NOT_RESIDENT] * (width - len(row))
+            self._rows[b] = fresh
             changed = True
         # as wide as the longest row, like a fresh build (only a changed row can have shrunk)
-        return not changed or max(1, max(len(full) for full, _ in self._rows)) == width
+        return not changed or _width(self._rows) == width
 
 
 def _tables_and_slots(
-    seqs: list[Sequence],
-    full_table: np.ndarray,
-    swa_table: np.ndarray,
-    tokens: TokenPositions,
-    page_size: int,
+    seqs: list[Sequence], tables: list[np.ndarray], tokens: TokenPositions, page_size: int
 ) -> PageTables:
-    """PageTables from int32 [B, P] tables and each new token's sequence and position: the write
-    slot of a token is its page's physical page * page_size + its offset in the page
-    (``Sequence.full_slot`` / ``swa_slot``), gathered for all tokens at once."""
+    """PageTables from int32 [B, P] tables (one per group) and each new token's sequence and
+    position: the write slot of a token is its page's physical page * page_size + its offset in
+    the page (``Sequence.full_slot`` / ``swa_slot``), gathered for all tokens at once."""
     seq_of_token, positions = tokens
     pages = positions // page_size  # [T] logical page of each new token
     offsets = positions - pages * page_size
-    swa_pages = swa_table[seq_of_token, pages]  # raises IndexError for a page no table maps
-    if (swa_pages == NOT_RESIDENT).any():  # also a page beyond a sequence's rows: its padding
-        t = int(np.flatnonzero(swa_pages == NOT_RESIDENT)[0])
-        raise AssertionError(f"seq {seqs[seq_of_token[t]].seq_id}: SWA page {int(pages[t])} is not resident")
-    return PageTables(
-        torch.from_numpy(full_table),
-        torch.from_numpy(swa_table),
-        torch.from_numpy(full_table[seq_of_token, pages].astype(np.int64) * page_size + offsets),
-        torch.from_numpy(swa_pages.astype(np.int64) * page_size + offsets),
-    )
+    slots = []
+    for g, table in enumerate(tables):
+        physical = table[seq_of_token, pages]  # raises IndexError for a page no table maps
+        if (physical == NOT_RESIDENT).any():  # a window's page dropped, or beyond a sequence's rows
+            t = int(np.flatnonzero(physical == NOT_RESIDENT)[0])
+            raise AssertionError(
+                f"seq {seqs[seq_of_token[t]].seq_id}: page {int(pages[t])} of KV group {g} is not resident"
+            )
+        slots.append(torch.from_numpy(physical.astype(np.int64) * page_size + offsets))
+    return PageTables(tuple(torch.from_numpy(t) for t in tables), tuple(slots))
 
 
 def _rows_of(seqs: list[Sequence], page_rows: list[list[list[int]]] | None) -> list[list[list[int]]]:
     return [s.pages for s in seqs] if page_rows is None else page_rows
 
 
-def _page_table_arrays(seqs: list[Sequence], rows: list[list[list[int]]]) -> tuple[np.ndarray, np.ndarray]:
-    """int32 [B, P] full and SWA page tables of ``seqs`` (P: the longest row, at least 1), padded
-    with 0 and NOT_RESIDENT. Flat Python lists and one numpy conversion per table: ~25 ns per entry,
-    where torch.tensor on lists is ~4x slower and a row-by-row fill ~2x."""
-    width = max(1, max(len(r[0]) if r else 0 for r in rows))
-    full_pad = [0] * width
-    swa_pad = [NOT_RESIDENT] * width
-    full_rows: list[int] = []
-    swa_rows: list[int] = []
+def _width(rows: Iterable[SequenceOf[list[int]]]) -> int:
+    """Table width for these rows: the longest (every group's row of a sequence is as long), at
+    least 1."""
+    return max(1, max((len(r[0]) if r else 0 for r in rows), default=0))
+
+
+def _page_table_arrays(seqs: list[Sequence], rows: list[list[list[int]]]) -> list[np.ndarray]:
+    """int32 [B, P] page tables of ``seqs``, one per KV group (P: the longest row, at least 1),
+    padded with NOT_RESIDENT (never read: beyond seq_lens). Flat Python lists and one numpy
+    conversion per table: ~25 ns per entry, where torch.tensor on lists is ~4x slower and a
+    row-by-row fill ~2x."""
+    width = _width(rows)
+    pad = [NOT_RESIDENT] * width
+    groups = max((len(r) for r in rows), default=0)
+    flat: list[list[int]] = [[] for _ in range(groups)]
     for s, group_rows in zip(seqs, rows, strict=True):
-        full, swa = _attention_rows(group_rows)
-        assert len(swa) <= width, f"seq {s.seq_id}: an SWA table longer than the full one"
-        full_rows += full
-        full_rows += full_pad[len(full) :]
-        swa_rows += swa
-        swa_rows += swa_pad[len(swa) :]
+        assert len(group_rows) == groups, f"seq {s.seq_id}: {len(group_rows)} page rows, not {groups}"
+        for out, row in zip(flat, group_rows, strict=True):
+            out += row
+            out += pad[len(row) :]
     b = len(seqs)
-    return (
-        np.array(full_rows, dtype=np.int32).reshape(b, width),
-        np.array(swa_rows, dtype=np.int32).reshape(b, width),
-    )
-
-
-def _attention_rows(pages: list[list[int]]) -> tuple[list[int], list[int]]:
-    """The rows the attention kernels' two tables read: full attention's and the sliding window's.
-    A model without a sliding-window group has no layer that reads the SWA table: it gets the full
-    row, so that its write slots stay valid."""
-    assert len(pages) <= 2, "the attention kernels read one sliding-window table"
-    full = pages[0] if pages else []
-    return full, (pages[1] if len(pages) > 1 else full)
+    return [np.array(out, dtype=np.int32).reshape(b, width) for out in flat]

@@ -181,10 +181,8 @@ class Speculator:
         batch = AttentionBatch(
             cu_seqlens_q=torch.from_numpy(cu).to(dev),
             seq_lens=torch.tensor([r.hi for r in rows], dtype=torch.int32, device=dev),
-            full_page_table=tables.full_page_table.to(dev),
-            swa_page_table=tables.swa_page_table.to(dev),
-            full_slots=tables.full_slots.to(dev),
-            swa_slots=tables.swa_slots.to(dev),
+            page_tables=tuple(t.to(dev) for t in tables.page_tables),
+            slots=tuple(t.to(dev) for t in tables.slots),
             max_seqlen_q=int(counts.max()),
         )
         positions = torch.from_numpy(tokens.position).to(dev)

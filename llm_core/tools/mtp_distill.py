@@ -164,7 +164,7 @@ def _paged_greedy(model: DecoderForCausalLM, prompts: Tensor, new_tokens: int) -
     out = [seqs]
     lens, news, ids = [p] * n, [p] * n, seqs.reshape(-1)  # prefill: the N prompts packed
     for _ in range(new_tokens):
-        batch = build_attention_batch(lens, news, table, table, _PAGE, device)
+        batch = build_attention_batch(lens, news, [table] * len(kv.groups), _PAGE, device)
         hidden = model(ids, batch.positions(), batch, kv)  # [T, hidden]
         last = batch.cu_seqlens_q[1:].to(torch.int64) - 1  # [N] each sequence's last row
         ids = model.compute_logits(hidden[last]).argmax(-1)  # [N]

@@ -62,8 +62,9 @@ def test_full_attention_model_keeps_one_row_and_no_window_state() -> None:
     assert len(a.pages) == 1 and NOT_RESIDENT not in a.pages[0] and a.swa_pages == []
     assert a.swa_pin_end == a.swa_prompt_pin == 0  # nothing to pin without a window
     assert kv.allocate(a, 1)
-    tables = build_page_tables([a], [1], P)  # the kernels' SWA table mirrors the full one
-    assert tables.swa_page_table.tolist() == tables.full_page_table.tolist()
+    tables = build_page_tables([a], [1], P)  # one group: one table, no SWA table to fill
+    assert len(tables.page_tables) == len(tables.slots) == 1
+    assert tables.page_tables[0][0].tolist() == a.pages[0]
     kv.check_integrity([a])
     kv.release(a)
     kv.check_integrity([])

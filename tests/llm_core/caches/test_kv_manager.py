@@ -260,16 +260,16 @@ def test_page_tables_follow_attention_batch_semantics() -> None:
     for s in (long, short):
         assert kv.allocate(s, 1)
     tables = build_page_tables([long, short], [1, 1], P)
-    assert tables.full_page_table.dtype == torch.int32 and tables.full_page_table.shape == (2, 10)
-    assert tables.full_page_table[0].tolist() == long.full_pages
-    assert tables.full_page_table[1, :1].tolist() == short.full_pages
-    swa_row = tables.swa_page_table[0].tolist()
+    assert tables.page_tables[0].dtype == torch.int32 and tables.page_tables[0].shape == (2, 10)
+    assert tables.page_tables[0][0].tolist() == long.full_pages
+    assert tables.page_tables[0][1, :1].tolist() == short.full_pages
+    swa_row = tables.page_tables[1][0].tolist()
     # Position 37 reads keys [29, 37]: logical pages 7..9 are resident, everything before is not.
     assert all(p == NOT_RESIDENT for p in swa_row[:7]) and all(p != NOT_RESIDENT for p in swa_row[7:10])
-    assert tables.swa_page_table[1, 1:].tolist() == [NOT_RESIDENT] * 9  # padding of the short row
-    assert tables.full_slots.tolist() == [long.full_pages[9] * P + 1, short.full_pages[0] * P + 3]
-    assert tables.swa_slots.tolist() == [long.swa_pages[9] * P + 1, short.swa_pages[0] * P + 3]
-    assert tables.full_slots.dtype == torch.int64
+    assert tables.page_tables[1][1, 1:].tolist() == [NOT_RESIDENT] * 9  # padding of the short row
+    assert tables.slots[0].tolist() == [long.full_pages[9] * P + 1, short.full_pages[0] * P + 3]
+    assert tables.slots[1].tolist() == [long.swa_pages[9] * P + 1, short.swa_pages[0] * P + 3]
+    assert tables.slots[0].dtype == torch.int64
 
 
 def test_page_table_slots_of_chunks_across_pages() -> None:
@@ -290,10 +290,12 @@ def test_page_table_slots_of_chunks_across_pages() -> None:
         for pos in range(s.num_computed_tokens, s.num_computed_tokens + n):
             want_full.append(s.full_slot(pos, P))
             want_swa.append(s.swa_slot(pos, P))
-    assert tables.full_slots.tolist() == want_full and tables.swa_slots.tolist() == want_swa
-    assert tables.full_slots.dtype == tables.swa_slots.dtype == torch.int64
-    assert tables.full_page_table.shape == (2, len(a.full_pages))
-    assert tables.full_page_table[1].tolist() == b.full_pages + [0] * (len(a.full_pages) - len(b.full_pages))
+    assert tables.slots[0].tolist() == want_full and tables.slots[1].tolist() == want_swa
+    assert tables.slots[0].dtype == tables.slots[1].dtype == torch.int64
+    assert tables.page_tables[0].shape == (2, len(a.full_pages))
+    assert tables.page_tables[0][1].tolist() == b.full_pages + [NOT_RESIDENT] * (
+        len(a.full_pages) - len(b.full_pages)
+    )
 
 
 def test_branch_point_window_is_pinned_and_heals_the_tree() -> None:

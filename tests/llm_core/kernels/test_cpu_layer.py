@@ -53,7 +53,7 @@ def prefill_then_decode_batch(lens: list[int], news: list[int]) -> AttentionBatc
     full, swa = free_lists(16, seed=3)
     pages = [[full.pop() for _ in range(-(-n // PAGE))] for n in lens]
     swa_pages: list[list[int | None]] = [[swa.pop() for _ in range(-(-n // PAGE))] for n in lens]
-    return build_attention_batch(lens, news, pages, swa_pages, PAGE)
+    return build_attention_batch(lens, news, [pages, swa_pages], PAGE)
 
 
 def run_layer_both_ways(
@@ -211,15 +211,14 @@ def test_errors_are_value_errors(loaded: LoadedLLM) -> None:
         cpu_layer.decoder_layer_cpu(
             weights, cpu_layer.StepArgs(batch), kv.layer(2), cos, sin, x[:11].clone(), x.clone(), False
         )
-    bad = dataclasses.replace(batch, swa_slots=batch.swa_slots + 10**6, full_slots=batch.full_slots + 10**6)
+    bad = dataclasses.replace(batch, slots=tuple(s + 10**6 for s in batch.slots))
     before = kv.layer(2).k.clone()
     with pytest.raises(ValueError, match="outside the pool"):
         cpu_layer.decoder_layer_cpu(
             weights, cpu_layer.StepArgs(bad), kv.layer(2), cos, sin, x.clone(), x.clone(), False
         )
     assert torch.equal(kv.layer(2).k, before)  # checked before anything is written
-    missing = dataclasses.replace(batch, swa_page_table=torch.full_like(batch.swa_page_table, -1))
-    missing = dataclasses.replace(missing, full_page_table=torch.full_like(batch.full_page_table, -1))
+    missing = dataclasses.replace(batch, page_tables=tuple(torch.full_like(t, -1) for t in batch.page_tables))
     with pytest.raises(ValueError, match="not in the pool"):
         cpu_layer.decoder_layer_cpu(
             weights, cpu_layer.StepArgs(missing), kv.layer(2), cos, sin, x.clone(), x.clone(), False

@@ -108,7 +108,7 @@ def step(
         s.grow(s.len + len(c))
         lens.append(s.len)
         news.append(len(c))
-    batch = build_attention_batch(lens, news, [s.full for s in seqs], [s.swa for s in seqs], PAGE, device)
+    batch = build_attention_batch(lens, news, [[s.full for s in seqs], [s.swa for s in seqs]], PAGE, device)
     ids = torch.cat(chunks).to(device)
     return model(ids, batch.positions(), batch, kv)
 
@@ -243,7 +243,7 @@ def test_embed_then_input_embeds_is_same_as_ids(loaded: LoadedLLM) -> None:
     kv = make_kv(loaded.config, 4)
     seq = PagedSeq(*free_lists(4, 0))
     seq.grow(19)
-    batch = build_attention_batch([19], [19], [seq.full], [seq.swa], PAGE)
+    batch = build_attention_batch([19], [19], [[seq.full], [seq.swa]], PAGE)
     b = model(ids, batch.positions(), batch, kv, input_embeds=model.embed(ids))
     assert torch.equal(a, b)
 

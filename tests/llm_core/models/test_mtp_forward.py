@@ -199,7 +199,10 @@ def batch_of(seqs: list[Pages], spans: list[tuple[int, int]]) -> AttentionBatch:
     for s, (_, end) in zip(seqs, spans, strict=True):
         s.cover(end)
     return build_attention_batch(
-        [e for _, e in spans], [e - s for s, e in spans], [s.full for s in seqs], [s.swa for s in seqs], PAGE
+        [e for _, e in spans],
+        [e - s for s, e in spans],
+        [[s.full for s in seqs], [s.swa for s in seqs]],
+        PAGE,
     )
 
 

@@ -3,7 +3,7 @@ the packed path's array-built positions give what the per-sequence definitions g
 
 The reference for every step is built here from the definitions, sharing no code with the runner:
 token ``i`` of a sequence at ``positions(seq, i, i + 1)`` of its scheme, its write slots
-``Sequence.full_slot`` / ``swa_slot``, its page-table rows the sequence's page lists padded with 0 /
+``Sequence.full_slot`` / ``swa_slot``, its page-table rows (one table per KV group) the sequence's page lists padded with
 NOT_RESIDENT, ``cu_seqlens_q`` the running sum of the new-token counts.
 """
 
@@ -80,7 +80,7 @@ def reference(scheme: PositionScheme, seqs: list[Sequence], counts: list[int]) -
         "swa_slots": swa_slots,
         "seq_lens": lens,
         "cu_seqlens_q": cu,
-        "full_page_table": [s.full_pages + [0] * (width - len(s.full_pages)) for s in seqs],
+        "full_page_table": [s.full_pages + [NOT_RESIDENT] * (width - len(s.full_pages)) for s in seqs],
         "swa_page_table": [s.swa_pages + [NOT_RESIDENT] * (width - len(s.swa_pages)) for s in seqs],
     }
 
@@ -90,18 +90,16 @@ def check_inputs(inp: StepInputs, want: dict[str, Any], seqs: list[Sequence], co
     got = {
         "input_ids": inp.input_ids.tolist(),
         "positions": inp.positions.tolist(),
-        "full_slots": b.full_slots.tolist(),
-        "swa_slots": b.swa_slots.tolist(),
+        "full_slots": b.slots[0].tolist(),
+        "swa_slots": b.slots[1].tolist(),
         "seq_lens": b.seq_lens.tolist(),
         "cu_seqlens_q": b.cu_seqlens_q.tolist(),
-        "full_page_table": b.full_page_table.tolist(),
-        "swa_page_table": b.swa_page_table.tolist(),
+        "full_page_table": b.page_tables[0].tolist(),
+        "swa_page_table": b.page_tables[1].tolist(),
     }
     assert got == want
-    assert (
-        b.full_slots.dtype == b.swa_slots.dtype == inp.input_ids.dtype == inp.positions.dtype == torch.int64
-    )
-    assert b.full_page_table.dtype == b.seq_lens.dtype == b.cu_seqlens_q.dtype == torch.int32
+    assert b.slots[0].dtype == b.slots[1].dtype == inp.input_ids.dtype == inp.positions.dtype == torch.int64
+    assert b.page_tables[0].dtype == b.seq_lens.dtype == b.cu_seqlens_q.dtype == torch.int32
     assert b.max_seqlen_q == max(counts)
     ends = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, counts, strict=True)]
     assert inp.sample_seqs == [i for i, e in enumerate(ends) if e]
@@ -110,7 +108,7 @@ def check_inputs(inp: StepInputs, want: dict[str, Any], seqs: list[Sequence], co
 
 def snapshot(inp: StepInputs) -> list[list[Any]]:
     b = inp.batch
-    tensors = (inp.input_ids, inp.positions, b.full_slots, b.swa_slots, b.full_page_table, b.swa_page_table)
+    tensors = (inp.input_ids, inp.positions, *b.slots, *b.page_tables)
     return [t.tolist() for t in tensors]
 
 
