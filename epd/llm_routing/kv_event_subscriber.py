@@ -24,7 +24,11 @@ for a replay from 0, so a router that starts after its engine still learns what 
 A gap is only seen when a later batch arrives, so a lost *last* batch (the slow joiner's window
 right after the start's replay, or the end of a burst) would wait for the engine's next change:
 after ``idle_replay_s`` without a live batch the subscriber asks for a replay from the next
-number it expects (an empty answer when nothing was missed).
+number it expects (an empty answer when nothing was missed). When that replay goes unanswered
+(the engine is gone or restarting), the SUB socket is made anew: a fresh connect and subscription
+instead of trusting the old socket's reconnect, which in the test suite now and then did not see
+a publisher that came back on the same port for seconds. ZMQ heartbeats (``HEARTBEAT_*``) find a
+peer that vanished without closing its connection (a host that died), which no FIN announces.
 
 The thread owns both sockets (ZMQ sockets are not thread-safe); ``on_batch`` and ``on_reset`` run
 on it, so they must be thread-safe with respect to whoever reads what they build.
@@ -46,6 +50,8 @@ log = logging.getLogger("epd.llm_routing.kv_events")
 
 END_SEQ = -1  # the replay's end marker, as 8 signed big-endian bytes
 POLL_MS = 100  # how often the thread looks at its stop flag while waiting
+HEARTBEAT_IVL_MS = 1000  # ZMTP pings on the SUB's connection ...
+HEARTBEAT_TIMEOUT_MS = 3000  # ... and how long without traffic before it is dropped and redialled
 
 
 class SubscriberCounters(NamedTuple):
@@ -121,11 +127,17 @@ class KVEventSubscriber:
         )
 
     # -- the thread -------------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _subscribe(self) -> zmq.Socket[bytes]:
         sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        return sub
+
+    def _run(self) -> None:
+        sub = self._subscribe()
         try:
-            sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-            sub.connect(self.endpoint)
             if self._sync_on_start:
                 self._replay(0)
             quiet_since = time.monotonic()
@@ -137,7 +149,9 @@ class KVEventSubscriber:
                 if not sub.poll(POLL_MS):
                     idle = self._idle_replay_s
                     if idle is not None and time.monotonic() - quiet_since > idle:
-                        self._replay(self._applied + 1)  # a lost last batch shows no gap
+                        if not self._replay(self._applied + 1):  # a lost last batch shows no gap
+                            sub.close(0)  # unanswered: the engine went away; dial it afresh
+                            sub = self._subscribe()
                         quiet_since = time.monotonic()
                     continue
                 quiet_since = time.monotonic()
@@ -207,10 +221,11 @@ class KVEventSubscriber:
             return
         self.batches += 1
 
-    def _replay(self, start: int) -> None:
-        """Ask for every kept batch from ``start`` and apply the ones not applied yet, in order."""
+    def _replay(self, start: int) -> bool:
+        """Ask for every kept batch from ``start`` and apply the ones not applied yet, in order.
+        False when the publisher did not answer in time (True without a replay endpoint)."""
         if not self.replay_endpoint:
-            return
+            return True
         dealer = self._replay_socket()
         self.replays += 1
         dealer.send_multipart((b"", start.to_bytes(8, "big")))
@@ -220,7 +235,7 @@ class KVEventSubscriber:
                 if time.monotonic() > deadline:
                     log.warning("%s: KV event replay from %d timed out", self.replay_endpoint, start)
                     self._drop_replay_socket()  # a late answer must not be read as the next one's
-                    return
+                    return False
                 continue
             frames = dealer.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != 8:
@@ -228,13 +243,14 @@ class KVEventSubscriber:
                 continue
             seq = int.from_bytes(frames[1], "big", signed=True)
             if seq == END_SEQ:
-                return
+                return True
             if seq <= self._applied:
                 continue
             if seq > self._applied + 1:
                 self.lost += seq - self._applied - 1  # older than the publisher keeps
             self._apply(seq, frames[2], may_replay=False)
         self._drop_replay_socket()
+        return True  # stopped
 
     def _replay_socket(self) -> zmq.Socket[bytes]:
         if self._dealer is None:
