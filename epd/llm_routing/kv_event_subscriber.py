@@ -2,7 +2,7 @@
 
     SUB     (topic, seq: 8 bytes big-endian, msgpack batch)          live, may drop (slow joiner,
                                                                      a full queue on either side)
-    DEALER  sends (b"", start seq)  <- (b"", seq, batch) ... (b"", -1, b"")   the replay, on demand
+    DEALER  sends (b"", start seq)  <- (b"", seq, batch) ... (b"", -1, run id)   the replay, on demand
 
 Sequence numbers say what was missed; the replay fills it in:
 
@@ -12,6 +12,8 @@ Sequence numbers say what was missed; the replay fills it in:
     live seq <= last live seq   the publisher restarted (its numbers start again at 0):
                                 ``on_reset``, then treat the batch as the first one
     first batch ever has seq > 0   the batches before it were missed: replay from 0
+    a replay ends under a new run id   the publisher restarted (its SUB may not have reconnected
+                                yet to show it): ``on_reset``, then replay from 0
 
 A payload that does not decode is logged, counted and asked for again once through the replay; if
 the replayed copy is bad too the batch is skipped (the index then misses what it said, which only
@@ -23,12 +25,13 @@ On start, and when ``resync`` is called (the router saw the engine restart), the
 for a replay from 0, so a router that starts after its engine still learns what the engine holds.
 A gap is only seen when a later batch arrives, so a lost *last* batch (the slow joiner's window
 right after the start's replay, or the end of a burst) would wait for the engine's next change:
-after ``idle_replay_s`` without a live batch the subscriber asks for a replay from the next
-number it expects (an empty answer when nothing was missed). When that replay goes unanswered
+after ``idle_replay_s`` without the index moving the subscriber asks for a replay from the next
+number it expects (an empty answer when nothing was missed). Not moving is silence, or live
+batches it holds already: what a restarted engine's stream looks like to a subscriber that read
+the whole previous run through the replay (its SUB joined late), whose numbers never went back. When that replay goes unanswered
 (the engine is gone or restarting), the SUB socket is made anew: a fresh connect and subscription
 instead of trusting the old socket's reconnect, which in the test suite now and then did not see
-a publisher that came back on the same port for seconds. ZMQ heartbeats (``HEARTBEAT_*``) find a
-peer that vanished without closing its connection (a host that died), which no FIN announces.
+a publisher that came back on the same port for seconds.
 
 The thread owns both sockets (ZMQ sockets are not thread-safe); ``on_batch`` and ``on_reset`` run
 on it, so they must be thread-safe with respect to whoever reads what they build.
@@ -50,8 +53,6 @@ log = logging.getLogger("epd.llm_routing.kv_events")
 
 END_SEQ = -1  # the replay's end marker, as 8 signed big-endian bytes
 POLL_MS = 100  # how often the thread looks at its stop flag while waiting
-HEARTBEAT_IVL_MS = 1000  # ZMTP pings on the SUB's connection ...
-HEARTBEAT_TIMEOUT_MS = 3000  # ... and how long without traffic before it is dropped and redialled
 
 
 class SubscriberCounters(NamedTuple):
@@ -97,6 +98,7 @@ class KVEventSubscriber:
         self._applied = -1  # last seq handed to on_batch (-1: none yet)
         self._live_last = -1  # last seq seen on the live stream
         self._dealer: zmq.Socket[bytes] | None = None
+        self._run_id: bytes | None = None  # the publisher run the applied batches came from (None: any)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.batches = self.gaps = self.replays = self.resets = self.decode_errors = self.lost = 0
 
@@ -129,8 +131,6 @@ class KVEventSubscriber:
     # -- the thread -------------------------------------------------------------------------------
     def _subscribe(self) -> zmq.Socket[bytes]:
         sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.connect(self.endpoint)
         return sub
@@ -140,28 +140,30 @@ class KVEventSubscriber:
         try:
             if self._sync_on_start:
                 self._replay(0)
-            quiet_since = time.monotonic()
+            quiet_since = time.monotonic()  # when the index last moved (or was last checked)
+            idle = self._idle_replay_s
             while not self._stop.is_set():
                 if self._resync.is_set():
                     self._resync.clear()
                     self._reset("resync requested")
                     self._replay(0)
+                if idle is not None and time.monotonic() - quiet_since > idle:
+                    if not self._replay(self._applied + 1):  # a lost last batch shows no gap
+                        sub.close(0)  # unanswered: the engine went away; dial it afresh
+                        sub = self._subscribe()
+                    quiet_since = time.monotonic()
                 if not sub.poll(POLL_MS):
-                    idle = self._idle_replay_s
-                    if idle is not None and time.monotonic() - quiet_since > idle:
-                        if not self._replay(self._applied + 1):  # a lost last batch shows no gap
-                            sub.close(0)  # unanswered: the engine went away; dial it afresh
-                            sub = self._subscribe()
-                        quiet_since = time.monotonic()
                     continue
-                quiet_since = time.monotonic()
                 frames = sub.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:
                     log.warning(
                         "%s: ignoring a malformed KV event message (%d frames)", self.endpoint, len(frames)
                     )
                     continue
+                applied = self._applied
                 self._receive_live(int.from_bytes(frames[1], "big"), frames[2])
+                if self._applied != applied:
+                    quiet_since = time.monotonic()
         except Exception:  # the thread must not die silently: the index would freeze
             log.exception("%s: KV event subscriber failed", self.endpoint)
         finally:
@@ -196,6 +198,7 @@ class KVEventSubscriber:
         self.resets += 1
         self._applied = -1
         self._live_last = -1
+        self._run_id = None  # the next replay's run is the one followed from here
         if self._on_reset is not None:
             self._on_reset()
 
@@ -243,6 +246,13 @@ class KVEventSubscriber:
                 continue
             seq = int.from_bytes(frames[1], "big", signed=True)
             if seq == END_SEQ:
+                run = frames[2] or None  # b"": a publisher that does not name its runs
+                if run is not None and self._run_id is not None and run != self._run_id:
+                    # what it sent before this marker came from the new run: the reset drops it
+                    self._reset("the replay answered from a new run: the publisher restarted")
+                    self._run_id = run
+                    return self._replay(0)
+                self._run_id = run if run is not None else self._run_id
                 return True
             if seq <= self._applied:
                 continue

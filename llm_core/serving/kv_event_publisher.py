@@ -4,7 +4,11 @@
     ROUTER  a subscriber that reconnected or saw a gap in the sequence numbers sends
             (b"", start sequence: 8 bytes big-endian) from a DEALER (a REQ adds the empty frame
             itself); it gets every kept batch from that number on as (b"", seq, payload), then
-            (b"", -1 as 8 signed bytes, b"") to end
+            (b"", -1 as 8 signed bytes, run id) to end
+
+The run id (8 random bytes, ``run_id``) names this publisher's life: sequence numbers start at 0
+again when the engine restarts, so a subscriber whose replay is answered under another run id
+knows the engine restarted even when its SUB socket has not yet reconnected to see the new stream.
 
 One thread owns both sockets (ZMQ sockets are not thread-safe); ``publish`` only queues. The last
 ``buffer_batches`` batches are kept for replay. A full queue drops the batch and counts it (the
@@ -15,6 +19,7 @@ what the replay is for.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -45,6 +50,7 @@ class KVEventPublisher:
         self.topic = topic.encode()
         self.data_parallel_rank = data_parallel_rank
         self.dropped = 0
+        self.run_id = os.urandom(8)  # this publisher's life (the replay's end marker carries it)
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=max_queue)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self._ready = threading.Event()
@@ -122,4 +128,4 @@ class KVEventPublisher:
         for seq, payload in list(self._buffer):
             if seq >= first:
                 replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        replay.send_multipart((client, b"", END_SEQ, b""))
+        replay.send_multipart((client, b"", END_SEQ, self.run_id))

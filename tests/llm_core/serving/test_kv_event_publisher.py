@@ -67,7 +67,7 @@ def test_replay_sends_what_is_kept_from_a_sequence_number(publisher: KVEventPubl
         frames = [dealer.recv_multipart() for _ in range(3)]
         assert [int.from_bytes(f[1], "big") for f in frames[:2]] == [3, 4]
         assert decode_batch(frames[0][2]).events == batch(3).events
-        assert frames[2] == [b"", END_SEQ, b""]
+        assert frames[2] == [b"", END_SEQ, publisher.run_id]  # the end marker names the run
         dealer.send_multipart((b"", (0).to_bytes(8, "big")))  # older than kept: from the oldest kept
         frames = [dealer.recv_multipart() for _ in range(4)]
         assert [int.from_bytes(f[1], "big", signed=True) for f in frames] == [2, 3, 4, -1]
