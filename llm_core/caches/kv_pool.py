@@ -19,11 +19,10 @@ layers with twice the KV heads), and one shared free list needs one page size in
 there by cutting groups into equal layer counts and padding pages; for MiMo that either pads the
 full pages to the SWA page's size (most of the full pool wasted) or changes the page size in
 tokens per group, which the page-aligned prefix tree does not allow. So the budget is still split
-between the pools (``plan_pools``: the split at which both run out together for a typical
-context, or ``swa_fraction``). A full-attention model (one group) has one pool, which takes the
-whole budget, and no SWA pool at all. Today's cache holds at most one sliding-window group: a
-model with two windows gets its groups and managers from the same code, but its tensors need this
-sizing generalised to N pools.
+between the pools (``plan_group_pools``: the split at which they run out together for a typical
+context, or ``swa_fraction`` for the windows together). A full-attention model (one group) has
+one pool, which takes the whole budget, and no SWA pool at all; a model with two window sizes
+has a pool per window, each layer's tensors in its group's KV shape.
 
 ``PagePool`` has no tensors, so the same allocator runs in a metadata-only mode (capacity
 benchmarks of a 70-layer plan on a laptop); ``DualKVCache`` adds the tensors on top.
@@ -31,6 +30,7 @@ benchmarks of a 70-layer plan on a laptop); ``DualKVCache`` adds the tensors on 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -321,6 +321,62 @@ def plan_pools(layout: KVLayout, cfg: KVCacheConfig) -> PoolPlan:
     return PoolPlan(int(n_full), int(n_swa), full_page, swa_page)
 
 
+def plan_group_pools(groups: Sequence[KVGroup], cfg: KVCacheConfig) -> tuple[int, ...]:
+    """Pages of each group's pool (``groups`` order) from ``cfg.memory_budget_bytes``: the split
+    ``plan_pools`` makes between full attention and the windows (the windows' pages, summed, as
+    its SWA pool), then the windows' share divided between window groups in proportion to what a
+    sequence of ``balance_context_len`` tokens holds in each. One window group: ``plan_pools``'
+    page counts exactly."""
+    page = cfg.page_size
+    budget = cfg.memory_budget_bytes
+    context_pages = math.ceil(cfg.balance_context_len / page)
+    # bytes one sequence of the balance context holds in each group's pool between steps
+    demand = [
+        (
+            min(swa_pages_per_sequence(g.spec.sliding_window, page), context_pages)
+            if g.spec.sliding_window is not None
+            else context_pages
+        )
+        * g.page_bytes(page)
+        for g in groups
+    ]
+    windows = [i for i, g in enumerate(groups) if g.spec.is_sliding]
+    fulls = [i for i, g in enumerate(groups) if not g.spec.is_sliding]
+    full_page = sum(groups[i].page_bytes(page) for i in fulls)
+    swa_page = sum(groups[i].page_bytes(page) for i in windows)
+    if cfg.swa_fraction is not None:
+        swa_budget = int(budget * cfg.swa_fraction)
+    else:
+        headroom = min(math.ceil(cfg.swa_headroom_tokens / page) * swa_page, budget // 2)
+        full, swa = sum(demand[i] for i in fulls), sum(demand[i] for i in windows)
+        frac = 1.0 - 1e-9 if full == 0 else 1e-9 if swa == 0 else swa / (full + swa)
+        swa_budget = headroom + int((budget - headroom) * frac)
+    if swa_page == 0 or full_page == 0:  # one layer kind only: the other's pages hold no bytes
+        swa_budget = 0 if swa_page == 0 else budget
+    window_demand = sum(demand[i] for i in windows)
+    budgets = [0] * len(groups)
+    for i in fulls:  # one full-attention group (two would need their own split)
+        budgets[i] = (budget - swa_budget) * groups[i].page_bytes(page) // max(full_page, 1)
+    for i in windows:
+        budgets[i] = swa_budget * demand[i] // window_demand if window_demand else 0
+    pages = [
+        b // groups[i].page_bytes(page) if groups[i].page_bytes(page) else 0 for i, b in enumerate(budgets)
+    ]
+    if len(fulls) == 1:  # exactly plan_pools' full pool (no split of its budget to round)
+        pages[fulls[0]] = (budget - swa_budget) // full_page if full_page else 0
+    # A pool of zero-byte pages (a group with no KV heads) costs nothing: as many pages as the most
+    # any other pool has, since the KV manager keeps one page per logical page in every group.
+    most = max(pages, default=0)
+    return tuple(most if groups[i].page_bytes(page) == 0 else n for i, n in enumerate(pages))
+
+
+def _pool_name(group: KVGroup, windows: int) -> str:
+    """ "full", "swa", or with several windows "swa128" (messages and integrity checks)."""
+    if not group.spec.is_sliding:
+        return "full"
+    return "swa" if windows == 1 else f"swa{group.spec.sliding_window}"
+
+
 class LayerKV(NamedTuple):
     """One layer's paged KV: k [N, page, Hkv, head_dim], v [N, page, Hkv, v_head_dim]."""
 
@@ -352,33 +408,36 @@ class DualKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         groups: tuple[KVGroup, ...] | None = None,
+        group_pages: Sequence[int] | None = None,
     ) -> None:
-        """``groups``: the model's KV groups (``kv_groups_from_config``, which knows sinks and MTP
-        layers); default: the layout's. Each must be one of the layout's two layer kinds. A pool is
-        made per group: a model without SWA layers has no SWA pool (``num_swa_pages`` unused)."""
+        """``groups``: the model's KV groups (``kv_groups_from_config``, which knows sinks, MTP
+        layers and each layer's window); default: the layout's. A pool is made per group, of
+        ``group_pages[g]`` pages (default: ``num_full_pages`` for full attention,
+        ``num_swa_pages`` for each window), and each layer's tensors take its group's KV shape:
+        a model without SWA layers has no SWA pool, one with two window sizes has two."""
         self.layout = layout
         self.page_size = page_size
         self.groups = layout.groups() if groups is None else groups
         for g in self.groups:
             if any(layout.layer_is_swa[i] != g.spec.is_sliding for i in g.layers):
                 raise ValueError(f"KV group {g.group_id} mixes the layout's full and SWA layers")
-        if sum(g.spec.is_sliding for g in self.groups) > 1:
-            raise ValueError("this cache keeps one sliding-window pool: one window size per model")
+        if group_pages is None:
+            group_pages = [num_swa_pages if g.spec.is_sliding else num_full_pages for g in self.groups]
+        if len(group_pages) != len(self.groups):
+            raise ValueError(f"{len(group_pages)} pool sizes for {len(self.groups)} KV groups")
         # layer -> index of its group in ``groups`` (the KV manager's page rows are in this order)
         self.layer_group: tuple[int, ...] = layer_groups(self.groups, layout.num_layers)
+        windows = sum(g.spec.is_sliding for g in self.groups)
         self.pools: tuple[PagePool, ...] = tuple(
-            PagePool(num_swa_pages, page_size, "swa")
-            if g.spec.is_sliding
-            else PagePool(num_full_pages, page_size, "full")
-            for g in self.groups
+            PagePool(n, page_size, _pool_name(g, windows))
+            for g, n in zip(self.groups, group_pages, strict=True)
         )
         self._layers: list[LayerKV] = []
-        for is_swa, group in zip(layout.layer_is_swa, self.layer_group, strict=True):
-            n = num_swa_pages if is_swa else num_full_pages
-            h = layout.swa_kv_heads if is_swa else layout.full_kv_heads
-            k = torch.zeros(n, page_size, h, layout.head_dim, dtype=dtype, device=device)
-            v = torch.zeros(n, page_size, h, layout.v_head_dim, dtype=dtype, device=device)
-            self._layers.append(LayerKV(k, v, is_swa, group))
+        for group in self.layer_group:
+            spec, n = self.groups[group].spec, group_pages[group]
+            k = torch.zeros(n, page_size, spec.kv_heads, spec.head_dim, dtype=dtype, device=device)
+            v = torch.zeros(n, page_size, spec.kv_heads, spec.v_head_dim, dtype=dtype, device=device)
+            self._layers.append(LayerKV(k, v, spec.is_sliding, group))
         self.gate: LayerGate | None = None
 
     @classmethod
@@ -392,8 +451,11 @@ class DualKVCache:
     ) -> DualKVCache:
         """Pools sized from a byte budget (bytes counted at ``dtype``'s width)."""
         sized = KVLayout(**{**layout.__dict__, "dtype_bytes": _DTYPE_BYTES[dtype]})
-        plan = plan_pools(sized, cfg)
-        return cls(layout, plan.num_full_pages, plan.num_swa_pages, cfg.page_size, dtype, device, groups)
+        chosen = sized.groups() if groups is None else groups
+        # bytes at ``dtype``'s width, whatever width the groups were derived at
+        specs = {g.spec: dataclasses.replace(g.spec, dtype_bytes=_DTYPE_BYTES[dtype]) for g in chosen}
+        pages = plan_group_pools([dataclasses.replace(g, spec=specs[g.spec]) for g in chosen], cfg)
+        return cls(layout, 0, 0, cfg.page_size, dtype, device, groups, group_pages=pages)
 
     def group_pool(self, group: KVGroup) -> PagePool:
         """The pool that holds ``group``'s pages."""

@@ -1,4 +1,4 @@
-"""Page pools, pool sizing from a byte budget, and the dual-pool KV tensors."""
+"""Page pools, pool sizing from a byte budget, and the KV tensors of each group's pool."""
 
 from __future__ import annotations
 
@@ -8,15 +8,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from llm_core.caches.kv_groups import KVGroup, KVGroupSpec, kv_groups
+from llm_core.caches.kv_manager import KVManager, group_managers
 from llm_core.caches.kv_pool import (
     DualKVCache,
     KVCacheConfig,
     KVLayout,
     PagePool,
     balanced_swa_fraction,
+    plan_group_pools,
     plan_pools,
     swa_pages_per_sequence,
 )
+from llm_core.serving.sequence import NOT_RESIDENT, Sequence, build_page_tables
 from tests.llm_core.conftest import TINY_MIMO_CONFIG
 
 
@@ -138,3 +142,74 @@ def test_kv_capacity_bench_quick_dual_pool_beats_uniform(tmp_path: Path) -> None
             row["dual_seqs"] >= 1
             and abs(row["ratio"] - row["closed_form_ratio"]) / row["closed_form_ratio"] < 0.15
         )
+
+
+@pytest.mark.parametrize("fraction", [None, 0.3])
+@pytest.mark.parametrize("full_only", [False, True])
+def test_the_group_plan_is_the_two_pool_plan(fraction: float | None, full_only: bool) -> None:
+    layout = small_layout()
+    if full_only:
+        layout = KVLayout(**{**layout.__dict__, "layer_is_swa": (False,) * 7})
+    for budget, headroom in ((1 << 20, 0), (3 << 20, 200), (12345678, 2048)):
+        cfg = KVCacheConfig(budget, 16, fraction, balance_context_len=1000, swa_headroom_tokens=headroom)
+        plan = plan_pools(layout, cfg)
+        kinds = [plan.num_swa_pages if g.spec.is_sliding else plan.num_full_pages for g in layout.groups()]
+        assert plan_group_pools(layout.groups(), cfg) == tuple(kinds)
+
+
+def two_window_groups(windows: tuple[int, int]) -> tuple[KVLayout, tuple[KVGroup, ...]]:
+    """8 layers: 0 and 4 full (2 KV heads), 1-3 window windows[0] (4 heads), 5-7 windows[1] (1 head)."""
+    kinds: list[int | None] = [
+        None,
+        windows[0],
+        windows[0],
+        windows[0],
+        None,
+        windows[1],
+        windows[1],
+        windows[1],
+    ]
+    heads = {None: 2, windows[0]: 4, windows[1]: 1}
+    specs = [
+        KVGroupSpec("full_attention" if w is None else "sliding_window", heads[w], 16, 8, 4, w) for w in kinds
+    ]
+    layout = KVLayout(tuple(w is not None for w in kinds), 2, 4, 16, 8, min(windows), 4)
+    return layout, kv_groups(specs)
+
+
+def test_two_window_sizes_get_a_pool_each_and_free_by_their_own_window() -> None:
+    page = 4
+    layout, groups = two_window_groups((6, 17))
+    kv = DualKVCache.from_budget(layout, KVCacheConfig(1 << 20, page, balance_context_len=64), groups=groups)
+    assert [g.spec.sliding_window for g in kv.groups] == [None, 6, 17]
+    assert [p.name for p in kv.pools] == ["full", "swa6", "swa17"]
+    for i, g in enumerate(kv.layer_group):  # each layer's tensors have its group's KV shape
+        spec = kv.groups[g].spec
+        assert kv.layer(i).k.shape[1:] == (page, spec.kv_heads, 16) and kv.layer(i).group == g
+    # the budget went to the three pools, each a whole number of pages
+    used = sum(p.num_pages * g.page_bytes(page) for p, g in zip(kv.pools, kv.groups, strict=True))
+    assert (1 << 20) - max(g.page_bytes(page) for g in kv.groups) * 3 < used <= 1 << 20
+
+    manager = KVManager(group_managers(kv), enable_prefix_cache=False)
+    seq = Sequence("a", list(range(40)))
+    assert manager.allocate(seq, 40)
+    manager.commit(seq, 40)
+    for _ in range(9):  # decode to 49 tokens: the next query at 49 reads [44, 49] and [33, 49]
+        assert manager.allocate(seq, 1)
+        manager.commit(seq, 1)
+        seq.output_ids.append(7)
+    full, narrow, wide = seq.pages
+    assert NOT_RESIDENT not in full and len(full) == math.ceil(49 / page)
+    live = [[p != NOT_RESIDENT for p in row] for row in (narrow, wide)]
+    # window W at position 49 (page boundary 48): pages from (48 - W + 1) // page on are live
+    assert live[0].index(True) == (48 - 6 + 1) // page and live[1].index(True) == (48 - 17 + 1) // page
+    assert all(live[0][live[0].index(True) :]) and all(live[1][live[1].index(True) :])
+    tables = build_page_tables([seq], [1], page)
+    assert len(tables.page_tables) == 3 and [t[0].tolist() for t in tables.page_tables] == [
+        full,
+        narrow,
+        wide,
+    ]
+    manager.check_integrity([seq])
+    manager.release(seq)
+    assert all(p.num_used == 0 for p in kv.pools)
