@@ -298,7 +298,7 @@ class DecodePageTables:
     compared by content, so the tables equal a fresh build whatever changed the lists."""
 
     def __init__(self) -> None:
-        self._rows: list[tuple[list[int], ...]] = []  # copies of each sequence's rows, per group
+        self._rows: list[list[list[int]]] = []  # copies of each sequence's rows, per group
         self._tables: list[np.ndarray] = []  # int32 [B, P] per group
         # The tables went into a step's tensors: copy them before patching a row (a step's
         # tensors never change afterwards), so that steps without changes copy nothing.
@@ -315,7 +315,7 @@ class DecodePageTables:
         rows = _rows_of(seqs, page_rows)
         if not self._patch(seqs, rows):
             self._tables = _page_table_arrays(seqs, rows)
-            self._rows = [tuple(list(r) for r in group_rows) for group_rows in rows]
+            self._rows = [[list(r) for r in group_rows] for group_rows in rows]
         self._shared = True
         tokens = TokenPositions(np.arange(len(seqs)), positions)
         return _tables_and_slots(seqs, self._tables, tokens, page_size)
@@ -328,11 +328,11 @@ class DecodePageTables:
         width = self._tables[0].shape[1]
         changed = False
         for b, (group_rows, kept) in enumerate(zip(rows, self._rows, strict=True)):
+            if group_rows == kept:  # lists of lists: compared in C, most rows most steps
+                continue
             if len(group_rows) != len(self._tables):
                 return False
-            if all(now == old for now, old in zip(group_rows, kept, strict=True)):
-                continue
-            fresh = tuple(list(r) for r in group_rows)
+            fresh = [list(r) for r in group_rows]
             if any(len(r) > width for r in fresh):
                 return False
             if self._shared:
@@ -357,8 +357,8 @@ def _tables_and_slots(
     slots = []
     for g, table in enumerate(tables):
         physical = table[seq_of_token, pages]  # raises IndexError for a page no table maps
-        if (physical == NOT_RESIDENT).any():  # a window's page dropped, or beyond a sequence's rows
-            t = int(np.flatnonzero(physical == NOT_RESIDENT)[0])
+        if physical.min(initial=0) < 0:  # NOT_RESIDENT: a window's page dropped, or beyond a row
+            t = int(np.flatnonzero(physical < 0)[0])
             raise AssertionError(
                 f"seq {seqs[seq_of_token[t]].seq_id}: page {int(pages[t])} of KV group {g} is not resident"
             )
