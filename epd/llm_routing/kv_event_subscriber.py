@@ -28,10 +28,10 @@ right after the start's replay, or the end of a burst) would wait for the engine
 after ``idle_replay_s`` without the index moving the subscriber asks for a replay from the next
 number it expects (an empty answer when nothing was missed). Not moving is silence, or live
 batches it holds already: what a restarted engine's stream looks like to a subscriber that read
-the whole previous run through the replay (its SUB joined late), whose numbers never went back. When that replay goes unanswered
-(the engine is gone or restarting), the SUB socket is made anew: a fresh connect and subscription
-instead of trusting the old socket's reconnect, which in the test suite now and then did not see
-a publisher that came back on the same port for seconds.
+the whole previous run through the replay (its SUB joined late), whose numbers never went back;
+the replay's end marker names the publisher's run, which tells. When that replay goes unanswered
+(the engine is gone or restarting), the SUB socket is made anew: a fresh connect and
+subscription rather than the old socket's reconnect schedule.
 
 The thread owns both sockets (ZMQ sockets are not thread-safe); ``on_batch`` and ``on_reset`` run
 on it, so they must be thread-safe with respect to whoever reads what they build.

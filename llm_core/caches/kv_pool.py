@@ -283,10 +283,24 @@ def balanced_swa_fraction(layout: KVLayout, context_len: int, page_size: int) ->
     One sequence of ``context_len`` tokens holds ceil(L/page) full pages and (between steps) the
     window's pages in the SWA pool; the split is the ratio of their bytes.
     """
-    full_pages = math.ceil(context_len / page_size)
-    full = full_pages * page_size * layout.full_bytes_per_token
-    swa = min(swa_pages_per_sequence(layout.sliding_window, page_size), full_pages) * page_size
-    swa *= layout.swa_bytes_per_token
+    groups = layout.groups()
+    return _window_share(groups, _demand(groups, context_len, page_size))
+
+
+def _demand(groups: Sequence[KVGroup], context_len: int, page_size: int) -> list[int]:
+    """Bytes one sequence of ``context_len`` tokens holds in each group's pool between steps."""
+    pages = math.ceil(context_len / page_size)
+    return [
+        (pages if w is None else min(swa_pages_per_sequence(w, page_size), pages)) * g.page_bytes(page_size)
+        for g in groups
+        for w in (g.spec.sliding_window,)
+    ]
+
+
+def _window_share(groups: Sequence[KVGroup], demand: Sequence[int]) -> float:
+    """The windows' share of ``demand``, strictly between 0 and 1."""
+    swa = sum(d for g, d in zip(groups, demand, strict=True) if g.spec.is_sliding)
+    full = sum(demand) - swa
     if full == 0:
         return 1.0 - 1e-9
     if swa == 0:
@@ -295,79 +309,53 @@ def balanced_swa_fraction(layout: KVLayout, context_len: int, page_size: int) ->
 
 
 def plan_pools(layout: KVLayout, cfg: KVCacheConfig) -> PoolPlan:
-    """Split ``cfg.memory_budget_bytes`` into whole pages of each pool (no tensors are made)."""
-    full_page = cfg.page_size * layout.full_bytes_per_token
-    swa_page = cfg.page_size * layout.swa_bytes_per_token
-    if cfg.swa_fraction is not None:
-        swa_budget = int(cfg.memory_budget_bytes * cfg.swa_fraction)
-    else:
-        headroom = min(
-            math.ceil(cfg.swa_headroom_tokens / cfg.page_size) * swa_page, cfg.memory_budget_bytes // 2
-        )
-        frac = balanced_swa_fraction(layout, cfg.balance_context_len, cfg.page_size)
-        swa_budget = headroom + int((cfg.memory_budget_bytes - headroom) * frac)
-    if swa_page == 0 or full_page == 0:  # one layer type only: the other pool's pages hold no bytes
-        swa_budget = 0 if swa_page == 0 else cfg.memory_budget_bytes
-    full_budget = cfg.memory_budget_bytes - swa_budget
-    n_full = full_budget // full_page if full_page else 0
-    n_swa = swa_budget // swa_page if swa_page else 0
-    # A pool of zero-byte pages (no layer of its type, e.g. an all-full-attention Qwen2) gets as
-    # many pages as the other: the KV manager keeps one page per logical page in both pools, and
-    # those pages cost nothing.
-    if swa_page == 0:
-        n_swa = n_full
-    elif full_page == 0:
-        n_full = n_swa
-    return PoolPlan(int(n_full), int(n_swa), full_page, swa_page)
+    """Split ``cfg.memory_budget_bytes`` into whole pages of each pool (no tensors are made): the
+    layout's groups' plan (``plan_group_pools``) by layer kind."""
+    groups = layout.groups()
+    pages = {g.spec.is_sliding: n for g, n in zip(groups, plan_group_pools(groups, cfg), strict=True)}
+    # a kind without layers: pages of no bytes, as many as the other kind's
+    n_full = pages.get(False, pages.get(True, 0))
+    return PoolPlan(
+        n_full,
+        pages.get(True, n_full),
+        cfg.page_size * layout.full_bytes_per_token,
+        cfg.page_size * layout.swa_bytes_per_token,
+    )
 
 
 def plan_group_pools(groups: Sequence[KVGroup], cfg: KVCacheConfig) -> tuple[int, ...]:
-    """Pages of each group's pool (``groups`` order) from ``cfg.memory_budget_bytes``: the split
-    ``plan_pools`` makes between full attention and the windows (the windows' pages, summed, as
-    its SWA pool), then the windows' share divided between window groups in proportion to what a
-    sequence of ``balance_context_len`` tokens holds in each. One window group: ``plan_pools``'
-    page counts exactly."""
-    page = cfg.page_size
-    budget = cfg.memory_budget_bytes
-    context_pages = math.ceil(cfg.balance_context_len / page)
-    # bytes one sequence of the balance context holds in each group's pool between steps
-    demand = [
-        (
-            min(swa_pages_per_sequence(g.spec.sliding_window, page), context_pages)
-            if g.spec.sliding_window is not None
-            else context_pages
-        )
-        * g.page_bytes(page)
-        for g in groups
-    ]
+    """Pages of each group's pool (``groups`` order) from ``cfg.memory_budget_bytes``.
+
+    The windows (their pages summed) get ``swa_fraction`` of the budget, or else
+    ``swa_headroom_tokens`` of pages plus the share at which full and window pages run out
+    together for ``balance_context_len`` tokens; several windows divide that in proportion to what
+    such a sequence holds in each. Every full-attention group holds every logical page, so they
+    share one page count from the rest."""
+    page, budget = cfg.page_size, cfg.memory_budget_bytes
+    demand = _demand(groups, cfg.balance_context_len, page)
+    page_bytes = [g.page_bytes(page) for g in groups]
     windows = [i for i, g in enumerate(groups) if g.spec.is_sliding]
-    fulls = [i for i, g in enumerate(groups) if not g.spec.is_sliding]
-    full_page = sum(groups[i].page_bytes(page) for i in fulls)
-    swa_page = sum(groups[i].page_bytes(page) for i in windows)
-    if cfg.swa_fraction is not None:
+    full_page = sum(b for g, b in zip(groups, page_bytes, strict=True) if not g.spec.is_sliding)
+    swa_page = sum(page_bytes[i] for i in windows)
+    if swa_page == 0 or full_page == 0:  # one layer kind only: the other's pages hold no bytes
+        swa_budget = 0 if swa_page == 0 else budget
+    elif cfg.swa_fraction is not None:
         swa_budget = int(budget * cfg.swa_fraction)
     else:
         headroom = min(math.ceil(cfg.swa_headroom_tokens / page) * swa_page, budget // 2)
-        full, swa = sum(demand[i] for i in fulls), sum(demand[i] for i in windows)
-        frac = 1.0 - 1e-9 if full == 0 else 1e-9 if swa == 0 else swa / (full + swa)
-        swa_budget = headroom + int((budget - headroom) * frac)
-    if swa_page == 0 or full_page == 0:  # one layer kind only: the other's pages hold no bytes
-        swa_budget = 0 if swa_page == 0 else budget
+        swa_budget = headroom + int((budget - headroom) * _window_share(groups, demand))
     window_demand = sum(demand[i] for i in windows)
-    budgets = [0] * len(groups)
-    for i in fulls:  # one full-attention group (two would need their own split)
-        budgets[i] = (budget - swa_budget) * groups[i].page_bytes(page) // max(full_page, 1)
-    for i in windows:
-        budgets[i] = swa_budget * demand[i] // window_demand if window_demand else 0
+    n_full = (budget - swa_budget) // full_page if full_page else 0
     pages = [
-        b // groups[i].page_bytes(page) if groups[i].page_bytes(page) else 0 for i, b in enumerate(budgets)
+        (swa_budget * demand[i] // window_demand if window_demand else 0) // page_bytes[i]
+        if g.spec.is_sliding and page_bytes[i]
+        else n_full
+        for i, g in enumerate(groups)
     ]
-    if len(fulls) == 1:  # exactly plan_pools' full pool (no split of its budget to round)
-        pages[fulls[0]] = (budget - swa_budget) // full_page if full_page else 0
     # A pool of zero-byte pages (a group with no KV heads) costs nothing: as many pages as the most
     # any other pool has, since the KV manager keeps one page per logical page in every group.
     most = max(pages, default=0)
-    return tuple(most if groups[i].page_bytes(page) == 0 else n for i, n in enumerate(pages))
+    return tuple(most if b == 0 else n for n, b in zip(pages, page_bytes, strict=True))
 
 
 def _pool_name(group: KVGroup, windows: int) -> str:
@@ -452,9 +440,11 @@ class DualKVCache:
         """Pools sized from a byte budget (bytes counted at ``dtype``'s width)."""
         sized = KVLayout(**{**layout.__dict__, "dtype_bytes": _DTYPE_BYTES[dtype]})
         chosen = sized.groups() if groups is None else groups
-        # bytes at ``dtype``'s width, whatever width the groups were derived at
-        specs = {g.spec: dataclasses.replace(g.spec, dtype_bytes=_DTYPE_BYTES[dtype]) for g in chosen}
-        pages = plan_group_pools([dataclasses.replace(g, spec=specs[g.spec]) for g in chosen], cfg)
+        width = _DTYPE_BYTES[dtype]  # bytes at ``dtype``'s width, whatever the groups were derived at
+        sized_groups = [
+            dataclasses.replace(g, spec=dataclasses.replace(g.spec, dtype_bytes=width)) for g in chosen
+        ]
+        pages = plan_group_pools(sized_groups, cfg)
         return cls(layout, 0, 0, cfg.page_size, dtype, device, groups, group_pages=pages)
 
     def group_pool(self, group: KVGroup) -> PagePool:

@@ -41,9 +41,8 @@ class AttentionBatch:
     # per KV group: int32 [B, P] logical page i -> physical page in the group's pool (-1: absent,
     # a page that left a sliding window)
     page_tables: tuple[Tensor, ...]
-    slots: tuple[
-        Tensor, ...
-    ]  # per KV group: int64 [T] flat slot (page * page_size + offset) of each new token
+    # per KV group: int64 [T] flat slot (page * page_size + offset) of each new token
+    slots: tuple[Tensor, ...]
     max_seqlen_q: int
 
     @property

@@ -146,15 +146,35 @@ def test_kv_capacity_bench_quick_dual_pool_beats_uniform(tmp_path: Path) -> None
 
 @pytest.mark.parametrize("fraction", [None, 0.3])
 @pytest.mark.parametrize("full_only", [False, True])
-def test_the_group_plan_is_the_two_pool_plan(fraction: float | None, full_only: bool) -> None:
+def test_one_window_plan_follows_the_documented_split(fraction: float | None, full_only: bool) -> None:
     layout = small_layout()
     if full_only:
         layout = KVLayout(**{**layout.__dict__, "layer_is_swa": (False,) * 7})
-    for budget, headroom in ((1 << 20, 0), (3 << 20, 200), (12345678, 2048)):
-        cfg = KVCacheConfig(budget, 16, fraction, balance_context_len=1000, swa_headroom_tokens=headroom)
+    page, ctx = 16, 1000
+    full_page, swa_page = page * layout.full_bytes_per_token, page * layout.swa_bytes_per_token
+    for budget, headroom_tokens in ((1 << 20, 0), (3 << 20, 200), (12345678, 2048)):
+        cfg = KVCacheConfig(
+            budget, page, fraction, balance_context_len=ctx, swa_headroom_tokens=headroom_tokens
+        )
+        # KVCacheConfig's rule, written out: the SWA pool gets the fraction, or the prefill headroom
+        # plus the share at which both pools run out together for ctx tokens
+        if swa_page == 0:
+            swa_budget = 0
+        elif fraction is not None:
+            swa_budget = int(budget * fraction)
+        else:
+            headroom = min(math.ceil(headroom_tokens / page) * swa_page, budget // 2)
+            full = math.ceil(ctx / page) * full_page
+            swa = min(swa_pages_per_sequence(8, page), math.ceil(ctx / page)) * swa_page
+            swa_budget = headroom + int((budget - headroom) * (swa / (full + swa)))
+        n_full = (budget - swa_budget) // full_page
+        want = [swa_budget // swa_page if g.spec.is_sliding else n_full for g in layout.groups()]
+        assert plan_group_pools(layout.groups(), cfg) == tuple(want)
         plan = plan_pools(layout, cfg)
-        kinds = [plan.num_swa_pages if g.spec.is_sliding else plan.num_full_pages for g in layout.groups()]
-        assert plan_group_pools(layout.groups(), cfg) == tuple(kinds)
+        assert (plan.num_full_pages, plan.num_swa_pages) == (
+            n_full,
+            swa_budget // swa_page if swa_page else n_full,
+        )
 
 
 def two_window_groups(windows: tuple[int, int]) -> tuple[KVLayout, tuple[KVGroup, ...]]:
