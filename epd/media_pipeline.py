@@ -42,7 +42,7 @@ from epd.encoder_client import EncoderClient
 from epd.encoder_router import EncoderRouter
 from epd.media_request import MediaSource
 from epd.metrics import IngressMetrics
-from epd_common.admission import ServiceRate, admission_bound_s, seconds_left
+from epd_common.admission import ServiceRate, admission_bound_s, bound_text, seconds_left
 from epd_common.errors import APIError, bad_request, overloaded
 from epd_common.messages.embedding_ref import EmbeddingRef
 from media_io.audio import has_audio_stream
@@ -143,8 +143,7 @@ class MediaPipeline:
             self.metrics.refusals.labels(stage="ingress", reason="wait").inc()
             raise overloaded(
                 f"expected wait {wait:.1f} s ({self._inflight} items in flight and {items} of this request at"
-                f" {self.rate.per_s():.1f} items/s) exceeds {bound:.1f} s (of the {deadline:g} s deadline,"
-                " the rest kept for the way out)",
+                f" {self.rate.per_s():.1f} items/s) exceeds {bound_text(deadline)}",
                 retry_after_s=wait,
             )
         if self._inflight + items > self.max_inflight:

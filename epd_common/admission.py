@@ -183,6 +183,11 @@ def admission_bound_s(deadline_s: float) -> float:
     return deadline_s * DEADLINE_SHARE
 
 
+def bound_text(deadline_s: float) -> str:
+    """What a refusal says it exceeded: the bound and the deadline it is a share of."""
+    return f"{admission_bound_s(deadline_s):.1f} s (of the {deadline_s:g} s deadline, the rest kept for the way out)"
+
+
 def seconds_left(deadline_at: float | None) -> float | None:
     """What is left of a ``time.monotonic()`` deadline, in seconds, to send on (at least a
     millisecond: the next stage then refuses, rather than reading 0 as no deadline)."""

@@ -69,7 +69,7 @@ from encoder.serving.batcher import EncodeBatcher, QueueFull
 from encoder.serving.stage_work import StageWork
 from encoder.serving.worker import WorkerConfig
 from epd_common.active_paths import report
-from epd_common.admission import admission_bound_s, request_deadline_s, retry_after_header
+from epd_common.admission import admission_bound_s, bound_text, request_deadline_s, retry_after_header
 from epd_common.errors import error_body
 from epd_common.messages.embedding_ref import EmbeddingRef
 from epd_common.messages.encode_reply import EncodeReply
@@ -330,8 +330,7 @@ class EncoderWorker:
             self._refuse(
                 "wait",
                 f"expected wait {wait:.1f} s ({stage.queued:.0f} {stage.unit} ahead and {units:.0f} of"
-                f" its own at {stage.rate.per_s():.0f} {stage.unit}/s) exceeds {bound:.1f} s (of the"
-                f" {deadline:g} s deadline, the rest kept for the way out)",
+                f" its own at {stage.rate.per_s():.0f} {stage.unit}/s) exceeds {bound_text(deadline)}",
                 wait,
             )
         if self._admitted_bytes + nbytes > cfg.max_queued_bytes or self._admitted >= cfg.max_inflight:

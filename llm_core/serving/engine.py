@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from epd_common.admission import admission_bound_s
+from epd_common.admission import admission_bound_s, bound_text
 from epd_common.messages.cache_keys import MediaRows, MediaSpanError, media_spans
 from epd_common.messages.kv_events import AllBlocksCleared, KVEventBatch
 from epd_common.store.store import Store
@@ -254,8 +254,7 @@ class LLMEngine:
                     f"expected wait {wait:.1f} s for the first token ({est.tokens_ahead:.0f} tokens of"
                     f" work waiting ahead and {est.prompt_own:.0f} of its prompt at"
                     f" {est.tokens_per_s:.0f} tokens/s; x{est.correction:.2f} for how late recent"
-                    f" requests were) exceeds {bound:.1f} s (of the {deadline:g} s deadline, the rest kept for"
-                    " the way out)",
+                    f" requests were) exceeds {bound_text(deadline)}",
                     retry_after_s=wait * est.retry_scale,
                 )
             if self.scheduler.num_waiting >= cfg.max_waiting:
