@@ -1,4 +1,4 @@
-"""KV capacity: sequences held per GiB by the dual pool vs a uniform all-layers allocation.
+"""KV capacity: sequences held per GiB by the SWA-aware cache vs a uniform all-layers allocation.
 
     python -m bench.kv_capacity [--budget-gib 512] [--chunk 8192] [--json out.json] [--quick]
 
@@ -8,12 +8,16 @@ MiMo-V2-Flash's (the architecture this project implements): 4 KV heads on full l
 layers, head_dim 192 (K), v_head_dim 128 (V), bf16. A second plan gives SWA layers the same 4
 heads (the "1/7 of full attention" accounting in the report): a lower bound on the gain.
 
-Both contenders run the real allocator without tensors (``PagePool`` + ``KVManager`` in
-metadata-only use) over the same byte budget:
+All contenders run the real allocator without tensors (``PagePool`` / ``GroupBlocks`` +
+``KVManager`` in metadata-only use) over the same byte budget; each sequence is prefilled in
+chunks and takes one decode step, and the SWA-aware manager drops SWA pages that left the window
+as it goes:
 
-- dual pool: the budget split so both pools run out together at the context length
-  (``plan_pools`` with ``balance_context_len``); each sequence is prefilled in chunks and takes one decode step, and
-  the manager drops SWA pages that left the window as it goes;
+- shared: one block pool both groups draw from (``kv_blocks``: what the engine allocates by
+  default), with no split to tune;
+- dual pool: a pool per group, the budget split so both run out together at exactly the
+  benchmark's context length (``plan_pools`` with ``balance_context_len``: the best a fixed split
+  can do, known in advance here and never in service);
 - uniform: the same manager with ``swa_aware=False`` and pools split by bytes per token, i.e.
   every layer keeps every token (what an SWA-unaware engine allocates).
 
@@ -28,14 +32,17 @@ import math
 import time
 
 from bench.common import add_common_args, format_machine, machine_info, print_table, write_json
+from llm_core.caches.kv_blocks import GroupBlocks, plan_block_layout
 from llm_core.caches.kv_group_manager import FullAttentionManager, SlidingWindowManager
 from llm_core.caches.kv_manager import KVManager
-from llm_core.caches.kv_pool import KVCacheConfig, KVLayout, PagePool, plan_pools, swa_pages_per_sequence
+from llm_core.caches.kv_pool import KVCacheConfig, KVLayout, plan_pools, swa_pages_per_sequence
+from llm_core.caches.page_pool import PagePool
 from llm_core.serving.sequence import Sequence
 
 GIB = 1 << 30
 PAGE = 16
 WINDOW = 128
+MIXED = (2048, 8192, 32768)  # context lengths of the mixed rows, in turn
 
 
 def pro_layout(swa_kv_heads: int = 8) -> KVLayout:
@@ -59,13 +66,25 @@ def metadata_kv(
     balance_context_len: int,
     swa_headroom_tokens: int,
     enable_prefix_cache: bool = True,
+    shared: bool = False,
 ) -> KVManager:
     """A tensor-free ``KVManager`` over ``budget`` bytes, for allocator-level benchmarks.
 
-    SWA-aware: the pools split so both run out together at ``balance_context_len`` tokens (plus
+    ``shared``: one block pool for both groups (SWA-aware). Else SWA-aware: the pools split so both run out together at ``balance_context_len`` tokens (plus
     ``swa_headroom_tokens`` of SWA pages for chunks in flight). Not aware: split by bytes per
     token, i.e. every layer keeps every token, as an SWA-unaware engine allocates.
     """
+    if shared:
+        blocks_layout = plan_block_layout(layout.groups(), PAGE)
+        blocks = PagePool(blocks_layout.num_blocks(budget, layout.dtype_bytes), PAGE, "blocks")
+        full_k, swa_k = blocks_layout.blocks_per_page
+        return KVManager(
+            [
+                FullAttentionManager(GroupBlocks(blocks, full_k, "full")),
+                SlidingWindowManager(GroupBlocks(blocks, swa_k, "swa"), WINDOW),
+            ],
+            enable_prefix_cache=enable_prefix_cache,
+        )
     if swa_aware:
         cfg = KVCacheConfig(
             budget, PAGE, balance_context_len=balance_context_len, swa_headroom_tokens=swa_headroom_tokens
@@ -85,23 +104,33 @@ def metadata_kv(
 
 
 def held_sequences(
-    layout: KVLayout, budget: int, context: int, chunk: int, swa_aware: bool
+    layout: KVLayout,
+    budget: int,
+    context: int | tuple[int, ...],
+    chunk: int,
+    swa_aware: bool,
+    shared: bool = False,
+    balance: int | None = None,
 ) -> tuple[int, float]:
-    """Admit sequences of ``context`` tokens until one does not fit; (count, seconds spent)."""
-    # Both pools run out together at this context, with one prefill chunk in flight on top
-    # (sequences are prefilled one at a time here).
+    """Admit sequences of ``context`` tokens (a tuple: those lengths in turn) until one does not
+    fit; (count, seconds spent). A split pool runs out on both sides together at ``balance``
+    tokens (default: the context, known in advance), with one prefill chunk in flight on top
+    (sequences are prefilled one at a time here)."""
+    lengths = context if isinstance(context, tuple) else (context,)
     kv = metadata_kv(
         layout,
         budget,
         swa_aware,
-        balance_context_len=context + 1,
+        balance_context_len=(balance or lengths[0]) + 1,
         swa_headroom_tokens=chunk + WINDOW + PAGE,
         enable_prefix_cache=False,
+        shared=shared,
     )
     held: list[Sequence] = []
     t0 = time.perf_counter()
     while True:
-        seq = Sequence(len(held), [0] * (context - 1) + [1])  # distinct requests; contents do not matter
+        n = lengths[len(held) % len(lengths)]
+        seq = Sequence(len(held), [0] * (n - 1) + [1])  # distinct requests; contents do not matter
         ok = True
         while seq.in_prefill and ok:
             n = min(chunk, seq.num_uncomputed_tokens)
@@ -147,42 +176,98 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
     rows = []
     results = []
-    ratios: dict[str, dict[int, float]] = {}
+    ratios: dict[str, dict[int, float]] = {}  # dual pool / uniform
+    shared_ratios: dict[str, dict[int, float]] = {}  # shared block pool / uniform
+    mixed: dict[str, float] = {}  # shared / dual on mixed lengths
     for name, layout in plans.items():
         for ctx in contexts:
             dual, t_dual = held_sequences(layout, budget, ctx, args.chunk, swa_aware=True)
+            shared, t_shared = held_sequences(layout, budget, ctx, args.chunk, swa_aware=True, shared=True)
             uni, t_uni = held_sequences(layout, budget, ctx, args.chunk, swa_aware=False)
             ratio = dual / uni if uni else float("inf")
+            shared_ratio = shared / uni if uni else float("inf")
             est = estimate(layout, ctx, False) / estimate(layout, ctx, True)
             ratios.setdefault(name, {})[ctx] = ratio
+            shared_ratios.setdefault(name, {})[ctx] = shared_ratio
             gib = budget / GIB
             rows.append(
-                [name, f"{ctx // 1024}K", dual / gib, uni / gib, ratio, est, dual, uni, t_dual + t_uni]
+                [
+                    name,
+                    f"{ctx // 1024}K",
+                    shared / gib,
+                    dual / gib,
+                    uni / gib,
+                    shared_ratio,
+                    ratio,
+                    est,
+                    shared,
+                    dual,
+                    uni,
+                    t_shared + t_dual + t_uni,
+                ]
             )
             results.append(
                 {
                     "plan": name,
                     "context": ctx,
+                    "shared_seqs": shared,
                     "dual_seqs": dual,
                     "uniform_seqs": uni,
+                    "shared_seqs_per_gib": shared / gib,
                     "dual_seqs_per_gib": dual / gib,
                     "uniform_seqs_per_gib": uni / gib,
+                    "shared_ratio": shared_ratio,
                     "ratio": ratio,
                     "closed_form_ratio": est,
                     "full_bytes_per_token": layout.full_bytes_per_token,
                     "swa_bytes_per_token": layout.swa_bytes_per_token,
                 }
             )
+        # Mixed lengths, the split tuned as the engine tunes it (for 8K: ``min(max_model_len,
+        # 8192)``): no fixed split fits them all, the shared pool needs none.
+        dual, t_dual = held_sequences(layout, budget, MIXED, args.chunk, swa_aware=True, balance=8192)
+        shared, t_shared = held_sequences(layout, budget, MIXED, args.chunk, swa_aware=True, shared=True)
+        uni, t_uni = held_sequences(layout, budget, MIXED, args.chunk, swa_aware=False)
+        mixed[name] = shared / dual
+        gib = budget / GIB
+        rows.append(
+            [
+                name,
+                "mixed",
+                shared / gib,
+                dual / gib,
+                uni / gib,
+                shared / uni,
+                dual / uni,
+                float("nan"),
+                shared,
+                dual,
+                uni,
+                t_shared + t_dual + t_uni,
+            ]
+        )
+        results.append(
+            {
+                "plan": name,
+                "context": list(MIXED),
+                "shared_seqs": shared,
+                "dual_seqs": dual,
+                "uniform_seqs": uni,
+            }
+        )
     machine = machine_info()
     print_table(
         f"KV capacity, 70 layers (10 full + 60 SWA, window {WINDOW}), budget {budget / GIB:.0f} GiB, page {PAGE}",
         [
             "plan",
             "context",
+            "shared seq/GiB",
             "dual seq/GiB",
             "uniform seq/GiB",
-            "ratio",
+            "shared ratio",
+            "dual ratio",
             "closed form",
+            "shared",
             "dual",
             "uniform",
             "sim s",
@@ -195,9 +280,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "capacity_ratio_8k": ratios[main_plan][8192],
         "capacity_ratio_32k": ratios[main_plan][32768],
         "capacity_ratio_32k_equal_heads": ratios["swa-equal-heads"][32768],
+        "shared_capacity_ratio_8k": shared_ratios[main_plan][8192],
+        "shared_capacity_ratio_32k": shared_ratios[main_plan][32768],
+        "shared_capacity_ratio_32k_equal_heads": shared_ratios["swa-equal-heads"][32768],
+        "shared_over_dual_mixed": mixed[main_plan],
+        "shared_over_dual_mixed_equal_heads": mixed["swa-equal-heads"],
     }
     if 131072 in ratios[main_plan]:
         summary["capacity_ratio_128k"] = ratios[main_plan][131072]
+        summary["shared_capacity_ratio_128k"] = shared_ratios[main_plan][131072]
     write_json(args.json, summary=summary, results=results, machine=machine, config=vars(args))
     print(summary)
     return summary

@@ -86,7 +86,7 @@ class HostRestore:
             self._chunk_seconds = 0.0
         p, first = self.page_size, self.start // self.page_size
         dst = kv.layer_storage(layer)
-        row = rows[kv.layer_group[layer]]
+        row = kv.physical(layer, rows[kv.layer_group[layer]])  # this layer's pages in its tensors
         whole_rows: list[int] = []  # physical pages of the logical pages the chunk covers entirely
         whole_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # their K, V [page, H, D]
         for j in range(lo // p, (hi - 1) // p + 1):

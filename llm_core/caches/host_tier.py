@@ -89,11 +89,16 @@ class HostKVTier:
         not kept). A page counts as window-live (``HostPage.has_swa``) when every group is."""
         layer_group = self.kv.layer_group
         live = all(row is not None for row in rows)
+        # each layer's pages in its tensors (``DualKVCache.physical``)
+        physical = [
+            None if (row := rows[layer_group[i]]) is None else self.kv.physical(i, row)
+            for i in range(self.kv.layout.num_layers)
+        ]
         for j, h in enumerate(hashes):
             layers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
             nbytes = 0
             for i in range(self.kv.layout.num_layers):
-                row = rows[layer_group[i]]
+                row = physical[i]
                 if row is None:
                     layers.append(None)
                     continue

@@ -3,8 +3,8 @@
 The per-group pools of ``kv_pool`` split a byte budget ahead of time, so one kind can run out
 while the other sits idle (the chat overload test: the SWA pool at 87% while the full pool was at
 5%). Here every group takes its pages from one free list of blocks of equal bytes. This module
-plans the blocks and allocates them; ``DualKVCache`` is wired to it in a later step (NOTES,
-"Session 17: the shared page pool, designed").
+plans the blocks and allocates them; ``DualKVCache`` builds the slot tensors and the layers' views
+on them, and ``page_map.BlockPageMap`` maps a group's tables to the views.
 
 Layout. A block is ``num_slots`` slots; slot ``t`` of every block lives in slot tensor ``t``
 (``[num_blocks, slot_elems]`` for K, another for V), and a slot holds the largest layer's page.
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from llm_core.caches.kv_groups import KVGroup
-from llm_core.caches.kv_pool import PagePool
+from llm_core.caches.page_pool import PagePool
 
 
 @dataclass(frozen=True)

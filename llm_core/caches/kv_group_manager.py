@@ -18,7 +18,8 @@ Managers know nothing of the radix tree; they free through their pool.
 
 from __future__ import annotations
 
-from llm_core.caches.kv_pool import PagePool, swa_pages_per_sequence
+from llm_core.caches.kv_pool import swa_pages_per_sequence
+from llm_core.caches.page_pool import PageAllocator
 from llm_core.serving.sequence import NOT_RESIDENT, Sequence
 
 
@@ -27,7 +28,7 @@ class FullAttentionManager:
 
     window: int | None = None
 
-    def __init__(self, pool: PagePool) -> None:
+    def __init__(self, pool: PageAllocator) -> None:
         self.pool = pool
         self.page_size = pool.page_size
 
@@ -42,7 +43,7 @@ class FullAttentionManager:
 class SlidingWindowManager:
     """A sliding-window group of window ``window`` (keys per query, the query included)."""
 
-    def __init__(self, pool: PagePool, window: int, swa_aware: bool = True) -> None:
+    def __init__(self, pool: PageAllocator, window: int, swa_aware: bool = True) -> None:
         assert window >= 1, window
         self.pool = pool
         self.page_size = pool.page_size

@@ -42,8 +42,9 @@ from typing import NamedTuple
 from llm_core.caches.host_tier import HostKVTier
 from llm_core.caches.kv_connector import HostTierConnector, KVConnector, PromptImports, StoreTierConnector
 from llm_core.caches.kv_group_manager import FullAttentionManager, GroupManager, SlidingWindowManager
-from llm_core.caches.kv_pool import DualKVCache, PagePool
+from llm_core.caches.kv_pool import DualKVCache
 from llm_core.caches.kv_transfers import KVTransfers
+from llm_core.caches.page_pool import PageAllocator, PagePool
 from llm_core.caches.radix_cache import InsertResult, RadixCache, RadixNode
 from llm_core.serving.sequence import NOT_RESIDENT, Sequence
 
@@ -107,6 +108,7 @@ class KVManager:
         self.imports = PromptImports()
         self.connectors: list[KVConnector] = []
         self.connect_tiers()
+        self._budgets = self._budgets_of()
         self._peeks: weakref.WeakKeyDictionary[Sequence, tuple[tuple[int, int], int]] = (
             weakref.WeakKeyDictionary()
         )
@@ -122,11 +124,11 @@ class KVManager:
 
     # ---- geometry ------------------------------------------------------------------------
     @property
-    def full_pool(self) -> PagePool:
+    def full_pool(self) -> PageAllocator:
         return self.groups[0].pool
 
     @property
-    def swa_pool(self) -> PagePool:
+    def swa_pool(self) -> PageAllocator:
         """The sliding-window group's pool (group 1)."""
         return self.groups[1].pool
 
@@ -269,20 +271,35 @@ class KVManager:
         need = self.pages_needed(seq, n)
         return self._available(need)
 
-    def _available(self, need: PageNeed) -> bool:
-        ok = [n <= g.pool.num_free for n, g in zip(need.per_group, self.groups, strict=True)]
-        if all(ok):
-            return True
-        radix = self.radix
-        if radix is None:
-            return False
-        # Evicting full KV from the tree also frees the window KV of those nodes, but not the other
-        # way round; a window group's bound counts what eviction in that group alone can free.
+    def _budgets_of(self) -> list[tuple[PagePool, list[int]]]:
+        """The free lists the groups draw from, each with its groups' indices: one shared block
+        pool for every group, or a pool per group."""
+        out: dict[int, tuple[PagePool, list[int]]] = {}
         for g, group in enumerate(self.groups):
-            if not ok[g]:
-                evictable = radix.evictable_full_pages() if g == 0 else radix.evictable_swa_pages(g)
-                ok[g] = need.per_group[g] <= group.pool.num_free + evictable
-        return all(ok)
+            blocks = group.pool.blocks
+            out.setdefault(id(blocks), (blocks, []))[1].append(g)
+        return list(out.values())
+
+    def _evictable(self, g: int) -> int:
+        """Pages of group ``g`` eviction can free: unlocked tree pages, and for a window group
+        also the window pages of locked nodes that no lock needs."""
+        radix = self.radix
+        assert radix is not None
+        return radix.evictable_full_pages() if g == 0 else radix.evictable_swa_pages(g)
+
+    def _available(self, need: PageNeed) -> bool:
+        for blocks, members in self._budgets:
+            want = sum(self.groups[g].pool.cost(need.per_group[g]) for g in members)
+            if want <= blocks.num_free:
+                continue
+            if self.radix is None:
+                return False
+            # Evicting full KV from the tree also frees the window KV of those nodes, but not the
+            # other way round; the bound counts each group's evictable pages once.
+            evictable = sum(self.groups[g].pool.cost(self._evictable(g)) for g in members)
+            if want > blocks.num_free + evictable:
+                return False
+        return True
 
     def allocate(self, seq: Sequence, n: int) -> bool:
         """Give ``seq`` pages for positions [c, c+n); evicts cached KV when a pool is short.
@@ -295,13 +312,19 @@ class KVManager:
         if not self._available(need) and not (self.unpin(seq) and self._available(need)):
             return False
         if self.radix is not None:
-            for g, group in enumerate(self.groups):
-                short = need.per_group[g] - group.pool.num_free
-                if short > 0:
+            for blocks, members in self._budgets:
+                want = sum(self.groups[g].pool.cost(need.per_group[g]) for g in members)
+                # Windows first: trimming and tombstoning window KV keeps the tree's full KV (and
+                # an unlocked leaf goes whole); then whole least recently used leaves.
+                for g in sorted(members, key=lambda g: g == 0):
+                    short = want - blocks.num_free
+                    if short <= 0:
+                        break
+                    count = -(-short // self.groups[g].pool.blocks_per_page)  # its pages that free as much
                     if g == 0:
-                        self.radix.evict_full(short)
+                        self.radix.evict_full(count)
                     else:
-                        self.radix.evict_swa(short, g)
+                        self.radix.evict_swa(count, g)
         got = [group.pool.alloc(n) for n, group in zip(need.per_group, self.groups, strict=True)]
         if any(pages is None for pages in got):  # pragma: no cover - _available() guarantees room
             for pages, group in zip(got, self.groups, strict=True):
@@ -393,16 +416,19 @@ class KVManager:
         seq.prefix_lock = None
 
     # ---- accounting ----------------------------------------------------------------------
-    def evictable_pages(self) -> PageNeed:
-        radix = self.radix
-        if radix is None:
-            return PageNeed((0,) * len(self.groups))
-        return PageNeed(
-            tuple(
-                radix.evictable_full_pages() if g == 0 else radix.evictable_swa_pages(g)
-                for g in range(len(self.groups))
-            )
-        )
+    def capacity_error(self, num_pages: int) -> str | None:
+        """Why a sequence of ``num_pages`` logical pages could never run, even alone with the tree
+        empty; None when it could."""
+        needs = [g.pages_per_sequence(num_pages) for g in self.groups]
+        for blocks, members in self._budgets:
+            want = sum(self.groups[g].pool.cost(needs[g]) for g in members)
+            if want > blocks.num_pages:
+                kinds = " and ".join(
+                    f"{needs[g]} {'full' if self.groups[g].window is None else 'SWA'}" for g in members
+                )
+                unit = "pages" if blocks is self.groups[members[0]].pool else "blocks"
+                return f"needs {kinds} KV pages ({want} {unit}), the pool {blocks.name!r} holds {blocks.num_pages}"
+        return None
 
     def check_integrity(self, seqs: Iterable[Sequence]) -> None:
         """Raise AssertionError unless every used page has exactly one owner and locks match holders.
@@ -411,6 +437,12 @@ class KVManager:
         """
         for group in self.groups:
             group.pool.check_integrity()
+        for blocks, members in self._budgets:
+            taken = sum(self.groups[g].pool.cost(self.groups[g].pool.num_used) for g in members)
+            if taken != blocks.num_used:
+                raise AssertionError(
+                    f"{blocks.name}: the groups' pages take {taken}, {blocks.num_used} are in use"
+                )
         seqs = list(seqs)
         owned: list[list[int]] = [[] for _ in self.groups]
         tree: list[set[int]] = [set() for _ in self.groups]

@@ -1,122 +1,54 @@
-"""Paged KV storage per KV group: page allocators, the per-layer KV tensors and their sizing.
+"""Paged KV storage for the KV groups: the per-layer KV tensors, the pages that index them and
+their sizing.
 
 Hybrid SWA models keep two kinds of KV. Full-attention layers need every token's KV for the life
 of the sequence; sliding-window layers only ever read the last ``sliding_window`` tokens. The
-model's layers form KV groups (``kv_groups``: a frozen spec each) and each group's pages come
-from its pool:
+model's layers form KV groups (``kv_groups``: a frozen spec each); a page id of a group means the
+same token slots in every layer of the group, so one page table row per group serves all its
+layers (``DualKVCache.layer_group``).
 
-    full pool  [Nf pages]  one page = page_size tokens x (all full layers)   every token of a sequence
-    SWA pool   [Ns pages]  one page = page_size tokens x (all SWA layers)    only the live window
+By default every group takes its pages from one shared pool of equal blocks (``kv_blocks``), so
+no budget split is guessed ahead: a group uses what the others leave (the chat overload test ran
+its SWA pool out at 87% while the full pool sat at 5% before). A block is a row of every slot
+tensor; a layer is a contiguous view of its slot tensor, so the kernels address it as a per-layer
+tensor, and a page map (``page_map``) turns each group's page table into the layers' views::
 
-A page index means the same token slots in every layer of its group, so one page table row per
-group serves all its layers (``DualKVCache.layer_group``). This module knows nothing of sequences
-or prefix caching: ``PagePool`` hands out page ids and takes them back; who owns a page is the KV
-manager's business (one group manager per group, ``kv_group_manager``).
+    MiMo-V2-Flash: 9 full layers (4 KV heads), 39 SWA + MTP (8 heads); a slot = one SWA layer's page
+    full page  1 block   two full layers' pages share a slot (scale 2): 5 slots
+    SWA page   8 blocks  five SWA layers per block
 
-Why a pool per group and not one shared pool (as vLLM's hybrid allocator has): a page of the full
-group and a page of the SWA group differ in bytes (MiMo-V2-Flash: 9 full layers against 39 SWA
-layers with twice the KV heads), and one shared free list needs one page size in bytes. vLLM gets
-there by cutting groups into equal layer counts and padding pages; for MiMo that either pads the
-full pages to the SWA page's size (most of the full pool wasted) or changes the page size in
-tokens per group, which the page-aligned prefix tree does not allow. So the budget is still split
-between the pools (``plan_group_pools``: the split at which they run out together for a typical
-context, or ``swa_fraction`` for the windows together). A full-attention model (one group) has
-one pool, which takes the whole budget, and no SWA pool at all; a model with two window sizes
-has a pool per window, each layer's tensors in its group's KV shape.
+With ``KVCacheConfig.swa_fraction`` (a fixed split asked for), or for groups whose pages do not
+pack evenly into one slot size, each group has a pool of its own instead, sized by
+``plan_group_pools``; its layers' tensors are then indexed by the group's page ids directly.
 
-``PagePool`` has no tensors, so the same allocator runs in a metadata-only mode (capacity
-benchmarks of a 70-layer plan on a laptop); ``DualKVCache`` adds the tensors on top.
+This module knows nothing of sequences or prefix caching: the allocators (``page_pool``,
+``kv_blocks.GroupBlocks``) hand out page ids and take them back; who owns a page is the KV
+manager's business (one group manager per group, ``kv_group_manager``). The allocators have no
+tensors, so they run in a metadata-only mode too (capacity benchmarks of a 70-layer plan on a
+laptop); ``DualKVCache`` adds the tensors on top.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
+from llm_core.caches.kv_blocks import BlockLayout, GroupBlocks, LayoutError, plan_block_layout
 from llm_core.caches.kv_groups import KVGroup, kv_groups, layer_groups, layer_specs_from_types
 from llm_core.caches.layer_gate import LayerGate
+from llm_core.caches.page_map import BlockPageMap, GroupPageMap, PageMap
+from llm_core.caches.page_pool import PageAllocator, PagePool
 
 # A sequence's page rows, one per KV group in ``DualKVCache.groups`` order: row ``g``'s entry ``i``
 # is group g's physical page of logical page i (``Sequence.pages``).
 PageRows = Sequence[list[int]]
 
 _DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float8_e4m3fn: 1}
-
-
-class PagePool:
-    """A free-list allocator of ``num_pages`` pages of ``page_size`` tokens.
-
-    Invariants (checked by ``check_integrity``): every page id is either free or used, never both;
-    ``num_free + num_used == num_pages``; the free list has no duplicates. Freeing a page that is
-    not in use is a bug in the caller and fails loudly instead of corrupting the free list.
-    """
-
-    def __init__(self, num_pages: int, page_size: int, name: str = "pool") -> None:
-        if num_pages < 0 or page_size <= 0:
-            raise ValueError(f"{name}: need num_pages >= 0 and page_size > 0, got {num_pages}, {page_size}")
-        self.name = name
-        self.num_pages = num_pages
-        self.page_size = page_size
-        # Pop from the end: low page ids are handed out first, which keeps small tests readable.
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
-        self._in_use = bytearray(num_pages)
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_pages - len(self._free)
-
-    def can_alloc(self, n: int) -> bool:
-        return n <= len(self._free)
-
-    def alloc(self, n: int) -> list[int] | None:
-        """``n`` distinct free pages, or None (and nothing taken) when fewer than ``n`` are free."""
-        assert n >= 0, n
-        if n > len(self._free):
-            return None
-        if n == 0:
-            return []
-        pages = self._free[-n:]
-        del self._free[-n:]
-        for p in pages:
-            self._in_use[p] = 1
-        return pages
-
-    def free(self, pages: Iterable[int]) -> None:
-        """Return pages to the pool. Each must be in use; ``-1`` entries are not pages and are skipped."""
-        for p in pages:
-            if p < 0:
-                continue
-            if not self._in_use[p]:
-                raise AssertionError(f"{self.name}: double free of page {p}")
-            self._in_use[p] = 0
-            self._free.append(p)
-
-    def is_used(self, page: int) -> bool:
-        return bool(self._in_use[page])
-
-    def used_pages(self) -> set[int]:
-        return {p for p in range(self.num_pages) if self._in_use[p]}
-
-    def check_integrity(self) -> None:
-        """Raise AssertionError when the free list and the in-use map disagree."""
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise AssertionError(f"{self.name}: duplicate pages in the free list")
-        if any(self._in_use[p] for p in free):
-            raise AssertionError(f"{self.name}: a page is both free and in use")
-        if len(free) + sum(self._in_use) != self.num_pages:
-            raise AssertionError(
-                f"{self.name}: free {len(free)} + used {sum(self._in_use)} != total {self.num_pages}"
-            )
 
 
 # The KV dtypes that KV bytes (a prefill/decode hand-off, a stored page) may carry, by name.
@@ -255,13 +187,15 @@ class PoolPlan(NamedTuple):
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """Memory budget and the SWA/full split.
+    """Memory budget, and where the storage splits it ahead (a pool per group).
 
-    ``swa_fraction`` is the share of ``memory_budget_bytes`` given to the SWA pool. None picks the
-    split that makes both pools run out together for sequences of ``balance_context_len`` tokens
-    (see ``balanced_swa_fraction``), after setting aside ``swa_headroom_tokens`` of SWA pool for the
-    prefill in flight: a step computing T prefill tokens holds their SWA KV on top of the windows
-    (until they leave the window), so the step's token budget is the natural value.
+    ``swa_fraction`` None (the default): one shared block pool (``DualKVCache.from_budget``), no
+    split. Set: a pool per group, the windows' pools taking that share of ``memory_budget_bytes``.
+    ``plan_group_pools`` (a pool per group without a fraction: groups that do not pack into
+    blocks) makes the pools run out together for sequences of ``balance_context_len`` tokens
+    (see ``balanced_swa_fraction``), after setting aside ``swa_headroom_tokens`` of SWA pool for
+    the prefill in flight: a step computing T prefill tokens holds their SWA KV on top of the
+    windows (until they leave the window), so the step's token budget is the natural value.
     """
 
     memory_budget_bytes: int
@@ -397,36 +331,84 @@ class DualKVCache:
         device: torch.device | str = "cpu",
         groups: tuple[KVGroup, ...] | None = None,
         group_pages: Sequence[int] | None = None,
+        num_blocks: int | None = None,
     ) -> None:
         """``groups``: the model's KV groups (``kv_groups_from_config``, which knows sinks, MTP
-        layers and each layer's window); default: the layout's. A pool is made per group, of
-        ``group_pages[g]`` pages (default: ``num_full_pages`` for full attention,
-        ``num_swa_pages`` for each window), and each layer's tensors take its group's KV shape:
-        a model without SWA layers has no SWA pool, one with two window sizes has two."""
+        layers and each layer's window); default: the layout's. Each layer's tensors take its
+        group's KV shape, so a model without SWA layers has no SWA pages and one with two window
+        sizes has two window groups.
+
+        ``num_blocks``: one shared pool of that many blocks (``kv_blocks``) from which every group
+        takes its pages. None: a pool per group, of ``group_pages[g]`` pages (default:
+        ``num_full_pages`` for full attention, ``num_swa_pages`` for each window)."""
         self.layout = layout
         self.page_size = page_size
         self.groups = layout.groups() if groups is None else groups
         for g in self.groups:
             if any(layout.layer_is_swa[i] != g.spec.is_sliding for i in g.layers):
                 raise ValueError(f"KV group {g.group_id} mixes the layout's full and SWA layers")
-        if group_pages is None:
-            group_pages = [num_swa_pages if g.spec.is_sliding else num_full_pages for g in self.groups]
-        if len(group_pages) != len(self.groups):
-            raise ValueError(f"{len(group_pages)} pool sizes for {len(self.groups)} KV groups")
         # layer -> index of its group in ``groups`` (the KV manager's page rows are in this order)
         self.layer_group: tuple[int, ...] = layer_groups(self.groups, layout.num_layers)
         windows = sum(g.spec.is_sliding for g in self.groups)
-        self.pools: tuple[PagePool, ...] = tuple(
-            PagePool(n, page_size, _pool_name(g, windows))
-            for g, n in zip(self.groups, group_pages, strict=True)
+        names = [_pool_name(g, windows) for g in self.groups]
+        self.blocks: PagePool | None = None  # the shared block pool, when there is one
+        self.block_layout: BlockLayout | None = None
+        self.pools: tuple[PageAllocator, ...]
+        self.page_map: PageMap
+        if num_blocks is not None:
+            self._layers = self._shared_storage(num_blocks, names, dtype, device)
+        else:
+            if group_pages is None:
+                group_pages = [num_swa_pages if g.spec.is_sliding else num_full_pages for g in self.groups]
+            if len(group_pages) != len(self.groups):
+                raise ValueError(f"{len(group_pages)} pool sizes for {len(self.groups)} KV groups")
+            self._layers = self._group_storage(group_pages, names, dtype, device)
+        self.gate: LayerGate | None = None
+
+    def _group_storage(
+        self, group_pages: Sequence[int], names: list[str], dtype: torch.dtype, device: torch.device | str
+    ) -> list[LayerKV]:
+        """A pool per group and a K and a V tensor per layer: [pages of its group, page, H, D]."""
+        self.pools = tuple(
+            PagePool(n, self.page_size, name) for n, name in zip(group_pages, names, strict=True)
         )
-        self._layers: list[LayerKV] = []
+        self.page_map = GroupPageMap(self.layer_group)
+        layers = []
         for group in self.layer_group:
             spec, n = self.groups[group].spec, group_pages[group]
-            k = torch.zeros(n, page_size, spec.kv_heads, spec.head_dim, dtype=dtype, device=device)
-            v = torch.zeros(n, page_size, spec.kv_heads, spec.v_head_dim, dtype=dtype, device=device)
-            self._layers.append(LayerKV(k, v, spec.is_sliding, group))
-        self.gate: LayerGate | None = None
+            k = torch.zeros(n, self.page_size, spec.kv_heads, spec.head_dim, dtype=dtype, device=device)
+            v = torch.zeros(n, self.page_size, spec.kv_heads, spec.v_head_dim, dtype=dtype, device=device)
+            layers.append(LayerKV(k, v, spec.is_sliding, group))
+        return layers
+
+    def _shared_storage(
+        self, num_blocks: int, names: list[str], dtype: torch.dtype, device: torch.device | str
+    ) -> list[LayerKV]:
+        """One block pool, a K and a V slot tensor per slot ([num_blocks, slot elements]), and each
+        layer a contiguous view of its slot tensor: [num_blocks * scale, page, H, D]."""
+        plan = plan_block_layout(self.groups, self.page_size)
+        self.block_layout = plan
+        self.blocks = PagePool(num_blocks, self.page_size, "blocks")
+        groups = tuple(
+            GroupBlocks(self.blocks, k, name) for k, name in zip(plan.blocks_per_page, names, strict=True)
+        )
+        self.pools = groups
+        self.page_map = BlockPageMap(plan, groups)
+        k_slots = [
+            torch.zeros(num_blocks, plan.slot_k_elems, dtype=dtype, device=device)
+            for _ in range(plan.num_slots)
+        ]
+        v_slots = [
+            torch.zeros(num_blocks, plan.slot_v_elems, dtype=dtype, device=device)
+            for _ in range(plan.num_slots)
+        ]
+        layers = []
+        for i, slot in enumerate(plan.layers):
+            spec, n = self.groups[slot.group].spec, num_blocks * slot.scale
+            k = k_slots[slot.tensor].view(n, self.page_size, spec.kv_heads, spec.head_dim)
+            v = v_slots[slot.tensor].view(n, self.page_size, spec.kv_heads, spec.v_head_dim)
+            layers.append(LayerKV(k, v, spec.is_sliding, self.page_map.layer_view[i]))
+        return layers
 
     @classmethod
     def from_budget(
@@ -437,47 +419,62 @@ class DualKVCache:
         device: torch.device | str = "cpu",
         groups: tuple[KVGroup, ...] | None = None,
     ) -> DualKVCache:
-        """Pools sized from a byte budget (bytes counted at ``dtype``'s width)."""
+        """Pages sized from a byte budget (bytes counted at ``dtype``'s width): one shared block
+        pool, or with ``cfg.swa_fraction`` (a fixed split asked for), or groups whose pages do not
+        pack into equal blocks (``LayoutError``), a pool per group (``plan_group_pools``)."""
         sized = KVLayout(**{**layout.__dict__, "dtype_bytes": _DTYPE_BYTES[dtype]})
         chosen = sized.groups() if groups is None else groups
         width = _DTYPE_BYTES[dtype]  # bytes at ``dtype``'s width, whatever the groups were derived at
         sized_groups = [
             dataclasses.replace(g, spec=dataclasses.replace(g.spec, dtype_bytes=width)) for g in chosen
         ]
+        if cfg.swa_fraction is None:
+            try:
+                blocks = plan_block_layout(sized_groups, cfg.page_size)
+            except LayoutError:
+                pass
+            else:
+                n = blocks.num_blocks(cfg.memory_budget_bytes, width)
+                return cls(layout, 0, 0, cfg.page_size, dtype, device, groups, num_blocks=n)
         pages = plan_group_pools(sized_groups, cfg)
         return cls(layout, 0, 0, cfg.page_size, dtype, device, groups, group_pages=pages)
 
-    def group_pool(self, group: KVGroup) -> PagePool:
+    def group_pool(self, group: KVGroup) -> PageAllocator:
         """The pool that holds ``group``'s pages."""
         return self.pools[self.groups.index(group)]
 
     @property
-    def full_pages(self) -> PagePool:
+    def full_pages(self) -> PageAllocator:
         """The full-attention group's pool (group 0); LookupError for a model without one."""
         return self._pool_of(sliding=False)
 
     @property
-    def swa_pages(self) -> PagePool:
+    def swa_pages(self) -> PageAllocator:
         """The sliding-window group's pool; LookupError for a model without one."""
         return self._pool_of(sliding=True)
 
-    def _pool_of(self, sliding: bool) -> PagePool:
+    def _pool_of(self, sliding: bool) -> PageAllocator:
         for g, pool in zip(self.groups, self.pools, strict=True):
             if g.spec.is_sliding == sliding:
                 return pool
         raise LookupError(f"this model has no {'sliding-window' if sliding else 'full-attention'} KV group")
 
     def describe_groups(self) -> list[dict[str, object]]:
-        """Each KV group's spec, layers, pages and bytes (``/health``): what the budget bought."""
+        """Each KV group's spec, layers and pages (``/health``): ``num_pages`` is the most it can
+        hold (alone, when the pool is shared), ``page_bytes`` what one of its pages takes of the
+        pool (``blocks_per_page`` blocks when shared) and ``bytes`` their product."""
         out: list[dict[str, object]] = []
-        for g in self.groups:
-            pool = self.group_pool(g)
-            layer = self._layers[g.layers[0]]
-            page_bytes = g.num_layers * (layer.k[0].nbytes + layer.v[0].nbytes) if pool.num_pages else 0
+        for g, pool in zip(self.groups, self.pools, strict=True):
+            if self.block_layout is not None:
+                page_bytes = pool.blocks_per_page * self.block_bytes
+            else:
+                layer = self._layers[g.layers[0]]
+                page_bytes = g.num_layers * (layer.k[0].nbytes + layer.v[0].nbytes) if pool.num_pages else 0
             out.append(
                 {
                     **g.describe(),
                     "page_size": self.page_size,
+                    "blocks_per_page": pool.blocks_per_page,
                     "num_pages": pool.num_pages,
                     "num_free_pages": pool.num_free,
                     "page_bytes": page_bytes,
@@ -485,6 +482,36 @@ class DualKVCache:
                 }
             )
         return out
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of the shared pool (0 without one)."""
+        if self.block_layout is None:
+            return 0
+        return self.block_layout.block_bytes(self._layers[0].k.element_size())
+
+    def describe_pool(self) -> dict[str, object]:
+        """The storage as a whole (``/health`` ``kv_pool``): shared blocks, or a pool per group,
+        and the bytes of every KV tensor."""
+        if self.blocks is None:
+            tensors = sum(layer.k.nbytes + layer.v.nbytes for layer in self._layers)
+        else:  # the layers are views of the slot tensors: count those
+            tensors = self.blocks.num_pages * self.block_bytes
+        if self.blocks is None:
+            return {"shared": False, "bytes": tensors}
+        return {
+            "shared": True,
+            "num_blocks": self.blocks.num_pages,
+            "num_free_blocks": self.blocks.num_free,
+            "block_bytes": self.block_bytes,
+            "bytes": tensors,
+        }
+
+    def physical(self, layer: int, pages: Sequence[int]) -> list[int]:
+        """Layer ``layer``'s pages in its tensors for its group's page ids ``pages`` (a sequence's
+        or a tree node's row; -1 entries stay -1): what page reads and writes outside the kernels
+        index ``layer_storage(layer).k`` with."""
+        return self.page_map.physical(layer, pages)
 
     @property
     def num_layers(self) -> int:
@@ -503,5 +530,14 @@ class DualKVCache:
         return self._layers[i]
 
     def check_integrity(self) -> None:
+        """Each pool's free list, and with a shared pool, that the groups' pages take exactly the
+        blocks in use."""
         for pool in self.pools:
             pool.check_integrity()
+        if self.blocks is not None:
+            self.blocks.check_integrity()
+            taken = sum(p.cost(p.num_used) for p in self.pools)
+            if taken != self.blocks.num_used:
+                raise AssertionError(
+                    f"the groups' pages take {taken} blocks, {self.blocks.num_used} are in use"
+                )

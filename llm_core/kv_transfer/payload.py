@@ -67,8 +67,8 @@ def pack(plan: LayerPlan, kv: DualKVCache, rows: PageRows) -> torch.Tensor:
     buf[:off] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     for i, (k_shape, v_shape) in enumerate(_blocks(plan)):
         layer = kv.layer(i)
-        row = rows[kv.layer_group[i]]
-        idx = torch.tensor([row[j] for j in plan.pages_of(i)], dtype=torch.int64)
+        pages = [rows[kv.layer_group[i]][j] for j in plan.pages_of(i)]
+        idx = torch.tensor(kv.physical(i, pages), dtype=torch.int64)  # this layer's pages in its tensors
         for src, shape in ((layer.k, k_shape), (layer.v, v_shape)):
             nbytes = int(np.prod(shape)) * esize
             dst = buf[off : off + nbytes].view(dtype).view(shape)
@@ -146,7 +146,7 @@ def write_layer_positions(
     lo, hi = max(start, first), min(end, plan.num_tokens)
     if lo >= hi:
         return
-    row = np.asarray(rows[kv.layer_group[layer]], dtype=np.int64)
+    row = np.asarray(kv.physical(layer, rows[kv.layer_group[layer]]), dtype=np.int64)
     pos = np.arange(lo, hi, dtype=np.int64)
     slots = torch.from_numpy(row[pos // p] * p + pos % p).to(dst_layer.k.device)  # [hi - lo] flat slots
     for dst, src in ((dst_layer.k, k_src), (dst_layer.v, v_src)):

@@ -12,8 +12,10 @@ class EngineStats(NamedTuple):
 
     num_running: int
     num_waiting: int
-    kv_full_usage: float  # used / total pages of the full-attention pool (0..1)
-    kv_swa_usage: float  # same for the sliding-window pool
+    # pages in use / the most the group can hold (0..1); with the shared block pool, the share of
+    # its blocks the group's pages take
+    kv_full_usage: float  # the full-attention group
+    kv_swa_usage: float  # the fullest sliding-window group
     generation_tokens_total: int
     prompt_tokens_total: int
     cached_prompt_tokens_total: int  # prompt tokens served from the prefix cache (finished requests)

@@ -151,6 +151,7 @@ class ModelRunner:
         b = len(seqs)
         start_np = np.array(starts, dtype=np.int64)  # [B] position of each new token
         tables = self._decode_tables.build(list(seqs), start_np, self.page_size, page_rows)
+        page_tables, slots = self.kv.page_map.view_tables(*tables, self.page_size)  # per layer view
         if linear:
             pos_np = start_np
         else:  # [dims, B]: the token's index plus its axis' offset
@@ -159,8 +160,8 @@ class ModelRunner:
         batch = AttentionBatch(
             cu_seqlens_q=self._arange(b + 1, torch.int32),
             seq_lens=on(torch.from_numpy((start_np + 1).astype(np.int32))),
-            page_tables=tuple(on(t) for t in tables.page_tables),
-            slots=tuple(on(t) for t in tables.slots),
+            page_tables=tuple(on(t) for t in page_tables),
+            slots=tuple(on(t) for t in slots),
             max_seqlen_q=1,
         )
         return StepInputs(
@@ -213,6 +214,7 @@ class ModelRunner:
         seq_list, counts = list(seqs), list(num_new_tokens)
         tokens = token_positions(seq_list, counts)
         tables = build_page_tables(seq_list, counts, self.page_size, tokens, page_rows)
+        page_tables, slots = self.kv.page_map.view_tables(*tables, self.page_size)  # per layer view
         on = self._on_device
         count_np = np.array(counts, dtype=np.int32)
         cu_seqlens = np.zeros(len(counts) + 1, dtype=np.int32)
@@ -221,8 +223,8 @@ class ModelRunner:
         batch = AttentionBatch(
             cu_seqlens_q=on(torch.from_numpy(cu_seqlens)),
             seq_lens=on(torch.from_numpy(seq_lens)),
-            page_tables=tuple(on(t) for t in tables.page_tables),
-            slots=tuple(on(t) for t in tables.slots),
+            page_tables=tuple(on(t) for t in page_tables),
+            slots=tuple(on(t) for t in slots),
             max_seqlen_q=max(num_new_tokens),
         )
         input_ids = on(torch.from_numpy(np.array(ids, dtype=np.int64)))  # ~4x torch.tensor's speed

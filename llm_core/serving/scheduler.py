@@ -99,17 +99,9 @@ class Scheduler:
                 f"request {seq.seq_id!r}: {seq.num_tokens} prompt + {seq.max_new_tokens} new tokens "
                 f"exceed max_model_len {self.config.max_model_len}"
             )
-        num_pages = math.ceil(total / self.kv.page_size)
-        groups = self.kv.groups
-        needs = [g.pages_per_sequence(num_pages) for g in groups]
-        if any(n > g.pool.num_pages for n, g in zip(needs, groups, strict=True)):
-            kinds = ["full" if g.window is None else "SWA" for g in groups]
-            raise RequestTooLarge(
-                f"request {seq.seq_id!r}: needs "
-                + " and ".join(f"{n} {k}" for n, k in zip(needs, kinds, strict=True))
-                + " KV pages, the pools hold "
-                + " and ".join(str(g.pool.num_pages) for g in groups)
-            )
+        why = self.kv.capacity_error(math.ceil(total / self.kv.page_size))
+        if why is not None:
+            raise RequestTooLarge(f"request {seq.seq_id!r}: {why}")
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"waiting queue is full ({self.config.max_waiting} requests)")
         if seq.seq_id in self._by_id:

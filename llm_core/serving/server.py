@@ -319,6 +319,8 @@ def create_app(
                 "sliding_window": engine.model_config.sliding_window,
                 # the KV cache groups (llm_core.caches.kv_groups): spec, layers, pages and bytes
                 "kv_groups": engine.kv.describe_groups(),
+                # what they draw from: one shared block pool (or a pool per group) and its bytes
+                "kv_pool": engine.kv.describe_pool(),
                 "kv_events_endpoint": events.endpoint if events else None,
                 "kv_events_replay_endpoint": events.replay_endpoint if events else None,
                 **extra,

@@ -27,7 +27,8 @@ class EngineConfig:
     (``llm_core.serving.admission``): a request is refused (503) when its first token would come
     later than 90% of ``max_queue_wait_s`` (or of the client's shorter timeout) at the measured tokens per
     second (``admission_seed_tokens_per_s`` until measured); ``max_waiting`` requests
-    waiting is a memory guard. ``kv_memory_bytes`` is split into the full and SWA pools.
+    waiting is a memory guard. ``kv_memory_bytes`` is one block pool that every KV group draws
+    from; ``swa_fraction`` splits it into a pool per group instead (a fixed share for the windows).
     """
 
     kv_memory_bytes: int = 64 * 1024 * 1024

@@ -175,14 +175,15 @@ class Speculator:
         counts = np.array([r.hi - r.lo for r in rows], dtype=np.int64)  # [B]
         tokens = token_positions(seqs, counts.tolist(), starts=[r.lo for r in rows])  # from each lo
         tables = build_page_tables(seqs, counts.tolist(), self.page_size, tokens)
+        page_tables, slots = self.kv.page_map.view_tables(*tables, self.page_size)  # per layer view
         dev = self.kv.layer(0).k.device
         cu = np.zeros(len(rows) + 1, dtype=np.int32)
         np.cumsum(counts, out=cu[1:])
         batch = AttentionBatch(
             cu_seqlens_q=torch.from_numpy(cu).to(dev),
             seq_lens=torch.tensor([r.hi for r in rows], dtype=torch.int32, device=dev),
-            page_tables=tuple(t.to(dev) for t in tables.page_tables),
-            slots=tuple(t.to(dev) for t in tables.slots),
+            page_tables=tuple(t.to(dev) for t in page_tables),
+            slots=tuple(t.to(dev) for t in slots),
             max_seqlen_q=int(counts.max()),
         )
         positions = torch.from_numpy(tokens.position).to(dev)

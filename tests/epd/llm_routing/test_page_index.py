@@ -23,7 +23,7 @@ from epd_common.messages.kv_events import (
     SwaTombstoned,
 )
 from epd_common.messages.page_hash import page_hashes
-from llm_core.caches.kv_pool import PagePool
+from llm_core.caches.page_pool import PagePool
 from llm_core.caches.radix_cache import RadixCache
 from llm_core.serving.kv_event_publisher import KVEventPublisher
 from tests.epd.llm_routing.traces import P, Trace

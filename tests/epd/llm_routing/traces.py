@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from llm_core.caches.kv_pool import PagePool
+from llm_core.caches.page_pool import PagePool
 from llm_core.caches.radix_cache import NOT_RESIDENT, PrefixLock, RadixCache
 
 P = 4

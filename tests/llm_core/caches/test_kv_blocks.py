@@ -11,7 +11,7 @@ import torch
 
 from llm_core.caches.kv_blocks import GroupBlocks, LayoutError, plan_block_layout
 from llm_core.caches.kv_groups import KVGroup, KVGroupSpec, kv_groups
-from llm_core.caches.kv_pool import PagePool
+from llm_core.caches.page_pool import PagePool
 
 
 def groups_of(kinds: list[int | None], heads: dict[int | None, int], dk: int, dv: int) -> tuple[KVGroup, ...]:

@@ -13,7 +13,7 @@ import random
 
 from llm_core.caches.kv_group_manager import FullAttentionManager, SlidingWindowManager
 from llm_core.caches.kv_manager import KVManager
-from llm_core.caches.kv_pool import PagePool
+from llm_core.caches.page_pool import PagePool
 from llm_core.caches.radix_cache import NOT_RESIDENT, RadixCache
 from llm_core.serving.sequence import Sequence, build_page_tables
 

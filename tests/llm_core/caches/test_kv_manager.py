@@ -15,9 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epd_common.messages.cache_keys import MediaSpan
+from llm_core.caches.kv_blocks import GroupBlocks
 from llm_core.caches.kv_group_manager import FullAttentionManager, SlidingWindowManager
 from llm_core.caches.kv_manager import KVManager
-from llm_core.caches.kv_pool import PagePool, swa_pages_per_sequence
+from llm_core.caches.kv_pool import swa_pages_per_sequence
+from llm_core.caches.page_pool import PagePool
 from llm_core.serving.sequence import NOT_RESIDENT, Sequence, build_page_tables
 
 P = 4
@@ -48,11 +50,24 @@ class Shadow:
                 assert self.swa.get(seq.swa_slot(pos, P)) == ident, f"SWA KV of {seq.seq_id}@{pos} lost"
 
 
-def make_manager(full_pages: int, swa_pages: int, window: int, swa_aware: bool = True) -> KVManager:
+def make_manager(
+    full_pages: int, swa_pages: int, window: int, swa_aware: bool = True, swa_blocks: int = 0
+) -> KVManager:
+    """A pool per group; or with ``swa_blocks`` (what an SWA page costs), one shared block pool
+    of the same bytes (a full page one block) from which both groups take their pages."""
+    if not swa_blocks:
+        return KVManager(
+            [
+                FullAttentionManager(PagePool(full_pages, P, "full")),
+                SlidingWindowManager(PagePool(swa_pages, P, "swa"), window),
+            ],
+            swa_aware=swa_aware,
+        )
+    blocks = PagePool(full_pages + swa_blocks * swa_pages, P, "blocks")
     return KVManager(
         [
-            FullAttentionManager(PagePool(full_pages, P, "full")),
-            SlidingWindowManager(PagePool(swa_pages, P, "swa"), window),
+            FullAttentionManager(GroupBlocks(blocks, 1, "full")),
+            SlidingWindowManager(GroupBlocks(blocks, swa_blocks, "swa"), window),
         ],
         swa_aware=swa_aware,
     )
@@ -190,12 +205,14 @@ OPS = st.lists(
     pages=st.integers(6, 30),
     swa_pages=st.integers(0, 24),
     swa_aware=st.booleans(),
+    swa_blocks=st.sampled_from([0, 1, 3]),
 )
 def test_random_workload_keeps_integrity_and_never_loses_locked_kv(
-    ops: list[tuple[str, int]], window: int, pages: int, swa_pages: int, swa_aware: bool
+    ops: list[tuple[str, int]], window: int, pages: int, swa_pages: int, swa_aware: bool, swa_blocks: int
 ) -> None:
-    # SWA pools from barely one window (pressure, tombstones) to roomy (branch-point pins).
-    kv = make_manager(pages, swa_pages_per_sequence(window, P) + 2 + swa_pages, window, swa_aware)
+    # SWA pools from barely one window (pressure, tombstones) to roomy (branch-point pins); a pool
+    # per group, or one shared block pool (swa_blocks > 0) where either group can run the other short.
+    kv = make_manager(pages, swa_pages_per_sequence(window, P) + 2 + swa_pages, window, swa_aware, swa_blocks)
     shadow = Shadow(kv)
     running: list[Sequence] = []
     history: list[list[int]] = []
@@ -346,3 +363,25 @@ def test_pin_is_dropped_when_the_pool_is_tight() -> None:
     kv.check_integrity([b])
     kv.release(b)
     kv.check_integrity([])
+
+
+def test_a_shared_block_pool_lends_one_group_what_the_other_does_not_use() -> None:
+    """The same bytes as 4 full and 4 SWA pages (an SWA page costs 2 blocks: 12 blocks), and a
+    sequence that needs 8 full pages but, window 3, never more than 2 SWA pages: a pool per group
+    runs out of full pages at the fifth, the shared pool holds it all (8 + 2 x 2 = 12 blocks)."""
+    outcomes = []
+    for swa_blocks in (0, 2):
+        kv = make_manager(4, 4, window=3, swa_blocks=swa_blocks)
+        shadow = Shadow(kv)
+        seq = Sequence("long", list(range(32)))
+        kv.match_prefix(seq)
+        done = 0
+        while done < 32 and run_step(kv, shadow, seq, P):  # a page per step
+            done += P
+            kv.check_integrity([seq])
+            shadow.check(seq)
+        outcomes.append(done)
+        if swa_blocks:
+            blocks = kv.full_pool.blocks
+            assert kv.swa_pool.num_used <= 2 and blocks.num_used == 8 + 2 * kv.swa_pool.num_used
+    assert outcomes == [16, 32]

@@ -14,12 +14,12 @@ from llm_core.caches.kv_pool import (
     DualKVCache,
     KVCacheConfig,
     KVLayout,
-    PagePool,
     balanced_swa_fraction,
     plan_group_pools,
     plan_pools,
     swa_pages_per_sequence,
 )
+from llm_core.caches.page_pool import PagePool
 from llm_core.serving.sequence import NOT_RESIDENT, Sequence, build_page_tables
 from tests.llm_core.conftest import TINY_MIMO_CONFIG
 
@@ -121,10 +121,23 @@ def test_dual_kv_cache_layers_use_their_pool_shapes() -> None:
     # A flat slot addresses the same element as [page, offset].
     kv.layer(1).k[2, 3] = 7.0
     assert torch.equal(kv.layer(1).k.view(-1, 4, 32)[2 * 4 + 3], kv.layer(1).k[2, 3])
-    sized = DualKVCache.from_budget(layout, KVCacheConfig(memory_budget_bytes=1 << 20, page_size=4))
-    plan = plan_pools(layout, KVCacheConfig(memory_budget_bytes=1 << 20, page_size=4))
-    assert (sized.full_pages.num_pages, sized.swa_pages.num_pages) == plan[:2]
     kv.check_integrity()
+
+
+def test_a_budget_buys_one_shared_block_pool_or_with_a_fixed_split_a_pool_per_group() -> None:
+    layout = small_layout()
+    shared = DualKVCache.from_budget(layout, KVCacheConfig(memory_budget_bytes=1 << 20, page_size=4))
+    assert shared.blocks is not None and shared.block_layout is not None
+    # a block is 1 slot (the full group's 2 layers of 2 heads fill one 4-head slot); a SWA page 5
+    assert shared.block_layout.num_slots == 1 and shared.block_layout.blocks_per_page == (1, 5)
+    assert shared.blocks.num_pages == (1 << 20) // shared.block_bytes
+    assert shared.full_pages.num_pages == shared.blocks.num_pages
+    assert shared.swa_pages.num_pages == shared.blocks.num_pages // 5
+    assert shared.describe_pool()["bytes"] == shared.blocks.num_pages * shared.block_bytes <= 1 << 20
+    fixed = KVCacheConfig(memory_budget_bytes=1 << 20, page_size=4, swa_fraction=0.4)
+    split = DualKVCache.from_budget(layout, fixed)
+    assert split.blocks is None
+    assert (split.full_pages.num_pages, split.swa_pages.num_pages) == plan_pools(layout, fixed)[:2]
 
 
 def test_kv_capacity_bench_quick_dual_pool_beats_uniform(tmp_path: Path) -> None:
@@ -137,11 +150,11 @@ def test_kv_capacity_bench_quick_dual_pool_beats_uniform(tmp_path: Path) -> None
     assert summary["capacity_ratio_32k"] >= 6.0  # type: ignore[operator]
     doc = json.loads(out.read_text())
     for row in doc["results"]:
-        # The allocator agrees with the closed form up to whole-sequence rounding.
-        assert (
-            row["dual_seqs"] >= 1
-            and abs(row["ratio"] - row["closed_form_ratio"]) / row["closed_form_ratio"] < 0.15
-        )
+        # the shared pool holds at least what a split tuned to the lengths holds
+        assert row["shared_seqs"] >= row["dual_seqs"] >= 1
+        if isinstance(row["context"], int):
+            # The allocator agrees with the closed form up to whole-sequence rounding.
+            assert abs(row["ratio"] - row["closed_form_ratio"]) / row["closed_form_ratio"] < 0.15
 
 
 @pytest.mark.parametrize("fraction", [None, 0.3])
@@ -197,18 +210,24 @@ def two_window_groups(windows: tuple[int, int]) -> tuple[KVLayout, tuple[KVGroup
     return layout, kv_groups(specs)
 
 
-def test_two_window_sizes_get_a_pool_each_and_free_by_their_own_window() -> None:
+@pytest.mark.parametrize("swa_fraction", [None, 0.5], ids=["shared_blocks", "pool_per_group"])
+def test_two_window_sizes_get_a_group_each_and_free_by_their_own_window(swa_fraction: float | None) -> None:
     page = 4
     layout, groups = two_window_groups((6, 17))
-    kv = DualKVCache.from_budget(layout, KVCacheConfig(1 << 20, page, balance_context_len=64), groups=groups)
+    cfg = KVCacheConfig(1 << 20, page, swa_fraction=swa_fraction, balance_context_len=64)
+    kv = DualKVCache.from_budget(layout, cfg, groups=groups)
     assert [g.spec.sliding_window for g in kv.groups] == [None, 6, 17]
     assert [p.name for p in kv.pools] == ["full", "swa6", "swa17"]
     for i, g in enumerate(kv.layer_group):  # each layer's tensors have its group's KV shape
         spec = kv.groups[g].spec
-        assert kv.layer(i).k.shape[1:] == (page, spec.kv_heads, 16) and kv.layer(i).group == g
-    # the budget went to the three pools, each a whole number of pages
-    used = sum(p.num_pages * g.page_bytes(page) for p, g in zip(kv.pools, kv.groups, strict=True))
-    assert (1 << 20) - max(g.page_bytes(page) for g in kv.groups) * 3 < used <= 1 << 20
+        assert kv.layer(i).k.shape[1:] == (page, spec.kv_heads, 16)
+        assert kv.layer(i).group == kv.page_map.layer_view[i]
+    if kv.blocks is None:  # the budget went to the three pools, each a whole number of pages
+        assert kv.page_map.layer_view == kv.layer_group
+        used = sum(p.num_pages * g.page_bytes(page) for p, g in zip(kv.pools, kv.groups, strict=True))
+        assert (1 << 20) - max(g.page_bytes(page) for g in kv.groups) * 3 < used <= 1 << 20
+    else:  # to whole blocks of the one pool
+        assert (1 << 20) - kv.block_bytes < kv.blocks.num_pages * kv.block_bytes <= 1 << 20
 
     manager = KVManager(group_managers(kv), enable_prefix_cache=False)
     seq = Sequence("a", list(range(40)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llm_core.caches.kv_pool import PagePool
+from llm_core.caches.page_pool import PagePool
 from llm_core.caches.radix_cache import NOT_RESIDENT, RadixCache
 
 P = 4  # page size in tokens

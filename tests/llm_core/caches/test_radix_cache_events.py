@@ -16,7 +16,7 @@ from epd_common.messages.kv_events import (
     SwaTombstoned,
 )
 from epd_common.messages.page_hash import page_hashes
-from llm_core.caches.kv_pool import PagePool
+from llm_core.caches.page_pool import PagePool
 from llm_core.caches.radix_cache import NOT_RESIDENT, RadixCache
 
 P = 4

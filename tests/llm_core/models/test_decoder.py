@@ -299,3 +299,62 @@ def test_rope_tables_are_the_rotary_of_the_positions(loaded: LoadedLLM) -> None:
             torch.testing.assert_close(cos, ref_cos, rtol=0, atol=1e-6)
             torch.testing.assert_close(sin, ref_sin, rtol=0, atol=1e-6)
     assert {t[0].shape[0] for t in model._rope_cache.values()} == {4096}
+
+
+def shared_kv(config: DecoderConfig, num_blocks: int, seed: int) -> DualKVCache:
+    """One shared block pool (``kv_blocks``), poisoned with NaN, its free blocks shuffled so that a
+    page's blocks and the pages of a sequence are scattered through the slot tensors."""
+    kv = DualKVCache(KVLayout.from_model_config(config, torch.float32), 0, 0, PAGE, num_blocks=num_blocks)
+    for i in range(kv.num_layers):
+        kv.layer(i).k.fill_(float("nan"))
+        kv.layer(i).v.fill_(float("nan"))
+    assert kv.blocks is not None
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    kv.blocks._free[:] = order
+    return kv
+
+
+def viewed_step(
+    model: DecoderForCausalLM, kv: DualKVCache, seqs: list[PagedSeq], chunks: list[torch.Tensor]
+) -> torch.Tensor:
+    """``step`` on a shared pool: pages come from each group's allocator, and the batch's group
+    tables are mapped to the layers' views (``page_map``) as the model runner maps them."""
+    lens, news = [], []
+    for s, c in zip(seqs, chunks, strict=True):
+        while len(s.full) * PAGE < s.len + len(c):
+            full, swa = kv.pools[0].alloc(1), kv.pools[1].alloc(1)
+            assert full is not None and swa is not None
+            s.full.append(full[0])
+            s.swa.append(swa[0])
+        s.len += len(c)
+        lens.append(s.len)
+        news.append(len(c))
+    batch = build_attention_batch(lens, news, [[s.full for s in seqs], [s.swa for s in seqs]], PAGE)
+    tables, slots = kv.page_map.view_tables(batch.page_tables, batch.slots, PAGE)
+    batch = dataclasses.replace(batch, page_tables=tables, slots=slots)
+    return model(torch.cat(chunks), batch.positions(), batch, kv)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_one_shared_block_pool_gives_the_per_group_pools_outputs(loaded: LoadedLLM, backend: str) -> None:
+    """Two sequences, a chunked prefill and decodes, on a pool per group and on one shared block
+    pool whose layers are views (2 full layers share a slot, the SWA group's page is 5 blocks): the
+    same hidden states, so no layer reads or writes another's pages."""
+    model = loaded.model
+    ids = [prompt(41, seed=5), prompt(29, seed=6)]
+    with cpu_backends(model, **({} if backend == "cpu" else {"attention": "torch"})):
+        outs = []
+        for shared in (False, True):
+            kv = shared_kv(loaded.config, 64, seed=7) if shared else make_kv(loaded.config, 16)
+            run = viewed_step if shared else step
+            free = free_lists(16, seed=8) if not shared else ([], [])  # one free list per group for both
+            seqs = [PagedSeq(*free), PagedSeq(*free)]
+            hidden = [run(model, kv, seqs, [ids[0][:17], ids[1][:29]])]
+            hidden.append(run(model, kv, seqs[:1], [ids[0][17:]]))
+            for j in range(6):  # decodes of both
+                hidden.append(run(model, kv, seqs, [prompt(1, seed=20 + j), prompt(1, seed=40 + j)]))
+            outs.append(torch.cat(hidden))
+    assert kv.block_layout is not None and kv.block_layout.blocks_per_page == (1, 5)
+    assert len(set(kv.page_map.layer_view)) == 7  # 2 full layers in one slot, 5 SWA sub-blocks
+    assert not outs[1].isnan().any()
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)

@@ -94,9 +94,9 @@ class HalfK(HostRestore):
         dst = kv.layer_storage(layer)
         if dst.is_swa:
             return
-        p = self.page_size
+        p, pages = self.page_size, kv.physical(layer, rows[0])  # this layer's pages in its tensor
         for pos in range(lo, hi):
-            dst.k[rows[0][pos // p], pos % p] *= 0.5
+            dst.k[pages[pos // p], pos % p] *= 0.5
 
 
 def test_a_corrupted_copy_changes_the_ids(

@@ -19,7 +19,8 @@ import torch
 from epd_common.messages.cache_keys import MediaSpan, media_spans
 from llm_core.caches.kv_group_manager import FullAttentionManager, SlidingWindowManager
 from llm_core.caches.kv_manager import KVManager
-from llm_core.caches.kv_pool import PagePool
+from llm_core.caches.page_map import GroupPageMap
+from llm_core.caches.page_pool import PagePool
 from llm_core.models.positions import LinearPositions, MRopePositions, PositionScheme
 from llm_core.serving.model_runner import ModelRunner, StepInputs
 from llm_core.serving.sampling import Sampler
@@ -34,9 +35,10 @@ HIDDEN = 8
 
 
 def make_runner(scheme: PositionScheme | None = None) -> ModelRunner:
-    """A runner whose ``prepare`` can run: it reads the page size, the position scheme and, for
-    media, the model's token embeddings (zeros here)."""
-    kv: Any = SimpleNamespace(page_size=P)
+    """A runner whose ``prepare`` can run: it reads the page size, the page map (here a pool per
+    group: the tables are the groups'), the position scheme and, for media, the model's token
+    embeddings (zeros here)."""
+    kv: Any = SimpleNamespace(page_size=P, page_map=GroupPageMap((0, 1)))
     model: Any = SimpleNamespace(embed=lambda ids: torch.zeros(ids.shape[0], HIDDEN))
     return ModelRunner(model, kv, Sampler(0), positions=scheme)
 

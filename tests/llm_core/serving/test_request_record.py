@@ -95,7 +95,7 @@ def test_kv_copied_in_is_kept_by_request_id_and_forgotten_at_the_end() -> None:
     step's copy, and is gone once the request finished."""
     from llm_core.caches.kv_group_manager import FullAttentionManager
     from llm_core.caches.kv_manager import KVManager
-    from llm_core.caches.kv_pool import PagePool
+    from llm_core.caches.page_pool import PagePool
     from llm_core.serving.scheduler import Scheduler, SchedulerConfig
 
     assert not {"kv_source", "kv_fetch", "kv_export"} & set(_annotations(Sequence))
