@@ -9,7 +9,7 @@ must send):
                                                          borrowed, no other connector asked
     admission, before the prefix-cache hit is borrowed   must_wait(seq, hit)   its KV is on its way
     admission, after the hit is borrowed                 copy_in(seq, hit)     a KVSource from hit on
-    after a step's forward                               copy_out(seqs, n)     KV leaving the engine
+    after a step's forward                               copy_out(seqs, n, rows) KV leaving the engine
     the request finished or was aborted                  request_finished(id)  forget it
 
 The KV manager consults its connectors at admission (``KVManager.match_prefix``, called by the
@@ -56,9 +56,12 @@ class KVConnector:
         """KV this connector copies into ``seq``'s pages from position ``hit`` on (None: none)."""
         return None
 
-    def copy_out(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> None:
-        """After a step computed ``num_new_tokens[b]`` tokens of ``seqs[b]``, before the scheduler
-        commits it (the sequences still hold the step's pages): send what leaves the engine."""
+    def copy_out(
+        self, seqs: Seq[Sequence], num_new_tokens: Seq[int], page_rows: Seq[list[list[int]]]
+    ) -> None:
+        """After a step computed ``num_new_tokens[b]`` tokens of ``seqs[b]`` (its page rows
+        ``page_rows[b]``), before the scheduler commits it (the sequences still hold the step's
+        pages): send what leaves the engine."""
 
     def request_finished(self, request_id: RequestId) -> None:
         """The request finished or was aborted: forget it."""

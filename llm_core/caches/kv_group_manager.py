@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from llm_core.caches.kv_pool import swa_pages_per_sequence
 from llm_core.caches.page_pool import PageAllocator
-from llm_core.serving.sequence import NOT_RESIDENT, Sequence
+from llm_core.caches.seq_kv import NOT_RESIDENT, SeqKV
 
 
 class FullAttentionManager:
@@ -76,10 +76,10 @@ class SlidingWindowManager:
         """Logical pages [lo, hi) of the windows before each pinned position (0: no pin)."""
         return [(self.first_live_page(end), end // self.page_size) for end in pin_ends if end]
 
-    def free_below(self, seq: Sequence, row: int, lo: int, pins: list[tuple[int, int]]) -> int:
-        """Drop ``seq``'s pages of this group (``seq.pages[row]``) below logical page ``lo``, but
-        not the pinned ones; returns how many went back to the pool (borrowed pages belong to the
-        tree: the sequence only stops referencing them)."""
+    def free_below(self, seq: SeqKV, row: int, lo: int, pins: list[tuple[int, int]]) -> int:
+        """Drop a sequence's pages of this group (``seq.pages[row]``) below logical page ``lo``,
+        but not the pinned ones; returns how many went back to the pool (borrowed pages belong to
+        the tree: the sequence only stops referencing them)."""
         pages = seq.pages[row]
         done = seq.num_released[row]
         if lo <= done:
@@ -96,7 +96,7 @@ class SlidingWindowManager:
         self.pool.free(freed)
         return len(freed)
 
-    def drop_pins(self, seq: Sequence, row: int, pins: list[tuple[int, int]]) -> bool:
+    def drop_pins(self, seq: SeqKV, row: int, pins: list[tuple[int, int]]) -> bool:
         """Free the pinned pages the sequence already moved past; True if any page or range went."""
         pages = seq.pages[row]
         freed: list[int] = []
@@ -112,10 +112,10 @@ class SlidingWindowManager:
         self.pool.free(freed)
         return bool(freed) or moved
 
-    def check_window(self, seq: Sequence, row: int, num_computed: int) -> None:
+    def check_window(self, seq: SeqKV, row: int, num_computed: int, seq_id: object) -> None:
         lo = self.first_live_page(num_computed)
         if NOT_RESIDENT in seq.pages[row][lo:]:
-            raise AssertionError(f"seq {seq.seq_id}: a page of group {row}'s live window is missing")
+            raise AssertionError(f"seq {seq_id}: a page of group {row}'s live window is missing")
 
 
 GroupManager = FullAttentionManager | SlidingWindowManager

@@ -46,7 +46,11 @@ from llm_core.caches.kv_pool import DualKVCache
 from llm_core.caches.kv_transfers import KVTransfers
 from llm_core.caches.page_pool import PageAllocator, PagePool
 from llm_core.caches.radix_cache import InsertResult, RadixCache, RadixNode
-from llm_core.serving.sequence import NOT_RESIDENT, Sequence
+from llm_core.caches.seq_kv import NOT_RESIDENT, SeqKV
+from llm_core.serving.request import RequestId
+from llm_core.serving.sequence import Sequence
+
+_EMPTY = SeqKV()  # what ``of`` reads for a sequence that holds nothing (never written)
 
 
 class PageNeed(NamedTuple):
@@ -109,6 +113,8 @@ class KVManager:
         self.connectors: list[KVConnector] = []
         self.connect_tiers()
         self._budgets = self._budgets_of()
+        # Each sequence's KV state (its pages, pins and prefix lock), by request id
+        self._held: dict[RequestId, SeqKV] = {}
         self._peeks: weakref.WeakKeyDictionary[Sequence, tuple[tuple[int, int], int]] = (
             weakref.WeakKeyDictionary()
         )
@@ -149,13 +155,26 @@ class KVManager:
         start on is resident (``check_integrity`` verifies it), so every group needs one page per
         new logical page.
         """
-        new = max(0, math.ceil((seq.num_computed_tokens + n) / self.page_size) - seq.num_pages)
+        new = max(0, math.ceil((seq.num_computed_tokens + n) / self.page_size) - self.of(seq).num_pages)
         return PageNeed((new,) * len(self.groups))
 
-    def _ensure_rows(self, seq: Sequence) -> None:
-        if not seq.pages:
-            seq.pages = [[] for _ in self.groups]
-            seq.num_released = [0] * len(self.groups)
+    # ---- the sequences' KV state -----------------------------------------------------------
+    def of(self, seq: Sequence) -> SeqKV:
+        """``seq``'s KV state (read it, do not change it): empty while it holds nothing."""
+        return self._held.get(seq.seq_id, _EMPTY)
+
+    def rows(self, seq: Sequence) -> list[list[int]]:
+        """``seq``'s page row per KV group ([] while it holds none): what its page tables map."""
+        return self.of(seq).pages
+
+    def _state(self, seq: Sequence) -> SeqKV:
+        """``seq``'s KV state, made (one empty row per group) on first use."""
+        st = self._held.get(seq.seq_id)
+        if st is None:
+            st = self._held[seq.seq_id] = SeqKV(
+                [[] for _ in self.groups], num_released=[0] * len(self.groups)
+            )
+        return st
 
     # ---- prefix cache --------------------------------------------------------------------
     def peek_prefix(self, seq: Sequence) -> int:
@@ -181,8 +200,8 @@ class KVManager:
 
         At least one token is always left to compute: the step that computes it makes the logits.
         """
-        assert not seq.num_pages and seq.prefix_lock is None and seq.num_computed_tokens == 0
-        self._ensure_rows(seq)
+        st = self._state(seq)
+        assert not st.num_pages and st.prefix_lock is None and seq.num_computed_tokens == 0
         if self.transfers.source(seq.seq_id) is None:
             bringer = next((c for c in self.connectors if c.covers_prompt(seq)), None)
             if bringer is not None:
@@ -202,22 +221,22 @@ class KVManager:
             hit = self.radix.match_prefix(seq.cache_keys, hit.length - 1)
         if any(c.must_wait(seq, hit.length) for c in self.connectors):
             return None  # its KV is on its way (a store fetch): admitted once it is here
-        seq.prefix_lock = self.radix.lock(hit.node)
-        seq.pages = [list(row) for row in hit.pages]
-        seq.num_borrowed_pages = len(hit.full_pages)
-        seq.num_released = [g.first_live_page(hit.length) for g in self.groups]
+        st.prefix_lock = self.radix.lock(hit.node)
+        st.pages = [list(row) for row in hit.pages]
+        st.num_borrowed_pages = len(hit.full_pages)
+        st.num_released = [g.first_live_page(hit.length) for g in self.groups]
         seq.num_computed_tokens = hit.length
         seq.num_cached_tokens = hit.length
         if self.swa_aware and hit.key_length > hit.length and self._can_pin():
-            seq.swa_pin_end = hit.key_length
+            st.swa_pin_end = hit.key_length
         for connector in self.connectors:  # the first that copies KV in from the hit on
             src = connector.copy_in(seq, hit.length)
             if src is not None:
                 self.transfers.set_source(seq.seq_id, src)
-                if seq.swa_pin_end and seq.swa_pin_end <= src.end:
+                if st.swa_pin_end and st.swa_pin_end <= src.end:
                     # The branch point lies in the copied range, where SWA pages below the copy's
                     # own window are never written: keeping them would cache unwritten KV as live.
-                    seq.swa_pin_end = 0
+                    st.swa_pin_end = 0
                 break
         self.pin_prompt_end(seq)
         return hit.length
@@ -241,7 +260,11 @@ class KVManager:
         self.connectors.append(HostTierConnector(self.host_tier, self.page_size, self.window_tokens, store))
 
     def request_finished(self, request_id: int | str) -> None:
-        """The request finished or was aborted: its transfers and connectors' state go."""
+        """The request finished or was aborted: its transfers and connectors' state go, and its
+        KV state once it holds nothing (``release`` gives its pages back)."""
+        st = self._held.get(request_id)
+        if st is not None and not st.num_pages and st.prefix_lock is None:
+            del self._held[request_id]
         self.transfers.release(request_id)
         for connector in self.connectors:
             connector.request_finished(request_id)
@@ -257,8 +280,9 @@ class KVManager:
             return
         if end is None:
             end = (seq.num_prompt_tokens - 1) // self.page_size * self.page_size
-        if end > max(seq.num_computed_tokens, seq.swa_pin_end):
-            seq.swa_prompt_pin = end
+        st = self._state(seq)
+        if end > max(seq.num_computed_tokens, st.swa_pin_end):
+            st.swa_prompt_pin = end
 
     def _can_pin(self) -> bool:
         # Pinning holds up to one extra window per sequence; only where every window group's pool
@@ -306,7 +330,7 @@ class KVManager:
 
         Returns False, taking nothing, when the pools cannot hold it even after eviction.
         """
-        if seq.num_computed_tokens + n <= seq.num_pages * self.page_size:
+        if seq.num_computed_tokens + n <= self.of(seq).num_pages * self.page_size:
             return True  # the pages held already cover them (most decode steps): nothing to take
         need = self.pages_needed(seq, n)
         if not self._available(need) and not (self.unpin(seq) and self._available(need)):
@@ -330,8 +354,7 @@ class KVManager:
             for pages, group in zip(got, self.groups, strict=True):
                 group.pool.free(pages or [])
             return False
-        self._ensure_rows(seq)
-        for row, pages in zip(seq.pages, got, strict=True):
+        for row, pages in zip(self._state(seq).pages, got, strict=True):
             assert pages is not None
             row.extend(pages)
         return True
@@ -339,7 +362,7 @@ class KVManager:
     def commit(self, seq: Sequence, n: int) -> None:
         """Record that ``n`` more tokens of ``seq`` have KV; drop SWA pages that left every window."""
         seq.num_computed_tokens += n
-        assert seq.num_computed_tokens <= seq.num_pages * self.page_size
+        assert seq.num_computed_tokens <= self.of(seq).num_pages * self.page_size
         self.free_out_of_window(seq)
 
     def free_out_of_window(self, seq: Sequence) -> int:
@@ -352,29 +375,33 @@ class KVManager:
         still holds at most ``swa_pages_per_sequence`` pages (the next page is not needed until
         c reaches it, and then b moves with it).
         """
-        if not self.windows:
+        st = self._held.get(seq.seq_id)
+        if not self.windows or st is None:
             return 0
         b = seq.num_computed_tokens // self.page_size * self.page_size
         upto = min(b, max(0, seq.num_computed_tokens - self.swa_extra_tokens))
-        ends = (seq.swa_pin_end, seq.swa_prompt_pin)
+        ends = (st.swa_pin_end, st.swa_prompt_pin)
         freed = 0
         for g, group in enumerate(self.groups):
             if isinstance(group, SlidingWindowManager):
                 lo = group.first_live_page(upto)
-                if lo > seq.num_released[g]:
-                    freed += group.free_below(seq, g, lo, group.pinned_pages(ends))
+                if lo > st.num_released[g]:
+                    freed += group.free_below(st, g, lo, group.pinned_pages(ends))
         return freed
 
     def unpin(self, seq: Sequence) -> bool:
         """Drop ``seq``'s pinned windows (the pages it already moved past); True if any."""
-        ends = (seq.swa_pin_end, seq.swa_prompt_pin)
-        if not any(ends) or not self.windows:
+        st = self._held.get(seq.seq_id)
+        if st is None or not self.windows:
             return False
-        seq.swa_pin_end = seq.swa_prompt_pin = 0
+        ends = (st.swa_pin_end, st.swa_prompt_pin)
+        if not any(ends):
+            return False
+        st.swa_pin_end = st.swa_prompt_pin = 0
         dropped = False
         for g, group in enumerate(self.groups):
             if isinstance(group, SlidingWindowManager):
-                dropped = group.drop_pins(seq, g, group.pinned_pages(ends)) or dropped
+                dropped = group.drop_pins(st, g, group.pinned_pages(ends)) or dropped
         return dropped
 
     # ---- release -------------------------------------------------------------------------
@@ -383,7 +410,8 @@ class KVManager:
 
         Used at finish, abort and preemption; afterwards ``seq`` holds no pages and no lock.
         """
-        nb = seq.num_borrowed_pages
+        st = self._held.pop(seq.seq_id, _EMPTY)
+        nb = st.num_borrowed_pages
         # A half-copied import holds SWA pages whose positions were never written: never cached.
         cache = cache and not self.transfers.copying(seq)
         if self.radix is not None and cache:
@@ -393,27 +421,22 @@ class KVManager:
             n = computed // self.page_size
             key = seq.cache_keys[: n * self.page_size]
             tokens = seq.token_slice(0, n * self.page_size) if self.radix.record_events else None
-            if seq.pages:
-                res: InsertResult = self.radix.insert(key, *(row[:n] for row in seq.pages), tokens=tokens)
-                for group, row, spare in zip(self.groups, seq.pages, res.to_free, strict=True):
+            if st.pages:
+                res: InsertResult = self.radix.insert(key, *(row[:n] for row in st.pages), tokens=tokens)
+                for group, row, spare in zip(self.groups, st.pages, res.to_free, strict=True):
                     group.pool.free(spare)
                     group.pool.free(row[n:])
         else:
-            for group, row in zip(self.groups, seq.pages, strict=False):  # no rows: nothing held
+            for group, row in zip(self.groups, st.pages, strict=False):  # no rows: nothing held
                 group.pool.free(row[nb:])
-        if seq.prefix_lock is not None:
+        if st.prefix_lock is not None:
             assert self.radix is not None
-            self.radix.unlock(seq.prefix_lock)
+            self.radix.unlock(st.prefix_lock)
         src = self.transfers.source(seq.seq_id)
         if src is not None and src.first_token is None:
             self.transfers.set_source(
                 seq.seq_id, None
             )  # a restore (not an import): the next admission matches anew
-        seq.pages = []
-        seq.num_borrowed_pages = 0
-        seq.num_released = []
-        seq.swa_pin_end = seq.swa_prompt_pin = 0
-        seq.prefix_lock = None
 
     # ---- accounting ----------------------------------------------------------------------
     def capacity_error(self, num_pages: int) -> str | None:
@@ -447,27 +470,32 @@ class KVManager:
         owned: list[list[int]] = [[] for _ in self.groups]
         tree: list[set[int]] = [set() for _ in self.groups]
         if self.radix is not None:
-            self.radix.check_integrity([s.prefix_lock for s in seqs if s.prefix_lock is not None])
+            locks = [st.prefix_lock for s in seqs if (st := self.of(s)).prefix_lock is not None]
+            self.radix.check_integrity(locks)
             for g in range(len(self.groups)):
                 owned[g].extend(self.radix.pages_held(g))
                 tree[g] = set(owned[g])
+        holders = {sid for sid, st in self._held.items() if st.num_pages or st.prefix_lock is not None}
+        if holders - {s.seq_id for s in seqs}:
+            raise AssertionError(f"KV held for sequences not given: {sorted(map(str, holders))}")
         for s in seqs:
-            nb = s.num_borrowed_pages
-            if s.num_pages < math.ceil(s.num_computed_tokens / self.page_size):
+            st = self.of(s)
+            nb = st.num_borrowed_pages
+            if st.num_pages < math.ceil(s.num_computed_tokens / self.page_size):
                 raise AssertionError(f"seq {s.seq_id}: computed tokens without full pages")
-            if s.pages and len(s.pages) != len(self.groups):
+            if st.pages and len(st.pages) != len(self.groups):
                 raise AssertionError(
-                    f"seq {s.seq_id}: {len(s.pages)} page rows for {len(self.groups)} groups"
+                    f"seq {s.seq_id}: {len(st.pages)} page rows for {len(self.groups)} groups"
                 )
-            for g, row in enumerate(s.pages):
+            for g, row in enumerate(st.pages):
                 if not tree[g].issuperset(p for p in row[:nb] if p != NOT_RESIDENT):
                     raise AssertionError(f"seq {s.seq_id}: borrowed pages are not in the prefix cache")
                 owned[g].extend(p for p in row[nb:] if p != NOT_RESIDENT)
-                if len(row) != s.num_pages:
+                if len(row) != st.num_pages:
                     raise AssertionError(f"seq {s.seq_id}: page rows of different lengths")
                 group = self.groups[g]
                 if isinstance(group, SlidingWindowManager):
-                    group.check_window(s, g, s.num_computed_tokens)
+                    group.check_window(st, g, s.num_computed_tokens, s.seq_id)
         for g, group in enumerate(self.groups):
             mine, pool = owned[g], group.pool
             if len(mine) != len(set(mine)):

@@ -45,7 +45,7 @@ from llm_core.caches.page_map import BlockPageMap, GroupPageMap, PageMap
 from llm_core.caches.page_pool import PageAllocator, PagePool
 
 # A sequence's page rows, one per KV group in ``DualKVCache.groups`` order: row ``g``'s entry ``i``
-# is group g's physical page of logical page i (``Sequence.pages``).
+# is group g's physical page of logical page i (``KVManager.rows``).
 PageRows = Sequence[list[int]]
 
 _DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float8_e4m3fn: 1}

@@ -57,7 +57,7 @@ def _head(plan: LayerPlan, dtype: torch.dtype) -> bytes:
 
 def pack(plan: LayerPlan, kv: DualKVCache, rows: PageRows) -> torch.Tensor:
     """The plan's KV of one sequence (its logical-to-physical page row per KV group,
-    ``Sequence.pages``) as one uint8 tensor [nbytes]."""
+    ``KVManager.rows``) as one uint8 tensor [nbytes]."""
     dtype = kv.layer(0).k.dtype
     head = _head(plan, dtype)
     off = len(head)

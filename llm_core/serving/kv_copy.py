@@ -38,7 +38,7 @@ class CopyJob(NamedTuple):
     """Positions [lo, hi) of one sequence, copied from ``source`` into its pages."""
 
     source: KVSource
-    rows: list[list[int]]  # the sequence's page row per KV group (``Sequence.pages``)
+    rows: list[list[int]]  # the sequence's page row per KV group (``KVManager.rows``)
     lo: int
     hi: int
 
@@ -59,12 +59,14 @@ class CopyPlan(NamedTuple):
     num_crossing: int  # chunks that copy and compute in this step
 
 
-def plan_copies(seqs: Seq[Sequence], num_new_tokens: Seq[int], transfers: KVTransfers) -> CopyPlan:
+def plan_copies(
+    seqs: Seq[Sequence], num_new_tokens: Seq[int], page_rows: Seq[list[list[int]]], transfers: KVTransfers
+) -> CopyPlan:
     """Split the step's chunks at their sources' ends (see the module docstring; the sources are
-    ``transfers``')."""
+    ``transfers``'; ``page_rows[b]``: ``seqs[b]``'s page row per KV group)."""
     plan = CopyPlan([], [], [], [], [None] * len(seqs), 0)
     crossing = 0
-    for b, (s, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
+    for b, (s, n, rows) in enumerate(zip(seqs, num_new_tokens, page_rows, strict=True)):
         if not transfers.copying(s):
             plan.compute_index.append(b)
             plan.compute_seqs.append(s)
@@ -73,7 +75,7 @@ def plan_copies(seqs: Seq[Sequence], num_new_tokens: Seq[int], transfers: KVTran
         src = transfers.source(s.seq_id)
         assert src is not None  # copying
         c, end = s.num_computed_tokens, src.end
-        plan.jobs.append(CopyJob(src, s.pages, c, min(end, c + n)))
+        plan.jobs.append(CopyJob(src, rows, c, min(end, c + n)))
         if c + n > end:
             assert src.first_token is None, "an import's chunks never cross its end (nothing follows)"
             plan.compute_index.append(b)

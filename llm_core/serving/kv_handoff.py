@@ -91,24 +91,26 @@ class KVHandoff(KVConnector):
                 self._transport = None
 
     # -- prefill side (engine thread) ---------------------------------------------------------
-    def copy_out(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> None:
+    def copy_out(
+        self, seqs: Seq[Sequence], num_new_tokens: Seq[int], page_rows: Seq[list[list[int]]]
+    ) -> None:
         """Hand over the KV of prompts this step completed (before the scheduler commits the
         step: the pages are still the sequence's, its SWA window still resident)."""
-        for s, n in zip(seqs, num_new_tokens, strict=True):
+        for s, n, rows in zip(seqs, num_new_tokens, page_rows, strict=True):
             if s.kv_export and not s.output_ids and s.num_computed_tokens + n == s.num_prompt_tokens:
-                self.exports[str(s.seq_id)] = self.export(s)
+                self.exports[str(s.seq_id)] = self.export(s, rows)
 
     def pop_export(self, request_id: str) -> dict[str, Any] | None:
         """The KV export of a finished ``kv_export`` request (None if it produced none)."""
         return self.exports.pop(request_id, None)
 
-    def export(self, seq: Sequence) -> dict[str, Any]:
-        """The plan of ``seq``'s prompt (every prompt token computed, pages not yet released) put
-        on the transport: ``{"handle", "bytes", "kv_bytes", "seconds"}``, or ``{"error": reason}``."""
+    def export(self, seq: Sequence, rows: list[list[int]]) -> dict[str, Any]:
+        """The plan of ``seq``'s prompt (every prompt token computed, its pages ``rows`` not yet
+        released) put on the transport: ``{"handle", "bytes", "kv_bytes", "seconds"}``, or ``{"error": reason}``."""
         t0 = time.perf_counter()
         plan = LayerPlan(self.layout, self.kv.page_size, seq.num_prompt_tokens)
         try:
-            buf = pack(plan, self.kv, seq.pages)
+            buf = pack(plan, self.kv, rows)
             handle = self.transport().export(buf.numpy().data, ttl_s=self.ttl_s)
         except KVTransferError as e:
             log.warning("KV export of %s failed (%s): %s", seq.seq_id, e.reason, e)

@@ -110,21 +110,18 @@ class ModelRunner:
         self.num_overlapped_copies = 0
 
     def prepare(
-        self, seqs: Seq[Sequence], num_new_tokens: Seq[int], page_rows: list[list[list[int]]] | None = None
+        self, seqs: Seq[Sequence], num_new_tokens: Seq[int], rows: list[list[list[int]]]
     ) -> StepInputs:
         """Pack the new tokens of ``seqs``; ``num_new_tokens[b]`` start at ``num_computed_tokens``;
-        ``page_rows[b]``: the page rows per KV group of ``seqs[b]`` (default: its ``pages``)."""
-        assert len(seqs) == len(num_new_tokens) and seqs
-        rows = [s.pages for s in seqs] if page_rows is None else page_rows
+        ``rows[b]``: the page rows per KV group of ``seqs[b]`` (``SchedulerOutput.page_rows``)."""
+        assert len(seqs) == len(num_new_tokens) == len(rows) and seqs
         if max(num_new_tokens) == 1:
             decode = self._prepare_decode(seqs, rows)
             if decode is not None:
                 return decode
         return self._prepare_packed(seqs, num_new_tokens, rows)
 
-    def _prepare_decode(
-        self, seqs: Seq[Sequence], page_rows: list[list[list[int]]] | None = None
-    ) -> StepInputs | None:
+    def _prepare_decode(self, seqs: Seq[Sequence], page_rows: list[list[list[int]]]) -> StepInputs | None:
         """``prepare`` for a decode step: every sequence computes one token, its last (so every one
         samples), at positions its scheme gives by offsets, and no token is a media placeholder.
         One pass over the sequences for their ids, positions and page rows, then array operations
@@ -150,7 +147,7 @@ class ModelRunner:
             starts.append(start)
         b = len(seqs)
         start_np = np.array(starts, dtype=np.int64)  # [B] position of each new token
-        tables = self._decode_tables.build(list(seqs), start_np, self.page_size, page_rows)
+        tables = self._decode_tables.build(list(seqs), page_rows, start_np, self.page_size)
         page_tables, slots = self.kv.page_map.view_tables(*tables, self.page_size)  # per layer view
         if linear:
             pos_np = start_np
@@ -188,7 +185,7 @@ class ModelRunner:
         return t
 
     def _prepare_packed(
-        self, seqs: Seq[Sequence], num_new_tokens: Seq[int], page_rows: list[list[list[int]]] | None = None
+        self, seqs: Seq[Sequence], num_new_tokens: Seq[int], page_rows: list[list[list[int]]]
     ) -> StepInputs:
         """``prepare`` for any step (prefill chunks, decodes, media): the ids of each sequence in one
         Python list, positions and write slots by array operations over the packed tokens."""
@@ -213,7 +210,7 @@ class ModelRunner:
             has_media = has_media or any(m.start < end and m.start + m.length > start for m in s.media)
         seq_list, counts = list(seqs), list(num_new_tokens)
         tokens = token_positions(seq_list, counts)
-        tables = build_page_tables(seq_list, counts, self.page_size, tokens, page_rows)
+        tables = build_page_tables(seq_list, page_rows, counts, self.page_size, tokens)
         page_tables, slots = self.kv.page_map.view_tables(*tables, self.page_size)  # per layer view
         on = self._on_device
         count_np = np.array(counts, dtype=np.int32)
@@ -309,7 +306,7 @@ class ModelRunner:
         inp = self.prepare(seqs, num_new_tokens, page_rows)
         hidden = self.model(inp.input_ids, inp.positions, inp.batch, self.kv, inp.input_embeds)  # [T, hidden]
         if self.speculator is not None:
-            return self._sample_and_draft(seqs, num_new_tokens, inp, hidden)
+            return self._sample_and_draft(seqs, num_new_tokens, page_rows, inp, hidden)
         out: list[Sampled] = [None] * len(seqs)
         if not inp.sample_seqs:
             return out
@@ -325,7 +322,12 @@ class ModelRunner:
         return out
 
     def _sample_and_draft(
-        self, seqs: Seq[Sequence], num_new_tokens: Seq[int], inp: StepInputs, hidden: Tensor
+        self,
+        seqs: Seq[Sequence],
+        num_new_tokens: Seq[int],
+        page_rows: list[list[list[int]]],
+        inp: StepInputs,
+        hidden: Tensor,
     ) -> list[Sampled]:
         """``execute``'s sampling with speculation: a verifying sequence's k + 1 rows give its
         accepted tokens (a list), the others one token or None; then the MTP heads extend and
@@ -366,7 +368,7 @@ class ModelRunner:
             # rows whose tokens are now known: all of a chunk, the accepted part of a verify
             valid.append(hidden[row0 : row0 + (len(toks) if drafts > 0 else n)])
             row0 += n
-        self.speculator.extend(seqs, [s.num_computed_tokens for s in seqs], new_tokens, valid)
+        self.speculator.extend(seqs, page_rows, [s.num_computed_tokens for s in seqs], new_tokens, valid)
         return out
 
     def _own_generator(self, s: Sequence, p: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -174,7 +174,9 @@ class Scheduler:
                 self._fill_bucket(b, grant, plan, take)
         if not seqs:
             return None
-        return SchedulerOutput.build(seqs, [plan[id(s)] for s in seqs], self.kv.transfers)
+        return SchedulerOutput.build(
+            seqs, [plan[id(s)] for s in seqs], [self.kv.rows(s) for s in seqs], self.kv.transfers
+        )
 
     def _drafts_to_verify(self, seq: Sequence, budget: int) -> int:
         """How many of ``seq``'s drafts (``speculative.py``) this step verifies: all that fit the
@@ -305,7 +307,7 @@ class Scheduler:
         """After the step's forward, before ``update``: every connector sends what leaves the
         engine (a P/D export of a prompt this step completed; its pages are still held)."""
         for connector in (*self.kv.connectors, *self.connectors):
-            connector.copy_out(step.seqs, step.num_new_tokens)
+            connector.copy_out(step.seqs, step.num_new_tokens, step.page_rows)
 
     def update(self, batch: SchedulerOutput, sampled: list[Sampled]) -> list[Sequence]:
         """Commit a computed step; ``sampled[i]`` is the token sampled for ``seqs[i]`` (None

@@ -17,7 +17,7 @@ from llm_core.serving.sequence import Sequence
 class SchedulerOutput:
     """One step: compute tokens [num_computed, num_computed + num_new_tokens[b]) of ``seqs[b]``.
 
-    ``page_rows[b]``: the page row per KV group of ``seqs[b]`` (``Sequence.pages``) the step's
+    ``page_rows[b]``: the page row per KV group of ``seqs[b]`` (``KVManager.rows``) the step's
     page tables and write slots are built from, its pages for the new tokens allocated.
     ``copies``: the KV copied in rather than computed this step (``kv_copy.plan_copies``: which
     chunks copy, which compute, the copies to run before or beside the forward); None when no
@@ -31,11 +31,15 @@ class SchedulerOutput:
 
     @classmethod
     def build(
-        cls, seqs: list[Sequence], num_new_tokens: list[int], transfers: KVTransfers | None = None
+        cls,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        page_rows: list[list[list[int]]],
+        transfers: KVTransfers | None = None,
     ) -> SchedulerOutput:
         """The output of a step whose pages are allocated (copies planned where a chunk copies
         from a source in ``transfers``)."""
         copies = None
         if transfers is not None and len(transfers) and any(transfers.copying(s) for s in seqs):
-            copies = plan_copies(seqs, num_new_tokens, transfers)
-        return cls(seqs, num_new_tokens, [s.pages for s in seqs], copies)
+            copies = plan_copies(seqs, num_new_tokens, page_rows, transfers)
+        return cls(seqs, num_new_tokens, page_rows, copies)

@@ -1,8 +1,8 @@
-"""One request's state in the LLM core: its tokens, cache keys, page tables and progress.
+"""One request's state in the LLM core: its tokens, cache keys and progress; page tables from rows.
 
 The request itself (prompt, sampling, media) is a frozen ``request.Request`` the sequence refers
-to; the scheduler and the KV manager mutate the rest of a ``Sequence``; the model runner only
-reads it. The sequence knows nothing of how pages are chosen.
+to; the scheduler and the KV manager move the rest of a ``Sequence`` (tokens, progress, status); the
+model runner only reads it. The sequence knows nothing of pages.
 
 Token layout::
 
@@ -13,14 +13,9 @@ Token layout::
     positions   [0 ............ num_computed_tokens) KV written (full attention: all; a window: its window)
                 [num_computed_tokens .. num_tokens)  still to compute (the last one is the decode input)
 
-Page tables: ``pages[g]`` maps logical page ``i`` (positions [i*page, (i+1)*page)) to a physical
-page of KV group ``g`` (``caches.kv_groups``; group 0 is full attention, then the sliding-window
-groups); all rows have one entry per logical page, and ``pages[g][i] == -1`` means that page's KV
-is not resident in window group ``g`` (it left the window, or the prefix cache never had to keep
-it). The first ``num_borrowed_pages`` entries of every row belong to the radix prefix cache
-(locked while this sequence runs), the rest belong to the sequence. A full-attention model has
-one row. ``full_pages`` / ``swa_pages`` are read-only views of group 0's row and the
-sliding-window group's row (what the attention kernels' two tables hold).
+The sequence holds no KV state: its pages, pins and prefix lock are the KV manager's
+(``caches.seq_kv.SeqKV``, kept by request id); the page-table builders below take each
+sequence's page rows from the caller (the scheduler's ``SchedulerOutput``).
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -36,17 +31,15 @@ import torch
 # The media-span parsing and the cache-key rule are shared with the ingress (it routes on the
 # keys the prefix cache matches): they live with the other messages between roles.
 from epd_common.messages.cache_keys import MediaSpan, build_cache_keys
+
+# a page-table entry for a page whose KV is not in the pool (left a window): the KV state's
+from llm_core.caches.seq_kv import NOT_RESIDENT
 from llm_core.serving.request import MultimodalInput, Request, RequestId
 from llm_core.serving.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from llm_core.caches.radix_node import PrefixLock
 
 # What a step yields per sequence: a token, None (a prefill chunk short of the end), or the tokens a
 # verify step accepted (speculative decoding, ``speculative.py``).
 Sampled = int | list[int] | None
-
-NOT_RESIDENT = -1  # page-table entry for a page whose KV is not in the pool (left a window)
 
 
 class SequenceStatus(enum.Enum):
@@ -67,15 +60,6 @@ class Sequence:
     num_computed_tokens: int
     num_cached_tokens: int  # prefix-cache hit at the last admission
     num_preemptions: int
-    # KV state, owned by the KV manager: one page row per KV group (empty: no pages held).
-    pages: list[list[int]]
-    num_borrowed_pages: int
-    # Per group: leading logical pages already dropped from its window (NOT_RESIDENT unless
-    # pinned; always 0 for full attention).
-    num_released: list[int]
-    swa_pin_end: int  # keep the SWA window before this position until release (heals a branch point)
-    swa_prompt_pin: int  # likewise for the prompt's last page boundary (a next turn resumes there)
-    prefix_lock: PrefixLock | None  # held while the sequence uses a prefix-cache hit
     # Leading tokens whose KV a later prompt with the same cache keys would compute identically
     # (None: all). The model's position scheme lowers it when generated tokens sit at positions a
     # prompt would not give them (``positions.MRopePositions``); only that much enters the cache.
@@ -119,12 +103,6 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_preemptions = 0
-        self.pages = []
-        self.num_borrowed_pages = 0
-        self.num_released = []
-        self.swa_pin_end = 0
-        self.swa_prompt_pin = 0
-        self.prefix_lock = None
         self.cacheable_tokens = None
 
     def __repr__(self) -> str:
@@ -211,33 +189,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status in (SequenceStatus.FINISHED, SequenceStatus.ABORTED)
 
-    @property
-    def num_pages(self) -> int:
-        """Logical pages held (every group's row has this many entries)."""
-        return len(self.pages[0]) if self.pages else 0
-
-    @property
-    def full_pages(self) -> list[int]:
-        """Group 0's row (full attention)."""
-        return self.pages[0] if self.pages else []
-
-    @property
-    def swa_pages(self) -> list[int]:
-        """The sliding-window group's row (group 1); [] when the model has none."""
-        return self.pages[1] if len(self.pages) > 1 else []
-
-    @property
-    def num_swa_released(self) -> int:
-        return self.num_released[1] if len(self.num_released) > 1 else 0
-
-    def full_slot(self, pos: int, page_size: int) -> int:
-        return self.full_pages[pos // page_size] * page_size + pos % page_size
-
-    def swa_slot(self, pos: int, page_size: int) -> int:
-        page = self.swa_pages[pos // page_size]
-        assert page != NOT_RESIDENT, f"seq {self.seq_id}: SWA page of position {pos} is not resident"
-        return page * page_size + pos % page_size
-
 
 class PageTables(NamedTuple):
     """AttentionBatch inputs for a packed batch, one entry per KV group in the sequences' row order
@@ -271,25 +222,25 @@ def token_positions(
 
 def build_page_tables(
     seqs: list[Sequence],
+    page_rows: list[list[list[int]]],
     num_new_tokens: list[int],
     page_size: int,
     tokens: TokenPositions | None = None,
-    page_rows: list[list[list[int]]] | None = None,
 ) -> PageTables:
     """Page tables and write slots for computing ``num_new_tokens[b]`` tokens of ``seqs[b]`` this step
-    (``tokens``: their ``token_positions``, when the caller has them already; ``page_rows[b]``:
-    the page rows per KV group of ``seqs[b]``, default its ``pages``).
+    (``page_rows[b]``: the page rows per KV group of ``seqs[b]``, ``KVManager.rows``; ``tokens``:
+    their ``token_positions``, when the caller has them already).
 
     Call after the KV manager allocated the step's pages and before ``num_computed_tokens`` moves.
     """
-    tables = _page_table_arrays(seqs, _rows_of(seqs, page_rows))
+    tables = _page_table_arrays(seqs, page_rows)
     if tokens is None:
         tokens = token_positions(seqs, num_new_tokens)
     return _tables_and_slots(seqs, tables, tokens, page_size)
 
 
 class DecodePageTables:
-    """``build_page_tables(seqs, [1] * len(seqs), page_size)`` for consecutive decode steps (one
+    """``build_page_tables(seqs, rows, [1] * len(seqs), page_size)`` for consecutive decode steps (one
     token per sequence, at ``positions[b] == seqs[b].num_computed_tokens``): the tables of the last
     call are kept with a copy of each row's page lists, and a call with as many sequences rewrites
     only the rows whose lists differ (from one step to the next, a sequence takes a new page every
@@ -305,14 +256,9 @@ class DecodePageTables:
         self._shared = False
 
     def build(
-        self,
-        seqs: list[Sequence],
-        positions: np.ndarray,
-        page_size: int,
-        page_rows: list[list[list[int]]] | None = None,
+        self, seqs: list[Sequence], rows: list[list[list[int]]], positions: np.ndarray, page_size: int
     ) -> PageTables:
-        """``page_rows[b]``: the page rows per KV group of ``seqs[b]`` (default its ``pages``)."""
-        rows = _rows_of(seqs, page_rows)
+        """``rows[b]``: the page rows per KV group of ``seqs[b]``."""
         if not self._patch(seqs, rows):
             self._tables = _page_table_arrays(seqs, rows)
             self._rows = [[list(r) for r in group_rows] for group_rows in rows]
@@ -350,7 +296,7 @@ def _tables_and_slots(
 ) -> PageTables:
     """PageTables from int32 [B, P] tables (one per group) and each new token's sequence and
     position: the write slot of a token is its page's physical page * page_size + its offset in
-    the page (``Sequence.full_slot`` / ``swa_slot``), gathered for all tokens at once."""
+    the page (``SeqKV.full_slot`` / ``swa_slot``), gathered for all tokens at once."""
     seq_of_token, positions = tokens
     pages = positions // page_size  # [T] logical page of each new token
     offsets = positions - pages * page_size
@@ -364,10 +310,6 @@ def _tables_and_slots(
             )
         slots.append(torch.from_numpy(physical.astype(np.int64) * page_size + offsets))
     return PageTables(tuple(torch.from_numpy(t) for t in tables), tuple(slots))
-
-
-def _rows_of(seqs: list[Sequence], page_rows: list[list[list[int]]] | None) -> list[list[list[int]]]:
-    return [s.pages for s in seqs] if page_rows is None else page_rows
 
 
 def _width(rows: Iterable[SequenceOf[list[int]]]) -> int:

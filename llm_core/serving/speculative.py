@@ -96,6 +96,7 @@ def accept_sampled(drafts: list[int], q: Tensor, p: Tensor, gen: torch.Generator
 
 class _Rows(NamedTuple):
     seq: Sequence
+    pages: list[list[int]]  # its page row per KV group
     state: DraftState  # the sequence's drafts and MTP progress
     lo: int  # first MTP position this step
     hi: int  # one past the last
@@ -138,14 +139,20 @@ class Speculator:
 
     @torch.inference_mode()
     def extend(
-        self, seqs: Seq[Sequence], starts: Seq[int], new_tokens: Seq[list[int]], hidden: Seq[Tensor]
+        self,
+        seqs: Seq[Sequence],
+        page_rows: Seq[list[list[int]]],
+        starts: Seq[int],
+        new_tokens: Seq[list[int]],
+        hidden: Seq[Tensor],
     ) -> None:
-        """After a step: ``seqs[b]`` computed positions from ``starts[b]``, of which the first
+        """After a step: ``seqs[b]`` (page rows ``page_rows[b]``, the step's: the heads' layers are
+        in the window groups) computed positions from ``starts[b]``, of which the first
         ``len(hidden[b])`` rows are valid (their target hidden states), and gained
         ``new_tokens[b]`` (not yet appended to the sequence).
         Extends every MTP layer's KV and sets each sequence's drafts for the next step."""
         rows: list[_Rows] = []
-        for s, c, new, h in zip(seqs, starts, new_tokens, hidden, strict=True):
+        for s, pages, c, new, h in zip(seqs, page_rows, starts, new_tokens, hidden, strict=True):
             st = self.states.of(s.seq_id)
             num_known = s.num_tokens + len(new)  # tokens after this step
             f = c + h.shape[0] - 1  # the last position with a target hidden state
@@ -162,7 +169,7 @@ class Speculator:
                 continue
             # tokens from position lo + 1 on (the first any layer reads), then this step's drafts
             tokens = s.token_slice(lo + 1, s.num_tokens) + list(new)
-            rows.append(_Rows(s, st, lo, hi, h0[: hi - lo], tokens, drafting))
+            rows.append(_Rows(s, pages, st, lo, hi, h0[: hi - lo], tokens, drafting))
             # What the next step recomputes from: positions some layer computed from a draft.
             nxt = min(hi, num_known - self.k) if drafting else hi
             nxt = max(nxt, lo)
@@ -174,7 +181,7 @@ class Speculator:
         seqs = [r.seq for r in rows]
         counts = np.array([r.hi - r.lo for r in rows], dtype=np.int64)  # [B]
         tokens = token_positions(seqs, counts.tolist(), starts=[r.lo for r in rows])  # from each lo
-        tables = build_page_tables(seqs, counts.tolist(), self.page_size, tokens)
+        tables = build_page_tables(seqs, [r.pages for r in rows], counts.tolist(), self.page_size, tokens)
         page_tables, slots = self.kv.page_map.view_tables(*tables, self.page_size)  # per layer view
         dev = self.kv.layer(0).k.device
         cu = np.zeros(len(rows) + 1, dtype=np.int32)

@@ -28,7 +28,7 @@ class Shadow:
     def write(self, seq: Sequence, n: int) -> None:
         keys = seq.cache_keys
         for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-            for g, row in enumerate(seq.pages):
+            for g, row in enumerate(self.kv.rows(seq)):
                 self.slots[g][row[pos // P] * P + pos % P] = tuple(keys[: pos + 1])
 
     def check(self, seq: Sequence) -> None:
@@ -36,7 +36,7 @@ class Shadow:
         for g, group in enumerate(self.kv.groups):
             lo = group.first_live_page(seq.num_computed_tokens) * P
             for pos in range(lo, seq.num_computed_tokens):
-                page = seq.pages[g][pos // P]
+                page = self.kv.rows(seq)[g][pos // P]
                 assert page != NOT_RESIDENT, f"group {g}: page of {pos} dropped inside the window"
                 assert self.slots[g].get(page * P + pos % P) == tuple(keys[: pos + 1]), f"group {g}@{pos}"
 
@@ -59,12 +59,13 @@ def test_full_attention_model_keeps_one_row_and_no_window_state() -> None:
     for n in (9, 21, 1, 1):
         assert step(kv, shadow, a, n)
         shadow.check(a)
-    assert len(a.pages) == 1 and NOT_RESIDENT not in a.pages[0] and a.swa_pages == []
-    assert a.swa_pin_end == a.swa_prompt_pin == 0  # nothing to pin without a window
+    st = kv.of(a)
+    assert len(st.pages) == 1 and NOT_RESIDENT not in st.pages[0] and st.swa_pages == []
+    assert st.swa_pin_end == st.swa_prompt_pin == 0  # nothing to pin without a window
     assert kv.allocate(a, 1)
-    tables = build_page_tables([a], [1], P)  # one group: one table, no SWA table to fill
+    tables = build_page_tables([a], [kv.rows(a)], [1], P)  # one group: one table, no SWA table to fill
     assert len(tables.page_tables) == len(tables.slots) == 1
-    assert tables.page_tables[0][0].tolist() == a.pages[0]
+    assert tables.page_tables[0][0].tolist() == st.pages[0]
     kv.check_integrity([a])
     kv.release(a)
     kv.check_integrity([])
@@ -98,8 +99,8 @@ def test_two_window_groups_free_their_own_windows() -> None:
         assert step(kv, shadow, seq, 1)
         shadow.check(seq)
         kv.check_integrity([seq])
-        narrow, wide = (sum(p != NOT_RESIDENT for p in row) for row in seq.pages[1:])
-        assert narrow < wide < len(seq.pages[0])  # each window keeps what its queries read
+        narrow, wide = (sum(p != NOT_RESIDENT for p in row) for row in kv.rows(seq)[1:])
+        assert narrow < wide < len(kv.rows(seq)[0])  # each window keeps what its queries read
     kv.release(seq)
     kv.check_integrity([])
 

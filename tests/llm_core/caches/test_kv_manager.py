@@ -37,17 +37,21 @@ class Shadow:
         keys = seq.cache_keys
         for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
             ident = tuple(keys[: pos + 1])
-            self.full[seq.full_slot(pos, P)] = ident
-            self.swa[seq.swa_slot(pos, P)] = ident
+            self.full[self.kv.of(seq).full_slot(pos, P)] = ident
+            self.swa[self.kv.of(seq).swa_slot(pos, P)] = ident
 
     def check(self, seq: Sequence) -> None:
         keys = seq.cache_keys
         lo = self.kv.first_live_swa_page(seq.num_computed_tokens) * P
         for pos in range(seq.num_computed_tokens):
             ident = tuple(keys[: pos + 1])
-            assert self.full.get(seq.full_slot(pos, P)) == ident, f"full KV of {seq.seq_id}@{pos} lost"
+            assert self.full.get(self.kv.of(seq).full_slot(pos, P)) == ident, (
+                f"full KV of {seq.seq_id}@{pos} lost"
+            )
             if pos >= lo:
-                assert self.swa.get(seq.swa_slot(pos, P)) == ident, f"SWA KV of {seq.seq_id}@{pos} lost"
+                assert self.swa.get(self.kv.of(seq).swa_slot(pos, P)) == ident, (
+                    f"SWA KV of {seq.seq_id}@{pos} lost"
+                )
 
 
 def make_manager(
@@ -94,10 +98,11 @@ def test_swa_pages_stay_within_window_during_decode() -> None:
         shadow.check(seq)
     for _ in range(40):
         assert run_step(kv, shadow, seq, 1)
-        resident = sum(1 for p in seq.swa_pages if p != NOT_RESIDENT)
+        st = kv.of(seq)
+        resident = sum(1 for p in st.swa_pages if p != NOT_RESIDENT)
         # the moving window, plus the window kept at the prompt's end (``pin_prompt_end``)
-        pinned = sum(hi - lo for lo, hi in kv.windows[0].pinned_pages((seq.swa_pin_end, seq.swa_prompt_pin)))
-        assert seq.swa_prompt_pin == 28 and pinned == 2  # pages [(28 - 8) // 4, 28 // 4)
+        pinned = sum(hi - lo for lo, hi in kv.windows[0].pinned_pages((st.swa_pin_end, st.swa_prompt_pin)))
+        assert st.swa_prompt_pin == 28 and pinned == 2  # pages [(28 - 8) // 4, 28 // 4)
         assert resident <= swa_pages_per_sequence(window, P) + pinned
         assert kv.swa_pool.num_used == resident
         assert kv.full_pool.num_used * P >= seq.num_computed_tokens
@@ -276,22 +281,23 @@ def test_page_tables_follow_attention_batch_semantics() -> None:
         assert run_step(kv, shadow, s, s.num_tokens)
     for s in (long, short):
         assert kv.allocate(s, 1)
-    tables = build_page_tables([long, short], [1, 1], P)
+    tables = build_page_tables([long, short], [kv.rows(long), kv.rows(short)], [1, 1], P)
+    lng, sht = kv.of(long), kv.of(short)
     assert tables.page_tables[0].dtype == torch.int32 and tables.page_tables[0].shape == (2, 10)
-    assert tables.page_tables[0][0].tolist() == long.full_pages
-    assert tables.page_tables[0][1, :1].tolist() == short.full_pages
+    assert tables.page_tables[0][0].tolist() == lng.full_pages
+    assert tables.page_tables[0][1, :1].tolist() == sht.full_pages
     swa_row = tables.page_tables[1][0].tolist()
     # Position 37 reads keys [29, 37]: logical pages 7..9 are resident, everything before is not.
     assert all(p == NOT_RESIDENT for p in swa_row[:7]) and all(p != NOT_RESIDENT for p in swa_row[7:10])
     assert tables.page_tables[1][1, 1:].tolist() == [NOT_RESIDENT] * 9  # padding of the short row
-    assert tables.slots[0].tolist() == [long.full_pages[9] * P + 1, short.full_pages[0] * P + 3]
-    assert tables.slots[1].tolist() == [long.swa_pages[9] * P + 1, short.swa_pages[0] * P + 3]
+    assert tables.slots[0].tolist() == [lng.full_pages[9] * P + 1, sht.full_pages[0] * P + 3]
+    assert tables.slots[1].tolist() == [lng.swa_pages[9] * P + 1, sht.swa_pages[0] * P + 3]
     assert tables.slots[0].dtype == torch.int64
 
 
 def test_page_table_slots_of_chunks_across_pages() -> None:
     """Write slots of chunks that start mid-page and span several pages equal the per-position
-    definition (``Sequence.full_slot`` / ``swa_slot``)."""
+    definition (``SeqKV.full_slot`` / ``swa_slot``)."""
     kv = make_manager(64, 64, 64)
     shadow = Shadow(kv)
     a, b = Sequence("a", list(range(23))), Sequence("b", list(range(100, 111)))
@@ -301,18 +307,17 @@ def test_page_table_slots_of_chunks_across_pages() -> None:
     counts = [a.num_tokens - a.num_computed_tokens, b.num_tokens - b.num_computed_tokens]
     for s, n in zip((a, b), counts, strict=True):
         assert kv.allocate(s, n)
-    tables = build_page_tables([a, b], counts, P)
+    tables = build_page_tables([a, b], [kv.rows(a), kv.rows(b)], counts, P)
     want_full, want_swa = [], []
     for s, n in zip((a, b), counts, strict=True):
         for pos in range(s.num_computed_tokens, s.num_computed_tokens + n):
-            want_full.append(s.full_slot(pos, P))
-            want_swa.append(s.swa_slot(pos, P))
+            want_full.append(kv.of(s).full_slot(pos, P))
+            want_swa.append(kv.of(s).swa_slot(pos, P))
     assert tables.slots[0].tolist() == want_full and tables.slots[1].tolist() == want_swa
     assert tables.slots[0].dtype == tables.slots[1].dtype == torch.int64
-    assert tables.page_tables[0].shape == (2, len(a.full_pages))
-    assert tables.page_tables[0][1].tolist() == b.full_pages + [NOT_RESIDENT] * (
-        len(a.full_pages) - len(b.full_pages)
-    )
+    a_full, b_full = kv.of(a).full_pages, kv.of(b).full_pages
+    assert tables.page_tables[0].shape == (2, len(a_full))
+    assert tables.page_tables[0][1].tolist() == b_full + [NOT_RESIDENT] * (len(a_full) - len(b_full))
 
 
 def test_branch_point_window_is_pinned_and_heals_the_tree() -> None:
@@ -349,16 +354,16 @@ def test_pin_is_dropped_when_the_pool_is_tight() -> None:
     kv.release(a)
     b = Sequence("b", [*range(12), *range(50, 100)])
     assert kv.match_prefix(b) == 0
-    assert b.swa_pin_end == 12  # full KV matched 3 pages, but their window is gone
+    assert kv.of(b).swa_pin_end == 12  # full KV matched 3 pages, but their window is gone
     while b.num_computed_tokens < 20:
         assert run_step(kv, shadow, b, 1)
-    assert all(p != NOT_RESIDENT for p in b.swa_pages[1:3])  # the pinned window before 12
+    assert all(p != NOT_RESIDENT for p in kv.of(b).swa_pages[1:3])  # the pinned window before 12
     # 40 more tokens need 10 new SWA pages; 5 are free and a's 3 cached ones can be evicted:
     # only with the pin's 2 pages back does it fit.
     assert kv.pages_needed(b, 40).swa == 10 and kv.swa_pool.num_free == 5
     assert kv.radix is not None and kv.radix.evictable_swa_pages() == 3
     assert run_step(kv, shadow, b, 40)
-    assert b.swa_pin_end == 0 and b.swa_pages[1:3] == [NOT_RESIDENT] * 2
+    assert kv.of(b).swa_pin_end == 0 and kv.of(b).swa_pages[1:3] == [NOT_RESIDENT] * 2
     shadow.check(b)
     kv.check_integrity([b])
     kv.release(b)

@@ -237,13 +237,13 @@ def test_two_window_sizes_get_a_group_each_and_free_by_their_own_window(swa_frac
         assert manager.allocate(seq, 1)
         manager.commit(seq, 1)
         seq.output_ids.append(7)
-    full, narrow, wide = seq.pages
+    full, narrow, wide = manager.rows(seq)
     assert NOT_RESIDENT not in full and len(full) == math.ceil(49 / page)
     live = [[p != NOT_RESIDENT for p in row] for row in (narrow, wide)]
     # window W at position 49 (page boundary 48): pages from (48 - W + 1) // page on are live
     assert live[0].index(True) == (48 - 6 + 1) // page and live[1].index(True) == (48 - 17 + 1) // page
     assert all(live[0][live[0].index(True) :]) and all(live[1][live[1].index(True) :])
-    tables = build_page_tables([seq], [1], page)
+    tables = build_page_tables([seq], [manager.rows(seq)], [1], page)
     assert len(tables.page_tables) == 3 and [t[0].tolist() for t in tables.page_tables] == [
         full,
         narrow,

@@ -3,7 +3,7 @@ the packed path's array-built positions give what the per-sequence definitions g
 
 The reference for every step is built here from the definitions, sharing no code with the runner:
 token ``i`` of a sequence at ``positions(seq, i, i + 1)`` of its scheme, its write slots
-``Sequence.full_slot`` / ``swa_slot``, its page-table rows (one table per KV group) the sequence's page lists padded with
+``SeqKV.full_slot`` / ``swa_slot``, its page-table rows (one table per KV group) the sequence's page lists padded with
 NOT_RESIDENT, ``cu_seqlens_q`` the running sum of the new-token counts.
 """
 
@@ -61,17 +61,19 @@ def image_sequence(seq_id: str, text_before: int, text_after: int, grid: tuple[i
     return Sequence(seq_id, ids, media=[MediaSpan(text_before, n, f"img-{seq_id}")], mm_items=[item])
 
 
-def reference(scheme: PositionScheme, seqs: list[Sequence], counts: list[int]) -> dict[str, Any]:
+def reference(
+    scheme: PositionScheme, kv: KVManager, seqs: list[Sequence], counts: list[int]
+) -> dict[str, Any]:
     """The step's inputs from the definitions (see the module docstring)."""
     ids, pos, full_slots, swa_slots, lens, cu = [], [], [], [], [], [0]
-    width = max(1, max(len(s.full_pages) for s in seqs))
+    width = max(1, max(len(kv.of(s).full_pages) for s in seqs))
     for s, n in zip(seqs, counts, strict=True):
         start = s.num_computed_tokens
         for i in range(start, start + n):
             ids.append(s.token_ids[i])
             pos.append(scheme.positions(s, i, i + 1)[:, 0].tolist())
-            full_slots.append(s.full_slot(i, P))
-            swa_slots.append(s.swa_slot(i, P))
+            full_slots.append(kv.of(s).full_slot(i, P))
+            swa_slots.append(kv.of(s).swa_slot(i, P))
         lens.append(start + n)
         cu.append(cu[-1] + n)
     positions = torch.tensor(pos).t()  # [dims, T]
@@ -82,8 +84,12 @@ def reference(scheme: PositionScheme, seqs: list[Sequence], counts: list[int]) -
         "swa_slots": swa_slots,
         "seq_lens": lens,
         "cu_seqlens_q": cu,
-        "full_page_table": [s.full_pages + [NOT_RESIDENT] * (width - len(s.full_pages)) for s in seqs],
-        "swa_page_table": [s.swa_pages + [NOT_RESIDENT] * (width - len(s.swa_pages)) for s in seqs],
+        "full_page_table": [
+            kv.of(s).full_pages + [NOT_RESIDENT] * (width - len(kv.of(s).full_pages)) for s in seqs
+        ],
+        "swa_page_table": [
+            kv.of(s).swa_pages + [NOT_RESIDENT] * (width - len(kv.of(s).swa_pages)) for s in seqs
+        ],
     }
 
 
@@ -149,14 +155,16 @@ def test_decode_steps_equal_the_definitions(scheme_name: str) -> None:
         for s in seqs:
             assert kv.allocate(s, 1)
         counts = [1] * len(seqs)
-        assert runner._prepare_decode(seqs) is not None  # the decode path serves these steps
-        inp = runner.prepare(seqs, counts)
-        check_inputs(inp, reference(scheme, seqs, counts), seqs, counts)
+        assert (
+            runner._prepare_decode(seqs, [kv.rows(s) for s in seqs]) is not None
+        )  # the decode path serves these steps
+        inp = runner.prepare(seqs, counts, [kv.rows(s) for s in seqs])
+        check_inputs(inp, reference(scheme, kv, seqs, counts), seqs, counts)
         kept.append((inp, snapshot(inp)))
         for s in seqs:
             kv.commit(s, 1)
             s.output_ids.append(rng.randrange(50))
-    assert any(p == NOT_RESIDENT for s in seqs for p in s.swa_pages)  # the window did drop pages
+    assert any(p == NOT_RESIDENT for s in seqs for p in kv.of(s).swa_pages)  # the window did drop pages
     for inp, snap in kept:
         assert snapshot(inp) == snap
 
@@ -179,8 +187,13 @@ def test_decode_path_declines_what_it_does_not_cover() -> None:
         for s in seqs:
             assert kv.allocate(s, 1)
         counts = [1] * len(seqs)
-        assert runner._prepare_decode(seqs) is None
-        check_inputs(runner.prepare(seqs, counts), reference(scheme, seqs, counts), seqs, counts)
+        assert runner._prepare_decode(seqs, [kv.rows(s) for s in seqs]) is None
+        check_inputs(
+            runner.prepare(seqs, counts, [kv.rows(s) for s in seqs]),
+            reference(scheme, kv, seqs, counts),
+            seqs,
+            counts,
+        )
 
 
 @pytest.mark.parametrize("with_media_chunk", [False, True])
@@ -206,8 +219,8 @@ def test_packed_step_equals_the_definitions(with_media_chunk: bool) -> None:
         seqs, counts = [*seqs, media_chunk], [*counts, 6]
     for s, n in zip(seqs, counts, strict=True):
         assert kv.allocate(s, n)
-    inp = runner._prepare_packed(seqs, counts)
-    check_inputs(inp, reference(scheme, seqs, counts), seqs, counts)
+    inp = runner._prepare_packed(seqs, counts, [kv.rows(s) for s in seqs])
+    check_inputs(inp, reference(scheme, kv, seqs, counts), seqs, counts)
     if with_media_chunk:  # its chunk (positions 2..7) lies inside the image run (1..8): rows 1..6
         assert inp.input_embeds is not None
         assert torch.equal(inp.input_embeds[-6:], media_chunk.mm_items[0].embedding[1:7])

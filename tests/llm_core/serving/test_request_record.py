@@ -54,8 +54,9 @@ def test_the_runner_takes_one_scheduler_output() -> None:
     assert params == ["self", "step"]
     assert ModelRunner.execute.__annotations__["step"] == "SchedulerOutput"
     seq = Sequence("s", [1, 2, 3])
-    out = SchedulerOutput.build([seq], [3])
-    assert out.copies is None and out.page_rows == [seq.pages]
+    rows = [[0], [1]]
+    out = SchedulerOutput.build([seq], [3], [rows])
+    assert out.copies is None and out.page_rows == [rows]
     with pytest.raises(dataclasses.FrozenInstanceError):
         out.seqs = []  # type: ignore[misc]
     assert not any(ANY.search(a) for a in _annotations(SchedulerOutput).values())
@@ -74,6 +75,35 @@ def test_speculation_state_is_the_speculators() -> None:
     assert states.drafts("r") == [] and states.of("r").mtp_start == 4
     states.release("r")
     assert len(states) == 0
+
+
+def test_kv_state_is_the_kv_managers() -> None:
+    """Pages, pins and the prefix lock live in the KV manager by request id, not on the sequence:
+    made at admission, read through ``of`` / ``rows``, gone once released and finished."""
+    from llm_core.caches.kv_group_manager import FullAttentionManager
+    from llm_core.caches.kv_manager import KVManager
+    from llm_core.caches.page_pool import PagePool
+
+    kv_fields = {
+        "pages",
+        "num_borrowed_pages",
+        "num_released",
+        "swa_pin_end",
+        "swa_prompt_pin",
+        "prefix_lock",
+    }
+    assert not kv_fields & set(_annotations(Sequence))
+    kv = KVManager([FullAttentionManager(PagePool(32, 4, "full"))])
+    seq = Sequence("r", list(range(10)))
+    assert kv.rows(seq) == [] and kv.of(seq).num_pages == 0
+    kv.match_prefix(seq)
+    assert kv.allocate(seq, 10)
+    kv.commit(seq, 10)
+    assert len(kv.rows(seq)) == 1 and kv.of(seq).num_pages == 3
+    kv.release(seq)
+    kv.request_finished("r")
+    assert kv.rows(seq) == [] and not kv._held
+    kv.check_integrity([])
 
 
 class _Import:

@@ -206,8 +206,9 @@ def test_preemption_frees_requeues_and_recomputes() -> None:
         for s in seqs:
             if before[s.seq_id] is SequenceStatus.RUNNING and s.status is SequenceStatus.WAITING:
                 preempted = s
-                assert s.num_computed_tokens == 0 and not s.full_pages and not s.swa_pages
-                assert s.prefix_lock is None and s in sched.waiting
+                held = sched.kv.of(s)
+                assert s.num_computed_tokens == 0 and not held.full_pages and not held.swa_pages
+                assert held.prefix_lock is None and s in sched.waiting
     assert preempted is not None and preempted.num_preemptions >= 1 and sched.num_preemptions >= 1
     assert preempted is seqs[-1]  # the newest running sequence is the victim
     for s in seqs:  # recompute produced exactly what an uninterrupted run would
@@ -240,7 +241,7 @@ def test_abort_releases_running_and_waiting() -> None:
     sched.add(a)
     sched.add(b)
     step(sched)
-    assert sched.abort("a") is a and a.status is SequenceStatus.ABORTED and not a.full_pages
+    assert sched.abort("a") is a and a.status is SequenceStatus.ABORTED and not sched.kv.of(a).full_pages
     assert sched.abort("b") is b and sched.abort("b") is None
     assert not sched.has_work()
     sched.kv.check_integrity([])

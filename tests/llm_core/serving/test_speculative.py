@@ -48,8 +48,8 @@ class OracleSpeculator(Speculator):
 
     reference: dict[tuple[int, ...], list[int]]
 
-    def extend(self, seqs: Any, starts: Any, new_tokens: Any, hidden: Any) -> None:
-        super().extend(seqs, starts, new_tokens, hidden)
+    def extend(self, seqs: Any, page_rows: Any, starts: Any, new_tokens: Any, hidden: Any) -> None:
+        super().extend(seqs, page_rows, starts, new_tokens, hidden)
         for s, new in zip(seqs, new_tokens, strict=True):
             st = self.states.of(s.seq_id)
             if not st.draft_ids:
@@ -271,8 +271,8 @@ class RandomDrafts(Speculator):
     rng: Any
     miss: float
 
-    def extend(self, seqs: Any, starts: Any, new_tokens: Any, hidden: Any) -> None:
-        super().extend(seqs, starts, new_tokens, hidden)
+    def extend(self, seqs: Any, page_rows: Any, starts: Any, new_tokens: Any, hidden: Any) -> None:
+        super().extend(seqs, page_rows, starts, new_tokens, hidden)
         for s, new in zip(seqs, new_tokens, strict=True):
             st = self.states.of(s.seq_id)
             if st.draft_ids:
