@@ -179,6 +179,10 @@ class GroupBlocks:
     def used_pages(self) -> set[int]:
         return set(self._used)
 
+    def held_blocks(self) -> list[int]:
+        """Every block its pages take (each page's ``blocks_per_page``)."""
+        return [int(b) for page in self._used for b in self.blocks_of[page]]
+
     def sub_block_table(self, table: np.ndarray, sub_block: int) -> np.ndarray:
         """The blocks of sub-block ``sub_block`` for a table of this group's pages (int32 [...],
         negative entries stay -1): what a layer of that sub-block reads."""

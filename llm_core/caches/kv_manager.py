@@ -165,7 +165,8 @@ class KVManager:
 
     def rows(self, seq: Sequence) -> list[list[int]]:
         """``seq``'s page row per KV group ([] while it holds none): what its page tables map."""
-        return self.of(seq).pages
+        st = self._held.get(seq.seq_id)
+        return [] if st is None else st.pages
 
     def _state(self, seq: Sequence) -> SeqKV:
         """``seq``'s KV state, made (one empty row per group) on first use."""
@@ -460,11 +461,13 @@ class KVManager:
         """
         for group in self.groups:
             group.pool.check_integrity()
-        for blocks, members in self._budgets:
-            taken = sum(self.groups[g].pool.cost(self.groups[g].pool.num_used) for g in members)
-            if taken != blocks.num_used:
+        for blocks, members in self._budgets:  # each block in use is one group's, once
+            blocks.check_integrity()
+            taken = [b for g in members for b in self.groups[g].pool.held_blocks()]
+            if len(taken) != len(set(taken)) or set(taken) != blocks.used_pages():
                 raise AssertionError(
-                    f"{blocks.name}: the groups' pages take {taken}, {blocks.num_used} are in use"
+                    f"{blocks.name}: the groups' pages take {len(taken)} blocks ({len(set(taken))} distinct),"
+                    f" {blocks.num_used} are in use"
                 )
         seqs = list(seqs)
         owned: list[list[int]] = [[] for _ in self.groups]
@@ -476,8 +479,9 @@ class KVManager:
                 owned[g].extend(self.radix.pages_held(g))
                 tree[g] = set(owned[g])
         holders = {sid for sid, st in self._held.items() if st.num_pages or st.prefix_lock is not None}
-        if holders - {s.seq_id for s in seqs}:
-            raise AssertionError(f"KV held for sequences not given: {sorted(map(str, holders))}")
+        unknown = holders - {s.seq_id for s in seqs}
+        if unknown:
+            raise AssertionError(f"KV held for sequences not given: {sorted(map(str, unknown))}")
         for s in seqs:
             st = self.of(s)
             nb = st.num_borrowed_pages

@@ -305,15 +305,19 @@ class LayerKV(NamedTuple):
     k: torch.Tensor
     v: torch.Tensor
     is_swa: bool
-    group: int  # index of the layer's KV group in ``DualKVCache.groups``: its page table and slots
+    # the layer's view (``page_map``): which of the batch's page tables and slot lists it reads;
+    # with a pool per group, the index of its group in ``DualKVCache.groups`` (not otherwise)
+    group: int
 
 
 class DualKVCache:
-    """The KV tensors of every layer plus the page pool of each KV group that indexes them.
+    """The KV tensors of every layer plus the page allocator of each KV group that indexes them.
 
-    Full layer i: k [Nf, page, Hkv_full, head_dim], v [Nf, page, Hkv_full, v_head_dim].
-    SWA layer i:  k [Ns, page, Hkv_swa, head_dim],  v [Ns, page, Hkv_swa, v_head_dim].
-    A flat slot ``page * page_size + offset`` addresses ``k.view(-1, H, D)[slot]``.
+    Layer i: k [N_i, page, Hkv_i, head_dim], v [N_i, page, Hkv_i, v_head_dim], in its group's KV
+    shape. Shared block pool: N_i = num_blocks x the layer's scale, a contiguous view of its slot
+    tensor, indexed by the layer's physical pages (``physical``, the batch's view tables). A pool
+    per group: N_i = the group's pages, indexed by the group's page ids. Either way a flat slot
+    ``page * page_size + offset`` addresses ``k.view(-1, H, D)[slot]``.
 
     ``gate``: while KV is copied in beside a forward (``serving/kv_copy.py``), the copier's
     ``LayerGate``: ``layer(i)`` (what the model reads) waits until the copier marked layer i, and
@@ -518,8 +522,7 @@ class DualKVCache:
         return len(self._layers)
 
     def layer(self, i: int) -> LayerKV:
-        """KV of model layer ``i`` (full or SWA pool according to the layer's type), once a copy in
-        flight (``gate``) has written it."""
+        """KV of model layer ``i``, once a copy in flight (``gate``) has written it."""
         gate = self.gate
         if gate is not None:
             gate.wait(i)

@@ -34,6 +34,7 @@ class PageAllocator(Protocol):
     def free(self, pages: Iterable[int]) -> None: ...
     def is_used(self, page: int) -> bool: ...
     def used_pages(self) -> set[int]: ...
+    def held_blocks(self) -> list[int]: ...
     def check_integrity(self) -> None: ...
 
 
@@ -107,6 +108,10 @@ class PagePool:
 
     def used_pages(self) -> set[int]:
         return {p for p in range(self.num_pages) if self._in_use[p]}
+
+    def held_blocks(self) -> list[int]:
+        """Entries of ``blocks`` its pages take: the pages themselves."""
+        return sorted(self.used_pages())
 
     def check_integrity(self) -> None:
         """Raise AssertionError when the free list and the in-use map disagree."""

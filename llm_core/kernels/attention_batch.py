@@ -8,8 +8,9 @@ new tokens of B sequences back to back into T rows (varlen, no padding):
                                                               seq_lens[b] - n_b .. seq_lens[b] - 1
 
 Pages: logical page i of a sequence holds positions [i * page_size, (i + 1) * page_size). The
-batch has one page table per KV group (``llm_core.caches.kv_groups``: full attention, each
-sliding window), in the cache's group order; every table uses this logical indexing. A
+batch has one page table per layer view (``llm_core.caches.page_map``: the layers that read the
+same physical pages; with a pool per KV group, one per group in the cache's group order); every
+table uses this logical indexing. A
 full-attention table maps every logical page < ceil(seq_len / page_size). A sliding-window table
 marks pages that slid out of every query's window with -1:
 
@@ -18,7 +19,7 @@ marks pages that slid out of every query's window with -1:
     swa table      -1       -1       p7       p2        keys needed: 41..63 -> pages 2..3 only
 
 A KV "slot" is ``physical_page * page_size + offset`` into a layer's pool viewed as
-[num_pages * page_size, Hkv, D]. A layer reads the table and slots of its group
+[num_pages * page_size, Hkv, D]. A layer reads the table and slots of its view
 (``LayerKVLike.group``). This module knows nothing about models or the scheduler.
 """
 
@@ -38,10 +39,10 @@ class AttentionBatch:
 
     cu_seqlens_q: Tensor  # int32 [B+1] offsets of each sequence's new tokens in the packed [T] batch
     seq_lens: Tensor  # int32 [B]   tokens of each sequence after this step (cached + new)
-    # per KV group: int32 [B, P] logical page i -> physical page in the group's pool (-1: absent,
-    # a page that left a sliding window)
+    # per layer view: int32 [B, P] logical page i -> the view's physical page (-1: absent, a page
+    # that left a sliding window)
     page_tables: tuple[Tensor, ...]
-    # per KV group: int64 [T] flat slot (page * page_size + offset) of each new token
+    # per layer view: int64 [T] flat slot (page * page_size + offset) of each new token
     slots: tuple[Tensor, ...]
     max_seqlen_q: int
 
@@ -75,7 +76,7 @@ class LayerKVLike(Protocol):
     @property
     def is_swa(self) -> bool: ...
     @property
-    def group(self) -> int: ...  # index of the layer's KV group: which of the batch's tables it reads
+    def group(self) -> int: ...  # the layer's view: which of the batch's tables and slots it reads
 
 
 class PagedKV(Protocol):

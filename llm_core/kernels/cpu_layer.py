@@ -208,7 +208,7 @@ class StepArgs:
         def pool(slots: Tensor, table: Tensor) -> tuple[object, ...]:
             return _view(slots, torch.int64), _view(table, torch.int32), cu, lens
 
-        # per KV group, as the batch's tables: a layer takes its group's (``LayerKVLike.group``)
+        # per layer view, as the batch's tables: a layer takes its view's (``LayerKVLike.group``)
         self.groups = tuple(pool(s, t) for s, t in zip(batch.slots, batch.page_tables, strict=True))
         # tensor -> its buffer; holding the tensor keeps its memory (and identity) for the step
         self._buffers: dict[Tensor, object] = {}

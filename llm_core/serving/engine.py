@@ -532,6 +532,8 @@ class LLMEngine:
         """A snapshot for /health and /metrics. Counters are read without the lock (values may be
         one step old); the admission rate's running sums are not atomic, so it is read under it."""
         usage = [g.pool.num_used / max(1, g.pool.num_pages) for g in self.scheduler.kv.groups]
+        blocks = self.kv.blocks
+        pool_usage = blocks.num_used / max(1, blocks.num_pages) if blocks is not None else max(usage)
         with self._lock:
             admission_per_s = self.admission.rate.per_s()
         return EngineStats(
@@ -540,6 +542,7 @@ class LLMEngine:
             kv_full_usage=usage[0],
             # the fullest window group; a model without one keeps every page like its full group
             kv_swa_usage=max(usage[1:], default=usage[0]),
+            kv_pool_usage=pool_usage,
             generation_tokens_total=self._meter.total,
             prompt_tokens_total=self._prompt_tokens_total,
             cached_prompt_tokens_total=self._cached_tokens_total,
@@ -656,14 +659,16 @@ def _build_kv_and_scheduler(
     record_events: bool = False,
     mtp_layers: int = 0,
 ) -> tuple[DualKVCache, Scheduler]:
-    """KV pools sized from the byte budget, the KV manager over them and the scheduler.
+    """The KV storage sized from the byte budget (one shared block pool; a pool per group with
+    ``swa_fraction``), the KV manager over it and the scheduler.
     ``mtp_layers``: SWA layers for the MTP heads' KV beside the model's (speculative decoding)."""
     layout = KVLayout.from_model_config(cfg, dtype, mtp_layers=mtp_layers)
     kv_cfg = KVCacheConfig(
         memory_budget_bytes=ec.kv_memory_bytes,
         page_size=ec.page_size,
         swa_fraction=ec.swa_fraction,
-        # Split so that both pools run out together for sequences as long as the model allows.
+        # A pool per group only (groups that do not pack into blocks): split so that both pools
+        # run out together for sequences as long as the model allows.
         balance_context_len=min(max_model_len, 8192),
         # Room for one prefill chunk beyond the window in the SWA pool.
         swa_headroom_tokens=min(ec.max_num_batched_tokens, max_model_len),

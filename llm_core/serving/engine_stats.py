@@ -16,6 +16,9 @@ class EngineStats(NamedTuple):
     # its blocks the group's pages take
     kv_full_usage: float  # the full-attention group
     kv_swa_usage: float  # the fullest sliding-window group
+    # the KV storage as a whole: blocks in use / blocks of the shared pool (with a pool per group,
+    # the fullest group's usage): what runs out first
+    kv_pool_usage: float
     generation_tokens_total: int
     prompt_tokens_total: int
     cached_prompt_tokens_total: int  # prompt tokens served from the prefix cache (finished requests)

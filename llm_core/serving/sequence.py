@@ -295,8 +295,9 @@ def _tables_and_slots(
     seqs: list[Sequence], tables: list[np.ndarray], tokens: TokenPositions, page_size: int
 ) -> PageTables:
     """PageTables from int32 [B, P] tables (one per group) and each new token's sequence and
-    position: the write slot of a token is its page's physical page * page_size + its offset in
-    the page (``SeqKV.full_slot`` / ``swa_slot``), gathered for all tokens at once."""
+    position: the write slot of a token is its group page id * page_size + its offset in the page
+    (``SeqKV.full_slot`` / ``swa_slot``), gathered for all tokens at once. The runner maps these
+    group tables and slots to the layers' views (``DualKVCache.page_map``)."""
     seq_of_token, positions = tokens
     pages = positions // page_size  # [T] logical page of each new token
     offsets = positions - pages * page_size

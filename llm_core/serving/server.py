@@ -71,7 +71,12 @@ class _Metrics:
         self.requests = Counter("epd_llm_requests", "Completion requests by status", ["status"], registry=r)
         self.running = Gauge("epd_llm_running_requests", "Requests being decoded", registry=r)
         self.waiting = Gauge("epd_llm_waiting_requests", "Requests waiting for admission", registry=r)
-        self.kv_usage = Gauge("epd_llm_kv_usage", "KV pool usage (0..1)", ["pool"], registry=r)
+        self.kv_usage = Gauge(
+            "epd_llm_kv_usage",
+            "KV usage (0..1): pool=full / swa (a group's pages), all (the storage)",
+            ["pool"],
+            registry=r,
+        )
         self.tokens_per_s = Gauge("epd_llm_generation_tokens_per_second", "Recent output rate", registry=r)
         self.gen_tokens = Gauge("epd_llm_generation_tokens_total", "Generated tokens", registry=r)
         self.prompt_tokens = Gauge("epd_llm_prompt_tokens_total", "Prompt tokens received", registry=r)
@@ -108,6 +113,7 @@ class _Metrics:
         self.waiting.set(s.num_waiting)
         self.kv_usage.labels(pool="full").set(s.kv_full_usage)
         self.kv_usage.labels(pool="swa").set(s.kv_swa_usage)
+        self.kv_usage.labels(pool="all").set(s.kv_pool_usage)
         self.tokens_per_s.set(s.tokens_per_s)
         self.gen_tokens.set(s.generation_tokens_total)
         self.prompt_tokens.set(s.prompt_tokens_total)
