@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from typing import NamedTuple
 
 from bench.common import add_common_args, format_machine, machine_info, print_table, write_json
 from llm_core.caches.kv_blocks import GroupBlocks, plan_block_layout
@@ -151,6 +152,57 @@ def held_sequences(
     return len(held), dt
 
 
+class Held(NamedTuple):
+    """Sequences each contender held over one budget, and the seconds the three runs took."""
+
+    shared: int
+    dual: int
+    uniform: int
+    seconds: float
+
+    def over_uniform(self, n: int) -> float:
+        """How many times the uniform allocation's count ``n`` is."""
+        return n / self.uniform if self.uniform else float("inf")
+
+    def per_gib(self, gib: float) -> dict[str, float]:
+        return {
+            "shared_seqs": self.shared,
+            "dual_seqs": self.dual,
+            "uniform_seqs": self.uniform,
+            "shared_seqs_per_gib": self.shared / gib,
+            "dual_seqs_per_gib": self.dual / gib,
+            "uniform_seqs_per_gib": self.uniform / gib,
+        }
+
+
+def held_three_ways(
+    layout: KVLayout, budget: int, context: int | tuple[int, ...], chunk: int, balance: int | None = None
+) -> Held:
+    """The shared block pool, the split pools (balanced at ``balance``, default the context) and
+    the uniform allocation over the same sequences."""
+    shared, t_shared = held_sequences(layout, budget, context, chunk, swa_aware=True, shared=True)
+    dual, t_dual = held_sequences(layout, budget, context, chunk, swa_aware=True, balance=balance)
+    uni, t_uni = held_sequences(layout, budget, context, chunk, swa_aware=False)
+    return Held(shared, dual, uni, t_shared + t_dual + t_uni)
+
+
+def table_row(plan: str, context: str, held: Held, closed_form: float, gib: float) -> list[object]:
+    return [
+        plan,
+        context,
+        held.shared / gib,
+        held.dual / gib,
+        held.uniform / gib,
+        held.over_uniform(held.shared),
+        held.over_uniform(held.dual),
+        closed_form,
+        held.shared,
+        held.dual,
+        held.uniform,
+        held.seconds,
+    ]
+
+
 def estimate(layout: KVLayout, context: int, swa_aware: bool) -> float:
     """Closed-form bytes per held sequence, for the table's sanity column."""
     tokens = math.ceil((context + 1) / PAGE) * PAGE
@@ -180,44 +232,22 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     shared_ratios: dict[str, dict[int, float]] = {}  # shared block pool / uniform
     mixed: dict[str, float] = {}  # shared / dual on mixed lengths
     for name, layout in plans.items():
+        gib = budget / GIB
         for ctx in contexts:
-            dual, t_dual = held_sequences(layout, budget, ctx, args.chunk, swa_aware=True)
-            shared, t_shared = held_sequences(layout, budget, ctx, args.chunk, swa_aware=True, shared=True)
-            uni, t_uni = held_sequences(layout, budget, ctx, args.chunk, swa_aware=False)
-            ratio = dual / uni if uni else float("inf")
-            shared_ratio = shared / uni if uni else float("inf")
+            held = held_three_ways(layout, budget, ctx, args.chunk)
             est = estimate(layout, ctx, False) / estimate(layout, ctx, True)
-            ratios.setdefault(name, {})[ctx] = ratio
-            shared_ratios.setdefault(name, {})[ctx] = shared_ratio
-            gib = budget / GIB
-            rows.append(
-                [
-                    name,
-                    f"{ctx // 1024}K",
-                    shared / gib,
-                    dual / gib,
-                    uni / gib,
-                    shared_ratio,
-                    ratio,
-                    est,
-                    shared,
-                    dual,
-                    uni,
-                    t_shared + t_dual + t_uni,
-                ]
+            ratios.setdefault(name, {})[ctx] = held.dual / held.uniform if held.uniform else float("inf")
+            shared_ratios.setdefault(name, {})[ctx] = (
+                held.shared / held.uniform if held.uniform else float("inf")
             )
+            rows.append(table_row(name, f"{ctx // 1024}K", held, est, gib))
             results.append(
                 {
                     "plan": name,
                     "context": ctx,
-                    "shared_seqs": shared,
-                    "dual_seqs": dual,
-                    "uniform_seqs": uni,
-                    "shared_seqs_per_gib": shared / gib,
-                    "dual_seqs_per_gib": dual / gib,
-                    "uniform_seqs_per_gib": uni / gib,
-                    "shared_ratio": shared_ratio,
-                    "ratio": ratio,
+                    **held.per_gib(gib),
+                    "shared_ratio": shared_ratios[name][ctx],
+                    "ratio": ratios[name][ctx],
                     "closed_form_ratio": est,
                     "full_bytes_per_token": layout.full_bytes_per_token,
                     "swa_bytes_per_token": layout.swa_bytes_per_token,
@@ -225,36 +255,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             )
         # Mixed lengths, the split tuned as the engine tunes it (for 8K: ``min(max_model_len,
         # 8192)``): no fixed split fits them all, the shared pool needs none.
-        dual, t_dual = held_sequences(layout, budget, MIXED, args.chunk, swa_aware=True, balance=8192)
-        shared, t_shared = held_sequences(layout, budget, MIXED, args.chunk, swa_aware=True, shared=True)
-        uni, t_uni = held_sequences(layout, budget, MIXED, args.chunk, swa_aware=False)
-        mixed[name] = shared / dual
-        gib = budget / GIB
-        rows.append(
-            [
-                name,
-                "mixed",
-                shared / gib,
-                dual / gib,
-                uni / gib,
-                shared / uni,
-                dual / uni,
-                float("nan"),
-                shared,
-                dual,
-                uni,
-                t_shared + t_dual + t_uni,
-            ]
-        )
-        results.append(
-            {
-                "plan": name,
-                "context": list(MIXED),
-                "shared_seqs": shared,
-                "dual_seqs": dual,
-                "uniform_seqs": uni,
-            }
-        )
+        held = held_three_ways(layout, budget, MIXED, args.chunk, balance=8192)
+        mixed[name] = held.shared / held.dual
+        rows.append(table_row(name, "mixed", held, float("nan"), gib))
+        results.append({"plan": name, "context": list(MIXED), **held.per_gib(gib)})
     machine = machine_info()
     print_table(
         f"KV capacity, 70 layers (10 full + 60 SWA, window {WINDOW}), budget {budget / GIB:.0f} GiB, page {PAGE}",

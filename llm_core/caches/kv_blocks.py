@@ -129,8 +129,10 @@ class GroupBlocks:
         self.page_size = blocks.page_size
         self.blocks_per_page = blocks_per_page
         self.num_pages = blocks.num_pages // blocks_per_page  # alone, at most
-        # page (its first block) -> every block of the page, sub-block order; -1: not a page here
-        self.blocks_of = np.full((blocks.num_pages, blocks_per_page), -1, dtype=np.int32)
+        # page (its first block) -> every block of the page, sub-block order; -1: not a page here.
+        # One row more than there are blocks, always -1: a table's NOT_RESIDENT (-1) entry
+        # gathers -1 from it, so page maps need no mask.
+        self.blocks_of = np.full((blocks.num_pages + 1, blocks_per_page), -1, dtype=np.int32)
         self._used: set[int] = set()
 
     @property

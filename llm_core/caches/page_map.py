@@ -80,28 +80,31 @@ class BlockPageMap:
     def view_tables(self, tables: tuple[Tensor, ...], slots: tuple[Tensor, ...], page_size: int) -> Tables:
         out_tables: list[Tensor] = []
         out_slots: list[Tensor] = []
-        p = page_size
+        # per group, made on first use: its table (int32 [B, P], NOT_RESIDENT (-1) where absent)
+        # and its slots' page and offset in the page (int64 [T] each; a write slot is resident)
+        split: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         for group, sub, scale, offset in self.views:
-            table, slot = tables[group], slots[group]
             if sub == 0 and scale == 1 and offset == 0:
-                out_tables.append(table)  # the group's own pages: nothing to map
-                out_slots.append(slot)
+                out_tables.append(tables[group])  # the group's own pages: nothing to map
+                out_slots.append(slots[group])
                 continue
-            t = table.numpy()  # int32 [B, P], NOT_RESIDENT (-1) where absent
-            s = slot.numpy()  # int64 [T] = group page * p + offset in the page
-            page, within = np.divmod(s, p)
-            if sub:
-                blocks_of = self.pools[group].blocks_of  # int32 [N, k]
-                t = np.where(t < 0, -1, blocks_of[np.maximum(t, 0), sub])
-                page = blocks_of[page, sub].astype(np.int64)
-            t = np.where(t < 0, -1, t * scale + offset).astype(np.int32)
-            out_tables.append(torch.from_numpy(t))
-            out_slots.append(torch.from_numpy((page * scale + offset) * p + within))
+            if group not in split:
+                split[group] = (tables[group].numpy(), *np.divmod(slots[group].numpy(), page_size))
+            t, page, within = split[group]
+            if sub:  # the sub-block's blocks; blocks_of's last row (-1) answers the -1 entries
+                blocks_of = self.pools[group].blocks_of  # int32 [N + 1, k]
+                t, page = blocks_of[t, sub], blocks_of[page, sub]
+            if scale != 1 or offset:
+                # -1 becomes offset - scale, in [-scale, -1]: clamped back to -1
+                t = np.maximum(t * scale + offset, -1)
+                page = page * scale + offset
+            out_tables.append(torch.from_numpy(np.ascontiguousarray(t, dtype=np.int32)))
+            out_slots.append(torch.from_numpy(page.astype(np.int64) * page_size + within))
         return tuple(out_tables), tuple(out_slots)
 
     def physical(self, layer: int, pages: Sequence[int]) -> list[int]:
         slot = self.layout.layers[layer]
-        arr = np.asarray(pages, dtype=np.int64)
-        if slot.sub_block:
-            arr = np.where(arr < 0, -1, self.pools[slot.group].blocks_of[np.maximum(arr, 0), slot.sub_block])
-        return [int(x) for x in np.where(arr < 0, -1, arr * slot.scale + slot.offset)]
+        arr = np.asarray(pages, dtype=np.int64)  # -1 (NOT_RESIDENT) where absent
+        if slot.sub_block:  # blocks_of's last row (-1) answers the -1 entries
+            arr = self.pools[slot.group].blocks_of[arr, slot.sub_block].astype(np.int64)
+        return np.maximum(arr * slot.scale + slot.offset, -1).tolist()
