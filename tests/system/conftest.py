@@ -7,15 +7,15 @@ Two servers are shared by the whole ``tests/system`` set (each takes tens of sec
 - ``fault_svc``: three encoder workers and the engine, for kill -9 scenarios.
 
     test ──HTTP──▶ epd serve ──▶ encoder-0..N-1, llm     (children of the serve process)
-      └── HealthPoller thread: GET /health every few ms, records each latency
+      └── HealthPoller process: GET /health every few ms, records each latency
 
 The process helpers read /proc directly (psutil is not a dependency).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +29,7 @@ import pytest
 
 from tests.epd.conftest import Reply, ServeProcess, start_serve, stop_serve
 from tests.fixtures.media_server import MediaServer
+from tests.system import health_poll
 
 # The download timeout of ``svc``: a trickling origin must hit it quickly.
 SVC_FETCH_TOTAL_TIMEOUT_S = 2.0
@@ -134,31 +135,36 @@ def get_status(url: str, timeout: float = 5.0) -> int:
 
 @dataclass
 class HealthPoller:
-    """Polls ``GET /health`` in a thread; every answer's status and latency is recorded."""
+    """Polls ``GET /health`` from a process of its own (``health_poll.py``: the load generator in
+    this process would otherwise add its GIL waits to the latencies); every answer's status and
+    latency is recorded and read back when the block ends."""
 
     url: str
     interval_s: float = 0.05
     timeout_s: float = 2.0
     samples: list[tuple[int, float]] = field(default_factory=list)  # (status, seconds)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
+    _proc: Any = None
+    _stop: Any = None
+    _out: Any = None
 
     def __enter__(self) -> HealthPoller:
-        self._thread = threading.Thread(target=self._run, name="health-poller", daemon=True)
-        self._thread.start()
+        ctx = multiprocessing.get_context("spawn")
+        ready, self._stop = ctx.Event(), ctx.Event()
+        self._out, child_end = ctx.Pipe(duplex=False)
+        args = (f"{self.url}/health", self.interval_s, self.timeout_s, ready, self._stop, child_end)
+        self._proc = ctx.Process(target=health_poll.poll, args=args, name="health-poller", daemon=True)
+        self._proc.start()
+        child_end.close()
+        assert ready.wait(30), "the /health poller never got an answer"
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        assert self._thread is not None
-        self._thread.join(self.timeout_s + 1)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            status = get_status(f"{self.url}/health", self.timeout_s)
-            self.samples.append((status, time.perf_counter() - t0))
-            self._stop.wait(self.interval_s)
+        if self._out.poll(self.timeout_s + 5):
+            self.samples = self._out.recv()
+        self._proc.join(5)
+        if self._proc.is_alive():
+            self._proc.kill()
 
     @property
     def worst_s(self) -> float:
