@@ -17,8 +17,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -118,16 +116,6 @@ def wait_until(pred: object, timeout_s: float, what: str, interval_s: float = 0.
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(interval_s)
-
-
-def get_status(url: str, timeout: float = 5.0) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
-    except OSError:
-        return 0
 
 
 # -- concurrent /health poller -----------------------------------------------------------------------
