@@ -44,7 +44,7 @@ from llm_core.caches.kv_connector import HostTierConnector, KVConnector, PromptI
 from llm_core.caches.kv_group_manager import FullAttentionManager, GroupManager, SlidingWindowManager
 from llm_core.caches.kv_pool import DualKVCache
 from llm_core.caches.kv_transfers import KVTransfers
-from llm_core.caches.page_pool import PageAllocator, PagePool
+from llm_core.caches.page_pool import PageAllocator, PagePool, check_blocks
 from llm_core.caches.radix_cache import InsertResult, RadixCache, RadixNode
 from llm_core.caches.seq_kv import NOT_RESIDENT, SeqKV
 from llm_core.serving.request import RequestId
@@ -305,6 +305,10 @@ class KVManager:
             out.setdefault(id(blocks), (blocks, []))[1].append(g)
         return list(out.values())
 
+    def _cost(self, members: list[int], pages: tuple[int, ...] | list[int]) -> int:
+        """Entries of one free list that ``pages[g]`` pages of each group ``g`` in ``members`` take."""
+        return sum(self.groups[g].pool.cost(pages[g]) for g in members)
+
     def _evictable(self, g: int) -> int:
         """Pages of group ``g`` eviction can free: unlocked tree pages, and for a window group
         also the window pages of locked nodes that no lock needs."""
@@ -314,7 +318,7 @@ class KVManager:
 
     def _available(self, need: PageNeed) -> bool:
         for blocks, members in self._budgets:
-            want = sum(self.groups[g].pool.cost(need.per_group[g]) for g in members)
+            want = self._cost(members, need.per_group)
             if want <= blocks.num_free:
                 continue
             if self.radix is None:
@@ -338,7 +342,7 @@ class KVManager:
             return False
         if self.radix is not None:
             for blocks, members in self._budgets:
-                want = sum(self.groups[g].pool.cost(need.per_group[g]) for g in members)
+                want = self._cost(members, need.per_group)
                 # Windows first: trimming and tombstoning window KV keeps the tree's full KV (and
                 # an unlocked leaf goes whole); then whole least recently used leaves.
                 for g in sorted(members, key=lambda g: g == 0):
@@ -445,7 +449,7 @@ class KVManager:
         empty; None when it could."""
         needs = [g.pages_per_sequence(num_pages) for g in self.groups]
         for blocks, members in self._budgets:
-            want = sum(self.groups[g].pool.cost(needs[g]) for g in members)
+            want = self._cost(members, needs)
             if want > blocks.num_pages:
                 kinds = " and ".join(
                     f"{needs[g]} {'full' if self.groups[g].window is None else 'SWA'}" for g in members
@@ -462,13 +466,7 @@ class KVManager:
         for group in self.groups:
             group.pool.check_integrity()
         for blocks, members in self._budgets:  # each block in use is one group's, once
-            blocks.check_integrity()
-            taken = [b for g in members for b in self.groups[g].pool.held_blocks()]
-            if len(taken) != len(set(taken)) or set(taken) != blocks.used_pages():
-                raise AssertionError(
-                    f"{blocks.name}: the groups' pages take {len(taken)} blocks ({len(set(taken))} distinct),"
-                    f" {blocks.num_used} are in use"
-                )
+            check_blocks(blocks, (self.groups[g].pool for g in members))
         seqs = list(seqs)
         owned: list[list[int]] = [[] for _ in self.groups]
         tree: list[set[int]] = [set() for _ in self.groups]

@@ -42,7 +42,7 @@ from llm_core.caches.kv_blocks import BlockLayout, GroupBlocks, LayoutError, pla
 from llm_core.caches.kv_groups import KVGroup, kv_groups, layer_groups, layer_specs_from_types
 from llm_core.caches.layer_gate import LayerGate
 from llm_core.caches.page_map import BlockPageMap, GroupPageMap, PageMap
-from llm_core.caches.page_pool import PageAllocator, PagePool
+from llm_core.caches.page_pool import PageAllocator, PagePool, check_blocks
 
 # A sequence's page rows, one per KV group in ``DualKVCache.groups`` order: row ``g``'s entry ``i``
 # is group g's physical page of logical page i (``KVManager.rows``).
@@ -538,9 +538,4 @@ class DualKVCache:
         for pool in self.pools:
             pool.check_integrity()
         if self.blocks is not None:
-            self.blocks.check_integrity()
-            taken = sum(p.cost(p.num_used) for p in self.pools)
-            if taken != self.blocks.num_used:
-                raise AssertionError(
-                    f"the groups' pages take {taken} blocks, {self.blocks.num_used} are in use"
-                )
+            check_blocks(self.blocks, self.pools)

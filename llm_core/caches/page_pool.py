@@ -38,6 +38,18 @@ class PageAllocator(Protocol):
     def check_integrity(self) -> None: ...
 
 
+def check_blocks(blocks: PagePool, pools: Iterable[PageAllocator]) -> None:
+    """``blocks``' free list is sound, and every entry in use is one page's of exactly one of
+    ``pools`` (the allocators drawing from it), once."""
+    blocks.check_integrity()
+    taken = [b for pool in pools for b in pool.held_blocks()]
+    if len(taken) != len(set(taken)) or set(taken) != blocks.used_pages():
+        raise AssertionError(
+            f"{blocks.name}: the pages take {len(taken)} blocks ({len(set(taken))} distinct),"
+            f" {blocks.num_used} are in use"
+        )
+
+
 class PagePool:
     """A free-list allocator of ``num_pages`` pages of ``page_size`` tokens.
 
