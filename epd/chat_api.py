@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from epd.encode_api import read_json
 from epd.engine_client import StreamedChunk
@@ -118,10 +118,10 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
     chat_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     if not stream:
-        out = await engines.complete(call.body, call.keys, deadline_at, call.path, call.prompt_tokens)
+        out = await engines.complete(call.body, call.routing, deadline_at, call.path, call.prompt_tokens)
         result = backend.chat_result(out)
         ids = {"prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids}
-        return JSONResponse(
+        return FastJSONResponse(
             {
                 "id": chat_id,
                 "object": "chat.completion",
@@ -141,22 +141,30 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
         )
 
     # Validate the engine accepts the request before the 200 status line goes out.
+    relay = backend.relays_chat_chunks  # the server's chunks are chat chunks already: bytes through
     chunks = engines.stream(
         {**call.body, "stream_options": {"include_usage": True}},
-        call.keys,
+        call.routing,
         deadline_at,
         call.path,
         call.prompt_tokens,
+        relay=relay,
     )
     first = await anext(chunks, None)
-    frame = ChatFrames(chat_id, created, model).frame
+    frames = ChatFrames(chat_id, created, model)
+    frame = frames.frame
 
     async def events() -> AsyncIterator[bytes]:
-        yield frame({"role": "assistant", "content": ""}, None)
+        if not relay:  # a relayed stream's first chunk is the server's own role chunk
+            yield frame({"role": "assistant", "content": ""}, None)
         usage: dict[str, Any] | None = None
         pending = first
         try:
             while pending is not None:
+                if isinstance(pending, StreamedChunk) and pending.opaque and pending.raw is not None:
+                    yield frames.relayed(pending.raw)
+                    pending = await anext(chunks, None)
+                    continue
                 delta = backend.chat_delta(pending)
                 if delta.usage:
                     usage = delta.usage
@@ -197,13 +205,13 @@ async def completions(ingress: Ingress, request: Request) -> Response:
     call = await ingress.backend.completion_call(body)
     if not body.get("stream"):
         # the served id the client asked by, whatever the backend's server calls its model
-        return JSONResponse(
+        return FastJSONResponse(
             {
-                **await engines.complete(call.body, call.keys, deadline_at, call.path, call.prompt_tokens),
+                **await engines.complete(call.body, call.routing, deadline_at, call.path, call.prompt_tokens),
                 "model": model,
             }
         )
-    chunks = engines.stream(call.body, call.keys, deadline_at, call.path, call.prompt_tokens)
+    chunks = engines.stream(call.body, call.routing, deadline_at, call.path, call.prompt_tokens)
     first = await anext(chunks, None)
 
     async def events() -> AsyncIterator[bytes]:
@@ -221,20 +229,41 @@ async def completions(ingress: Ingress, request: Request) -> Response:
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+class FastJSONResponse(Response):
+    """A JSON answer encoded by msgspec (starlette's ``JSONResponse`` runs the standard library's
+    encoder, several times slower on an answer's dicts, on the event loop)."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return msgspec.json.encode(content)
+
+
 class ChatFrames:
     """The SSE events of one streamed chat: every chunk shares its id, creation time and model, so
     those bytes are encoded once and each token's event is spliced from them and its delta."""
 
     def __init__(self, chat_id: str, created: int, model: str) -> None:
         enc = msgspec.json.encode
-        self._head = (
-            b'data: {"id":%s,"object":"chat.completion.chunk","created":%d,"model":%s,'
-            b'"choices":[{"index":0,"delta":' % (enc(chat_id), created, enc(model))
+        self._prefix = b'data: {"id":%s,"object":"chat.completion.chunk","created":%d,"model":%s,' % (
+            enc(chat_id),
+            created,
+            enc(model),
         )
+        self._head = self._prefix + b'"choices":[{"index":0,"delta":'
 
     def frame(self, delta: Mapping[str, str], finish: str | None) -> bytes:
         enc = msgspec.json.encode
         return self._head + enc(delta) + b',"finish_reason":' + enc(finish) + b"}]}\n\n"
+
+    def relayed(self, chunk: bytes) -> bytes:
+        """A server's own chat chunk as this chat's: its id, creation time and model replaced by
+        ours, its choices (and anything after them) byte for byte. A chunk without top-level
+        choices (not what an OpenAI server sends) goes as it came."""
+        at = chunk.find(b'"choices":')
+        if at < 0:
+            return b"data: " + chunk + b"\n\n"
+        return self._prefix + chunk[at:] + b"\n\n"
 
 
 def _passed_through(chunk: dict[str, Any]) -> bytes:

@@ -32,6 +32,12 @@ class IngressConfig:
     # The folder's budget: least-recently-used files beyond it are deleted, never one in use (so it
     # is exceeded by what is in use); 0: never delete (the operator cleans up).
     vllm_ec_max_bytes: int = 4 << 30
+    # vLLM only: each server's KV-event stream, in the order of the LLM urls: "ENDPOINT" or
+    # "ENDPOINT,REPLAY_ENDPOINT" (its --kv-events-config; "" for a server without one). The router
+    # recomputes the server's block hashes (it must run --prefix-caching-hash-algo sha256_cbor) and
+    # routes by its prefix cache once its own events confirm the recipe; otherwise by load.
+    vllm_kv_events: tuple[str, ...] = ()
+    vllm_block_size: int = 128  # the servers' --block-size (vLLM's default on CPU; 16 on GPU)
     llm_model_dir: str | None = None  # for the tokenizer and chat template; None = embedded default
     # The model ids served (--served-model-name, repeatable; epd.served_model): /v1/models lists
     # them, responses report the first; empty: llm_model_dir as typed, else "epd-default"

@@ -27,13 +27,22 @@ class StreamedChunk(dict[str, Any]):
     """One streamed chunk as the server wrote it, decoded. ``raw``: the server's JSON bytes when
     the chunk has no ``usage`` and no ``kv_transfer`` (the fields the pool rewrites: the P/D split
     replaces the usage's cached tokens and takes the transfer report off the first chunk); None
-    otherwise, when the chunk must be encoded from the dict."""
+    otherwise, when the chunk must be encoded from the dict. ``opaque``: not decoded at all (a
+    relayed stream's token chunk: the dict is empty, ``raw`` is all there is)."""
 
-    __slots__ = ("raw",)
+    __slots__ = ("opaque", "raw")
 
-    def __init__(self, decoded: dict[str, Any], raw: bytes) -> None:
+    def __init__(self, decoded: dict[str, Any], raw: bytes, opaque: bool = False) -> None:
         super().__init__(decoded)
         self.raw: bytes | None = None if "usage" in decoded or "kv_transfer" in decoded else raw
+        self.opaque = opaque
+
+
+def _needs_decoding(data: bytes) -> bool:
+    """Whether a relayed chunk carries what epd reads: an error, or the usage (a token chunk of
+    vLLM's has neither key; a text that spells one is escaped, ``\"usage\"``, so it never
+    matches)."""
+    return data.startswith(b'{"error"') or b'"usage"' in data
 
 
 _decode_json = msgspec.json.Decoder().decode
@@ -83,8 +92,10 @@ class EngineClient:
         request_id: str | None = None,
         deadline_s: float | None = None,
         path: str = "/v1/completions",
+        relay: bool = False,
     ) -> AsyncGenerator[StreamedChunk, None]:
-        """Streaming completion: yields each SSE ``data:`` JSON chunk until ``[DONE]``.
+        """Streaming completion: yields each SSE ``data:`` JSON chunk until ``[DONE]``. ``relay``:
+        token chunks are not decoded (``opaque``): only an error or the usage is.
 
         Closing the generator (client went away) closes the engine connection, which aborts the
         request in the engine.
@@ -101,6 +112,9 @@ class EngineClient:
                     data = line[5:].strip()
                     if data == b"[DONE]":
                         return
+                    if relay and not _needs_decoding(data):
+                        yield StreamedChunk({}, data, opaque=True)
+                        continue
                     decoded = _decode_json(data)
                     if not isinstance(decoded, dict):
                         raise msgspec.DecodeError(f"a stream chunk is not a JSON object: {data[:80]!r}")

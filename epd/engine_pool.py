@@ -52,6 +52,7 @@ from epd.engine_client import EngineClient
 from epd.llm_backends.cache_keys import prompt_cache_keys
 from epd.llm_routing.llm_router import LLMRouter
 from epd.llm_routing.load_counters import Dispatch
+from epd.llm_routing.page_naming import RoutingPrompt
 from epd.llm_routing.policy import RouterConfig
 from epd_common.admission import seconds_left
 from epd_common.errors import APIError
@@ -79,10 +80,13 @@ class RoutingMetrics:
         )
         self.load_spread = Gauge("epd_llm_load_spread", "Max over mean load of the live engines", registry=r)
         self.predicted = Counter(
-            "epd_llm_predicted_cached_tokens", "Prompt tokens the router predicted cached", registry=r
+            "epd_llm_predicted_cached_tokens",
+            "Prompt tokens the router predicted cached",
+            ["engine"],
+            registry=r,
         )
         self.actual = Counter(
-            "epd_llm_actual_cached_tokens", "Prompt tokens the engines reported cached", registry=r
+            "epd_llm_actual_cached_tokens", "Prompt tokens the engine reported cached", ["engine"], registry=r
         )
         self.ttft = Histogram(
             "epd_llm_ttft_seconds",
@@ -116,7 +120,7 @@ class RoutingMetrics:
 class RouteRequest(NamedTuple):
     """What an LLM router chooses an engine by."""
 
-    cache_keys: list[int]
+    prompt: RoutingPrompt | Sequence[int]  # ids + media spans (plain ids: no media)
     num_prompt_tokens: int
     max_tokens: int
 
@@ -131,7 +135,7 @@ class _Routed:
     def choose(self, request: RouteRequest, candidates: Sequence[str]) -> Dispatch:
         rid = f"epd-{uuid.uuid4().hex[:24]}"
         dispatch = self.router.route(
-            request.cache_keys, request.num_prompt_tokens, request.max_tokens, rid, among=candidates
+            request.prompt, request.num_prompt_tokens, request.max_tokens, rid, among=candidates
         )
         self.metrics.routed.labels(engine=dispatch.url).inc()
         return dispatch
@@ -300,7 +304,7 @@ class EnginePool:
     async def complete(
         self,
         body: dict[str, Any],
-        keys: list[int],
+        keys: RoutingPrompt | Sequence[int],
         deadline_at: float | None = None,
         path: str = COMPLETIONS,
         prompt_tokens: int | None = None,
@@ -323,16 +327,23 @@ class EnginePool:
     async def stream(
         self,
         body: dict[str, Any],
-        keys: list[int],
+        keys: RoutingPrompt | Sequence[int],
         deadline_at: float | None = None,
         path: str = COMPLETIONS,
         prompt_tokens: int | None = None,
+        relay: bool = False,
     ) -> AsyncGenerator[dict[str, Any], None]:
         """Streamed chunks (the decode engine's when roles are split); re-routes only before the
-        first chunk."""
+        first chunk. ``relay``: token chunks stay undecoded bytes (``StreamedChunk.opaque``)."""
         if self.decode_lane is None:
             chunks = self._stream_on(
-                self.lane, body, keys, deadline_at=deadline_at, path=path, prompt_tokens=prompt_tokens
+                self.lane,
+                body,
+                keys,
+                deadline_at=deadline_at,
+                path=path,
+                prompt_tokens=prompt_tokens,
+                relay=relay,
             )
             async for chunk in chunks:
                 yield chunk
@@ -345,7 +356,9 @@ class EnginePool:
         async for chunk in self._stream_on(self.decode_lane, pre.decode_body, keys, pre, deadline_at):
             yield _with_prefill_usage(chunk, pre) if chunk.get("usage") else chunk
 
-    async def _prefill(self, body: dict[str, Any], keys: list[int], deadline_at: float | None) -> _Prefilled:
+    async def _prefill(
+        self, body: dict[str, Any], keys: RoutingPrompt | Sequence[int], deadline_at: float | None
+    ) -> _Prefilled:
         """Run the prompt on a prefill engine (one token, KV exported); what the decode engine
         is to be sent. With no prefill engine reachable, the decode engine gets the plain body."""
         want = body.get("max_tokens")
@@ -381,7 +394,7 @@ class EnginePool:
         self,
         lane: _Lane,
         body: dict[str, Any],
-        keys: list[int],
+        keys: RoutingPrompt | Sequence[int],
         pre: _Prefilled | None = None,
         max_tokens: int | None = None,
         deadline_at: float | None = None,
@@ -408,17 +421,18 @@ class EnginePool:
         self,
         lane: _Lane,
         body: dict[str, Any],
-        keys: list[int],
+        keys: RoutingPrompt | Sequence[int],
         pre: _Prefilled | None = None,
         deadline_at: float | None = None,
         path: str = COMPLETIONS,
         prompt_tokens: int | None = None,
+        relay: bool = False,
     ) -> AsyncGenerator[dict[str, Any], None]:
         async def open_stream(dispatch: Dispatch) -> _Opened:
             """An attempt ends at the first chunk: until then another engine may take over."""
             started = time.perf_counter()
             chunks = self.clients[dispatch.url].stream(
-                body, dispatch.request_id, seconds_left(deadline_at), path
+                body, dispatch.request_id, seconds_left(deadline_at), path, relay
             )
             try:
                 first = await anext(chunks, None)
@@ -438,7 +452,10 @@ class EnginePool:
                 self.metrics.ttft.labels(engine=dispatch.url).observe(time.perf_counter() - started)
                 transfer = chunk.pop("kv_transfer", None)
             while chunk is not None:
-                n = sum(_output_tokens(c) for c in chunk.get("choices", []))
+                if getattr(chunk, "opaque", False):
+                    n = 1  # a relayed token chunk (undecoded): one token, as vLLM streams them
+                else:
+                    n = sum(_output_tokens(c) for c in chunk.get("choices", []))
                 dispatch.add_output_tokens(int(n))
                 if chunk.get("usage"):
                     usage = chunk["usage"]
@@ -484,8 +501,8 @@ class EnginePool:
         cached = details.get("cached_tokens")
         if isinstance(cached, int) and pre is None:  # the decode engine's own hits are not routed on
             router.record_actual(dispatch, cached)
-            self.metrics.predicted.inc(dispatch.predicted_cached_tokens)
-            self.metrics.actual.inc(cached)
+            self.metrics.predicted.labels(engine=dispatch.url).inc(dispatch.predicted_cached_tokens)
+            self.metrics.actual.labels(engine=dispatch.url).inc(cached)
         moved = ""
         if pre is not None and isinstance(transfer, dict):
             if transfer.get("imported"):
@@ -541,14 +558,18 @@ def _output_tokens(choice: dict[str, Any]) -> int:
 
 
 def _route_request(
-    body: dict[str, Any], keys: list[int], max_tokens: int | None, prompt_tokens: int | None
+    body: dict[str, Any],
+    keys: RoutingPrompt | Sequence[int],
+    max_tokens: int | None,
+    prompt_tokens: int | None,
 ) -> RouteRequest:
     """``prompt_tokens``: the prompt's size when ``keys`` do not give it (a backend that routes by
     load only sends none)."""
     if max_tokens is None:
         want = body.get("max_tokens")
         max_tokens = int(want) if isinstance(want, int) else 16
-    return RouteRequest(keys, prompt_tokens or len(keys) or 1, max_tokens)
+    size = len(keys.token_ids) if isinstance(keys, RoutingPrompt) else len(keys)
+    return RouteRequest(keys, prompt_tokens or size or 1, max_tokens)
 
 
 def _engine_verdict(error: BaseException) -> Verdict:

@@ -23,6 +23,7 @@ from epd.llm_backends.base import BackendMismatch, LLMBackend
 from epd.llm_backends.epd_engine import EpdEngineBackend
 from epd.llm_backends.vllm_backend import ModelInfo, VLLMBackend
 from epd.llm_backends.vllm_ec import ECFolder
+from epd.llm_backends.vllm_routing import parse_kv_events
 from epd.media_pipeline import AudioKeying, MediaPipeline
 from epd.metrics import IngressMetrics
 from epd.prompt_format import PromptFormat
@@ -83,8 +84,7 @@ class Ingress:
             self.backend = self._make_backend()
             router = self.config.llm_router
             if router.policy not in self.backend.routing_policies:
-                # affinity needs the engine's page geometry and KV events, which vLLM does not
-                # report in a form the router can match exactly: least-load instead
+                # a backend whose servers' caches the router cannot see: least-load instead
                 log.info("LLM routing: %s over %s servers", "least_load", self.backend.name)
                 router = dataclasses.replace(router, policy="least_load")
             self._engines = EnginePool(
@@ -145,11 +145,15 @@ class Ingress:
         if self.config.llm_model_dir is None:
             raise ValueError("--llm-backend vllm needs the checkpoint directory (--model DIR)")
         self.prompt_format = self.prompt_format.only(VLLMBackend.modalities, VLLMBackend.name)
+        cfg = self.config
         return VLLMBackend(
             self.prompt_format,
             ModelInfo.of(self.config.llm_model_dir),
             self.cache,
-            ec=ECFolder.of(self.config),  # --vllm-ec-path: the embeddings as files vLLM reads
+            ec=ECFolder.of(cfg),  # --vllm-ec-path: the embeddings as files vLLM reads
+            kv_events=parse_kv_events(cfg.vllm_kv_events, cfg.llm_urls),
+            block_size=cfg.vllm_block_size,
+            render_routes=cfg.llm_router.policy == "affinity",
         )
 
     async def _check_servers(self, urls: Sequence[str], at_start: bool = False) -> None:

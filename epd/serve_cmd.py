@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -29,7 +30,9 @@ from epd.config import IngressConfig
 from epd.config_cli import add_dataclass_args, dataclass_from_args, dataclass_to_argv
 from epd.encoder_cmd import worker_child
 from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMNotFound, launch_args
+from epd.llm_backends.vllm_routing import KVEventsAt
 from epd.model_check import ModelDirError, check_model_dir
+from epd.placement import CpuSplit, cpu_list, pinned_argv, plan_split
 from epd.served_model import add_deprecated_name_flags, names_from_args
 from epd.supervisor import ChildFailed, ChildSpec, Supervisor, python_argv
 from epd_common.runtime import AUTO_DTYPE, DTYPES
@@ -66,6 +69,8 @@ class ServeConfig:
     vllm_args: tuple[str, ...] = ()
     vllm_kv_cache_gib: float = 2.0
     vllm_dtype: str = "auto"
+    # where a local vLLM and epd's side run (``epd.placement``): auto, off or LLM_CORES:EPD_CORES
+    cpu_split: str = "auto"
 
 
 # Fields that `epd serve` derives itself instead of taking from flags.
@@ -182,6 +187,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "float32 gives transformers' float32 results)",
     )
     vllm.add_argument(
+        "--cpu-split",
+        default="auto",
+        metavar="auto|off|LLM:EPD",
+        help="cores of the local vLLM's inference threads and of epd's ingress and encoders, kept "
+        "apart (auto: vLLM the upper half, epd the lower; LLM:EPD as core lists, e.g. 8-15:0-7; off)",
+    )
+    vllm.add_argument(
         "--vllm-kv-cache-gib",
         type=float,
         default=2.0,
@@ -249,6 +261,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         vllm_args=launch_args(args.vllm_args),
         vllm_kv_cache_gib=args.vllm_kv_cache_gib,
         vllm_dtype=args.vllm_dtype or args.dtype or "auto",
+        cpu_split=args.cpu_split,
     )
 
 
@@ -270,8 +283,12 @@ class Plan:
     namespace: str
 
 
-def vllm_child(cfg: ServeConfig, port: int) -> ChildSpec:
-    """The local vLLM server of ``--llm-backend vllm`` as a supervised child (restarted if it dies)."""
+def vllm_child(
+    cfg: ServeConfig, port: int, kv_events: KVEventsAt | None = None, cpus: tuple[int, ...] = ()
+) -> ChildSpec:
+    """The local vLLM server of ``--llm-backend vllm`` as a supervised child (restarted if it dies),
+    publishing its KV events at ``kv_events`` (fixed ports: a restarted server publishes where the
+    router listens), on ``cpus`` when given (``epd.placement``)."""
     assert cfg.llm.model_path is not None
     try:
         launch = VLLMLaunch(
@@ -284,16 +301,34 @@ def vllm_child(cfg: ServeConfig, port: int) -> ChildSpec:
             served_model_names=cfg.ingress.served_model_names,  # the ids epd serves
             extra_args=cfg.vllm_args,
             ec_path=cfg.ingress.vllm_ec_path,  # an encoder-cache consumer of that folder
+            kv_events=kv_events,
         )
         argv = tuple(launch.argv())
     except VLLMNotFound as exc:
         raise SystemExit(f"epd serve: {exc}") from exc
-    return ChildSpec(
-        "vllm", argv, f"{launch.url}/health", env=launch.environ(), ready_timeout_s=600.0, own_group=True
-    )
+    env = launch.environ()
+    if cpus:
+        argv = pinned_argv(argv, cpus)
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(cpus))  # one inference thread a core
+    return ChildSpec("vllm", argv, f"{launch.url}/health", env=env, ready_timeout_s=600.0, own_group=True)
 
 
-def plan(cfg: ServeConfig) -> Plan:
+def local_vllm(cfg: ServeConfig) -> bool:
+    """Whether this serve starts a vLLM server of its own."""
+    return cfg.start_llm and cfg.ingress.llm_backend == "vllm" and not cfg.remote_llms
+
+
+def cpu_split(cfg: ServeConfig) -> CpuSplit | None:
+    """The placement of a local vLLM and epd's side (None: no local vLLM, or none asked)."""
+    if not local_vllm(cfg):
+        return None
+    try:
+        return plan_split(cfg.cpu_split, os.sched_getaffinity(0))
+    except ValueError as exc:
+        raise SystemExit(f"epd serve: {exc}") from exc
+
+
+def plan(cfg: ServeConfig, split: CpuSplit | None = None) -> Plan:
     ing = cfg.ingress
     namespace = ing.cache_namespace if ing.cache_namespace != "default" else f"serve-{ing.port}"
     local_redis = None
@@ -325,14 +360,18 @@ def plan(cfg: ServeConfig) -> Plan:
         if not cfg.remote_llms:  # one local vLLM server on the same checkpoint, supervised
             if not cfg.llm.model_path:
                 raise SystemExit("epd serve: --llm-backend vllm needs --model DIR (or --llm-url URL)")
-            child = vllm_child(cfg, free_port("127.0.0.1"))
+            events = KVEventsAt(
+                f"tcp://127.0.0.1:{free_port('127.0.0.1')}", f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+            )
+            child = vllm_child(cfg, free_port("127.0.0.1"), events, split.llm if split else ())
+            ing = dataclasses.replace(ing, vllm_kv_events=(f"{events.endpoint},{events.replay}",))
             llm_children[child.name] = child.health_url.removesuffix("/health")
             roles.append("both")
             children.append(child)
     elif cfg.start_llm:
-        split = cfg.llm_prefill_instances or cfg.llm_decode_instances
-        counts = {"both": 0 if split else cfg.llm_instances}
-        if split:
+        roles_split = cfg.llm_prefill_instances or cfg.llm_decode_instances
+        counts = {"both": 0 if roles_split else cfg.llm_instances}
+        if roles_split:
             counts = {"prefill": cfg.llm_prefill_instances, "decode": cfg.llm_decode_instances}
             if min(counts.values()) < 1:
                 raise SystemExit(
@@ -375,7 +414,12 @@ async def serve(cfg: ServeConfig) -> int:
 
     from epd.ingress_app import build_app
 
-    p = plan(cfg)
+    split = cpu_split(cfg)
+    if split is not None:
+        # epd's side: this process, and the encoder workers it starts (they inherit it and size
+        # their threads by it); vLLM is started on its own cores
+        os.sched_setaffinity(0, split.epd)
+    p = plan(cfg, split)
     try:
         app = build_app(p.ingress)  # tokenizer, chat template: a broken one stops us before any child
     except (TokenizerError, TemplateFileError) as exc:
@@ -415,7 +459,7 @@ async def serve(cfg: ServeConfig) -> int:
                 timeout_graceful_shutdown=30,
             )
         )
-        announce = asyncio.create_task(_announce(server, p, ingress))
+        announce = asyncio.create_task(_announce(server, p, ingress, split))
         await server.serve()
         announce.cancel()
         return 0 if server.started else 1
@@ -429,7 +473,7 @@ async def serve(cfg: ServeConfig) -> int:
             left.unlink(missing_ok=True)
 
 
-async def _announce(server: object, p: Plan, ingress: Ingress) -> None:
+async def _announce(server: object, p: Plan, ingress: Ingress, split: CpuSplit | None) -> None:
     while not getattr(server, "started", False):
         await asyncio.sleep(0.05)
     print(
@@ -439,6 +483,8 @@ async def _announce(server: object, p: Plan, ingress: Ingress) -> None:
         flush=True,
     )
     print(banner_paths(ingress.active_paths()), flush=True)
+    if split is not None:
+        print(split.describe(), flush=True)
 
 
 def banner_paths(active: dict[str, Any]) -> str:

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple, Protocol
 import aiohttp
 
 from epd.engine_client import EngineClient
+from epd.llm_routing.page_naming import RoutingPrompt
 from epd.media_pipeline import EncodedItem
 
 
@@ -16,8 +17,10 @@ class ChatCall(NamedTuple):
 
     path: str  # the server's endpoint, e.g. "/v1/completions"
     body: dict[str, Any]
-    keys: list[int]  # prefix-cache keys the router scores (token ids, media runs as pseudo-ids)
-    prompt_tokens: int | None = None  # the prompt's size for load counting, when keys are not sent
+    # the prompt's ids and media spans as the server sees them, which the router names pages
+    # from (``epd.llm_routing.page_naming``); empty when the backend routes by load only
+    routing: RoutingPrompt
+    prompt_tokens: int | None = None  # the prompt's size for load counting, when routing is empty
 
 
 class ChatResult(NamedTuple):
@@ -51,6 +54,9 @@ class LLMBackend(Protocol):
     # whether servers must pass ``check_server`` before anything is routed to them (and again each
     # time they come back up)
     checks_servers: bool
+    # whether its servers stream OpenAI chat chunks, which the chat route relays as bytes (only the
+    # usage chunk is decoded); else each chunk goes through ``chat_delta``
+    relays_chat_chunks: bool
 
     def client(self, session: aiohttp.ClientSession, url: str, timeout_s: float) -> EngineClient:
         """The HTTP client of one server."""

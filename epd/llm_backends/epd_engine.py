@@ -1,48 +1,37 @@
 """epd's own engine (``epd llm``) as a backend: the ingress renders the prompt ids with the
 checkpoint's chat template and sends EmbeddingRefs; the engine reads the embeddings itself.
 
-The chat template and the tokenizer run on a small thread pool of the backend's, off the event
-loop: a long conversation takes milliseconds to render, which every stream on the loop would wait.
+The chat template and the tokenizer run off the event loop (``render``).
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 
 from epd.engine_client import EngineClient
 from epd.llm_backends.base import ChatCall, ChatDelta, ChatResult
-from epd.llm_backends.cache_keys import prompt_cache_keys
+from epd.llm_backends.cache_keys import routing_prompt
+from epd.llm_backends.render import RenderPool, render_chat
 from epd.media_pipeline import EncodedItem
-from epd.prompt_format import ChatTemplateError, PromptFormat, prompt_media
-from epd_common.errors import bad_request
-from epd_common.messages.embedding_ref import EmbeddingRef
+from epd.prompt_format import PromptFormat
 
 COMPLETIONS = "/v1/completions"
-# Rendering threads: enough that one long prompt does not hold up the others, few because the
-# work holds the GIL for most of its time.
-PROMPT_THREADS = 4
-
-T = TypeVar("T")
 
 
 class EpdEngineBackend:
     name = "epd"
     modalities: frozenset[str] = frozenset({"image", "video", "audio"})
     routing_policies: tuple[str, ...] = ("affinity", "round_robin", "least_load")
+    relays_chat_chunks = False  # completion chunks: framed as chat chunks here
     checks_servers = False  # `epd serve` started them from the same checkpoint
 
     def __init__(self, prompt_format: PromptFormat) -> None:
         self.prompt_format = prompt_format
-        self._render_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="epd-prompt")
-
-    async def _off_loop(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._render_pool, fn)
+        self._render = RenderPool()
 
     def client(self, session: aiohttp.ClientSession, url: str, timeout_s: float) -> EngineClient:
         return EngineClient(session, url, timeout_s=timeout_s)
@@ -53,34 +42,19 @@ class EpdEngineBackend:
     async def chat_call(
         self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem], sampling: dict[str, Any]
     ) -> ChatCall:
-        prompt_ids, refs, keys = await self._off_loop(partial(self._render, messages, items))
+        routing, refs = await self._render.run(partial(render_chat, self.prompt_format, messages, items))
         # the refs go as Structs: the engine client encodes the body with msgspec
-        body = {"prompt": prompt_ids, "multimodal": refs, **sampling}
-        return ChatCall(COMPLETIONS, body, keys)
-
-    def _render(
-        self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem]
-    ) -> tuple[list[int], list[EmbeddingRef], list[int]]:
-        """Prompt ids, the refs the engine gets (in the order their rows take the prompt's pads)
-        and the cache keys of a chat (a rendering thread)."""
-        media, refs = prompt_media(messages, [it.ref for it in items])
-        try:
-            prompt_ids = self.prompt_format.prompt_ids(messages, media)
-        except ChatTemplateError as exc:  # the checkpoint's template refused these messages
-            raise bad_request(str(exc), exc.param) from exc
-        keys = prompt_cache_keys(
-            self.prompt_format.tokenizer, prompt_ids, [(r.key, r.num_tokens, r.modality) for r in refs]
-        )
-        return prompt_ids, refs, keys
+        body = {"prompt": list(routing.token_ids), "multimodal": refs, **sampling}
+        return ChatCall(COMPLETIONS, body, routing)
 
     async def completion_call(self, body: dict[str, Any]) -> ChatCall:
-        """A text prompt is tokenized for its cache keys on a rendering thread."""
+        """A text prompt is tokenized for its routing on a rendering thread."""
         prompt = body.get("prompt")
-        keys = await self._off_loop(partial(prompt_cache_keys, self.prompt_format.tokenizer, prompt))
-        return ChatCall(COMPLETIONS, body, keys)
+        routing = await self._render.run(partial(routing_prompt, self.prompt_format.tokenizer, prompt))
+        return ChatCall(COMPLETIONS, body, routing)
 
     async def close(self) -> None:
-        self._render_pool.shutdown(wait=False, cancel_futures=True)
+        self._render.close()
 
     def chat_result(self, out: dict[str, Any]) -> ChatResult:
         choice = out["choices"][0]

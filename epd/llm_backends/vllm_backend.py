@@ -22,7 +22,9 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import aiohttp
@@ -31,6 +33,8 @@ import torch
 from encoder.caches.embed_cache import EmbedCache
 from epd.engine_client import EngineClient
 from epd.llm_backends.base import BackendMismatch, ChatCall, ChatDelta, ChatResult
+from epd.llm_backends.cache_keys import routing_prompt
+from epd.llm_backends.render import RenderPool, render_chat
 from epd.llm_backends.vllm_ec import ECFolder, ec_transfer_config, metadata_keys, metadata_part
 from epd.llm_backends.vllm_embeds import (
     EmbeddingGeometry,
@@ -40,6 +44,8 @@ from epd.llm_backends.vllm_embeds import (
     embeds_part,
     tensor_b64,
 )
+from epd.llm_backends.vllm_routing import KVEventsAt, routing_health
+from epd.llm_routing.page_naming import RoutingPrompt
 from epd.media_pipeline import EncodedItem
 from epd.prompt_format import PromptFormat
 from epd_common.checkpoint.config_json import read_config_json
@@ -87,6 +93,13 @@ class VLLMClient(EngineClient):
     model_id: str | None = None
     large_bodies = True  # inline embeddings
     ec: ECFolder | None = None  # the encoder-cache folder the metadata-only parts name
+    # what the router needs of this server beside its /health (``vllm_routing.routing_health``)
+    routing_health: Mapping[str, Any] = MappingProxyType({})
+
+    async def health(self, timeout_s: float = 2.0) -> dict[str, Any] | None:
+        """vLLM's /health (an empty 200) with the server's page geometry and event stream."""
+        body = await super().health(timeout_s)
+        return None if body is None else {**body, **self.routing_health}
 
     def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
         if self.ec is not None and (keys := metadata_keys(body)) and not self.ec.mark_used(keys):
@@ -116,7 +129,9 @@ class VLLMBackend:
     name = "vllm"
     # embeddings input for images and videos; MiMo's audio (and a video's sound track) is not wired
     modalities: frozenset[str] = frozenset({"image", "video"})
-    routing_policies: tuple[str, ...] = ("round_robin", "least_load")
+    # affinity: by the server's own KV events, its block hashes recomputed (``vllm_routing``)
+    routing_policies: tuple[str, ...] = ("affinity", "round_robin", "least_load")
+    relays_chat_chunks = True  # its chat chunks go to the client as bytes (ids and model respliced)
     checks_servers = True  # a server of another model or without embeddings input would die
 
     def __init__(
@@ -125,16 +140,27 @@ class VLLMBackend:
         model: ModelInfo,
         cache: EmbedCache | None,
         ec: ECFolder | None = None,
+        kv_events: Mapping[str, KVEventsAt | None] | None = None,
+        block_size: int = 128,
+        render_routes: bool = False,
     ) -> None:
+        """``kv_events``: each server's event stream (by url); ``render_routes``: render each chat's
+        prompt ids here too, which affinity routing names the server's blocks from (vLLM renders
+        its own copy: the chat route takes messages)."""
         self.prompt_format = prompt_format
         self.model = model
         self.cache = cache
         self.ec = ec  # None: the embeddings go inline (the default)
         self.source = EmbeddingSource(cache, model.geometry.hidden)  # the node cache, else ref.url
+        self.kv_events = dict(kv_events or {})
+        self.block_size = block_size
+        self.render_routes = render_routes
+        self._render = RenderPool()
 
     def client(self, session: aiohttp.ClientSession, url: str, timeout_s: float) -> EngineClient:
         client = VLLMClient(session, url, timeout_s=timeout_s)
         client.ec = self.ec
+        client.routing_health = routing_health(self.kv_events.get(url), self.block_size)
         return client
 
     # -- start-up ------------------------------------------------------------------------------
@@ -225,6 +251,9 @@ class VLLMBackend:
     async def chat_call(
         self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem], sampling: dict[str, Any]
     ) -> ChatCall:
+        routing = RoutingPrompt([])
+        if self.render_routes:
+            routing, _ = await self._render.run(partial(render_chat, self.prompt_format, messages, items))
         if self.ec is not None:
             parts = await self._ec_parts(items)
         else:
@@ -236,7 +265,8 @@ class VLLMBackend:
                 for p in m["content"]
             ]
             out_messages.append({"role": m["role"], "content": content})
-        return ChatCall(CHAT, {"messages": out_messages, **sampling}, [], _prompt_estimate(messages, items))
+        estimate = None if routing.token_ids else _prompt_estimate(messages, items)
+        return ChatCall(CHAT, {"messages": out_messages, **sampling}, routing, estimate)
 
     async def _ec_parts(self, items: Sequence[EncodedItem]) -> list[dict[str, Any]]:
         """Metadata-only parts whose files are in place: those already there (header checked) are
@@ -321,10 +351,15 @@ class VLLMBackend:
         if "prompt_embeds" in body:  # tensors epd has not checked: a malformed one kills vLLM
             raise bad_request("prompt_embeds are not passed on to the language model", "prompt_embeds")
         prompt = body.get("prompt")
+        if self.render_routes:
+            routing = await self._render.run(partial(routing_prompt, self.prompt_format.tokenizer, prompt))
+            if routing.token_ids:
+                return ChatCall(COMPLETIONS, body, routing)
         size = len(prompt) // 4 if isinstance(prompt, str) else len(prompt) if isinstance(prompt, list) else 1
-        return ChatCall(COMPLETIONS, body, [], max(size, 1))
+        return ChatCall(COMPLETIONS, body, RoutingPrompt([]), max(size, 1))
 
     async def close(self) -> None:
+        self._render.close()
         await self.source.close()  # its session for remote refs; the node cache is the ingress's
 
     def chat_result(self, out: dict[str, Any]) -> ChatResult:

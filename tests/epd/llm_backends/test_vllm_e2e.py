@@ -260,6 +260,53 @@ def test_eight_concurrent_chats(epd: ServeProcess, qwen_dir: Path) -> None:
         assert reply["choices"][0]["token_ids"] == reference_generate(qwen_dir, messages, NEW_TOKENS)
 
 
+def _engine_row(server: ServeProcess) -> dict[str, Any]:
+    (row,) = http_json("GET", f"{server.url}/health")[1]["llm_routing"]["engines"]
+    return row  # type: ignore[no-any-return]
+
+
+def test_the_router_predicts_vllms_cached_tokens(epd: ServeProcess, media_dir: Path) -> None:
+    """Affinity over vLLM: the router recomputes the server's block hashes (sha256_cbor, 128-token
+    blocks on CPU) from the ids it renders and the images' MediaKeys, follows its KV events, and
+    predicts each request's cached tokens as vLLM reports them, text and image turns alike."""
+    system = " ".join(f"rule {i}: answer briefly and name the colour you see." for i in range(40))
+    sessions = [[{"role": "system", "content": [{"type": "text", "text": system}]}] for _ in range(3)]
+    exact, turns, hits = 0, 0, 0
+    for turn in range(4):
+        for s, history in enumerate(sessions):
+            content: list[dict[str, Any]] = [{"type": "text", "text": f"Turn {turn} of session {s}."}]
+            if turn % 2 == 0:
+                content.insert(
+                    0, {"type": "image", "image": make_image(56 * (1 + s), 84, seed=300 + 10 * s + turn)}
+                )
+            history.append({"role": "user", "content": content})
+            before = _engine_row(epd)
+            reply = epd_chat(epd, history, max_tokens=8)
+            history.append(
+                {
+                    "role": "assistant",
+                    "content": [{"type": "text", "text": reply["choices"][0]["message"]["content"]}],
+                }
+            )
+            # the stored blocks reach the index through the server's events: wait for them
+            deadline = time.monotonic() + 10
+            while _engine_row(epd)["index_pages"] == before["index_pages"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(0.3)
+            after = _engine_row(epd)
+            predicted = after["predicted_cached_tokens"] - before["predicted_cached_tokens"]
+            actual = after["actual_cached_tokens"] - before["actual_cached_tokens"]
+            assert actual == reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            exact += int(predicted == actual)
+            turns += 1
+            hits += actual
+    row = _engine_row(epd)
+    assert row["naming"] == "vllm-sha256_cbor" and row["naming_check"] == "ok", row
+    assert row["page_size"] == 128 and row["mode"] == "events"
+    assert hits > 0, "no prefix hit at all: the test does not test the prediction"
+    assert exact >= 0.95 * turns, f"{exact} of {turns} predictions exact"
+
+
 def test_corrupt_upload_is_4xx_and_vllm_stays_up(epd: ServeProcess, vllm: SupervisedVLLM) -> None:
     body = {
         "messages": [

@@ -3,13 +3,17 @@ checkpoint without --llm-url, none with it (epd/serve_cmd.py)."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
 from epd.cli import build_parser
-from epd.serve_cmd import ServeConfig, config_from_args, plan
+from epd.placement import CpuSplit, plan_split
+from epd.serve_cmd import ServeConfig, config_from_args, cpu_split, plan
 
 
 def serve_config(*argv: str) -> ServeConfig:
@@ -36,6 +40,32 @@ def test_local_vllm_child(qwen_dir: Path) -> None:
     assert p.ingress.llm_backend == "vllm"
     assert p.ingress.llm_urls == (child.health_url.removesuffix("/health"),)
     assert p.llm_children == {"vllm": p.ingress.llm_urls[0]}  # the supervisor marks it down and up
+    # what the router needs of it: block hashes it can recompute, cached tokens, its KV events
+    argv = child.argv
+    assert argv[argv.index("--prefix-caching-hash-algo") + 1] == "sha256_cbor"
+    assert "--enable-prompt-tokens-details" in argv
+    events = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert events["enable_kv_cache_events"] and events["publisher"] == "zmq" and events["topic"] == ""
+    assert p.ingress.vllm_kv_events == (f"{events['endpoint']},{events['replay_endpoint']}",)
+
+
+def test_the_local_vllm_runs_on_its_own_cores(qwen_dir: Path) -> None:
+    cfg = serve_config("--model", str(qwen_dir), "--llm-backend", "vllm", "--vllm-python", sys.executable)
+    split = CpuSplit((1,), (0,))
+    child = next(c for c in plan(cfg, split).children if c.name == "vllm")
+    assert child.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    if shutil.which("taskset"):
+        assert child.argv[1:3] == ("-c", "1") and child.argv[3] == sys.executable
+    assert cpu_split(cfg) == plan_split("auto", os.sched_getaffinity(0))
+    assert (
+        cpu_split(serve_config("--model", str(qwen_dir), "--llm-backend", "vllm", "--cpu-split", "off"))
+        is None
+    )
+    # epd's own engines, or vLLM servers elsewhere: nothing to place
+    assert (
+        cpu_split(serve_config("--model", str(qwen_dir), "--llm-backend", "vllm", "--llm-url", "http://a:1"))
+        is None
+    )
 
 
 def test_remote_vllm_servers_start_nothing(qwen_dir: Path) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from epd.llm_routing import llm_router
+from epd.llm_routing import page_naming
 from epd.llm_routing.kv_event_subscriber import SubscriberCounters
 from epd.llm_routing.llm_router import LLMRouter, NoEngineAvailable, connect_address, health_window
 from epd.llm_routing.load_counters import Dispatch
@@ -138,7 +138,9 @@ class Cluster:
         self.router.start()
         self._ids = itertools.count()
 
-    def _source(self, endpoint: str, replay: str | None, on_batch: Any, on_reset: Any) -> FakeSource:
+    def _source(
+        self, endpoint: str, replay: str | None, topic: str, on_batch: Any, on_reset: Any
+    ) -> FakeSource:
         src = FakeSource(endpoint, replay, on_batch, on_reset)
         self.sources[endpoint.removeprefix("fake://")] = src
         return src
@@ -339,13 +341,13 @@ def test_page_hashes_are_computed_once_per_page_size(monkeypatch: pytest.MonkeyP
     for url in c.engines:
         router.on_health(url, c.engines[url].health())
     calls: list[int] = []
-    real = llm_router.page_hashes
+    real = page_naming.page_hashes
 
     def counting(keys: list[int], page_size: int) -> list[int]:
         calls.append(page_size)
         return real(keys, page_size)
 
-    monkeypatch.setattr(llm_router, "page_hashes", counting)
+    monkeypatch.setattr(page_naming, "page_hashes", counting)
     router.route(list(range(30)), 30, 4, "r").finish()
     assert sorted(calls) == [4, 8]
 
