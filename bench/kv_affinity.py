@@ -45,6 +45,9 @@ and per target whether it is met (None when a policy it needs was not run or had
     python -m bench.kv_affinity [--sessions 16] [--turns 6] [--concurrency 8] [--max-tokens 16]
                                 [--engines 4] [--policies affinity,round_robin,least_load]
                                 [--kv-memory-bytes 0] [--json out.json] [--quick]
+                                [--backend vllm]   (vLLM servers: bench.kv_affinity_vllm; summary
+                                                    adds vllm_hit_gain, vllm_input_tps_gain,
+                                                    vllm_max_mean_load)
 """
 
 from __future__ import annotations
@@ -427,7 +430,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every chat")
     parser.add_argument("--system-chars", type=int, default=600, help="system prompt bytes (= tokens)")
     parser.add_argument("--image-rate", type=float, default=0.25, help="share of turns with one image")
-    parser.add_argument("--engines", type=int, default=4, help="--llm-instances of each service")
+    parser.add_argument(
+        "--engines",
+        type=int,
+        default=None,
+        help="engines (vLLM servers) per service (default: 4; 2 with vllm)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("epd", "vllm"),
+        default="epd",
+        help="epd's engines, or vLLM servers behind epd serve --llm-backend vllm (bench.kv_affinity_vllm)",
+    )
+    parser.add_argument("--vllm-max-model-len", type=int, default=4096, help="with --backend vllm")
     parser.add_argument(
         "--policies", default=",".join(POLICIES), help=f"comma-separated, of {', '.join(POLICIES)}"
     )
@@ -445,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--log-dir", type=Path, default=None, help="service logs (default: a temporary dir)")
     args = parser.parse_args(argv)
+    if args.engines is None:
+        args.engines = 2 if args.backend == "vllm" else 4
     if args.quick:
         args.sessions, args.turns = 4, 3
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -466,6 +483,10 @@ def main(argv: list[str] | None = None) -> int:
         f"trace: {args.sessions} sessions x {args.turns} turns ({trace.requests} requests, {trace.images} "
         f"with a new image), {args.concurrency} at once, system prompt {system_tokens(trace)} tokens"
     )
+    if args.backend == "vllm":
+        from bench.kv_affinity_vllm import kv_space_gib, model_dir
+
+        print(f"vLLM servers: {args.engines}, KV space {kv_space_gib(trace, args, model_dir()):.4f} GiB each")
     print(
         f"KV per engine: {budget[0]:,} bytes, SWA share {budget[1]}"
         + (
@@ -480,11 +501,22 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, PolicyResult] = {}
     for p in policies:
         t0 = time.perf_counter()
-        results[p] = run_policy(p, trace, args, budget, log_dir)
+        if args.backend == "vllm":
+            from bench.kv_affinity_vllm import run_policy_vllm
+
+            results[p] = run_policy_vllm(p, trace, args, log_dir)
+        else:
+            results[p] = run_policy(p, trace, args, budget, log_dir)
         print(f"{p}: done in {time.perf_counter() - t0:.1f} s (service start included)", flush=True)
     info = machine_info()
     print_results(results, f"{format_machine(info)} | logs: {log_dir}")
     summary = summarize(results)
+    if args.backend == "vllm":  # the fleet issue's keys: the same figures, on the engine users run
+        summary.update(
+            vllm_hit_gain=summary["hit_rate_gain"],
+            vllm_input_tps_gain=summary["input_throughput_gain"],
+            vllm_max_mean_load=summary["max_load_ratio"],
+        )
     gain, tput, ratio = (summary[k] for k in ("hit_rate_gain", "input_throughput_gain", "max_load_ratio"))
     print(
         f"affinity vs round robin: hit rate {_fmt(gain, '+.1%')} (target >= +{TARGET_HIT_RATE_GAIN:.0%}: "

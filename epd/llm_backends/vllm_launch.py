@@ -112,13 +112,12 @@ class VLLMLaunch:
             "--dtype",
             self.dtype,
             "--enable-mm-embeds",  # what epd hands it: precomputed image/video embeddings
-            # block hashes epd's router can recompute (the default pickles Python objects)
-            "--prefix-caching-hash-algo",
-            HASH_ALGO,
             "--enable-prompt-tokens-details",  # cached_tokens in usage: the router's drift
         ]
         if self.kv_events is not None:
+            # its events, and block hashes epd's router can recompute (the default pickles)
             out += ["--kv-events-config", kv_events_config(self.kv_events)]
+            out += ["--prefix-caching-hash-algo", HASH_ALGO]
         if self.served_model_names:
             out += ["--served-model-name", *self.served_model_names]
         if self.max_model_len:

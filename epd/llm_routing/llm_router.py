@@ -168,6 +168,12 @@ class _Engine:
     # come back as a new process, whose cache is empty
     went_down: bool = False
     warned_silent: bool = False  # the "no events arrive" warning was logged
+    # the event stream's progress as health rounds see it: the batch count, and when and after how
+    # many routed requests it last moved; ``stale``: it stopped while requests flowed (index dropped)
+    batches_seen: int = 0
+    moved_at: float | None = None
+    routed_at_move: int = 0
+    stale: bool = False
     routed: int = 0
     recorded: int = 0
     predicted: int = 0
@@ -187,9 +193,11 @@ class _Engine:
         """Whether its index may predict hits: with a naming the engine shares by construction
         (epd's), always; with one that must be checked (vLLM's), once the engine's own events
         showed it names pages the same way (never without events: routed by load)."""
-        return self.naming_ok is True
+        return self.naming_ok is True and not self.stale
 
     def naming_check(self) -> str:
+        if self.stale:
+            return "stale: its KV events stopped while requests were routed there (routed by load)"
         if self.naming_ok is None:
             return "pending" if self.source is not None else "no KV events: routed by load"
         return "ok" if self.naming_ok else f"mismatch: {self.naming_detail}"
@@ -314,6 +322,7 @@ class LLMRouter:
             self._clear(e)
         e.went_down = False
         self._warn_if_silent(e)
+        self._check_stream(e)
         e.geometry = geometry
         if instance_id is not None:
             e.instance_id = instance_id
@@ -348,12 +357,42 @@ class LLMRouter:
                 e.geometry.events_endpoint,
             )
 
+    def _check_stream(self, e: _Engine) -> None:
+        """An index whose stream stopped moving while requests kept being routed there no longer
+        says what the engine holds (its evictions are missed): dropped, and asked again from 0
+        (a publisher that comes back answers the replay); back in use once batches arrive."""
+        if e.source is None:
+            return
+        now, batches = self._clock(), e.source.counters().batches
+        if batches != e.batches_seen or e.moved_at is None:
+            if e.stale and batches != e.batches_seen:
+                log.info("LLM engine %s: its KV events are back, its index is used again", e.url)
+                e.stale = False
+            e.batches_seen, e.moved_at, e.routed_at_move = batches, now, e.routed
+            return
+        cfg = self.config
+        if (
+            not e.stale
+            and e.routed - e.routed_at_move >= cfg.events_stale_requests
+            and now - e.moved_at > cfg.events_stale_s
+        ):
+            e.stale = True
+            log.warning(
+                "LLM engine %s: no KV event batch in %.0f s while %d requests were routed there: its "
+                "index is dropped, routed by load until its events come back",
+                e.url,
+                now - e.moved_at,
+                e.routed - e.routed_at_move,
+            )
+            self._clear(e)
+
     def _rebuild_index(self, e: _Engine, geometry: Geometry) -> None:
         ps, window, endpoint, replay, naming, topic = geometry
         if e.source is not None:
             e.source.stop(0)  # its late batches go to the old index, which nobody reads any more
             e.source = None
         e.naming_ok, e.naming_detail = (None if naming_for(naming).needs_check else True), ""
+        e.stale, e.moved_at = False, None
         if endpoint is None:
             e.index = ApproxPageIndex(ps, self.config.approx_ttl_s, self._clock)
         else:

@@ -40,6 +40,11 @@ class RouterConfig:
     balance_abs_tokens: int = 4096
     balance_rel: float = 1.5
     approx_ttl_s: float = 120.0  # how long an engine without KV events is assumed to keep a prompt
+    # An event stream that stopped while requests flowed (the engine stores pages for them, so it
+    # must have published): after this long without a batch and at least ``events_stale_requests``
+    # routed, its index is dropped and the engine routed by load until its events come back.
+    events_stale_s: float = 10.0
+    events_stale_requests: int = 8
     # a dispatch the engine does not report holding is dropped after this long (lost decrement)
     reconcile_grace_s: float = 2.0
     # Add the engine's reported tokens beyond the router's own to its load: right when several

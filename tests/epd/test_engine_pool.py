@@ -129,7 +129,7 @@ class _FakeEngine(EngineClient):
 
     async def stream(
         self, body: dict[str, Any], request_id: str | None = None, deadline_s: float | None = None,
-        path: str = "/v1/completions",
+        path: str = "/v1/completions", relay: bool = False,
     ) -> AsyncGenerator[dict[str, Any], None]:  # fmt: skip
         """Three chunks; ``down`` before the first; ``fail_after`` chunks then an unreachable error."""
         self.calls += 1

@@ -199,7 +199,7 @@ def test_epd_backend_sends_a_video_and_its_track_in_pad_order(tmp_path: Path) ->
 
     from epd.llm_backends.epd_engine import EpdEngineBackend
     from epd.media_pipeline import EncodedItem
-    from epd_common.messages.cache_keys import media_pseudo_id
+    from epd_common.messages.cache_keys import build_cache_keys, media_pseudo_id
 
     root = mimo_with_audio(tmp_path / "mimo", tokenizer_dir=True)
     backend = EpdEngineBackend(PromptFormat.load(root, load_tokenizer(root)))
@@ -222,7 +222,12 @@ def test_epd_backend_sends_a_video_and_its_track_in_pad_order(tmp_path: Path) ->
             chat = await backend.chat_call(messages, items, {})
         finally:
             await backend.close()
-        return chat.body["prompt"], chat.body["multimodal"], chat.keys
+        routing = chat.routing  # ids + media spans; the cache keys are what epd's engine matches
+        return (
+            chat.body["prompt"],
+            chat.body["multimodal"],
+            build_cache_keys(list(routing.token_ids), routing.media),
+        )
 
     prompt, sent, keys = asyncio.run(call())
     assert sent == refs[:4]

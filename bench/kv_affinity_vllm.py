@@ -1,0 +1,168 @@
+"""``bench.kv_affinity --backend vllm``: the same trace and policies over several vLLM servers (the
+CPU build, ``make vllm-peer``) behind one ``epd serve --llm-backend vllm``.
+
+Per policy a fresh set of servers (no policy inherits another's caches), each started as a team
+would start it for epd's router: ``--enable-mm-embeds``, ``--prefix-caching-hash-algo
+sha256_cbor``, ``--enable-prompt-tokens-details``, its KV events on two loopback ports, and its
+inference threads bound to a core of their own (``VLLM_CPU_OMP_THREADS_BIND``, servers over the
+cores in turn). The checkpoint is ``bench.vlm_peer``'s tiny Qwen2.5-VL (its pipeline spec).
+
+The KV space per server is sized as for epd's engines (``kv_affinity_trace.kv_budget``): room for
+the system prompt and twice the even share of the live sessions at their largest, converted from
+the trace's byte-tokens to the checkpoint's tokens (its tokenizer on the system prompt) and its KV
+bytes per token. Per server, the prompt tokens it computed come from vLLM's own counters
+(``vllm:prompt_tokens_total`` - ``vllm:prefix_cache_hits_total`` on its /metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import sys
+import urllib.request
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from bench.kv_affinity_trace import Trace, kv_budget, system_tokens
+from bench.service_proc import ServiceProcess, free_port
+
+BLOCK_SIZE = 16  # vLLM's GPU default; the CPU build's 128 leaves the tiny trace few whole blocks
+_METRIC = re.compile(r"^(vllm:prompt_tokens_total|vllm:prefix_cache_hits_total)\{[^}]*\} ([0-9.e+]+)$", re.M)
+
+
+def model_dir() -> Path:
+    from bench.vlm_peer import ensure_checkpoint, pipeline_spec
+
+    return ensure_checkpoint(pipeline_spec())
+
+
+def kv_bytes_per_token(directory: Path) -> int:
+    """fp32 K and V of every layer for one token."""
+    text = json.loads((directory / "config.json").read_text())
+    text = text.get("text_config", text)
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    return int(text["num_hidden_layers"]) * int(text["num_key_value_heads"]) * head_dim * 2 * 4
+
+
+def kv_space_gib(trace: Trace, args: argparse.Namespace, directory: Path) -> float:
+    """The per-server KV space of the derived budget, in the checkpoint's tokens."""
+    from llm_core.prompts.tokenizer import load_tokenizer
+
+    derived = kv_budget(trace, args.concurrency, args.engines, args.max_tokens)
+    byte_tokens = derived.full_pages * derived.page_size
+    ratio = len(load_tokenizer(str(directory)).encode_text(trace.system)) / max(1, system_tokens(trace))
+    tokens = max(math.ceil(byte_tokens * ratio), 2 * args.vllm_max_model_len)
+    return tokens * kv_bytes_per_token(directory) / 2**30
+
+
+def vllm_counters(url: str) -> tuple[int, int]:
+    """(prompt tokens, prefix-cache hit tokens) from a vLLM server's /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    found = {name: int(float(v)) for name, v in _METRIC.findall(text)}
+    return found.get("vllm:prompt_tokens_total", 0), found.get("vllm:prefix_cache_hits_total", 0)
+
+
+def start_servers(
+    stack: ExitStack, directory: Path, gib: float, args: argparse.Namespace, log_dir: Path, tag: str
+) -> list[tuple[str, str]]:
+    """``args.engines`` vLLM servers: (url, "events,replay") each."""
+    from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMServer
+    from epd.llm_backends.vllm_routing import KVEventsAt
+
+    cores = sorted(os.sched_getaffinity(0))
+    out = []
+    for i in range(args.engines):
+        events = KVEventsAt(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+        launch = VLLMLaunch(
+            str(directory),
+            free_port(),
+            dtype="float32",
+            max_model_len=args.vllm_max_model_len,
+            kv_cache_gib=gib,
+            extra_args=(
+                "--block-size",
+                str(BLOCK_SIZE),
+                "--max-num-seqs",
+                "16",
+                "--disable-uvicorn-access-log",
+            ),
+            env={"VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])},
+            kv_events=events,
+        )
+        server = stack.enter_context(
+            VLLMServer(launch, log_dir / f"vllm-{tag}-{i}.log", ready_timeout_s=420.0)
+        )
+        out.append((server.url, f"{events.endpoint},{events.replay}"))
+    return out
+
+
+def run_policy_vllm(policy: str, trace: Trace, args: argparse.Namespace, log_dir: Path) -> Any:
+    from bench.kv_affinity import EngineShare, play, policy_result, wait_for_routing
+
+    directory = model_dir()
+    gib = kv_space_gib(trace, args, directory)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with ExitStack() as stack:
+        servers = start_servers(stack, directory, gib, args, log_dir, policy)
+        cmd = [
+            sys.executable, "-m", "epd.cli", "serve", "--port", str(port), "--model", str(directory),
+            "--llm-backend", "vllm", "--llm-router-policy", policy, "--llm-router-seed", str(args.seed),
+            "--vllm-block-size", str(BLOCK_SIZE), "--encoder-workers", "1", "--encoder-torch-threads", "1",
+            "--encoder-decode-threads", "1", "--max-queue-wait-s", "120", "--log-level", "warning",
+        ]  # fmt: skip
+        for url, events in servers:
+            cmd += ["--llm-url", url, "--vllm-kv-events", events]
+        stack.enter_context(
+            ServiceProcess(
+                f"epd serve ({policy}, vLLM)",
+                cmd,
+                base,
+                log_dir / f"serve-vllm-{policy}.log",
+                ready_timeout_s=300,
+            )
+        )
+        stats = wait_for_routing(base, args.engines)
+        urls = [e["url"] for e in stats]
+        warm_up(base, urls, str(directory))
+        before = {u: vllm_counters(u) for u in urls}
+        router_before = {e["url"]: e for e in wait_for_routing(base, args.engines, 0)}
+        records, wall = asyncio.run(play(base, trace, args.concurrency, args.max_tokens))
+        after = {u: vllm_counters(u) for u in urls}
+        router_after = wait_for_routing(base, args.engines, 0)
+    shares = []
+    for e in router_after:
+        u, b0 = e["url"], router_before[e["url"]]
+        shares.append(
+            EngineShare(
+                u,
+                e["routed"] - b0["routed"],
+                after[u][0] - before[u][0],
+                after[u][1] - before[u][1],
+                e["predicted_cached_tokens"] - b0["predicted_cached_tokens"],
+                e["actual_cached_tokens"] - b0["actual_cached_tokens"],
+            )
+        )
+    checks = [f"{e['mode']}/{e['naming_check']}" for e in router_after]
+    return policy_result(policy, records, wall, shares, checks)
+
+
+def warm_up(base: str, urls: list[str], model: str) -> None:
+    """Every server's first forward and the ingress's first chat, on text no trace turn shares."""
+    from bench.kv_affinity import _post
+
+    for u in urls:
+        _post(
+            f"{u}/v1/completions",
+            {"model": model, "prompt": "warm up " * 12, "max_tokens": 4, "temperature": 0},
+        )
+    _post(
+        f"{base}/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "warm up " * 8}], "max_tokens": 4, "temperature": 0},
+    )
