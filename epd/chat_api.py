@@ -22,8 +22,9 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from epd.encode_api import read_json
+from epd.client_fields import allowed_fields, check_fields
 from epd.engine_client import StreamedChunk
+from epd.http import read_json
 from epd.ingress import Ingress
 from epd.media_pipeline import EncodedItem
 from epd.media_request import MediaSource, chat_prompt
@@ -32,26 +33,17 @@ from epd.served_model import resolve_model
 from epd_common.admission import request_deadline_s
 from epd_common.errors import APIError, bad_request, error_body, overloaded, unprocessable
 
-# Sampling fields forwarded to the engine unchanged; the engine validates their values.
-_SAMPLING_FIELDS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "return_token_ids",  # extension: the choice carries prompt_token_ids and token_ids
-)
+# Fields of a chat body that are not the server's sampling: the ingress reads them itself.
+_NOT_SAMPLING = frozenset({"messages", "model", "stream", "stream_options", "n", "best_of", "user"})
 
 
-def _sampling(body: dict[str, Any]) -> dict[str, Any]:
-    out = {k: body[k] for k in _SAMPLING_FIELDS if k in body and body[k] is not None}
+def _sampling(body: dict[str, Any], backend: str) -> dict[str, Any]:
+    """The sampling fields the backend's server gets unchanged (``client_fields`` has checked the
+    names and bounds; the server validates the values)."""
+    fields = allowed_fields(backend, chat=True) - _NOT_SAMPLING - {"max_completion_tokens"}
+    out = {k: body[k] for k in fields if k in body and body[k] is not None}
     if "max_completion_tokens" in body and "max_tokens" not in out:
         out["max_tokens"] = body["max_completion_tokens"]
-    if body.get("n", 1) != 1:
-        raise unprocessable("only n=1 is supported", "n")
     return out
 
 
@@ -81,9 +73,10 @@ def _refuse_past_deadline(ingress: Ingress, deadline_s: float) -> None:
 
 
 async def chat_completions(ingress: Ingress, request: Request) -> Response:
-    body = await read_json(request)
+    body = await read_json(request, ingress.config.max_json_body_bytes)
     if not isinstance(body, dict):
         raise unprocessable("the body must be a JSON object", "body")
+    check_fields(body, ingress.backend.name, chat=True)
     model = resolve_model(ingress.config, body.get("model"))
     # One deadline for the whole chat: the media resolve against it, the engine gets what is left.
     deadline = request_deadline_s(request.headers, ingress.config.max_queue_wait_s)
@@ -98,7 +91,7 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
         raise APIError(415, str(exc), type="unsupported_media_type", param=exc.param) from exc
     except ChatTemplateError as exc:
         raise bad_request(str(exc), exc.param) from exc
-    sampling = _sampling(body)
+    sampling = _sampling(body, ingress.backend.name)
     stream = bool(body.get("stream", False))
     want_ids = bool(body.get("return_token_ids"))
     include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
@@ -192,11 +185,12 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
 
 async def completions(ingress: Ingress, request: Request) -> Response:
     """Text (or token id) completions, passed to the engine as they are."""
-    body = await read_json(request)
+    body = await read_json(request, ingress.config.max_json_body_bytes)
     if not isinstance(body, dict):
         raise unprocessable("the body must be a JSON object", "body")
     if "multimodal" in body:
         raise unprocessable("use /v1/chat/completions to send media", "multimodal")
+    check_fields(body, ingress.backend.name, chat=False)
     model = resolve_model(ingress.config, body.get("model"))
     engines = ingress.engines
     deadline = request_deadline_s(request.headers, ingress.config.max_queue_wait_s)

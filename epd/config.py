@@ -48,6 +48,8 @@ class IngressConfig:
     # engines inherit max_queue_wait_s unless their own flag is given. The two counts are memory
     # guards, not the admission rule.
     max_body_bytes: int = 256 * 1024 * 1024
+    # JSON bodies (chat, completions, /v1/encode with URLs): parsed whole, so capped lower (epd.http)
+    max_json_body_bytes: int = 8 * 1024 * 1024
     max_items: int = 64
     max_queue_wait_s: float = 10.0
     max_inflight_items: int = 4096

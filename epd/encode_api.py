@@ -22,6 +22,7 @@ from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from epd.http import read_json
 from epd.ingress import Ingress
 from epd.media_pipeline import EncodedItem
 from epd.media_request import MediaSource, check_item_count, json_items_sources, upload_source
@@ -29,14 +30,6 @@ from epd_common.admission import request_deadline_s
 from epd_common.errors import APIError, bad_request
 
 _KEY_RE = re.compile(r"^[0-9a-f]{16,128}$")
-
-
-async def read_json(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the body is not valid JSON: {exc}") from exc
 
 
 async def _sources(ingress: Ingress, request: Request) -> list[MediaSource]:
@@ -59,7 +52,7 @@ async def _sources(ingress: Ingress, request: Request) -> list[MediaSource]:
         finally:
             await form.close()
     if ctype == "application/json":
-        return json_items_sources(await read_json(request), max_items)
+        return json_items_sources(await read_json(request, ingress.config.max_json_body_bytes), max_items)
     raise APIError(
         415,
         f"content type {ctype or 'none'!r} is not accepted; send multipart/form-data or application/json",

@@ -13,12 +13,15 @@ without encoding them again.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
 import msgspec
+from aiohttp.http_exceptions import HttpProcessingError
 
+from epd.backend_pool.refusals import MAX_WAIT_S
 from epd_common.admission import DEADLINE_HEADER
 from epd_common.errors import APIError
 
@@ -82,6 +85,9 @@ class EngineClient:
             ) as resp:
                 payload = await _read_json(resp)
                 self.raise_for_status(resp, payload)
+                choices = payload.get("choices")
+                if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
+                    raise self.malformed("an answer without choices")
                 return payload
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise engine_unavailable(f"{type(exc).__name__}: {exc}") from exc
@@ -115,18 +121,34 @@ class EngineClient:
                     if relay and not _needs_decoding(data):
                         yield StreamedChunk({}, data, opaque=True)
                         continue
-                    decoded = _decode_json(data)
+                    try:
+                        decoded = _decode_json(data)
+                    except msgspec.DecodeError as exc:
+                        raise self.malformed(f"a stream chunk that is not JSON ({exc})") from exc
                     if not isinstance(decoded, dict):
-                        raise msgspec.DecodeError(f"a stream chunk is not a JSON object: {data[:80]!r}")
+                        raise self.malformed("a stream chunk that is not a JSON object")
                     chunk = StreamedChunk(decoded, data)
                     if "error" in chunk:
-                        err = chunk["error"]
-                        raise APIError(
-                            int(err.get("code", 500)), str(err.get("message")), type=str(err.get("type"))
-                        )
+                        raise self._stream_error(chunk["error"])
                     yield chunk
+        except (ValueError, HttpProcessingError) as exc:  # a line beyond the reader's buffer
+            raise self.malformed(f"a stream line too long to read ({type(exc).__name__})") from exc
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise engine_unavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    def malformed(self, what: str) -> APIError:
+        """An answer this server should never give (not JSON, missing fields, a line too long):
+        a 502 naming the server, never a 500 of ours."""
+        return APIError(502, f"the LLM server at {self.base_url} sent {what}", type="upstream_error")
+
+    def _stream_error(self, err: Any) -> APIError:
+        """An error event in a stream: a 4xx (the request's fault) keeps its status, anything else
+        is the server's failure (502)."""
+        if not isinstance(err, dict):
+            return self.malformed("an error event that is not an object")
+        code = err.get("code")
+        status = code if isinstance(code, int) and 400 <= code < 500 else 502
+        return APIError(status, str(err.get("message")), type=str(err.get("type") or "upstream_error"))
 
     def raise_for_status(self, resp: aiohttp.ClientResponse, payload: dict[str, Any]) -> None:
         """A non-200 answer as the APIError the client gets (a backend's client may map its
@@ -197,6 +219,8 @@ def _raise_for_engine_status(resp: aiohttp.ClientResponse, payload: dict[str, An
             retry = float(resp.headers.get("Retry-After", "1"))
         except ValueError:  # an HTTP date (a proxy's): not what the engines send
             retry = 1.0
+        # a server's word, bounded: no day-long shut-out, no nan reaching the client's header
+        retry = min(max(retry, 0.0), MAX_WAIT_S) if math.isfinite(retry) else 1.0
         raise APIError(resp.status, message, type=str(err.get("type", "overloaded")), retry_after_s=retry)
     if 400 <= resp.status < 500:
         raise APIError(

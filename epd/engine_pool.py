@@ -253,6 +253,9 @@ class EnginePool:
         await self.liveness.check_all(probe, timeout_s=None)
         for url, health in healths.items():
             self.healths[url] = health
+            queued = health.get("num_prefill_tokens", health.get("num_waiting_tokens", 0))
+            if not queued:  # up, nothing waiting (or a server that does not say): refusal over
+                self.refusals.clear(url)
             for r in self._routers_of(url):
                 r.on_health(url, health)
         stats = self.router.stats()

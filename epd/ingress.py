@@ -37,6 +37,10 @@ from media_io.fetch import Fetcher
 log = logging.getLogger("epd.ingress")
 
 
+STREAM_LINE_BYTES = 1 << 20  # the longest SSE line read from an LLM server
+CHECK_TIMEOUT_S = 30.0  # an LLM server's start-up check (vLLM: models, then a one-row probe)
+
+
 class Ingress:
     def __init__(self, config: IngressConfig) -> None:
         if not config.encoder_urls:
@@ -50,6 +54,7 @@ class Ingress:
         self._pipeline: MediaPipeline | None = None
         self._engines: EnginePool | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._check_task: asyncio.Task[None] | None = None  # servers' checks after a health round
         # What each role reported it runs ({"paths": {step: impl}, "fallbacks": [...]}), from the
         # last health poll: the start banner and /health show it.
         self.encoder_paths: dict[str, dict[str, Any]] = {}
@@ -75,7 +80,9 @@ class Ingress:
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEP_ALIVE_S)
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEP_ALIVE_S),
+            # a streamed line may be up to twice this (a chunk with logprobs); longer is a 502
+            read_bufsize=STREAM_LINE_BYTES // 2,
         )
         self.encoder_client = EncoderClient(self._session, timeout_s=self.config.request_timeout_s)
         self._fetcher = Fetcher(self.config.fetch)
@@ -123,6 +130,8 @@ class Ingress:
         self._health_task = asyncio.create_task(self._health_loop(), name="epd-ingress-health")
 
     async def stop(self) -> None:
+        if self._check_task is not None:
+            self._check_task.cancel()
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -164,7 +173,12 @@ class Ingress:
         engines = self.engines
         for url in urls:
             try:
-                await self.backend.check_server(engines.clients[url])
+                try:  # its own bound: a hung server must not hold the others' checks
+                    await asyncio.wait_for(self.backend.check_server(engines.clients[url]), CHECK_TIMEOUT_S)
+                except TimeoutError as exc:
+                    raise ConnectionError(
+                        f"it did not answer the check within {CHECK_TIMEOUT_S:g} s"
+                    ) from exc
             except (ConnectionError, APIError, BackendMismatch) as exc:
                 if at_start and isinstance(exc, BackendMismatch):
                     raise
@@ -185,9 +199,10 @@ class Ingress:
         else:
             self.engines.mark(url, True)
 
-    async def _recheck_servers(self) -> None:
+    def _recheck_servers(self) -> None:
         """After a health round: servers that answer but have not passed their check since they
-        were last down are taken out of routing and asked again."""
+        were last down are taken out of routing and asked again, on a task of their own (the
+        health rounds go on meanwhile; one check at a time)."""
         engines = self.engines
         for url, up in engines.up.items():
             if not up:
@@ -195,8 +210,8 @@ class Ingress:
         pending = [u for u, up in engines.up.items() if up and u not in self._checked]
         for url in pending:
             engines.mark(url, False)  # nothing is routed there while it is asked
-        if pending:
-            await self._check_servers(pending)
+        if pending and (self._check_task is None or self._check_task.done()):
+            self._check_task = asyncio.create_task(self._check_servers(pending), name="epd-llm-checks")
 
     @property
     def pipeline(self) -> MediaPipeline:
@@ -243,7 +258,7 @@ class Ingress:
         if self._engines is not None:
             await self._engines.poll()
             if self.backend.checks_servers:
-                await self._recheck_servers()
+                self._recheck_servers()
             healths = [self._engines.healths[u] for u, up in self._engines.up.items() if up]
             if healths:
                 self.engine_paths = _paths_of(healths[0])

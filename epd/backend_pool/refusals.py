@@ -7,13 +7,18 @@ time since::
     wait_s(url) = max(named - (now - refused_at), 0)
 
 A pool may pass a backend by while that is past a request's deadline: the refusal then costs the
-backend nothing.
+backend nothing. A named wait is bounded (``MAX_WAIT_S``; a wait that is not a finite number counts
+as 1 s): one answer of ``Retry-After: 86400`` must not shut a backend out for a day. A health poll
+that finds the backend's queue empty clears its refusal (``clear``).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
+
+MAX_WAIT_S = 60.0  # the longest wait a refusal is believed for (requests' deadlines are ~10 s)
 
 
 class RefusalClock:
@@ -22,8 +27,13 @@ class RefusalClock:
         self._refused: dict[str, tuple[float, float]] = {}  # url -> (clock time, wait it named)
 
     def note(self, url: str, wait_s: float) -> None:
-        """``url`` refused for load, naming ``wait_s``."""
-        self._refused[url] = (self._clock(), wait_s)
+        """``url`` refused for load, naming ``wait_s`` (bounded to [0, ``MAX_WAIT_S``])."""
+        wait = min(max(wait_s, 0.0), MAX_WAIT_S) if math.isfinite(wait_s) else 1.0
+        self._refused[url] = (self._clock(), wait)
+
+    def clear(self, url: str) -> None:
+        """``url``'s queue is empty again (a health poll said so): its refusal is over."""
+        self._refused.pop(url, None)
 
     def wait_s(self, url: str, now: float | None = None) -> float:
         """What ``url`` would make a new request wait (0: it has not refused, or its queue should

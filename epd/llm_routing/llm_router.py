@@ -395,6 +395,12 @@ class LLMRouter:
         e.stale, e.moved_at = False, None
         if endpoint is None:
             e.index = ApproxPageIndex(ps, self.config.approx_ttl_s, self._clock)
+            if naming_for(naming).needs_check:
+                log.warning(
+                    "LLM engine %s names its pages as %s and publishes no KV events: routed by load",
+                    e.url,
+                    naming,
+                )
         else:
             index = EnginePageIndex(ps, window)
             e.index = index

@@ -1,0 +1,115 @@
+"""What an upstream's refusal can make the ingress believe (epd/engine_client.py,
+epd/backend_pool/refusals.py): a Retry-After is bounded, a nan or a date is 1 s, and a refusal
+ends when a health poll finds the queue empty."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from epd.backend_pool.refusals import MAX_WAIT_S, RefusalClock
+from epd.engine_client import EngineClient
+from epd_common.errors import APIError
+
+
+async def _refusal(retry_after: str) -> APIError:
+    async def handler(request: web.Request) -> web.Response:
+        body = {"error": {"type": "overloaded", "message": "busy"}}
+        return web.json_response(body, status=503, headers={"Retry-After": retry_after})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as session:
+            client = EngineClient(session, str(server.make_url("")))
+            with pytest.raises(APIError) as info:
+                await client.complete({"prompt": [1]})
+            return info.value
+    finally:
+        await server.close()
+
+
+@pytest.mark.parametrize(
+    ("header", "want"),
+    [
+        ("86400", MAX_WAIT_S),
+        ("nan", 1.0),
+        ("inf", 1.0),
+        ("-5", 0.0),
+        ("Wed, 21 Oct 2026 07:28:00 GMT", 1.0),
+        ("3", 3.0),
+    ],
+)
+def test_a_retry_after_is_bounded(header: str, want: float) -> None:
+    exc = asyncio.run(_refusal(header))
+    assert exc.status == 503 and exc.retry_after_s == want
+
+
+def test_a_refusal_is_bounded_and_cleared() -> None:
+    now = [0.0]
+    clock = RefusalClock(lambda: now[0])
+    clock.note("a", 86400.0)
+    assert clock.wait_s("a") == MAX_WAIT_S
+    clock.note("b", float("nan"))
+    assert clock.wait_s("b") == 1.0
+    now[0] = 30.0
+    assert clock.wait_s("a") == MAX_WAIT_S - 30.0
+    clock.clear("a")
+    assert clock.wait_s("a") == 0.0 and clock.least(["a", "b"]) == 0.0
+
+
+async def _answer(body: bytes, stream: bool, content_type: str = "text/event-stream") -> APIError:
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type=content_type)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession(read_bufsize=1 << 12) as session:
+            client = EngineClient(session, str(server.make_url("")))
+            with pytest.raises(APIError) as info:
+                if stream:
+                    [c async for c in client.stream({"prompt": [1]})]
+                else:
+                    await client.complete({"prompt": [1]})
+            return info.value
+    finally:
+        await server.close()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"data: {not json\n\n",
+        b"data: [1, 2]\n\n",
+        b'data: {"error": "boom"}\n\n',
+        b'data: {"error": {"code": "x", "message": "boom"}}\n\n',
+        b'data: {"choices": [{"text": "' + b"a" * (1 << 14) + b'"}]}\n\n',  # over 2 x read_bufsize
+    ],
+    ids=["not-json", "not-object", "error-not-object", "error-code-not-int", "line-too-long"],
+)
+def test_a_malformed_stream_is_a_502_naming_the_server(body: bytes) -> None:
+    exc = asyncio.run(_answer(body, stream=True))
+    assert exc.status == 502 and exc.type == "upstream_error"
+    if "error" not in body.decode(errors="replace")[:20]:
+        assert "the LLM server at http://" in exc.message
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[1]", b"{}", b'{"choices": []}', b'{"choices": ["x"]}'])
+def test_a_malformed_answer_is_a_502_naming_the_server(body: bytes) -> None:
+    exc = asyncio.run(_answer(body, stream=False, content_type="application/json"))
+    assert exc.status == 502 and "the LLM server at http://" in exc.message and "choices" in exc.message
+
+
+def test_a_4xx_error_event_keeps_its_status() -> None:
+    body = b'data: {"error": {"code": 400, "message": "too long", "type": "invalid_request_error"}}\n\n'
+    exc = asyncio.run(_answer(body, stream=True))
+    assert (exc.status, exc.message) == (400, "too long")
