@@ -484,9 +484,10 @@ def main(argv: list[str] | None = None) -> int:
         f"with a new image), {args.concurrency} at once, system prompt {system_tokens(trace)} tokens"
     )
     if args.backend == "vllm":
-        from bench.kv_affinity_vllm import kv_space_gib, model_dir
+        from bench.kv_affinity_vllm import BLOCK_SIZE, kv_blocks, model_dir
 
-        print(f"vLLM servers: {args.engines}, KV space {kv_space_gib(trace, args, model_dir()):.4f} GiB each")
+        blocks = kv_blocks(trace, args, model_dir())
+        print(f"vLLM servers: {args.engines}, {blocks} KV blocks of {BLOCK_SIZE} tokens each")
     print(
         f"KV per engine: {budget[0]:,} bytes, SWA share {budget[1]}"
         + (

@@ -7,10 +7,9 @@ sha256_cbor``, ``--enable-prompt-tokens-details``, its KV events on two loopback
 inference threads bound to a core of their own (``VLLM_CPU_OMP_THREADS_BIND``, servers over the
 cores in turn). The checkpoint is ``bench.vlm_peer``'s tiny Qwen2.5-VL (its pipeline spec).
 
-The KV space per server is sized as for epd's engines (``kv_affinity_trace.kv_budget``): room for
-the system prompt and twice the even share of the live sessions at their largest, converted from
-the trace's byte-tokens to the checkpoint's tokens (its tokenizer on the system prompt) and its KV
-bytes per token. Per server, the prompt tokens it computed come from vLLM's own counters
+The KV blocks per server are sized as for epd's engines (``kv_affinity_trace.kv_budget``): room
+for the system prompt and twice the even share of the live sessions at their largest, converted
+from the trace's byte-tokens to the checkpoint's tokens (its tokenizer on the system prompt). Per server, the prompt tokens it computed come from vLLM's own counters
 (``vllm:prompt_tokens_total`` - ``vllm:prefix_cache_hits_total`` on its /metrics).
 """
 
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import re
@@ -31,7 +29,7 @@ from typing import Any
 from bench.kv_affinity_trace import Trace, kv_budget, system_tokens
 from bench.service_proc import ServiceProcess, free_port
 
-BLOCK_SIZE = 16  # vLLM's GPU default; the CPU build's 128 leaves the tiny trace few whole blocks
+BLOCK_SIZE = 32  # the CPU attention takes multiples of 32; its default 128 leaves the trace few whole blocks
 _METRIC = re.compile(r"^(vllm:prompt_tokens_total|vllm:prefix_cache_hits_total)\{[^}]*\} ([0-9.e+]+)$", re.M)
 
 
@@ -41,23 +39,17 @@ def model_dir() -> Path:
     return ensure_checkpoint(pipeline_spec())
 
 
-def kv_bytes_per_token(directory: Path) -> int:
-    """fp32 K and V of every layer for one token."""
-    text = json.loads((directory / "config.json").read_text())
-    text = text.get("text_config", text)
-    head_dim = text["hidden_size"] // text["num_attention_heads"]
-    return int(text["num_hidden_layers"]) * int(text["num_key_value_heads"]) * head_dim * 2 * 4
-
-
-def kv_space_gib(trace: Trace, args: argparse.Namespace, directory: Path) -> float:
-    """The per-server KV space of the derived budget, in the checkpoint's tokens."""
+def kv_blocks(trace: Trace, args: argparse.Namespace, directory: Path) -> int:
+    """The per-server KV blocks of the derived budget, in the checkpoint's tokens (the CPU build
+    sizes its KV space in whole GiB only, so the bench sets the block count:
+    ``--num-gpu-blocks-override``, which vLLM applies on CPU as well)."""
     from llm_core.prompts.tokenizer import load_tokenizer
 
     derived = kv_budget(trace, args.concurrency, args.engines, args.max_tokens)
     byte_tokens = derived.full_pages * derived.page_size
     ratio = len(load_tokenizer(str(directory)).encode_text(trace.system)) / max(1, system_tokens(trace))
-    tokens = max(math.ceil(byte_tokens * ratio), 2 * args.vllm_max_model_len)
-    return tokens * kv_bytes_per_token(directory) / 2**30
+    tokens = max(math.ceil(byte_tokens * ratio), args.vllm_max_model_len)
+    return math.ceil(tokens / BLOCK_SIZE)
 
 
 def vllm_counters(url: str) -> tuple[int, int]:
@@ -69,7 +61,7 @@ def vllm_counters(url: str) -> tuple[int, int]:
 
 
 def start_servers(
-    stack: ExitStack, directory: Path, gib: float, args: argparse.Namespace, log_dir: Path, tag: str
+    stack: ExitStack, directory: Path, blocks: int, args: argparse.Namespace, log_dir: Path, tag: str
 ) -> list[tuple[str, str]]:
     """``args.engines`` vLLM servers: (url, "events,replay") each."""
     from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMServer
@@ -84,10 +76,12 @@ def start_servers(
             free_port(),
             dtype="float32",
             max_model_len=args.vllm_max_model_len,
-            kv_cache_gib=gib,
+            kv_cache_gib=1.0,
             extra_args=(
                 "--block-size",
                 str(BLOCK_SIZE),
+                "--num-gpu-blocks-override",
+                str(blocks),
                 "--max-num-seqs",
                 "16",
                 "--disable-uvicorn-access-log",
@@ -106,11 +100,11 @@ def run_policy_vllm(policy: str, trace: Trace, args: argparse.Namespace, log_dir
     from bench.kv_affinity import EngineShare, play, policy_result, wait_for_routing
 
     directory = model_dir()
-    gib = kv_space_gib(trace, args, directory)
+    blocks = kv_blocks(trace, args, directory)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with ExitStack() as stack:
-        servers = start_servers(stack, directory, gib, args, log_dir, policy)
+        servers = start_servers(stack, directory, blocks, args, log_dir, policy)
         cmd = [
             sys.executable, "-m", "epd.cli", "serve", "--port", str(port), "--model", str(directory),
             "--llm-backend", "vllm", "--llm-router-policy", policy, "--llm-router-seed", str(args.seed),

@@ -57,6 +57,8 @@ Before the servers start, the tower's forward alone is timed on the cold corpus
 request (1 / QPS). CPU time is read from /proc for every server process by role (vLLM's API
 server and its engine core with its worker; epd's ingress, encoders and engine): the second table.
 
+epd in front of vLLM runs on the cores vLLM's inference threads are not bound to (``--epd-cpus``,
+taskset), as ``epd serve``'s own ``--cpu-split`` places a local vLLM; vLLM alone keeps every core.
 vLLM runs as its users would run it strongest on this machine (``--vllm-*``; ``--probe`` measures
 vLLM alone under each setting: thread binding ``VLLM_CPU_OMP_THREADS_BIND`` (by default inference
 on core 0, core 1 left to the API server), ``--api-server-count``, its multimodal processor cache
@@ -123,6 +125,7 @@ from bench.media_corpus import (
     unique_variant,
 )
 from bench.service_proc import ServiceProcess, free_port, tree_cpu_seconds
+from epd.placement import parse_cpus, pinned_argv
 from tests.fixtures.media_server import MediaServer
 
 SIDES = ("vllm", "epd+vllm", "epd")
@@ -833,6 +836,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("vLLM (see --probe)")
     d = VLLMSettings()
     g.add_argument("--vllm-bind", default=d.bind, help="VLLM_CPU_OMP_THREADS_BIND (auto, 0-1, nobind, ...)")
+    g.add_argument(
+        "--epd-cpus",
+        default="auto",
+        help="cores of the epd in front of vLLM (auto: those vLLM's inference threads are not bound to; off)",
+    )
     g.add_argument("--vllm-api-servers", type=int, default=d.api_servers, help="--api-server-count")
     g.add_argument("--vllm-mm-cache-gb", type=float, default=d.mm_cache_gb, help="--mm-processor-cache-gb")
     g.add_argument(
@@ -866,6 +874,25 @@ def _quick(args: argparse.Namespace) -> None:
     args.embeds_requests = min(args.embeds_requests, 3)
     args.zipf_pool = min(args.zipf_pool, 4)
     args.ceiling_seconds = min(args.ceiling_seconds, 0.3)
+
+
+def epd_cpus(spec: str, settings: VLLMSettings) -> tuple[int, ...]:
+    """The cores epd in front of vLLM runs on (``--epd-cpus``): given, or (auto) those vLLM's
+    inference threads are not bound to (its "auto" binding takes core 0 here); () for anywhere."""
+    usable = sorted(os.sched_getaffinity(0))
+    if spec == "off":
+        return ()
+    if spec != "auto":
+        return parse_cpus(spec)
+    bound = (
+        {usable[0]}
+        if settings.bind == "auto"
+        else set()
+        if settings.bind == "nobind"
+        else set(parse_cpus(settings.bind))
+    )
+    rest = tuple(c for c in usable if c not in bound)
+    return rest if rest and len(rest) < len(usable) else ()
 
 
 class Servers:
@@ -917,7 +944,9 @@ class Servers:
             print(f"vLLM up in {time.monotonic() - t0:.0f} s ({self.settings.label()})", flush=True)
             front = None
             if "epd+vllm" in sides:
-                front = self._epd("epd+vllm", ["--llm-backend", "vllm", "--llm-url", self.vllm.url]).start()
+                front = self._epd("epd+vllm", ["--llm-backend", "vllm", "--llm-url", self.vllm.url])
+                front.cmd = list(pinned_argv(tuple(front.cmd), epd_cpus(self.args.epd_cpus, self.settings)))
+                front.start()
         finally:
             thread.join()
         if failures:

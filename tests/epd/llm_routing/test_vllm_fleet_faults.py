@@ -26,7 +26,7 @@ pytestmark = [
     pytest.mark.skipif(peer_python() is None, reason="vLLM peer not installed (make vllm-peer)"),
 ]
 
-BLOCK = 16
+BLOCK = 32  # the CPU attention takes multiples of 32
 SYSTEM = " ".join(f"step {i}: keep the answer short and exact." for i in range(30))
 
 
@@ -36,7 +36,7 @@ def _launch(qwen_dir: Path, events: KVEventsAt | None, core: int) -> VLLMLaunch:
         free_port(),
         dtype="float32",
         max_model_len=2048,
-        kv_cache_gib=0.25,
+        kv_cache_gib=1,
         extra_args=("--block-size", str(BLOCK), "--max-num-seqs", "8"),
         env={"VLLM_CPU_OMP_THREADS_BIND": str(core)},
         kv_events=events,
@@ -134,6 +134,8 @@ def test_the_server_without_events_is_routed_by_load_and_the_other_by_its_cache(
 
 def test_a_server_killed_mid_trace_then_restarted_is_indexed_again(fleet: dict[str, Any]) -> None:
     epd, a, b = fleet["epd"], fleet["a"], fleet["b"]
+    held = _rows(epd)[a.url]["index_pages"]
+    assert held > 1
     a.kill()
     for i in range(4):  # nothing is lost: the chats go to B
         assert _chat(epd, 100 + i, 0)["choices"][0]["message"]["content"] is not None
@@ -146,7 +148,8 @@ def test_a_server_killed_mid_trace_then_restarted_is_indexed_again(fleet: dict[s
     while not _rows(epd)[a.url]["live"] and time.monotonic() < deadline:
         time.sleep(0.5)
     row = _rows(epd)[a.url]
-    assert row["live"] and row["index_pages"] == 0, row  # the old run's pages are gone
+    # the old run's pages are gone (the new run holds at most its start-up check's prompt)
+    assert row["live"] and row["index_pages"] <= 1 < held, row
     errors = _rows(epd)[a.url]["abs_error_tokens"]
     for i in range(6):
         _chat(epd, 200 + i, 0)
