@@ -134,7 +134,7 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
         )
 
     # Validate the engine accepts the request before the 200 status line goes out.
-    relay = backend.relays_chat_chunks  # the server's chunks are chat chunks already: bytes through
+    relay = call.relay  # the server's chunks are chat chunks already: bytes through
     chunks = engines.stream(
         {**call.body, "stream_options": {"include_usage": True}},
         call.routing,

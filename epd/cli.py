@@ -7,6 +7,7 @@ import importlib
 import sys
 
 from epd.allocator import keep_freed_memory
+from epd_common.child_process import arm_from_env
 
 # subcommand -> (module, help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -38,6 +39,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    arm_from_env()  # a supervised child stops with its parent (where no setpriv did that)
     keep_freed_memory()  # every role process starts here (the supervisor spawns `epd <role>`)
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)

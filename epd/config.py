@@ -38,6 +38,10 @@ class IngressConfig:
     # routes by its prefix cache once its own events confirm the recipe; otherwise by load.
     vllm_kv_events: tuple[str, ...] = ()
     vllm_block_size: int = 128  # the servers' --block-size (vLLM's default on CPU; 16 on GPU)
+    # How chats reach vLLM: "tokens" (epd renders and tokenizes, vLLM's /inference/v1/generate, on
+    # with its --enable-scale-out), "chat" (/v1/chat/completions: vLLM renders), "auto" (tokens
+    # where every server serves it; videos and structured outputs go by the chat route)
+    vllm_route: Literal["auto", "chat", "tokens"] = "auto"
     llm_model_dir: str | None = None  # for the tokenizer and chat template; None = embedded default
     # The model ids served (--served-model-name, repeatable; epd.served_model): /v1/models lists
     # them, responses report the first; empty: llm_model_dir as typed, else "epd-default"

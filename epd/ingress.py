@@ -163,6 +163,7 @@ class Ingress:
             kv_events=parse_kv_events(cfg.vllm_kv_events, cfg.llm_urls),
             block_size=cfg.vllm_block_size,
             render_routes=cfg.llm_router.policy == "affinity",
+            route=cfg.vllm_route,
         )
 
     async def _check_servers(self, urls: Sequence[str], at_start: bool = False) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -21,14 +20,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from epd_common.child_process import child_env, die_with_parent
+
 log = logging.getLogger("epd.supervisor")
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -86,11 +80,10 @@ class Supervisor:
         return proc.pid if proc is not None else None
 
     async def _spawn(self, spec: ChildSpec) -> None:
-        env = {**os.environ, **spec.env}
+        env = {**os.environ, **child_env(), **spec.env}
         proc = await asyncio.create_subprocess_exec(
-            *spec.argv,
+            *die_with_parent(spec.argv),
             env=env,
-            preexec_fn=_die_with_parent,
             stdin=asyncio.subprocess.DEVNULL,
             start_new_session=spec.own_group,
         )

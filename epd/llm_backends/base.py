@@ -21,6 +21,9 @@ class ChatCall(NamedTuple):
     # from (``epd.llm_routing.page_naming``); empty when the backend routes by load only
     routing: RoutingPrompt
     prompt_tokens: int | None = None  # the prompt's size for load counting, when routing is empty
+    # the server streams OpenAI chat chunks, which the chat route relays as bytes (only the usage
+    # chunk is decoded); else each chunk goes through ``chat_delta``
+    relay: bool = False
 
 
 class ChatResult(NamedTuple):
@@ -54,9 +57,6 @@ class LLMBackend(Protocol):
     # whether servers must pass ``check_server`` before anything is routed to them (and again each
     # time they come back up)
     checks_servers: bool
-    # whether its servers stream OpenAI chat chunks, which the chat route relays as bytes (only the
-    # usage chunk is decoded); else each chunk goes through ``chat_delta``
-    relays_chat_chunks: bool
 
     def client(self, session: aiohttp.ClientSession, url: str, timeout_s: float) -> EngineClient:
         """The HTTP client of one server."""

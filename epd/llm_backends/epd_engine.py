@@ -26,7 +26,6 @@ class EpdEngineBackend:
     name = "epd"
     modalities: frozenset[str] = frozenset({"image", "video", "audio"})
     routing_policies: tuple[str, ...] = ("affinity", "round_robin", "least_load")
-    relays_chat_chunks = False  # completion chunks: framed as chat chunks here
     checks_servers = False  # `epd serve` started them from the same checkpoint
 
     def __init__(self, prompt_format: PromptFormat) -> None:

@@ -32,8 +32,8 @@ import torch
 
 from encoder.caches.embed_cache import EmbedCache
 from epd.engine_client import EngineClient
+from epd.llm_backends import vllm_tokens
 from epd.llm_backends.base import BackendMismatch, ChatCall, ChatDelta, ChatResult
-from epd.llm_backends.cache_keys import routing_prompt
 from epd.llm_backends.render import RenderPool, render_chat
 from epd.llm_backends.vllm_ec import ECFolder, ec_transfer_config, metadata_keys, metadata_part
 from epd.llm_backends.vllm_embeds import (
@@ -45,18 +45,21 @@ from epd.llm_backends.vllm_embeds import (
     tensor_b64,
 )
 from epd.llm_backends.vllm_routing import KVEventsAt, routing_health
+from epd.llm_backends.vllm_tokens import CHAT_ONLY, GENERATE, generate_body, image_item
 from epd.llm_routing.page_naming import RoutingPrompt
 from epd.media_pipeline import EncodedItem
 from epd.prompt_format import PromptFormat
 from epd_common.checkpoint.config_json import read_config_json
 from epd_common.checkpoint.errors import CheckpointError
 from epd_common.errors import APIError, bad_request
+from llm_core.prompts.request_text import mask_chat
 from llm_core.serving.embedding_source import EmbeddingSource
 from llm_core.serving.model_runner import MultimodalInput
 
 log = logging.getLogger("epd.llm_backends.vllm")
 
 CHAT = "/v1/chat/completions"
+ROUTES = ("auto", "chat", "tokens")
 COMPLETIONS = "/v1/completions"
 # Above this many bytes an embedding is serialized off the event loop.
 _OFF_LOOP_BYTES = 1 << 20
@@ -95,6 +98,7 @@ class VLLMClient(EngineClient):
     ec: ECFolder | None = None  # the encoder-cache folder the metadata-only parts name
     # what the router needs of this server beside its /health (``vllm_routing.routing_health``)
     routing_health: Mapping[str, Any] = MappingProxyType({})
+    token_route: bool | None = None  # whether it serves /inference/v1/generate (None: not asked yet)
 
     async def health(self, timeout_s: float = 2.0) -> dict[str, Any] | None:
         """vLLM's /health (an empty 200) with the server's page geometry and event stream."""
@@ -131,7 +135,6 @@ class VLLMBackend:
     modalities: frozenset[str] = frozenset({"image", "video"})
     # affinity: by the server's own KV events, its block hashes recomputed (``vllm_routing``)
     routing_policies: tuple[str, ...] = ("affinity", "round_robin", "least_load")
-    relays_chat_chunks = True  # its chat chunks go to the client as bytes (ids and model respliced)
     checks_servers = True  # a server of another model or without embeddings input would die
 
     def __init__(
@@ -143,10 +146,14 @@ class VLLMBackend:
         kv_events: Mapping[str, KVEventsAt | None] | None = None,
         block_size: int = 128,
         render_routes: bool = False,
+        route: str = "auto",
     ) -> None:
         """``kv_events``: each server's event stream (by url); ``render_routes``: render each chat's
-        prompt ids here too, which affinity routing names the server's blocks from (vLLM renders
-        its own copy: the chat route takes messages)."""
+        prompt ids here for the router even on the chat route (where vLLM renders its own copy);
+        ``route``: "tokens" (``vllm_tokens``: epd renders, vLLM's token-in route), "chat" (its
+        /v1/chat/completions), or "auto" (tokens when every server checked so far serves it)."""
+        if route not in ROUTES:
+            raise ValueError(f"--vllm-route must be one of {ROUTES}, got {route!r}")
         self.prompt_format = prompt_format
         self.model = model
         self.cache = cache
@@ -155,13 +162,24 @@ class VLLMBackend:
         self.kv_events = dict(kv_events or {})
         self.block_size = block_size
         self.render_routes = render_routes
+        self.route = route
         self._render = RenderPool()
+        self._clients: list[VLLMClient] = []
 
     def client(self, session: aiohttp.ClientSession, url: str, timeout_s: float) -> EngineClient:
         client = VLLMClient(session, url, timeout_s=timeout_s)
         client.ec = self.ec
         client.routing_health = routing_health(self.kv_events.get(url), self.block_size)
+        self._clients.append(client)
         return client
+
+    @property
+    def token_route(self) -> bool:
+        """Whether chats go by the token route now: asked for, or (auto) every server that has
+        been checked serves it (a request may land on any of them)."""
+        if self.route != "auto":
+            return self.route == "tokens"
+        return bool(self._clients) and all(c.token_route for c in self._clients)
 
     # -- start-up ------------------------------------------------------------------------------
     async def check_server(self, client: EngineClient) -> None:
@@ -204,6 +222,7 @@ class VLLMBackend:
         await self._probe_embeds(client)
         if self.ec is not None:
             await self._probe_ec(client)
+        await self._probe_tokens(client)
 
     def _probe_body(self, uuid_: str | None = None) -> dict[str, Any]:
         """A harmless request: one zero row of the right width for the smallest grid."""
@@ -225,6 +244,26 @@ class VLLMBackend:
                     f"precomputed embeddings ({exc.message})"
                 ) from exc
             raise BackendMismatch(f"vLLM at {client.base_url} refused an embedding: {exc.message}") from exc
+
+    async def _probe_tokens(self, client: VLLMClient) -> None:
+        """Whether the server serves the token route (``--enable-scale-out``): one token of one
+        prompt id. Asked for (``--vllm-route tokens``) and absent: the start stops."""
+        if self.route == "chat":
+            client.token_route = False
+            return
+        try:
+            await client.complete({"token_ids": [0], "sampling_params": {"max_tokens": 1}}, path=GENERATE)
+            client.token_route = True
+        except APIError as exc:
+            client.token_route = False
+            if self.route == "tokens":
+                raise BackendMismatch(
+                    f"vLLM at {client.base_url} does not serve the token route {GENERATE} ({exc.message}): "
+                    "start it with --enable-scale-out, or use --vllm-route chat"
+                ) from exc
+            log.info(
+                "vLLM at %s has no token route (%s): chats go by its chat route", client.base_url, exc.message
+            )
 
     async def _probe_ec(self, client: EngineClient) -> None:
         """The server reads ``self.ec``'s folder under the uuid: vLLM's consumer creates
@@ -251,6 +290,9 @@ class VLLMBackend:
     async def chat_call(
         self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem], sampling: dict[str, Any]
     ) -> ChatCall:
+        if self.token_route and self._fits_token_route(items, sampling):
+            return await self._token_call(messages, items, sampling)
+        self._refuse_spelled_specials(messages)
         routing = RoutingPrompt([])
         if self.render_routes:
             routing, _ = await self._render.run(partial(render_chat, self.prompt_format, messages, items))
@@ -266,7 +308,45 @@ class VLLMBackend:
             ]
             out_messages.append({"role": m["role"], "content": content})
         estimate = None if routing.token_ids else _prompt_estimate(messages, items)
-        return ChatCall(CHAT, {"messages": out_messages, **sampling}, routing, estimate)
+        return ChatCall(CHAT, {"messages": out_messages, **sampling}, routing, estimate, relay=True)
+
+    @staticmethod
+    def _fits_token_route(items: Sequence[EncodedItem], sampling: Mapping[str, Any]) -> bool:
+        """Images and text, sampling the route takes (videos and structured outputs: the chat route)."""
+        return all(it.ref.modality == "image" for it in items) and not CHAT_ONLY.intersection(sampling)
+
+    async def _token_call(
+        self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem], sampling: dict[str, Any]
+    ) -> ChatCall:
+        """The chat rendered and tokenized here (request text as text), each image's checked
+        embedding as an item of vLLM's token route (``vllm_tokens``)."""
+        routing, refs = await self._render.run(partial(render_chat, self.prompt_format, messages, items))
+        tensors = await self._resolve(items)
+        encoded: dict[str, str] = {}
+        for i, (item, mm) in enumerate(zip(items, tensors, strict=True)):
+            try:
+                check_embedding(item.ref, mm.embedding, self.model.geometry)
+            except EmbeddingMismatch as exc:
+                raise self._mismatch(item, i, exc) from exc
+            encoded[item.ref.key] = await asyncio.to_thread(image_item, mm.embedding, item.ref.grid_thw[0])
+        if len(routing.media) != len(refs):
+            # the pads did not pair with the images (the template's own doing): never sent unpaired
+            raise bad_request("the chat's images do not line up with its rendered prompt", "messages")
+        return ChatCall(GENERATE, generate_body(routing, refs, encoded, sampling), routing)
+
+    def _refuse_spelled_specials(self, messages: Sequence[Mapping[str, Any]]) -> None:
+        """The chat route hands vLLM the text, which its template and tokenizer read with special
+        tokens live: a user spelling ``<|im_end|>`` would close their turn there. Where the token
+        route does not serve a chat, such text is refused, never sent."""
+        marks = mask_chat(messages, self.prompt_format.tokenizer.special_texts).marks
+        spelled = [m for m in marks if m]
+        if spelled:
+            raise bad_request(
+                f"the text spells the special token {spelled[0]!r}, which this chat's route to the "
+                "language model (vLLM's chat completions) would read as a control token; the token "
+                "route keeps it text (vLLM with --enable-scale-out, images and text only)",
+                "messages",
+            )
 
     async def _ec_parts(self, items: Sequence[EncodedItem]) -> list[dict[str, Any]]:
         """Metadata-only parts whose files are in place: those already there (header checked) are
@@ -351,11 +431,18 @@ class VLLMBackend:
         if "prompt_embeds" in body:  # tensors epd has not checked: a malformed one kills vLLM
             raise bad_request("prompt_embeds are not passed on to the language model", "prompt_embeds")
         prompt = body.get("prompt")
-        if self.render_routes:
-            routing = await self._render.run(partial(routing_prompt, self.prompt_format.tokenizer, prompt))
-            if routing.token_ids:
-                return ChatCall(COMPLETIONS, body, routing)
-        size = len(prompt) // 4 if isinstance(prompt, str) else len(prompt) if isinstance(prompt, list) else 1
+        tok = self.prompt_format.tokenizer
+        if isinstance(prompt, str) or (
+            isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)
+        ):
+            # vLLM would tokenize the strings with special tokens live: they go as ids, text as text
+            texts = [prompt] if isinstance(prompt, str) else prompt
+            ids = await self._render.run(lambda: [tok.encode_text(t) for t in texts])
+            prompt = ids[0] if isinstance(prompt, str) else ids
+            body = {**body, "prompt": prompt}
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return ChatCall(COMPLETIONS, body, RoutingPrompt(prompt))
+        size = sum(len(p) for p in prompt) if isinstance(prompt, list) else 1
         return ChatCall(COMPLETIONS, body, RoutingPrompt([]), max(size, 1))
 
     async def close(self) -> None:
@@ -363,6 +450,8 @@ class VLLMBackend:
         await self.source.close()  # its session for remote refs; the node cache is the ingress's
 
     def chat_result(self, out: dict[str, Any]) -> ChatResult:
+        if "output_mode" in out:  # the token route's answer
+            return vllm_tokens.result(out)
         choice = out["choices"][0]
         return ChatResult(
             text=(choice.get("message") or {}).get("content") or "",
@@ -373,6 +462,8 @@ class VLLMBackend:
         )
 
     def chat_delta(self, chunk: dict[str, Any]) -> ChatDelta:
+        if "output_mode" in chunk:  # the token route's chunk
+            return vllm_tokens.delta(chunk)
         text, finish = "", None
         for choice in chunk.get("choices", []):
             text += (choice.get("delta") or {}).get("content") or ""

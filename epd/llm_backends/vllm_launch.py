@@ -113,6 +113,7 @@ class VLLMLaunch:
             self.dtype,
             "--enable-mm-embeds",  # what epd hands it: precomputed image/video embeddings
             "--enable-prompt-tokens-details",  # cached_tokens in usage: the router's drift
+            "--enable-scale-out",  # the token-in route: epd renders, request text stays text
         ]
         if self.kv_events is not None:
             # its events, and block hashes epd's router can recompute (the default pickles)

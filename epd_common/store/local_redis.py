@@ -11,8 +11,6 @@ started it, so start it from a thread that lives as long as the server should). 
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import re
 import shutil
 import signal
@@ -23,16 +21,12 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from epd_common.child_process import die_with_parent
 from epd_common.store.store import StoreError
 
 DEFAULT_MAXMEMORY_BYTES = 1 << 30
 _PR_SET_PDEATHSIG = 1
 _PORT_ATTEMPTS = 3  # a free port found by bind(0) can be taken before the server binds it
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -139,9 +133,7 @@ class LocalRedis:
             "--daemonize", "no",
         ]  # fmt: skip
         quiet = subprocess.DEVNULL
-        self._proc = subprocess.Popen(
-            argv, stdin=quiet, stdout=quiet, stderr=quiet, preexec_fn=_die_with_parent
-        )
+        self._proc = subprocess.Popen(die_with_parent(argv), stdin=quiet, stdout=quiet, stderr=quiet)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
