@@ -3,9 +3,11 @@
     bytes ──open──▶ first audio stream ──decode──▶ frames ──resample (libswresample)──▶
           [C, n] float32 at ``AudioConfig.sample_rate`` ──mean over channels──▶ [N] float32 mono
 
-The duration cap (``MediaLimits.max_audio_seconds``) is checked twice: on what the header declares,
-before any packet is decoded, and on the samples produced, so that a header that lies (or has no
-duration) cannot make the decoder run on. Channels are averaged after resampling, the downmix the
+What the stream costs is checked before any packet is decoded (``probe_audio``): its sample rate
+and channel count within ``MediaLimits``' bounds (a 1 Hz stream declaring an hour is a few KB that
+would resample to gigabytes) and its declared duration under ``max_audio_seconds``. Then the
+duration is counted again while decoding, on the input before each frame is resampled and on the
+samples produced, so a header that lies (or has no duration) cannot make the decoder run on. Channels are averaged after resampling, the downmix the
 reference processors apply to a loaded waveform (``wav.mean(0)``), rather than libswresample's
 own matrix, whose coefficients depend on the layout.
 """
@@ -59,21 +61,48 @@ def decode_audio(
     """
     container = open_container(data, "audio", limits, item)
     with container:
-        require_stream(container, "audio", item)
-        stream = container.streams.audio[0]
-        ctx = stream.codec_context
-        if ctx is None or not ctx.name or ctx.name == "none":
-            # (PyAV gives no codec context, hence no name or tag, for a codec it does not know)
-            raise UnsupportedMedia("audio codec unknown to this build cannot be decoded", item)
-        source = AudioSource(
-            ctx.name, int(ctx.sample_rate or 0), int(ctx.channels or 0), declared_seconds(container, stream)
-        )
-        if source.declared_s > limits.max_audio_seconds:
-            raise MediaTooLarge(_too_long(source.declared_s, limits), item)
+        source, stream = _checked_stream(container, limits, item)
         samples = _decode_stream(container, stream, cfg.sample_rate, limits, item)
     if samples.size == 0:
         raise BadMedia(f"audio stream ({source.codec}) holds no samples", item)
     return AudioClip(samples, cfg.sample_rate, source)
+
+
+def probe_audio(data: bytes, limits: MediaLimits = MediaLimits(), item: str | None = None) -> AudioSource:
+    """What the first audio stream's header says, checked against ``limits`` (the errors of
+    ``decode_audio``), with nothing decoded."""
+    with open_container(data, "audio", limits, item) as container:
+        return _checked_stream(container, limits, item)[0]
+
+
+def _checked_stream(
+    container: av.container.InputContainer, limits: MediaLimits, item: str | None
+) -> tuple[AudioSource, av.audio.stream.AudioStream]:
+    require_stream(container, "audio", item)
+    stream = container.streams.audio[0]
+    ctx = stream.codec_context
+    if ctx is None or not ctx.name or ctx.name == "none":
+        # (PyAV gives no codec context, hence no name or tag, for a codec it does not know)
+        raise UnsupportedMedia("audio codec unknown to this build cannot be decoded", item)
+    source = AudioSource(
+        ctx.name, int(ctx.sample_rate or 0), int(ctx.channels or 0), declared_seconds(container, stream)
+    )
+    if (
+        source.sample_rate
+        and not limits.min_audio_sample_rate <= source.sample_rate <= limits.max_audio_sample_rate
+    ):
+        raise BadMedia(
+            f"audio sample rate {source.sample_rate} Hz is outside [{limits.min_audio_sample_rate}, "
+            f"{limits.max_audio_sample_rate}] Hz",
+            item,
+        )
+    if source.channels > limits.max_audio_channels:
+        raise MediaTooLarge(
+            f"audio has {source.channels} channels, above the limit of {limits.max_audio_channels}", item
+        )
+    if source.declared_s > limits.max_audio_seconds:
+        raise MediaTooLarge(_too_long(source.declared_s, limits), item)
+    return source, stream
 
 
 def has_audio_stream(data: bytes) -> bool:
@@ -110,8 +139,17 @@ def _decode_stream(
         if total > cap:
             raise MediaTooLarge(_too_long(total / rate, limits), item)
 
+    seconds_in = 0.0  # the input's own length, counted before a frame is resampled
     try:
         for frame in container.decode(stream):
+            in_rate = frame.sample_rate or 0
+            if not limits.min_audio_sample_rate <= in_rate <= limits.max_audio_sample_rate:
+                raise BadMedia(f"audio frame at {in_rate} Hz (the header said otherwise)", item)
+            if len(frame.layout.channels) > limits.max_audio_channels:
+                raise MediaTooLarge(f"audio frame with {len(frame.layout.channels)} channels", item)
+            seconds_in += frame.samples / in_rate
+            if seconds_in > limits.max_audio_seconds + 1.0:
+                raise MediaTooLarge(_too_long(seconds_in, limits), item)
             if resampler is None:  # the first frame tells the layout (headers may not)
                 resampler = av.AudioResampler(format="fltp", layout=frame.layout.name, rate=rate)
             take(resampler.resample(frame))

@@ -113,6 +113,11 @@ class MediaLimits:
     # an audio clip's length (from its header, then counted while decoding): its samples and
     # features grow with it (one hour at 24 kHz: 345 MB of float32 samples)
     max_audio_seconds: float = 3600.0
+    # an audio stream's header, checked before anything is decoded: a 1 Hz "hour" is a few KB that
+    # resamples to gigabytes; no speech or music codec runs below 4 kHz or above 384 kHz
+    min_audio_sample_rate: int = 4000
+    max_audio_sample_rate: int = 384_000
+    max_audio_channels: int = 8
 
 
 @dataclass(frozen=True)

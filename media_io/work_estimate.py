@@ -5,8 +5,8 @@ An image's header gives its size without decoding (Pillow reads a few hundred by
 ~20x a thumbnail at admission instead of as one item like it. A video's patch count depends on
 its duration and frame rate, which only a demux reveals; its estimate is the mean of the videos
 seen so far (``PatchEstimator``), corrected to the real count once the frames are sampled. An
-audio clip counts its mel frames (100 a second at MiMo-V2.5's rate) the same way: the recent mean,
-then the real count once decoded. Frames and patches share one measured rate; a coarse mix, but
+audio clip counts its mel frames (100 a second at MiMo-V2.5's rate) from the duration its header
+declares (a header that says none: the recent mean), then the real count once decoded. Frames and patches share one measured rate; a coarse mix, but
 a mel frame costs the audio encoder about what a patch costs the vision tower at real widths.
 """
 
@@ -17,7 +17,9 @@ from collections import deque
 
 from PIL import Image
 
+from media_io.audio import probe_audio
 from media_io.config import PreprocessConfig
+from media_io.errors import MediaError
 from media_io.preprocess.resize import smart_resize
 
 # A video's patch count before any video was seen: 8 frames' worth at the smallest video frame
@@ -26,6 +28,17 @@ from media_io.preprocess.resize import smart_resize
 DEFAULT_VIDEO_FRAMES = 8
 # An audio clip's mel frames before any clip was seen: 10 s.
 AUDIO_SEED_FRAMES = 1000
+AUDIO_FRAMES_PER_S = 100  # MiMo-V2.5's mel hop at its rate
+
+
+def audio_seconds(data: bytes) -> float:
+    """A clip's length as its header declares it (0.0: it does not say, or the bytes are no
+    audio PyAV reads; the decode reports those). A header is a few hundred bytes to read, so an
+    hour counts as an hour at admission, before any work is done."""
+    try:
+        return probe_audio(data).declared_s
+    except MediaError:
+        return 0.0
 
 
 def image_patches(data: bytes, cfg: PreprocessConfig) -> int | None:
@@ -62,7 +75,10 @@ class PatchEstimator:
                 if self._images
                 else self.cfg.min_pixels / (self.cfg.patch_size**2)
             )
-        if modality == "audio":  # mel frames (100 a second): the recent mean, else 10 s
+        if modality == "audio":  # mel frames (100 a second): from the header, else the recent mean
+            declared = audio_seconds(data)
+            if declared:
+                return declared * AUDIO_FRAMES_PER_S
             return sum(self._audio) / len(self._audio) if self._audio else float(AUDIO_SEED_FRAMES)
         return sum(self._videos) / len(self._videos) if self._videos else self._video_seed
 

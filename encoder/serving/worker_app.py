@@ -274,10 +274,15 @@ class EncoderWorker:
         if hit is not None:
             self.metrics.requests.labels(outcome="hit").inc()
             return EncodeOutcome(self._public(hit.ref), True, dict.fromkeys(STAGES, 0.0))
+        units: float | None = None
+        if kind.modality == "audio" and key not in self._inflight:
+            # its header is opened (a container parse): off the loop, before the in-flight check
+            units = await loop.run_in_executor(self.io_pool, self.estimator.estimate, data, kind.modality)
         task = self._inflight.get(key)
         shared = task is not None
         if task is None:
-            units = self.estimator.estimate(data, kind.modality)
+            if units is None:
+                units = self.estimator.estimate(data, kind.modality)
             stage = self.stage(kind.modality)
             self._admit(len(data), units, deadline_s, stage)
             # A task of its own: if this request goes away, the encode still lands in the cache, and
