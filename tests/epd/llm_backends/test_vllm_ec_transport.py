@@ -29,6 +29,7 @@ from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMServer, free_port, peer
 from epd.media_pipeline import EncodedItem
 from epd_common.errors import APIError
 from epd_common.messages.embedding_ref import EmbeddingRef
+from llm_core.prompts.tokenizer import Tokenizer, build_default_tokenizer
 
 GEO = EmbeddingGeometry(merge=2, hidden=8)
 
@@ -117,7 +118,8 @@ def test_chat_call_writes_checks_and_falls_back_inline(tmp_path: Path) -> None:
     cache = FakeCache({"good": torch.randn(6, 8), "short": torch.randn(5, 8)})
     info = ModelInfo("Qwen2_5_VLForConditionalGeneration", GEO)
     backend = VLLMBackend(None, info, cache, ec=ECFolder(tmp_path))  # type: ignore[arg-type]
-    backend._keys = lambda messages, items: []  # type: ignore[method-assign]  # no tokenizer here
+    # the chat route looks for spelled specials in the text: the embedded tokenizer is enough here
+    backend.prompt_format = SimpleNamespace(tokenizer=Tokenizer(build_default_tokenizer()))  # type: ignore[assignment]
     good = ref("good")
 
     def call(*refs: EmbeddingRef) -> list[dict[str, Any]]:
@@ -246,3 +248,46 @@ def test_serve_starts_vllm_as_a_consumer_of_the_folder(qwen_dir: Path) -> None:
     assert (p.ingress.vllm_ec_path, p.ingress.vllm_ec_max_bytes) == ("/dev/shm/ec", 1024)
     inline = plan(config_from_args(build_parser(only="serve").parse_args(argv)))
     assert "--ec-transfer-config" not in next(c for c in inline.children if c.name == "vllm").argv
+
+
+def test_the_folder_must_be_this_users_own_and_closed(tmp_path: Path) -> None:
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o755)
+    open_dir.chmod(0o755)
+    with pytest.raises(ValueError, match="chmod 700"):
+        ECFolder(open_dir)
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(ValueError, match="not a directory"):
+        ECFolder(link)
+    ECFolder(real)  # its own, 0700: accepted
+
+
+def test_writes_follow_no_planted_link(tmp_path: Path) -> None:
+    """A link planted under a key (to a file or folder elsewhere) is never written through: it is
+    replaced by a real folder, and what it pointed at is untouched."""
+    root = tmp_path / "ec"
+    folder = ECFolder(root)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (root / "good").symlink_to(elsewhere)
+    assert folder.write(ref("good"), torch.zeros(6, 8))
+    assert not (root / "good").is_symlink() and (root / "good" / "encoder_cache.safetensors").is_file()
+    assert list(elsewhere.iterdir()) == []
+    # a link where the file goes is replaced by the rename, not followed
+    target = tmp_path / "victim"
+    target.write_bytes(b"keep")
+    (root / "good" / "encoder_cache.safetensors").unlink()
+    (root / "good" / "encoder_cache.safetensors").symlink_to(target)
+    assert folder.write(ref("good"), torch.zeros(6, 8))
+    assert target.read_bytes() == b"keep" and not (root / "good" / "encoder_cache.safetensors").is_symlink()
+
+
+def test_a_name_cannot_pin_what_does_not_exist(tmp_path: Path) -> None:
+    folder = ECFolder(tmp_path / "ec")
+    assert not folder.mark_used(["../../etc", "f" * 64, "not a key"])
+    assert folder._used == {}
+    assert folder.write(ref("good"), torch.zeros(6, 8))
+    assert folder.mark_used(["good"]) and set(folder._used) == {"good"}
