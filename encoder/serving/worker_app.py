@@ -658,7 +658,7 @@ def build_app(
             w.metrics.requests.labels(outcome="error").inc()
             return _error(400, "bad_media", str(e), item)
         except Exception as e:
-            log.exception("encode failed for %s", item)
+            log.exception("encode failed for %r", item)  # a client-named item: escaped
             w.metrics.requests.labels(outcome="error").inc()
             return _error(500, "internal_error", f"{type(e).__name__}: {e}", item)
         reply = EncodeReply(outcome.ref, outcome.cache_hit, outcome.timings_ms)

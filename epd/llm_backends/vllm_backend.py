@@ -417,7 +417,7 @@ class VLLMBackend:
         request encodes it again), and this request fails without reaching vLLM."""
         if self.cache is not None:
             self.cache.evict(item.ref.key)
-        log.error("embedding %s (%s) does not fit: %s; evicted", item.ref.key[:16], item.name, exc)
+        log.error("embedding %s (%r) does not fit: %s; evicted", item.ref.key[:16], item.name, exc)
         return APIError(
             502,
             f"the embedding of {item.name} does not fit its grid ({exc}); it was dropped from the "
