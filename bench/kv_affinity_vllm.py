@@ -7,9 +7,11 @@ sha256_cbor``, ``--enable-prompt-tokens-details``, its KV events on two loopback
 inference threads bound to a core of their own (``VLLM_CPU_OMP_THREADS_BIND``, servers over the
 cores in turn). The checkpoint is ``bench.vlm_peer``'s tiny Qwen2.5-VL (its pipeline spec).
 
-The KV blocks per server are sized as for epd's engines (``kv_affinity_trace.kv_budget``): room
-for the system prompt and twice the even share of the live sessions at their largest, converted
-from the trace's byte-tokens to the checkpoint's tokens (its tokenizer on the system prompt). Per server, the prompt tokens it computed come from vLLM's own counters
+The KV blocks per server hold the system prompt and an even share of the live sessions at their
+largest plus a quarter of the rest (``kv_affinity_trace.kv_budget``'s figures), converted from the
+trace's byte-tokens to the checkpoint's tokens (its tokenizer on the system prompt): affinity keeps
+its sessions' histories, round robin, which would need every live session on every server,
+evicts. Per server, the prompt tokens it computed come from vLLM's own counters
 (``vllm:prompt_tokens_total`` - ``vllm:prefix_cache_hits_total`` on its /metrics).
 """
 
@@ -46,7 +48,10 @@ def kv_blocks(trace: Trace, args: argparse.Namespace, directory: Path) -> int:
     from llm_core.prompts.tokenizer import load_tokenizer
 
     derived = kv_budget(trace, args.concurrency, args.engines, args.max_tokens)
-    byte_tokens = derived.full_pages * derived.page_size
+    # an even share of the live sessions and a quarter of the rest: with 2 servers, "twice the even
+    # share" (the epd bench's room for an uneven spread over 4 engines) would be every session
+    even, every = derived.affinity_tokens, derived.round_robin_tokens
+    byte_tokens = even + (every - even) // 4
     ratio = len(load_tokenizer(str(directory)).encode_text(trace.system)) / max(1, system_tokens(trace))
     tokens = max(math.ceil(byte_tokens * ratio), args.vllm_max_model_len)
     return math.ceil(tokens / BLOCK_SIZE)
@@ -65,12 +70,12 @@ def start_servers(
 ) -> list[tuple[str, str]]:
     """``args.engines`` vLLM servers: (url, "events,replay") each."""
     from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMServer
-    from epd.llm_backends.vllm_routing import KVEventsAt
+    from epd.llm_backends.vllm_routing import local_kv_events
 
     cores = sorted(os.sched_getaffinity(0))
     out = []
     for i in range(args.engines):
-        events = KVEventsAt(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+        events = local_kv_events()
         launch = VLLMLaunch(
             str(directory),
             free_port(),

@@ -30,7 +30,7 @@ from epd.config import IngressConfig
 from epd.config_cli import add_dataclass_args, dataclass_from_args, dataclass_to_argv
 from epd.encoder_cmd import worker_child
 from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMNotFound, launch_args
-from epd.llm_backends.vllm_routing import KVEventsAt
+from epd.llm_backends.vllm_routing import KVEventsAt, local_kv_events
 from epd.model_check import ModelDirError, check_model_dir
 from epd.placement import CpuSplit, cpu_list, pinned_argv, plan_split
 from epd.served_model import add_deprecated_name_flags, names_from_args
@@ -360,9 +360,7 @@ def plan(cfg: ServeConfig, split: CpuSplit | None = None) -> Plan:
         if not cfg.remote_llms:  # one local vLLM server on the same checkpoint, supervised
             if not cfg.llm.model_path:
                 raise SystemExit("epd serve: --llm-backend vllm needs --model DIR (or --llm-url URL)")
-            events = KVEventsAt(
-                f"tcp://127.0.0.1:{free_port('127.0.0.1')}", f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
-            )
+            events = local_kv_events()  # unix sockets: vLLM binds them, only this machine reaches them
             child = vllm_child(cfg, free_port("127.0.0.1"), events, split.llm if split else ())
             ing = dataclasses.replace(ing, vllm_kv_events=(f"{events.endpoint},{events.replay}",))
             llm_children[child.name] = child.health_url.removesuffix("/health")
@@ -468,6 +466,11 @@ async def serve(cfg: ServeConfig) -> int:
         if redis is not None:
             redis.stop()
         shutil.rmtree(default_root(p.namespace), ignore_errors=True)
+        for events in p.ingress.vllm_kv_events if p.llm_children else ():  # a local vLLM's sockets
+            if events.startswith("ipc://"):
+                shutil.rmtree(
+                    os.path.dirname(events.split(",")[0].removeprefix("ipc://")), ignore_errors=True
+                )
         # KV handed between engines whose exporter died (kill -9) before anyone fetched it
         for left in namespace_files(p.namespace):
             left.unlink(missing_ok=True)

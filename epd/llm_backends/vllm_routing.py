@@ -18,6 +18,7 @@ show whether it does, and one that does not is routed by load (its /health row s
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -62,9 +63,24 @@ def routing_health(events: KVEventsAt | None, block_size: int) -> dict[str, Any]
     return out
 
 
+def local_kv_events() -> KVEventsAt:
+    """Endpoints for a vLLM on this machine: unix sockets in a private folder (0700). vLLM binds
+    its PUB only to a wildcard TCP address or an ipc:// one (any other TCP address it *connects*
+    to, and a router connecting there too would never meet it; only the replay, which vLLM always
+    binds, would answer, a second late); a wildcard would open it to the network."""
+    folder = tempfile.mkdtemp(prefix="epd-kv-events-")
+    return KVEventsAt(f"ipc://{folder}/pub", f"ipc://{folder}/replay")
+
+
 def kv_events_config(events: KVEventsAt) -> str:
-    """The ``--kv-events-config`` JSON that makes a vLLM server publish at ``events``: vLLM binds
-    the endpoints it is given (a wildcard host binds every interface)."""
+    """The ``--kv-events-config`` JSON that makes a vLLM server publish at ``events``. vLLM binds
+    its live endpoint only when it is a wildcard (``tcp://*:5557``) or ipc://; ValueError for any
+    other, which vLLM would connect to instead (the router could never receive its live events)."""
+    if events.endpoint.startswith("tcp://") and not _wildcard(events.endpoint):
+        raise ValueError(
+            f"vLLM binds its KV-event endpoint only on a wildcard host (tcp://*:PORT) or ipc://; "
+            f"{events.endpoint} it would connect to"
+        )
     body: dict[str, Any] = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
@@ -74,3 +90,8 @@ def kv_events_config(events: KVEventsAt) -> str:
     if events.replay:
         body["replay_endpoint"] = events.replay
     return json.dumps(body)
+
+
+def _wildcard(endpoint: str) -> bool:
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    return host in ("*", "[::]", "::", "0.0.0.0")

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMServer, free_port, peer_python
-from epd.llm_backends.vllm_routing import KVEventsAt
+from epd.llm_backends.vllm_routing import KVEventsAt, local_kv_events
 from tests.epd.conftest import ServeProcess, http_json, start_serve, stop_serve
 
 pytestmark = [
@@ -46,7 +46,7 @@ def _launch(qwen_dir: Path, events: KVEventsAt | None, core: int) -> VLLMLaunch:
 @pytest.fixture(scope="module")
 def fleet(qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     logs = tmp_path_factory.mktemp("vllm-fleet")
-    events = KVEventsAt(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    events = local_kv_events()
     a = VLLMServer(_launch(qwen_dir, events, 0), logs / "a.log", ready_timeout_s=420.0).start()
     try:
         b = VLLMServer(_launch(qwen_dir, None, 1), logs / "b.log", ready_timeout_s=420.0).start()
