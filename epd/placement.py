@@ -80,6 +80,7 @@ def plan_split(spec: str, usable: Collection[int]) -> CpuSplit | None:
 
 
 def pinned_argv(argv: tuple[str, ...], cpus: tuple[int, ...]) -> tuple[str, ...]:
-    """``argv`` run on ``cpus`` only (under taskset; as it is where taskset is missing)."""
+    """``argv`` run on ``cpus`` only (under taskset; as it is where taskset is missing, or with no
+    cores named: anywhere)."""
     taskset = shutil.which("taskset")
-    return (taskset, "-c", cpu_list(cpus), *argv) if taskset else argv
+    return (taskset, "-c", cpu_list(cpus), *argv) if taskset and cpus else argv

@@ -36,3 +36,4 @@ def test_an_explicit_split_is_checked_against_the_usable_cores() -> None:
 def test_a_pinned_child_runs_under_taskset() -> None:
     argv = pinned_argv(("python", "-m", "x"), (2, 3))
     assert argv[1:] == ("-c", "2-3", "python", "-m", "x") and argv[0].endswith("taskset")
+    assert pinned_argv(("python",), ()) == ("python",)  # no cores named: anywhere
