@@ -13,6 +13,7 @@ without encoding them again.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -49,6 +50,7 @@ def _needs_decoding(data: bytes) -> bool:
 
 
 _decode_json = msgspec.json.Decoder().decode
+log = logging.getLogger("epd.engine_client")
 
 
 def engine_unavailable(detail: str) -> APIError:
@@ -64,6 +66,8 @@ class EngineClient:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
 
     large_bodies = False  # a backend whose requests carry tensors serializes them off the loop
+    # how answers to clients name this server (its URL is internal: logs only); the pool numbers them
+    label = "the LLM server"
 
     def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
         """The body as this server takes it (a backend's client names its served model here)."""
@@ -90,7 +94,7 @@ class EngineClient:
                     raise self.malformed("an answer without choices")
                 return payload
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise engine_unavailable(f"{type(exc).__name__}: {exc}") from exc
+            raise self._unavailable(exc) from exc
 
     async def stream(
         self,
@@ -134,12 +138,19 @@ class EngineClient:
         except (ValueError, HttpProcessingError) as exc:  # a line beyond the reader's buffer
             raise self.malformed(f"a stream line too long to read ({type(exc).__name__})") from exc
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise engine_unavailable(f"{type(exc).__name__}: {exc}") from exc
+            raise self._unavailable(exc) from exc
 
     def malformed(self, what: str) -> APIError:
         """An answer this server should never give (not JSON, missing fields, a line too long):
-        a 502 naming the server, never a 500 of ours."""
-        return APIError(502, f"the LLM server at {self.base_url} sent {what}", type="upstream_error")
+        a 502 naming the server by its label (its address goes to the log only), never a 500."""
+        log.warning("%s (%s) sent %s", self.label, self.base_url, what)
+        return APIError(502, f"{self.label} sent {what}", type="upstream_error")
+
+    def _unavailable(self, exc: BaseException) -> APIError:
+        """Unreachable: the client learns which server by label and what kind of failure; the
+        address and the library's text (which name hosts and ports) go to the log."""
+        log.warning("%s (%s) unreachable: %s: %s", self.label, self.base_url, type(exc).__name__, exc)
+        return engine_unavailable(f"{self.label}: {type(exc).__name__}")
 
     def _stream_error(self, err: Any) -> APIError:
         """An error event in a stream: a 4xx (the request's fault) keeps its status, anything else

@@ -179,6 +179,8 @@ class EnginePool:
         self.roles = dict(zip(urls, roles, strict=True))
         make = make_client or (lambda s, u, t: EngineClient(s, u, timeout_s=t))
         self.clients = {u: make(session, u, timeout_s) for u in urls}
+        for i, client in enumerate(self.clients.values()):
+            client.label = f"LLM server {i + 1}"  # what answers to clients call it (not its URL)
         self.split = any(r != "both" for r in roles)
         prefill = [u for u in urls if self.roles[u] != "decode"]
         decode = [u for u in urls if self.roles[u] != "prefill"]

@@ -123,9 +123,8 @@ class VLLMClient(EngineClient):
         if resp.status >= 500 and resp.status != 503:
             err = payload.get("error") if isinstance(payload.get("error"), dict) else {}
             message = str((err or {}).get("message", "")) or f"HTTP {resp.status}"
-            raise APIError(
-                502, f"vLLM at {self.base_url} failed this request: {message}", type="upstream_error"
-            )
+            log.warning("vLLM at %s failed request: %s", self.base_url, message)
+            raise APIError(502, f"{self.label} (vLLM) failed this request: {message}", type="upstream_error")
         super().raise_for_status(resp, payload)
 
 

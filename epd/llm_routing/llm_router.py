@@ -477,9 +477,7 @@ class LLMRouter:
         else:
             live = [e for e in self._engines.values() if e.url in among]
         if not live:
-            raise NoEngineAvailable(
-                f"all {len(self._engines)} LLM engines are down or tried: {list(self._engines)}"
-            )
+            raise NoEngineAvailable(f"all {len(self._engines)} LLM engines are down or tried")
         limit = num_prompt_tokens - 1
         whole = as_routing_prompt(prompt)
         whole = whole._replace(token_ids=whole.token_ids[:num_prompt_tokens])

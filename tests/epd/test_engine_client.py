@@ -100,16 +100,33 @@ def test_a_malformed_stream_is_a_502_naming_the_server(body: bytes) -> None:
     exc = asyncio.run(_answer(body, stream=True))
     assert exc.status == 502 and exc.type == "upstream_error"
     if "error" not in body.decode(errors="replace")[:20]:
-        assert "the LLM server at http://" in exc.message
+        assert "the LLM server sent" in exc.message
 
 
 @pytest.mark.parametrize("body", [b"not json", b"[1]", b"{}", b'{"choices": []}', b'{"choices": ["x"]}'])
 def test_a_malformed_answer_is_a_502_naming_the_server(body: bytes) -> None:
     exc = asyncio.run(_answer(body, stream=False, content_type="application/json"))
-    assert exc.status == 502 and "the LLM server at http://" in exc.message and "choices" in exc.message
+    assert exc.status == 502 and "the LLM server sent" in exc.message and "choices" in exc.message
 
 
 def test_a_4xx_error_event_keeps_its_status() -> None:
     body = b'data: {"error": {"code": 400, "message": "too long", "type": "invalid_request_error"}}\n\n'
     exc = asyncio.run(_answer(body, stream=True))
     assert (exc.status, exc.message) == (400, "too long")
+
+
+def test_an_unreachable_server_is_named_by_label_not_address() -> None:
+    """Client-facing errors name the server as the pool numbers it; its host and port go to the
+    log only."""
+    from epd.llm_backends.vllm_launch import free_port
+
+    async def run() -> APIError:
+        async with aiohttp.ClientSession() as session:
+            client = EngineClient(session, f"http://127.0.0.1:{free_port()}")
+            client.label = "LLM server 2"
+            with pytest.raises(APIError) as info:
+                await client.complete({"prompt": [1]})
+            return info.value
+
+    exc = asyncio.run(run())
+    assert exc.status == 503 and "LLM server 2" in exc.message and "127.0.0.1" not in exc.message
