@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from epd_common.errors import bad_request
+from epd_common.errors import bad_request, unprocessable
 
 INTERNAL = frozenset({"kv_transfer", "multimodal", "prompt_embeds"})
 
@@ -82,8 +82,8 @@ def allowed_fields(backend: str, chat: bool) -> frozenset[str]:
 
 
 def check_fields(body: Mapping[str, Any], backend: str, chat: bool) -> None:
-    """400 naming the first field a client may not send to this backend's route, or whose value
-    asks for more than the bounds."""
+    """400 naming the first field a client may not send to this backend's route; 422 naming one
+    whose value asks for more than the bounds (or for what this backend does not do)."""
     allowed = allowed_fields(backend, chat)
     for name in body:
         if name in INTERNAL:
@@ -101,29 +101,29 @@ def _check_bounds(body: Mapping[str, Any], backend: str) -> None:
     for name in ("n", "best_of"):
         value = body.get(name)
         if value is not None and value != 1 and not (isinstance(value, int) and 1 <= value <= MAX_N):
-            raise bad_request(f"'{name}' must be 1 (one choice per request), got {value!r}", name)
+            raise unprocessable(f"'{name}' must be 1 (one choice per request), got {value!r}", name)
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
     if len(stops) > MAX_STOP or any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in stops):
-        raise bad_request(f"at most {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters", "stop")
+        raise unprocessable(f"at most {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters", "stop")
     ids = body.get("stop_token_ids")
     if isinstance(ids, list) and len(ids) > MAX_STOP_IDS:
-        raise bad_request(f"at most {MAX_STOP_IDS} stop_token_ids", "stop_token_ids")
+        raise unprocessable(f"at most {MAX_STOP_IDS} stop_token_ids", "stop_token_ids")
     if body.get("echo") and backend != "vllm":
-        raise bad_request("echo is not supported by epd's engine", "echo")
+        raise unprocessable("echo is not supported by epd's engine", "echo")
     for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
         value = body.get(name)
         if value is None or value is False or (type(value) is int and value == 0):
             continue  # not asked for
         if backend != "vllm":
-            raise bad_request("logprobs are not supported by epd's engine", name)
+            raise unprocessable("logprobs are not supported by epd's engine", name)
         if value is True and name == "logprobs":
             continue  # a chat's switch; its count is top_logprobs
         if type(value) is not int or not 0 <= value <= MAX_LOGPROBS:
-            raise bad_request(f"'{name}' must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", name)
+            raise unprocessable(f"'{name}' must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", name)
     bias = body.get("logit_bias")
     if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS:
-        raise bad_request(f"at most {MAX_LOGIT_BIAS} logit_bias entries", "logit_bias")
+        raise unprocessable(f"at most {MAX_LOGIT_BIAS} logit_bias entries", "logit_bias")
     for name in ("response_format", "structured_outputs"):
         if name in body and len(msgspec.json.encode(body[name])) > MAX_SCHEMA_CHARS:
-            raise bad_request(f"'{name}' is over {MAX_SCHEMA_CHARS // 1024} KiB as JSON", name)
+            raise unprocessable(f"'{name}' is over {MAX_SCHEMA_CHARS // 1024} KiB as JSON", name)

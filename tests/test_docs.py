@@ -23,11 +23,12 @@ README_MAX_LINES = 260
 FOREIGN_FLAGS = {
     # benchmarks
     "--depth", "--frame-sizes", "--minutes", "--peer", "--pipeline-bound", "--quick", "--repeats", "--rounds",
-    "--sessions",
+    "--sessions", "--epd-cpus",
     "--tiny-qwen",
     # vLLM
     "--ec-transfer-config", "--enable-mm-embeds", "--max-num-seqs", "--mm-processor-kwargs",
-    "--tensor-parallel-size",
+    "--tensor-parallel-size", "--block-size", "--enable-prompt-tokens-details", "--enable-scale-out",
+    "--kv-events-config", "--prefix-caching-hash-algo", "--num-gpu-blocks-override",
     # llama-server
     "--parallel", "--swa-full",
     # SGLang's bench_serving
