@@ -61,7 +61,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -355,11 +355,31 @@ def run_policy(
         stats = wait_for_routing(base, args.engines)
         urls = [e["url"] for e in stats]
         warm_up(base, urls, args.seed)
-        before = {u: _get(f"{u}/health") for u in urls}
-        router_before = {e["url"]: e for e in wait_for_routing(base, args.engines, 0)}
-        records, wall = asyncio.run(play(base, trace, args.concurrency, args.max_tokens))
-        after = {u: _get(f"{u}/health") for u in urls}
-        router_after = wait_for_routing(base, args.engines, 0)
+        records, wall, shares, rows = measure(base, urls, trace, args, engine_counters)
+    return policy_result(policy, records, wall, shares, [e["mode"] for e in rows])
+
+
+def engine_counters(url: str) -> tuple[int, int]:
+    """(prompt tokens, cached prompt tokens) an epd engine has served, from its /health."""
+    health = _get(f"{url}/health")
+    return int(health["prompt_tokens_total"]), int(health["cached_prompt_tokens_total"])
+
+
+def measure(
+    base: str,
+    urls: Sequence[str],
+    trace: Trace,
+    args: argparse.Namespace,
+    counters: Callable[[str], tuple[int, int]],
+) -> tuple[list[TurnRecord], float, list[EngineShare], list[dict[str, Any]]]:
+    """The trace played against ``base``, and per engine what it served meanwhile (``counters``:
+    its own prompt and cached tokens) beside the router's counts: (records, wall s, shares, the
+    router's rows after)."""
+    before = {u: counters(u) for u in urls}
+    router_before = {e["url"]: e for e in wait_for_routing(base, args.engines, 0)}
+    records, wall = asyncio.run(play(base, trace, args.concurrency, args.max_tokens))
+    after = {u: counters(u) for u in urls}
+    router_after = wait_for_routing(base, args.engines, 0)
     shares = []
     for e in router_after:
         u, b0 = e["url"], router_before[e["url"]]
@@ -367,13 +387,13 @@ def run_policy(
             EngineShare(
                 u,
                 e["routed"] - b0["routed"],
-                after[u]["prompt_tokens_total"] - before[u]["prompt_tokens_total"],
-                after[u]["cached_prompt_tokens_total"] - before[u]["cached_prompt_tokens_total"],
+                after[u][0] - before[u][0],
+                after[u][1] - before[u][1],
                 e["predicted_cached_tokens"] - b0["predicted_cached_tokens"],
                 e["actual_cached_tokens"] - b0["actual_cached_tokens"],
             )
         )
-    return policy_result(policy, records, wall, shares, [e["mode"] for e in router_after])
+    return records, wall, shares, router_after
 
 
 # -- report --------------------------------------------------------------------------------------

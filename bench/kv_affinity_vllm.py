@@ -18,7 +18,6 @@ evicts. Per server, the prompt tokens it computed come from vLLM's own counters
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import os
 import re
@@ -102,7 +101,7 @@ def start_servers(
 
 
 def run_policy_vllm(policy: str, trace: Trace, args: argparse.Namespace, log_dir: Path) -> Any:
-    from bench.kv_affinity import EngineShare, play, policy_result, wait_for_routing
+    from bench.kv_affinity import measure, policy_result, wait_for_routing
 
     directory = model_dir()
     blocks = kv_blocks(trace, args, directory)
@@ -130,24 +129,7 @@ def run_policy_vllm(policy: str, trace: Trace, args: argparse.Namespace, log_dir
         stats = wait_for_routing(base, args.engines)
         urls = [e["url"] for e in stats]
         warm_up(base, urls, str(directory))
-        before = {u: vllm_counters(u) for u in urls}
-        router_before = {e["url"]: e for e in wait_for_routing(base, args.engines, 0)}
-        records, wall = asyncio.run(play(base, trace, args.concurrency, args.max_tokens))
-        after = {u: vllm_counters(u) for u in urls}
-        router_after = wait_for_routing(base, args.engines, 0)
-    shares = []
-    for e in router_after:
-        u, b0 = e["url"], router_before[e["url"]]
-        shares.append(
-            EngineShare(
-                u,
-                e["routed"] - b0["routed"],
-                after[u][0] - before[u][0],
-                after[u][1] - before[u][1],
-                e["predicted_cached_tokens"] - b0["predicted_cached_tokens"],
-                e["actual_cached_tokens"] - b0["actual_cached_tokens"],
-            )
-        )
+        records, wall, shares, router_after = measure(base, urls, trace, args, vllm_counters)
     checks = [f"{e['mode']}/{e['naming_check']}" for e in router_after]
     return policy_result(policy, records, wall, shares, checks)
 
