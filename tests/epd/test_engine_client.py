@@ -9,30 +9,20 @@ import asyncio
 import aiohttp
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from epd.backend_pool.refusals import MAX_WAIT_S, RefusalClock
 from epd.engine_client import EngineClient
 from epd_common.errors import APIError
+from tests.epd.upstream import upstream
 
 
 async def _refusal(retry_after: str) -> APIError:
-    async def handler(request: web.Request) -> web.Response:
-        body = {"error": {"type": "overloaded", "message": "busy"}}
-        return web.json_response(body, status=503, headers={"Retry-After": retry_after})
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    server = TestServer(app)
-    await server.start_server()
-    try:
-        async with aiohttp.ClientSession() as session:
-            client = EngineClient(session, str(server.make_url("")))
-            with pytest.raises(APIError) as info:
-                await client.complete({"prompt": [1]})
-            return info.value
-    finally:
-        await server.close()
+    body = {"error": {"type": "overloaded", "message": "busy"}}
+    answer = lambda: web.json_response(body, status=503, headers={"Retry-After": retry_after})  # noqa: E731
+    async with upstream(answer) as client:
+        with pytest.raises(APIError) as info:
+            await client.complete({"prompt": [1]})
+        return info.value
 
 
 @pytest.mark.parametrize(
@@ -65,24 +55,15 @@ def test_a_refusal_is_bounded_and_cleared() -> None:
 
 
 async def _answer(body: bytes, stream: bool, content_type: str = "text/event-stream") -> APIError:
-    async def handler(request: web.Request) -> web.Response:
-        return web.Response(body=body, content_type=content_type)
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    server = TestServer(app)
-    await server.start_server()
-    try:
-        async with aiohttp.ClientSession(read_bufsize=1 << 12) as session:
-            client = EngineClient(session, str(server.make_url("")))
-            with pytest.raises(APIError) as info:
-                if stream:
-                    [c async for c in client.stream({"prompt": [1]})]
-                else:
-                    await client.complete({"prompt": [1]})
-            return info.value
-    finally:
-        await server.close()
+    async with upstream(
+        lambda: web.Response(body=body, content_type=content_type), read_bufsize=1 << 12
+    ) as client:
+        with pytest.raises(APIError) as info:
+            if stream:
+                [c async for c in client.stream({"prompt": [1]})]
+            else:
+                await client.complete({"prompt": [1]})
+        return info.value
 
 
 @pytest.mark.parametrize(

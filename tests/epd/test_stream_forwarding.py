@@ -10,15 +10,14 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import aiohttp
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from epd.chat_api import ChatFrames, _passed_through
-from epd.engine_client import EngineClient, StreamedChunk
+from epd.engine_client import StreamedChunk
 from epd.llm_backends.epd_engine import EpdEngineBackend
 from epd_common.errors import APIError
+from tests.epd.upstream import upstream
 
 TOKEN = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m", "choices": [{"text": "é"}]}
 USAGE = {**TOKEN, "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
@@ -33,19 +32,8 @@ def sse(*events: object) -> bytes:
 
 
 async def stream_from(body: bytes, relay: bool = False) -> list[StreamedChunk]:
-    async def handler(request: web.Request) -> web.Response:
-        return web.Response(body=body, content_type="text/event-stream")
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    server = TestServer(app)
-    await server.start_server()
-    try:
-        async with aiohttp.ClientSession() as session:
-            client = EngineClient(session, str(server.make_url("")))
-            return [c async for c in client.stream({"prompt": [1]}, relay=relay)]
-    finally:
-        await server.close()
+    async with upstream(lambda: web.Response(body=body, content_type="text/event-stream")) as client:
+        return [c async for c in client.stream({"prompt": [1]}, relay=relay)]
 
 
 def test_chunks_keep_the_engine_bytes_unless_the_pool_rewrites_them() -> None:
