@@ -69,12 +69,13 @@ def start_servers(
 ) -> list[tuple[str, str]]:
     """``args.engines`` vLLM servers: (url, "events,replay") each."""
     from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMServer
-    from epd.llm_backends.vllm_routing import local_kv_events
+    from epd.llm_backends.vllm_routing import local_kv_events, remove_local
 
     cores = sorted(os.sched_getaffinity(0))
     out = []
     for i in range(args.engines):
         events = local_kv_events()
+        stack.callback(remove_local, events)  # after the server stops (callbacks run in reverse)
         launch = VLLMLaunch(
             str(directory),
             free_port(),

@@ -30,7 +30,7 @@ from epd.config import IngressConfig
 from epd.config_cli import add_dataclass_args, dataclass_from_args, dataclass_to_argv
 from epd.encoder_cmd import worker_child
 from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMNotFound, launch_args
-from epd.llm_backends.vllm_routing import KVEventsAt, local_kv_events
+from epd.llm_backends.vllm_routing import KVEventsAt, local_kv_events, remove_local
 from epd.model_check import ModelDirError, check_model_dir
 from epd.placement import CpuSplit, cpu_list, pinned_argv, plan_split
 from epd.served_model import add_deprecated_name_flags, names_from_args
@@ -467,10 +467,7 @@ async def serve(cfg: ServeConfig) -> int:
             redis.stop()
         shutil.rmtree(default_root(p.namespace), ignore_errors=True)
         for events in p.ingress.vllm_kv_events if p.llm_children else ():  # a local vLLM's sockets
-            if events.startswith("ipc://"):
-                shutil.rmtree(
-                    os.path.dirname(events.split(",")[0].removeprefix("ipc://")), ignore_errors=True
-                )
+            remove_local(KVEventsAt(events.split(",")[0]))
         # KV handed between engines whose exporter died (kill -9) before anyone fetched it
         for left in namespace_files(p.namespace):
             left.unlink(missing_ok=True)

@@ -18,6 +18,8 @@ show whether it does, and one that does not is routed by load (its /health row s
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import tempfile
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -70,6 +72,12 @@ def local_kv_events() -> KVEventsAt:
     binds, would answer, a second late); a wildcard would open it to the network."""
     folder = tempfile.mkdtemp(prefix="epd-kv-events-")
     return KVEventsAt(f"ipc://{folder}/pub", f"ipc://{folder}/replay")
+
+
+def remove_local(events: KVEventsAt) -> None:
+    """Remove the folder of ``local_kv_events`` endpoints (once their server has stopped)."""
+    if events.endpoint.startswith("ipc://"):
+        shutil.rmtree(os.path.dirname(events.endpoint.removeprefix("ipc://")), ignore_errors=True)
 
 
 def kv_events_config(events: KVEventsAt) -> str:

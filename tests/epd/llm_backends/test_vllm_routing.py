@@ -13,6 +13,7 @@ from epd.llm_backends.vllm_routing import (
     kv_events_config,
     local_kv_events,
     parse_kv_events,
+    remove_local,
     routing_health,
 )
 from epd.llm_routing.vllm_block_hash import SCHEME
@@ -48,4 +49,5 @@ def test_vllm_is_only_given_endpoints_it_binds() -> None:
     folder = os.path.dirname(local.endpoint.removeprefix("ipc://"))
     assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
     json.loads(kv_events_config(local))
-    os.rmdir(folder)
+    remove_local(local)
+    assert not os.path.exists(folder)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMServer, free_port, peer_python
-from epd.llm_backends.vllm_routing import KVEventsAt, local_kv_events
+from epd.llm_backends.vllm_routing import KVEventsAt, local_kv_events, remove_local
 from tests.epd.conftest import ServeProcess, http_json, start_serve, stop_serve
 
 pytestmark = [
@@ -80,6 +80,7 @@ def fleet(qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             b.stop()
     finally:
         a.stop()
+        remove_local(events)
 
 
 def _rows(epd: ServeProcess) -> dict[str, dict[str, Any]]:
