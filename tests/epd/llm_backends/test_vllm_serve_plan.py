@@ -7,13 +7,32 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from epd import serve_cmd
 from epd.cli import build_parser
+from epd.llm_backends.vllm_routing import KVEventsAt, local_kv_events, remove_local
 from epd.placement import CpuSplit, plan_split
 from epd.serve_cmd import ServeConfig, config_from_args, cpu_split, plan
+
+
+@pytest.fixture(autouse=True)
+def _no_socket_folders_left(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A plan with a local vLLM makes its KV-event socket folder (serve removes it at exit; a
+    plan made here never serves): removed after each test."""
+    made: list[KVEventsAt] = []
+
+    def recording() -> KVEventsAt:
+        made.append(local_kv_events())
+        return made[-1]
+
+    monkeypatch.setattr(serve_cmd, "local_kv_events", recording)
+    yield
+    for events in made:
+        remove_local(events)
 
 
 def serve_config(*argv: str) -> ServeConfig:
