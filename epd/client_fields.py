@@ -18,6 +18,7 @@ stop strings, a megabyte JSON schema).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,6 +77,7 @@ MAX_LOGIT_BIAS = 300  # OpenAI's
 MAX_SCHEMA_CHARS = 64 * 1024  # a structured output's schema / grammar, as JSON
 
 
+@functools.cache  # read on every chat (``chat_api._sampling``): four sets, built once
 def allowed_fields(backend: str, chat: bool) -> frozenset[str]:
     fields = _COMMON | (_CHAT_ONLY if chat else frozenset({"prompt"}))
     return fields | _VLLM_EXTRA if backend == "vllm" else fields

@@ -357,7 +357,7 @@ def plan(cfg: ServeConfig, split: CpuSplit | None = None) -> Plan:
     if cfg.start_llm and ing.llm_backend == "vllm":
         if cfg.llm_prefill_instances or cfg.llm_decode_instances:
             raise SystemExit("epd serve: --llm-backend vllm runs no epd engines (no prefill/decode split)")
-        if not cfg.remote_llms:  # one local vLLM server on the same checkpoint, supervised
+        if local_vllm(cfg):  # one local vLLM server on the same checkpoint, supervised
             if not cfg.llm.model_path:
                 raise SystemExit("epd serve: --llm-backend vllm needs --model DIR (or --llm-url URL)")
             events = local_kv_events()  # unix sockets: vLLM binds them, only this machine reaches them

@@ -323,10 +323,7 @@ class VLLMBackend:
         tensors = await self._resolve(items)
         encoded: dict[str, str] = {}
         for i, (item, mm) in enumerate(zip(items, tensors, strict=True)):
-            try:
-                check_embedding(item.ref, mm.embedding, self.model.geometry)
-            except EmbeddingMismatch as exc:
-                raise self._mismatch(item, i, exc) from exc
+            self._check(item, i, mm.embedding)
             encoded[item.ref.key] = await asyncio.to_thread(image_item, mm.embedding, item.ref.grid_thw[0])
         if len(routing.media) != len(refs):
             # the pads did not pair with the images (the template's own doing): never sent unpaired
@@ -363,10 +360,7 @@ class VLLMBackend:
         tensors = await self._resolve([items[i] for i in missing])
         inline: dict[int, dict[str, Any]] = {}
         for i, mm in zip(missing, tensors, strict=True):
-            try:
-                check_embedding(items[i].ref, mm.embedding, geometry)
-            except EmbeddingMismatch as exc:
-                raise self._mismatch(items[i], i, exc) from exc
+            self._check(items[i], i, mm.embedding)
         for i, mm in zip(missing, tensors, strict=True):
             if not await asyncio.to_thread(ec.write, items[i].ref, mm.embedding):
                 part = await asyncio.to_thread(embeds_part, items[i].ref, mm.embedding, geometry)
@@ -410,6 +404,13 @@ class VLLMBackend:
                 raise self._mismatch(item, i, exc) from exc
             parts.append(part)
         return parts
+
+    def _check(self, item: EncodedItem, index: int, tensor: torch.Tensor) -> None:
+        """``check_embedding``, a misfit answered as ``_mismatch`` (evicted, never sent)."""
+        try:
+            check_embedding(item.ref, tensor, self.model.geometry)
+        except EmbeddingMismatch as exc:
+            raise self._mismatch(item, index, exc) from exc
 
     def _mismatch(self, item: EncodedItem, index: int, exc: EmbeddingMismatch) -> APIError:
         """A cached embedding that does not fit its own grid: dropped from the node cache (the next

@@ -167,7 +167,6 @@ class _Engine:
     # it went down since its index was last cleared: an engine without an instance id (vLLM) may
     # come back as a new process, whose cache is empty
     went_down: bool = False
-    warned_silent: bool = False  # the "no events arrive" warning was logged
     # the event stream's progress as health rounds see it: the batch count, and when and after how
     # many routed requests it last moved; ``stale``: it stopped while requests flowed (index dropped)
     batches_seen: int = 0
@@ -197,7 +196,7 @@ class _Engine:
 
     def naming_check(self) -> str:
         if self.stale:
-            return "stale: its KV events stopped while requests were routed there (routed by load)"
+            return "stale: no KV events while requests were routed there (routed by load)"
         if self.naming_ok is None:
             return "pending" if self.source is not None else "no KV events: routed by load"
         return "ok" if self.naming_ok else f"mismatch: {self.naming_detail}"
@@ -321,7 +320,6 @@ class LLMRouter:
             )
             self._clear(e)
         e.went_down = False
-        self._warn_if_silent(e)
         self._check_stream(e)
         e.geometry = geometry
         if instance_id is not None:
@@ -342,25 +340,11 @@ class LLMRouter:
         if e.source is not None:
             e.source.resync()
 
-    def _warn_if_silent(self, e: _Engine) -> None:
-        """Once: an engine whose naming waits for its events, after requests were routed there
-        and not one event batch arrived (started without KV events, or publishing elsewhere)."""
-        if e.warned_silent or e.source is None or e.naming_ok is not None or e.routed < 8:
-            return
-        if e.source.counters().batches == 0:
-            e.warned_silent = True
-            log.warning(
-                "LLM engine %s: %d requests routed and no KV event from %s: is it publishing there? "
-                "Routed by load until its events arrive",
-                e.url,
-                e.routed,
-                e.geometry.events_endpoint,
-            )
-
     def _check_stream(self, e: _Engine) -> None:
-        """An index whose stream stopped moving while requests kept being routed there no longer
-        says what the engine holds (its evictions are missed): dropped, and asked again from 0
-        (a publisher that comes back answers the replay); back in use once batches arrive."""
+        """An index whose stream stopped moving (or never moved) while requests kept being routed
+        there no longer says what the engine holds (its evictions are missed): dropped, and asked
+        again from 0 (a publisher that comes back answers the replay); back in use once batches
+        arrive. The one watcher of a stream's silence: its warning names the endpoint listened to."""
         if e.source is None:
             return
         now, batches = self._clock(), e.source.counters().batches
@@ -378,9 +362,11 @@ class LLMRouter:
         ):
             e.stale = True
             log.warning(
-                "LLM engine %s: no KV event batch in %.0f s while %d requests were routed there: its "
-                "index is dropped, routed by load until its events come back",
+                "LLM engine %s: no KV event batch from %s in %.0f s while %d requests were routed "
+                "there (is it publishing there?): its index is dropped, routed by load until its "
+                "events come back",
                 e.url,
+                e.geometry.events_endpoint,
                 now - e.moved_at,
                 e.routed - e.routed_at_move,
             )
@@ -391,11 +377,12 @@ class LLMRouter:
         if e.source is not None:
             e.source.stop(0)  # its late batches go to the old index, which nobody reads any more
             e.source = None
-        e.naming_ok, e.naming_detail = (None if naming_for(naming).needs_check else True), ""
+        scheme = naming_for(naming)
+        e.naming_ok, e.naming_detail = (None if scheme.needs_check else True), ""
         e.stale, e.moved_at = False, None
         if endpoint is None:
             e.index = ApproxPageIndex(ps, self.config.approx_ttl_s, self._clock)
-            if naming_for(naming).needs_check:
+            if scheme.needs_check:
                 log.warning(
                     "LLM engine %s names its pages as %s and publishes no KV events: routed by load",
                     e.url,
@@ -405,7 +392,7 @@ class LLMRouter:
             index = EnginePageIndex(ps, window)
             e.index = index
             e.source = self._subscriber_factory(
-                endpoint, replay, topic, self._checked_apply(e, naming_for(naming), index), index.clear
+                endpoint, replay, topic, self._checked_apply(e, scheme, index), index.clear
             )
             if self._started:
                 e.source.start()

@@ -23,7 +23,7 @@ token ids and extra keys, from which its hash must come out as the event says.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import cbor2
@@ -81,13 +81,19 @@ def full_block_hashes(
 ) -> list[bytes]:
     """The 32-byte hash of every whole block; ``parent``: the hash before the first (None: the
     root, as for the first block of a prompt)."""
+    bounds = [(b * block_size, (b + 1) * block_size) for b in range(len(token_ids) // block_size)]
+    blocks = ((token_ids[s:e], block_extra_keys(ranges, s, e)) for s, e in bounds)
+    return list(hash_chain(blocks, seed, parent))
+
+
+def hash_chain(
+    blocks: Iterable[tuple[Sequence[int], tuple[Any, ...] | None]], seed: str, parent: bytes | None = None
+) -> Iterator[bytes]:
+    """Each block's hash, (its tokens, its tagged extra keys) chained onto the one before."""
     h = parent if parent is not None else sha256_cbor(seed)
-    out = []
-    for b in range(len(token_ids) // block_size):
-        start, end = b * block_size, (b + 1) * block_size
-        h = sha256_cbor((h, tuple(token_ids[start:end]), block_extra_keys(ranges, start, end)))
-        out.append(h)
-    return out
+    for tokens, extra in blocks:
+        h = sha256_cbor((h, tuple(tokens), extra))
+        yield h
 
 
 class VLLMBlockNaming:
@@ -111,14 +117,12 @@ class VLLMBlockNaming:
         extra = event.extra_keys or (None,) * n
         if len(extra) != n:
             return NamingCheck(None)
-        tagged = [_tagged(keys) for keys in extra]
-        if any(t is False for t in tagged):
+        tagged = [t for t in map(_tagged, extra) if not isinstance(t, bool)]
+        if len(tagged) != n:
             return NamingCheck(None)  # LoRA, a salt or prompt embeds: not what epd sends
-        h = sha256_cbor(self.seed)
         bs = event.block_size
-        for i, want in enumerate(event.block_hashes):
-            keys = tagged[i]
-            h = sha256_cbor((h, tuple(event.token_ids[i * bs : (i + 1) * bs]), keys))
+        blocks = ((event.token_ids[i * bs : (i + 1) * bs], keys) for i, keys in enumerate(tagged))
+        for i, (h, want) in enumerate(zip(hash_chain(blocks, self.seed), event.block_hashes, strict=True)):
             if external_hash(h) != want:
                 return NamingCheck(
                     False,
