@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from epd.llm_routing.page_naming import RoutingPrompt
-from epd_common.messages.cache_keys import MediaRows, MediaSpanError, build_cache_keys, media_spans
+from epd_common.messages.cache_keys import MediaRows, MediaSpanError, media_spans
 from llm_core.prompts.tokenizer import Tokenizer
 
 
@@ -41,5 +41,4 @@ def prompt_cache_keys(
 ) -> list[int]:
     """Token ids, each media run replaced by its MediaKey's pseudo-id: what epd's engine's prefix
     cache matches (``Sequence.cache_keys``)."""
-    ids, spans = routing_prompt(tokenizer, prompt, media)
-    return build_cache_keys(list(ids), spans) if spans else list(ids)
+    return routing_prompt(tokenizer, prompt, media).cache_keys()

@@ -35,6 +35,10 @@ class RoutingPrompt(NamedTuple):
     token_ids: Sequence[int]
     media: Sequence[MediaSpan] = ()
 
+    def cache_keys(self) -> list[int]:
+        """The ids with each media run as its MediaKey's pseudo-id: what epd's engine matches."""
+        return build_cache_keys(list(self.token_ids), self.media) if self.media else list(self.token_ids)
+
 
 def as_routing_prompt(prompt: RoutingPrompt | Sequence[int]) -> RoutingPrompt:
     """Plain ids are a prompt without media."""
@@ -70,8 +74,7 @@ class EpdPageNaming:
     needs_check = False  # the engine names its pages with this very code
 
     def names(self, prompt: RoutingPrompt, page_size: int) -> list[int]:
-        keys = build_cache_keys(list(prompt.token_ids), prompt.media) if prompt.media else prompt.token_ids
-        return page_hashes(keys, page_size)
+        return page_hashes(prompt.cache_keys(), page_size)
 
     def check(self, event: BlockStored) -> NamingCheck:
         return NamingCheck(True)
