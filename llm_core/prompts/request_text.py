@@ -26,8 +26,10 @@ Parity: a run without a mark keeps the ids of the whole-prompt tokenization, so 
 spells no special gets exactly the ids it always had (and transformers' ids: the parity tests). A
 marked run is tokenized on its own; the tokenizer splits every prompt at its added tokens before
 anything else, so that is the same as in place for the byte-level BPE of the families served here
-(Qwen2-VL, MiMo). (A Metaspace pre-tokenizer with ``prepend_scheme="first"`` would add its prefix
-to such a run; no family served here has one.)
+(Qwen2-VL, MiMo) and for word-level, WordPiece and Unigram models too (the marks are looked for
+in the rendered text, never in decoded ids, so a tokenizer without byte fallback that reads a mark
+as its unknown token changes nothing). A Metaspace pre-tokenizer that prefixes only the prompt's
+first word (``prepend_scheme="first"``) gets no prefix on a run after a special, as in place.
 
 Which tokens are special: the tokenizer's added tokens marked ``special`` (``Tokenizer.special_texts``,
 what transformers' ``split_special_tokens`` reads as text). A non-special added token (Qwen's
@@ -71,18 +73,23 @@ class MaskedChat:
         start = 0  # where the run's text starts in `rendered`
         for token, (begin, end) in zip(ids, spans, strict=True):
             if token in tokenizer.special_ids:  # written by the template: request strings spell none
-                out += self._run(tokenizer, rendered[start:begin], run)
+                out += self._run(tokenizer, rendered, start, begin, run)
                 out.append(token)
                 run, start = [], end
             else:
                 run.append(token)
-        out += self._run(tokenizer, rendered[start:], run)
+        out += self._run(tokenizer, rendered, start, len(rendered), run)
         return out
 
-    def _run(self, tokenizer: Tokenizer, text: str, ids: list[int]) -> list[int]:
+    def _run(self, tokenizer: Tokenizer, rendered: str, start: int, end: int, ids: list[int]) -> list[int]:
+        """The ids of ``rendered[start:end]`` (a run between specials, ``ids`` as the whole-prompt
+        tokenization gave them): those ids, or the run's text with its marks put back,
+        tokenized as the segment it is (the prompt's first, or one after a special)."""
+        text = rendered[start:end]
         if OPEN not in text:
             return ids
-        return tokenizer.encode_text(_MARK.sub(lambda m: self.marks[int(m[1])], text))
+        unmasked = _MARK.sub(lambda m: self.marks[int(m[1])], text)
+        return tokenizer.encode_text(unmasked, starts_prompt=start == 0)
 
 
 def mask_chat(messages: Sequence[Mapping[str, Any]], specials: Sequence[str]) -> MaskedChat:

@@ -21,6 +21,7 @@ from a request; a chat's messages go through ``llm_core.prompts.request_text``).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,6 +166,9 @@ class Tokenizer:
         # the flag is the tokenizer's state and a tokenizer may be shared between threads.
         self._as_text = HFTokenizer.from_str(tok.to_str())
         self._as_text.encode_special_tokens = True
+        # The same for a run that does not start the prompt: a Metaspace pre-tokenizer that marks
+        # only the prompt's first word ("first") must not mark a run after a special token.
+        self._as_text_inner = _not_first(self._as_text)
         self._one: dict[int, str] = {}  # decode_one's cache (ids are few; strings are short)
 
     @property
@@ -180,10 +184,14 @@ class Tokenizer:
         ``encode_text`` or ``llm_core.prompts.request_text``."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
-    def encode_text(self, text: str) -> list[int]:
+    def encode_text(self, text: str, *, starts_prompt: bool = True) -> list[int]:
         """Text to ids with no special-token id among them: ``<|im_end|>`` written in the text is
-        tokenized as its characters (for text from a request: a completions prompt string)."""
-        return list(self._as_text.encode(text, add_special_tokens=False).ids)
+        tokenized as its characters (for text from a request: a completions prompt string).
+        ``starts_prompt=False``: the text follows a special token in a longer prompt, and is
+        tokenized as that prompt's segment after the special (what differs is only a Metaspace
+        pre-tokenizer's "first" prefix)."""
+        tok = self._as_text if starts_prompt else self._as_text_inner
+        return list(tok.encode(text, add_special_tokens=False).ids)
 
     def encode_spans(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """``encode(text)`` and each id's span of ``text`` (character offsets, end exclusive; an
@@ -304,3 +312,30 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text += delta
         return delta
+
+
+def _not_first(tok: HFTokenizer) -> HFTokenizer:
+    """``tok``, or a copy whose Metaspace pre-tokenizers with ``prepend_scheme`` "first" say
+    "never": the tokenizer splits a prompt at its added tokens before pre-tokenizing, and "first"
+    prefixes only the split at offset 0, so a later split's tokens are those of "never"."""
+    spec = json.loads(tok.to_str())
+    found = False
+
+    def walk(node: Any) -> None:
+        nonlocal found
+        if isinstance(node, dict):
+            if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+                node["prepend_scheme"] = "never"
+                found = True
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(spec.get("pre_tokenizer"))
+    if not found:
+        return tok
+    out = HFTokenizer.from_str(json.dumps(spec))
+    out.encode_special_tokens = tok.encode_special_tokens
+    return out
