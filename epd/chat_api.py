@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import msgspec
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -100,87 +101,110 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
     if ingress.chats_inflight >= ingress.config.max_inflight_chats:  # a memory guard
         ingress.metrics.refusals.labels(stage="ingress", reason="memory").inc()
         raise overloaded(f"{ingress.chats_inflight} chat requests in flight; try again shortly")
-    ingress.chats_inflight += 1
+    # The items' entries stay leased in the node cache until the engine has answered (or failed):
+    # no put of any process evicts them meanwhile (``epd.media_lease``).
+    held = ingress.pipeline.lease_for(deadline) if prompt.media else None
+    release = held.release if held is not None else _nothing
+    passed_on = False  # a stream releases when it ends
     try:
-        items = await ingress.pipeline.resolve_all(prompt.media, deadline) if prompt.media else []
-    finally:
-        ingress.chats_inflight -= 1
-    backend = ingress.backend
-    call = await backend.chat_call(prompt.messages, items, sampling)
-    media_usage = _media_usage(items, prompt.media)
-    chat_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-    created = int(time.time())
-    if not stream:
-        out = await engines.complete(call.body, call.routing, deadline_at, call.path, call.prompt_tokens)
-        result = backend.chat_result(out)
-        ids = {"prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids}
-        return FastJSONResponse(
-            {
-                "id": chat_id,
-                "object": "chat.completion",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": result.text},
-                        "finish_reason": result.finish_reason,
-                        **({k: v for k, v in ids.items() if v is not None} if want_ids else {}),
-                    }
-                ],
-                "usage": {**result.usage, **media_usage},
-                "media": [{"name": it.name, "key": it.ref.key, "cache_hit": it.cache_hit} for it in items],
-            }
-        )
-
-    # Validate the engine accepts the request before the 200 status line goes out.
-    relay = call.relay  # the server's chunks are chat chunks already: bytes through
-    chunks = engines.stream(
-        {**call.body, "stream_options": {"include_usage": True}},
-        call.routing,
-        deadline_at,
-        call.path,
-        call.prompt_tokens,
-        relay=relay,
-    )
-    first = await anext(chunks, None)
-    frames = ChatFrames(chat_id, created, model)
-    frame = frames.frame
-
-    async def events() -> AsyncIterator[bytes]:
-        if not relay:  # a relayed stream's first chunk is the server's own role chunk
-            yield frame({"role": "assistant", "content": ""}, None)
-        usage: dict[str, Any] | None = None
-        pending = first
+        ingress.chats_inflight += 1
         try:
-            while pending is not None:
-                if isinstance(pending, StreamedChunk) and pending.opaque and pending.raw is not None:
-                    yield frames.relayed(pending.raw)
-                    pending = await anext(chunks, None)
-                    continue
-                delta = backend.chat_delta(pending)
-                if delta.usage:
-                    usage = delta.usage
-                if delta.text or delta.finish_reason:
-                    yield frame({"content": delta.text} if delta.text else {}, delta.finish_reason)
-                pending = await anext(chunks, None)
-        except APIError as exc:
-            yield _error_event(exc)
+            items = await ingress.pipeline.resolve_all(prompt.media, deadline, held) if prompt.media else []
         finally:
-            await chunks.aclose()
-        if include_usage:
-            final = {
-                "id": chat_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": {**(usage or {}), **media_usage},
-            }
-            yield b"data: " + msgspec.json.encode(final) + b"\n\n"
-        yield b"data: [DONE]\n\n"
+            ingress.chats_inflight -= 1
+        backend = ingress.backend
+        call = await backend.chat_call(prompt.messages, items, sampling)
+        media_usage = _media_usage(items, prompt.media)
+        chat_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        if not stream:
+            out = await engines.complete(call.body, call.routing, deadline_at, call.path, call.prompt_tokens)
+            result = backend.chat_result(out)
+            ids = {"prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids}
+            return FastJSONResponse(
+                {
+                    "id": chat_id,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": result.text},
+                            "finish_reason": result.finish_reason,
+                            **({k: v for k, v in ids.items() if v is not None} if want_ids else {}),
+                        }
+                    ],
+                    "usage": {**result.usage, **media_usage},
+                    "media": [
+                        {"name": it.name, "key": it.ref.key, "cache_hit": it.cache_hit} for it in items
+                    ],
+                }
+            )
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        # Validate the engine accepts the request before the 200 status line goes out.
+        relay = call.relay  # the server's chunks are chat chunks already: bytes through
+        chunks = engines.stream(
+            {**call.body, "stream_options": {"include_usage": True}},
+            call.routing,
+            deadline_at,
+            call.path,
+            call.prompt_tokens,
+            relay=relay,
+        )
+        first = await anext(chunks, None)
+        frames = ChatFrames(chat_id, created, model)
+        frame = frames.frame
+
+        async def events() -> AsyncIterator[bytes]:
+            if not relay:  # a relayed stream's first chunk is the server's own role chunk
+                yield frame({"role": "assistant", "content": ""}, None)
+            usage: dict[str, Any] | None = None
+            pending = first
+            try:
+                while pending is not None:
+                    if isinstance(pending, StreamedChunk) and pending.opaque and pending.raw is not None:
+                        yield frames.relayed(pending.raw)
+                        pending = await anext(chunks, None)
+                        continue
+                    delta = backend.chat_delta(pending)
+                    if delta.usage:
+                        usage = delta.usage
+                    if delta.text or delta.finish_reason:
+                        yield frame({"content": delta.text} if delta.text else {}, delta.finish_reason)
+                    pending = await anext(chunks, None)
+            except APIError as exc:
+                yield _error_event(exc)
+            finally:
+                await chunks.aclose()
+                release()
+            if include_usage:
+                final = {
+                    "id": chat_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": {**(usage or {}), **media_usage},
+                }
+                yield b"data: " + msgspec.json.encode(final) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+        response = StreamingResponse(
+            events(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            background=BackgroundTask(release),  # also when the stream never started
+        )
+        passed_on = True
+        return response
+    finally:
+        if not passed_on:
+            release()
+
+
+def _nothing() -> None:
+    return None
 
 
 async def completions(ingress: Ingress, request: Request) -> Response:

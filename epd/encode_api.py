@@ -93,12 +93,19 @@ async def encode(ingress: Ingress, request: Request) -> Response:
     deadline = request_deadline_s(request.headers, ingress.config.max_queue_wait_s)
     ingress.pipeline.check_capacity(1, deadline)  # a full pipeline costs a refused request no parsing
     sources = await _sources(ingress, request)
-    items = await ingress.pipeline.resolve_all(sources, deadline)
-    body: dict[str, Any] = {"object": "list", "data": [_item_json(it) for it in items]}
     if not with_embeddings:
-        return JSONResponse(body)
-    # Read from the cache right away: the tensors stay valid even if the entries get evicted now.
-    tensors = {it.ref.key: _tensor(ingress, it.ref.key) for it in items}
+        items = await ingress.pipeline.resolve_all(sources, deadline)
+        return JSONResponse({"object": "list", "data": [_item_json(it) for it in items]})
+    # The entries are leased until read (``epd.media_lease``): a request's own items cannot evict
+    # each other before the answer has them, and 413 says when they cannot fit the cache together.
+    held = ingress.pipeline.lease_for(deadline)
+    try:
+        items = await ingress.pipeline.resolve_all(sources, deadline, held)
+        # the tensors stay valid once read, even if the entries are evicted after the release
+        tensors = {it.ref.key: _tensor(ingress, it.ref.key) for it in items}
+    finally:
+        held.release()
+    body: dict[str, Any] = {"object": "list", "data": [_item_json(it) for it in items]}
     if fmt == "safetensors":
         payload = save_safetensors(
             {f"embedding.{i}": tensors[it.ref.key].contiguous() for i, it in enumerate(items)},

@@ -3,7 +3,9 @@
 A 4xx from a worker is the item's fault (bad media) and is raised as ``APIError`` carrying the
 worker's status and message; connection errors, 429 and 5xx raise the router's
 ``WorkerUnavailable`` so that it tries the next worker of the ring (a refusal for load carries the
-worker's Retry-After, its expected wait).
+worker's Retry-After, its expected wait). One 503 is neither: ``cache_full`` (the node cache is
+held by leases, whichever worker of the node encodes) is raised as ``WorkerCacheFull``, with the
+bytes the entry needed, for the request to decide (``epd.media_lease``).
 """
 
 from __future__ import annotations
@@ -15,8 +17,18 @@ from safetensors.torch import load as load_safetensors
 
 from epd.encoder_router import WorkerUnavailable
 from epd_common.admission import DEADLINE_HEADER
-from epd_common.errors import APIError
+from epd_common.errors import CACHE_FULL, ENTRY_BYTES_HEADER, APIError
 from epd_common.messages.encode_reply import EncodeReply
+
+
+class WorkerCacheFull(APIError):
+    """A worker encoded the item but the node cache had no room that leases did not hold."""
+
+    def __init__(
+        self, message: str, item: str, needed_bytes: int | None, retry_after_s: float | None
+    ) -> None:
+        super().__init__(503, message, type=CACHE_FULL, param=item, retry_after_s=retry_after_s or 1.0)
+        self.needed_bytes = needed_bytes
 
 
 class EncoderClient:
@@ -50,8 +62,15 @@ class EncoderClient:
                             worker_url, f"answered 200 with a reply that is not an EncodeReply: {exc}"
                         ) from exc
                 body = await _json_or_none(resp)
+                err = (body or {}).get("error") or {}
+                if resp.status == 503 and isinstance(err, dict) and err.get("type") == CACHE_FULL:
+                    raise WorkerCacheFull(
+                        str(err.get("message", "the node cache is full of leased entries")),
+                        item,
+                        _int_header(resp, ENTRY_BYTES_HEADER),
+                        _retry_after(resp),
+                    )
                 if 400 <= resp.status < 500 and resp.status != 429:
-                    err = (body or {}).get("error", {})
                     raise APIError(
                         resp.status,
                         str(err.get("message", f"encoder refused the item ({resp.status})")),
@@ -95,6 +114,11 @@ def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
         return float(resp.headers.get("Retry-After", ""))
     except ValueError:
         return None
+
+
+def _int_header(resp: aiohttp.ClientResponse, name: str) -> int | None:
+    value = resp.headers.get(name, "")
+    return int(value) if value.isdigit() else None
 
 
 async def _json_or_none(resp: aiohttp.ClientResponse) -> dict[str, Any] | None:

@@ -232,7 +232,13 @@ def _raise_for_engine_status(resp: aiohttp.ClientResponse, payload: dict[str, An
             retry = 1.0
         # a server's word, bounded: no day-long shut-out, no nan reaching the client's header
         retry = min(max(retry, 0.0), MAX_WAIT_S) if math.isfinite(retry) else 1.0
-        raise APIError(resp.status, message, type=str(err.get("type", "overloaded")), retry_after_s=retry)
+        raise APIError(
+            resp.status,
+            message,
+            type=str(err.get("type", "overloaded")),
+            param=err.get("param"),
+            retry_after_s=retry,
+        )
     if 400 <= resp.status < 500:
         raise APIError(
             resp.status, message, type=str(err.get("type", "invalid_request_error")), param=err.get("param")

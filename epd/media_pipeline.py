@@ -25,6 +25,11 @@ being sent the item (``EncoderRouter``), so a refusal costs the workers nothing;
 for every worker, a request is refused before its body is read (the parsing and hashing are most
 of what a refused request costs the event loop, which must stay free for ``/health`` and for
 the admitted requests).
+
+A chat holds its items in the node cache from here to the engine's answer (``epd.media_lease``):
+each item is leased as soon as its ref is known, a request whose items cannot fit the cache
+together is refused with 413 at the item that shows it, and a put refused because the cache is
+held by other requests' leases is a retryable 503.
 """
 
 from __future__ import annotations
@@ -34,12 +39,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from encoder.caches.embed_cache import EmbedCache
+from encoder.caches.embed_cache import CacheFull, EmbedCache
 from encoder.caches.embedding_tier import EmbeddingTier
 from encoder.caches.media_key import media_key_async
 from epd.backend_pool import AllAttemptsFailed, NoBackendAvailable
-from epd.encoder_client import EncoderClient
-from epd.encoder_router import EncoderRouter
+from epd.encoder_client import EncoderClient, WorkerCacheFull
+from epd.encoder_router import EncoderRouter, WorkerUnavailable
+from epd.media_lease import LEASE_MARGIN_S, MediaLease, cache_full
 from epd.media_request import MediaSource
 from epd.metrics import IngressMetrics
 from epd_common.admission import ServiceRate, admission_bound_s, bound_text, seconds_left
@@ -152,11 +158,18 @@ class MediaPipeline:
                 f"{self._inflight} items in flight; the guard is {self.max_inflight}", retry_after_s=wait
             )
 
+    def lease_for(self, deadline_s: float | None = None) -> MediaLease:
+        """A request's hold on its items in the node cache (``resolve_all``'s ``held``), until its
+        ``release`` or the deadline plus ``LEASE_MARGIN_S``."""
+        deadline = self.max_queue_wait_s if deadline_s is None else deadline_s
+        return MediaLease(self.cache, deadline + LEASE_MARGIN_S)
+
     async def resolve_all(
-        self, sources: Sequence[MediaSource], deadline_s: float | None = None
+        self, sources: Sequence[MediaSource], deadline_s: float | None = None, held: MediaLease | None = None
     ) -> list[EncodedItem]:
         """Resolve every item concurrently; the first failure fails the request (others are
-        cancelled). ``deadline_s``: the client's (``request_deadline_s``); None: the server's."""
+        cancelled). ``deadline_s``: the client's (``request_deadline_s``); None: the server's.
+        ``held``: each item's entry is leased into it as it resolves (the caller releases it)."""
         deadline = self.max_queue_wait_s if deadline_s is None else deadline_s
         self.check_capacity(len(sources), deadline)
         deadline_at = time.monotonic() + deadline
@@ -164,21 +177,27 @@ class MediaPipeline:
         downloads: dict[str, asyncio.Task[bytes]] = {}
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._timed(src, deadline_at, downloads)) for src in sources]
+                tasks = [group.create_task(self._timed(src, deadline_at, downloads, held)) for src in sources]
         except* (APIError, MediaError) as eg:
             raise eg.exceptions[0] from None
         finally:
             self._inflight -= len(sources)
+        if held is not None:
+            held.check()
         return [t.result() for t in tasks]
 
     async def _timed(
-        self, src: MediaSource, deadline_at: float, downloads: dict[str, asyncio.Task[bytes]]
+        self,
+        src: MediaSource,
+        deadline_at: float,
+        downloads: dict[str, asyncio.Task[bytes]],
+        held: MediaLease | None = None,
     ) -> EncodedItem:
         """``resolve``, counted in the rate admission measures."""
         self.rate.started()
         ok = False
         try:
-            item = await self.resolve(src, deadline_at, downloads)
+            item = await self.resolve(src, deadline_at, downloads, held)
             ok = True
             return item
         finally:
@@ -189,10 +208,11 @@ class MediaPipeline:
         src: MediaSource,
         deadline_at: float | None = None,
         downloads: dict[str, asyncio.Task[bytes]] | None = None,
+        held: MediaLease | None = None,
     ) -> EncodedItem:
         """One item; ``deadline_at`` (monotonic): what is left of it goes to the worker;
         ``downloads``: the request's fetches by URL, so that a video and its sound track (the same
-        URL) download once."""
+        URL) download once; ``held``: the request's lease, which takes the item's entry."""
         t0 = time.perf_counter()
         data = src.data if src.data is not None else await self._download(src, downloads)
         t_download = time.perf_counter()
@@ -230,14 +250,18 @@ class MediaPipeline:
         timings = {"download": (t_download - t0) * 1e3, "hash": (t_key - t_download) * 1e3}
 
         cached = self.cache.get(key)
-        if cached is not None:
+        # evicted between the read and the lease: encoded again below
+        if cached is not None and (held is None or held.hold(src.name, cached.ref)):
             self.metrics.cache_hits.inc()
             timings["total"] = (time.perf_counter() - t0) * 1e3
             return EncodedItem(src.name, cached.ref, True, timings)
         self.metrics.cache_misses.inc()
         if self.tier is not None:  # encoded on another node already? (no worker call then)
-            ref = await asyncio.get_running_loop().run_in_executor(None, self.tier.lookup, key)
-            if ref is not None:
+            try:
+                ref = await asyncio.get_running_loop().run_in_executor(None, self.tier.lookup, key)
+            except CacheFull as exc:  # the copy into this node's cache found it held by leases
+                raise _no_room(held, src.name, exc.needed_bytes, exc) from exc
+            if ref is not None and (held is None or held.hold(src.name, ref)):
                 self.metrics.store_hits.inc()
                 timings["total"] = (time.perf_counter() - t0) * 1e3
                 return EncodedItem(src.name, ref, True, timings)
@@ -251,7 +275,12 @@ class MediaPipeline:
             if not self.cache.contains(reply.ref.key):
                 # The worker is on another node: bring the bytes into this node's cache.
                 ref_url = reply.ref.url or f"{worker_url}/embeddings/{reply.ref.key}"
-                tensor = await self.client.fetch_embedding(ref_url)
+                try:
+                    tensor = await self.client.fetch_embedding(ref_url)
+                except WorkerUnavailable as exc:
+                    if exc.status != 404:
+                        raise
+                    return reply.ref  # evicted before this request could hold it: ``held.lost``
                 self.cache.put(
                     reply.ref.key,
                     tensor,
@@ -275,10 +304,14 @@ class MediaPipeline:
             ) from exc
         except NoBackendAvailable as exc:
             raise overloaded(f"no encoder worker could take {src.name}: {exc}", retry_after_s=2.0) from exc
+        except (WorkerCacheFull, CacheFull) as exc:  # the worker's put, or this node's copy of it
+            raise _no_room(held, src.name, exc.needed_bytes, exc) from exc
         if ref.key != key:
             raise APIError(
                 500, f"encoder returned key {ref.key} for {src.name}, expected {key}", type="internal_error"
             )
+        if held is not None and not held.hold(src.name, ref):
+            held.lost(src.name, ref)  # evicted between its write and the lease: 503 once all resolved
         timings["total"] = (time.perf_counter() - t0) * 1e3
         self.metrics.observe_timings(timings)
         self.metrics.media_items.labels(modality=kind.modality).inc()
@@ -292,6 +325,11 @@ class MediaPipeline:
         if task is None:
             task = downloads[url] = asyncio.ensure_future(self.fetcher.fetch(url, item=src.name))
         return await asyncio.shield(task)
+
+
+def _no_room(held: MediaLease | None, name: str, needed_bytes: int | None, cause: Exception) -> APIError:
+    """A put refused because the node cache is held by leases: 413 or 503 (``MediaLease.no_room``)."""
+    return cache_full(name, cause) if held is None else held.no_room(name, needed_bytes, cause)
 
 
 def silent_track() -> EmbeddingRef:

@@ -15,6 +15,12 @@ from starlette.responses import JSONResponse
 
 from epd_common.admission import retry_after_header
 
+# A put the node cache refused because every entry it could evict is leased by requests in flight
+# (``encoder.caches.cache_lease``): a retryable 503 of this type, whose ENTRY_BYTES_HEADER says how
+# many bytes the entry needed (the ingress tells a request that can never fit from a busy cache).
+CACHE_FULL = "cache_full"
+ENTRY_BYTES_HEADER = "X-Entry-Bytes"
+
 
 class APIError(Exception):
     """A request-level error with an HTTP status, an error type and the parameter it concerns."""

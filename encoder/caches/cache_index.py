@@ -4,7 +4,8 @@
 
     index file
     [0, 4096)                    header: magic, version, nslots, then u64 counters (COUNTERS)
-    [4096 + 128*i, +128)         record i: used, size, created_ns, last_access_ns, hits, key
+    [4096 + 136*i, +136)         record i: used, pins, size, created_ns, last_access_ns, hits,
+                                 lease_until_ns, key
 
 Entry files are the truth about what is cached; the index is the bookkeeping that makes LRU
 eviction and statistics O(1) syscalls: a victim is the used record with the smallest
@@ -19,6 +20,14 @@ Crash safety comes from ordering, not from transactions: a record is added *befo
 gets its final name and removed *after* the file is unlinked. A crash in between leaves a
 record without a file, which only over-counts ``used_bytes`` (so the budget still holds) until
 the next ``EmbedCache.sweep`` rebuilds the index from the directory.
+
+Leases (``cache_lease.py``): ``pins`` counts the holders of a record and ``lease_until_ns`` is
+the latest expiry any of them asked for. A record is *protected* (never an eviction victim)
+while ``pins > 0`` and ``lease_until_ns`` is in the future; a holder that crashed never
+releases, so its pin stops protecting once the expiry passes, and the next lease of an expired
+record starts the count afresh. Times are ``time.time_ns`` (CLOCK_REALTIME), as the LRU stamps
+already are: every process of the node reads the same clock, and unlike CLOCK_MONOTONIC it does
+not restart with a reboot, which a cache directory on disk (no /dev/shm) survives.
 """
 
 from __future__ import annotations
@@ -31,21 +40,22 @@ from typing import NamedTuple
 import numpy as np
 
 MAGIC = b"EPDINDEX"
-VERSION = 2
+VERSION = 3  # 3: pins and lease_until_ns (136-byte records)
 HEADER_BYTES = 4096
 KEY_BYTES = 88
 RECORD = np.dtype(
     [
         ("used", "<u4"),
-        ("reserved", "<u4"),
+        ("pins", "<u4"),  # holders of a lease on the record (cache_lease.py)
         ("size", "<u8"),
         ("created_ns", "<u8"),
         ("last_access_ns", "<u8"),
         ("hits", "<u8"),
+        ("lease_until_ns", "<u8"),  # the latest expiry a holder asked for (time.time_ns)
         ("key", f"S{KEY_BYTES}"),
     ]
 )
-assert RECORD.itemsize == 128
+assert RECORD.itemsize == 136
 COUNTERS: tuple[str, ...] = (
     "capacity_bytes",
     "used_bytes",
@@ -73,6 +83,12 @@ class Record(NamedTuple):
     created_ns: int
     last_access_ns: int
     hits: int
+    pins: int = 0
+    lease_until_ns: int = 0
+
+    def protected(self, now_ns: int) -> bool:
+        """Leased and the lease has not expired: no eviction may take it."""
+        return self.pins > 0 and self.lease_until_ns > now_ns
 
 
 class SharedIndex:
@@ -150,12 +166,23 @@ class SharedIndex:
         # the counter one off until the next sweep, and the slot search must never come up empty.
         return not bool(self.rec["used"].all())
 
-    def insert(self, key: str, size: int, created_ns: int, last_access_ns: int, hits: int = 0) -> int:
-        """Add a record and count its bytes; the caller made sure a slot is free."""
+    def insert(
+        self,
+        key: str,
+        size: int,
+        created_ns: int,
+        last_access_ns: int,
+        hits: int = 0,
+        pins: int = 0,
+        lease_until_ns: int = 0,
+    ) -> int:
+        """Add a record and count its bytes; the caller made sure a slot is free. ``pins`` and
+        ``lease_until_ns``: a lease the record carries over (``sweep``); a new entry has none."""
         slot = int(np.argmin(self.rec["used"]))  # first free slot
         assert self.rec["used"][slot] == 0, "insert into a full index: evict first"
         r = self.rec[slot]
         r["size"], r["created_ns"], r["last_access_ns"], r["hits"] = size, created_ns, last_access_ns, hits
+        r["pins"], r["lease_until_ns"] = pins, lease_until_ns
         r["key"] = key.encode("ascii")
         r["used"] = 1  # last: a lock-free reader never sees a used record with a stale key
         self.add("used_bytes", size)
@@ -180,12 +207,47 @@ class SharedIndex:
         r["hits"] = int(r["hits"]) + 1
         return True
 
-    def oldest(self) -> Record | None:
-        """The least recently used record (the eviction victim), or None when empty."""
-        # One pass: free slots rank after every used one.
-        stamps = np.where(self.rec["used"] == 1, self.rec["last_access_ns"], np.iinfo(np.uint64).max)
+    def _protected(self, now_ns: int) -> np.ndarray:
+        rec = self.rec
+        return (rec["used"] == 1) & (rec["pins"] > 0) & (rec["lease_until_ns"] > now_ns)  # type: ignore[no-any-return]
+
+    def oldest(self, now_ns: int) -> Record | None:
+        """The least recently used record that no unexpired lease protects (the eviction victim),
+        or None when there is none."""
+        # One pass: free and protected slots rank after every evictable one.
+        evictable = (self.rec["used"] == 1) & ~self._protected(now_ns)
+        stamps = np.where(evictable, self.rec["last_access_ns"], np.iinfo(np.uint64).max)
         slot = int(np.argmin(stamps))
-        return self.record(slot) if self.rec["used"][slot] else None
+        return self.record(slot) if evictable[slot] else None
+
+    def leased(self, now_ns: int) -> tuple[int, int]:
+        """(records, bytes) that unexpired leases protect now."""
+        mask = self._protected(now_ns)
+        return int(mask.sum()), int(self.rec["size"][mask].sum())
+
+    def any_used(self) -> bool:
+        return bool(self.rec["used"].any())
+
+    def pin(self, slot: int, until_ns: int, now_ns: int) -> None:
+        """One more holder of ``slot`` until ``until_ns``. The pins of a record whose lease had
+        expired belong to holders that are gone or late: the count starts afresh."""
+        r = self.rec[slot]
+        expired = int(r["lease_until_ns"]) <= now_ns
+        r["pins"] = 1 if expired else int(r["pins"]) + 1
+        r["lease_until_ns"] = until_ns if expired else max(int(r["lease_until_ns"]), until_ns)
+
+    def unpin(self, slot: int, key: str, created_ns: int) -> None:
+        """One holder fewer of the entry that was leased: the same key, written at the same time
+        (not a later entry of that key), at ``slot`` or where a sweep has moved it since."""
+        kb = key.encode("ascii")
+        r = self.rec[slot]
+        if not (r["used"] and r["key"] == kb):
+            found = self.find(key)
+            if found is None:
+                return
+            r = self.rec[found]
+        if int(r["created_ns"]) == created_ns:
+            r["pins"] = max(0, int(r["pins"]) - 1)
 
     def record(self, slot: int) -> Record:
         r = self.rec[slot]
@@ -196,6 +258,8 @@ class SharedIndex:
             created_ns=int(r["created_ns"]),
             last_access_ns=int(r["last_access_ns"]),
             hits=int(r["hits"]),
+            pins=int(r["pins"]),
+            lease_until_ns=int(r["lease_until_ns"]),
         )
 
     def records(self) -> list[Record]:

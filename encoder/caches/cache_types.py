@@ -36,6 +36,31 @@ class EntryTooLarge(CacheError):
     """One entry larger than the whole byte budget."""
 
 
+class CacheFull(CacheError):
+    """A put that does not fit because every entry it could evict is leased (``cache_lease.py``):
+    the space frees up when the requests holding those leases end, so the caller may retry."""
+
+    def __init__(self, message: str, needed_bytes: int, capacity_bytes: int, leased_bytes: int) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.capacity_bytes = capacity_bytes
+        self.leased_bytes = leased_bytes
+
+    def __reduce__(self) -> tuple[type, tuple[str, int, int, int]]:  # picklable across processes
+        return type(self), (str(self), self.needed_bytes, self.capacity_bytes, self.leased_bytes)
+
+
+class NotCached(CacheError):
+    """A lease asked for a key the cache does not hold (never written, or evicted)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"cannot lease {key}: it is not in the cache")
+        self.key = key
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        return type(self), (self.key,)
+
+
 class CacheNotFound(CacheError):
     """A read-only open of a cache directory that does not exist."""
 

@@ -16,6 +16,10 @@ Read: open + mmap (MAP_PRIVATE) + ``torch.frombuffer``: a zero-copy view that st
 the entry is evicted (the mapping holds the inode) and that a consumer can write to without
 touching the shared copy (copy-on-write). Reads take the lock only to bump LRU stats.
 
+Lease (``cache_lease.py``): ``lease(keys, ttl_s)`` pins entries that a request will read, in the
+shared index, so that no process's put evicts them until the lease is released or expires; a put
+that could only fit by evicting a leased entry raises ``CacheFull`` (retry later) instead.
+
 Crash safety (kill -9 anywhere): flocks die with their process; a dead writer's ``tmp/`` file
 is unlocked, so ``sweep`` (run at every start) deletes it; bookkeeping is ordered so that a crash
 can only over-count used bytes, and ``sweep`` rebuilds the index from the entry files.
@@ -59,15 +63,18 @@ from encoder.caches.cache_format import (
     payload_crc,
 )
 from encoder.caches.cache_index import Record, SharedIndex
+from encoder.caches.cache_lease import CacheLease
 from encoder.caches.cache_lock import FileLock
 from encoder.caches.cache_types import (
     CachedEmbedding,
     CacheError,
+    CacheFull,
     CacheNotFound,
     CacheStats,
     EntryMeta,
     EntryTooLarge,
     InvalidKey,
+    NotCached,
     VerifyFailure,
     VerifyReport,
     check_key,
@@ -106,6 +113,14 @@ def ref_of(hdr: EntryHeader) -> EmbeddingRef:
         seconds_per_grid_t=hdr.seconds_per_grid_t,
         grid_t_timestamps=hdr.grid_t_timestamps,
     )
+
+
+def entry_size(ref: EmbeddingRef, writer: str = "") -> int:
+    """The bytes an entry of ``ref`` takes (its header and payload, as ``put`` counts them; a
+    long ``writer`` name can add a header page)."""
+    rows, cols = ref.shape
+    header = header_len_for(ref.key, writer, len(ref.grid_thw), len(ref.grid_t_timestamps))
+    return header + rows * cols * ITEMSIZE.get(ref.dtype, 4)
 
 
 class EmbedCache:
@@ -180,14 +195,25 @@ class EmbedCache:
         idx.remove(rec.slot)
         return existed
 
-    def _make_room(self, idx: SharedIndex, size: int) -> None:
-        """Evict LRU entries until ``size`` more bytes and one more record fit. Lock held."""
+    def _make_room(self, idx: SharedIndex, size: int, key: str = "") -> None:
+        """Evict LRU entries that no lease protects until ``size`` more bytes and one more record
+        fit; ``CacheFull`` when only leased ones are left. Lock held."""
         capacity = idx.counter("capacity_bytes")
+        now = time.time_ns()
         while idx.counter("used_bytes") + size > capacity or not idx.has_free_slot():
-            victim = idx.oldest()
-            if victim is None:  # no record left: the counters drifted (a crash); nothing is cached
-                idx.clear_records()
-                break
+            victim = idx.oldest(now)
+            if victim is None:
+                if not idx.any_used():  # no record left: the counters drifted (a crash)
+                    idx.clear_records()
+                    break
+                entries, leased = idx.leased(now)
+                raise CacheFull(
+                    f"put({key}): {size} bytes do not fit the {capacity}-byte node cache: {leased} bytes"
+                    f" ({entries} entries) are leased by requests in flight, the rest is in use",
+                    needed_bytes=size,
+                    capacity_bytes=capacity,
+                    leased_bytes=leased,
+                )
             self._unlink_entry(idx, victim)
             idx.add("evictions")
             idx.add("evicted_bytes", victim.size)
@@ -231,7 +257,8 @@ class EmbedCache:
 
         Entries are immutable: when ``key`` is already cached (another writer won) the existing
         entry stays and its ref is returned. Evicts least recently used entries to stay within
-        the byte budget; raises ``EntryTooLarge`` when the entry alone exceeds it.
+        the byte budget, never a leased one; raises ``EntryTooLarge`` when the entry alone
+        exceeds the budget and ``CacheFull`` when it fits only by evicting leased entries.
         """
         path = self._path(key)
         dtype = str(tensor.dtype).removeprefix("torch.")
@@ -290,7 +317,7 @@ class EmbedCache:
                 if path.exists():  # lost the race to an identical entry: keep the first
                     os.unlink(tmp)
                     return ref
-                self._make_room(idx, size)
+                self._make_room(idx, size, key)
                 slot = idx.insert(key, size, created_ns=now, last_access_ns=now)
                 os.pwrite(fd, pack_slot(slot), SLOT_OFFSET)
                 os.rename(tmp, path)
@@ -352,6 +379,12 @@ class EmbedCache:
         else:
             rec = self._record_for(key, slot)
         return CachedEmbedding(tensor=tensor, ref=ref_of(hdr), meta=self._meta(hdr, rec))
+
+    def lease(self, keys: Sequence[str], ttl_s: float) -> CacheLease:
+        """Pin ``keys`` against eviction by any process for at most ``ttl_s`` seconds (release it,
+        or use it as a context manager). All or none: ``NotCached`` names a key that is not
+        cached. ``evict`` and ``clear`` still remove a leased entry (they are explicit)."""
+        return CacheLease.take(self._locked, self._entries_dir, keys, ttl_s)
 
     def entry_bytes(self, key: str) -> bytes | None:
         """The entry file's bytes as they are (header, checksums, payload), or None: what the
@@ -501,19 +534,33 @@ class EmbedCache:
             idx.clear_records()
             # Oldest first, so that if there are more files than slots the newest survive.
             found.sort(key=lambda kh: known[kh[0]].last_access_ns if kh[0] in known else kh[1].created_ns)
+            now = time.time_ns()
             for name, hdr in found:
                 old = known.get(name)
                 if not idx.has_free_slot():
-                    self._make_room(idx, 0)
+                    try:
+                        self._make_room(idx, 0)
+                    except CacheFull:  # every slot is leased: this file goes, not theirs
+                        with suppress(FileNotFoundError):
+                            os.unlink(self._entries_dir / name)
+                        removed += 1
+                        continue
+                # a live lease carries over (another process holds it); an expired one is dropped
+                leased = old is not None and old.created_ns == hdr.created_ns and old.protected(now)
                 slot = idx.insert(
                     name,
                     hdr.file_len,
                     created_ns=hdr.created_ns,
                     last_access_ns=old.last_access_ns if old else hdr.created_ns,
                     hits=old.hits if old else 0,
+                    pins=old.pins if old is not None and leased else 0,
+                    lease_until_ns=old.lease_until_ns if old is not None and leased else 0,
                 )
                 write_slot(self._entries_dir / name, slot)
-            self._make_room(idx, 0)
+            try:
+                self._make_room(idx, 0)
+            except CacheFull as e:  # over budget until those leases end; puts wait for them
+                log.warning("embedding cache %s: %s", self.root, e)
             idx.add("sweeps")
         return removed
 
@@ -542,6 +589,8 @@ def open_reader(namespace: str, writer: str) -> EmbedCache | None:
 
 __all__ = [
     "CacheError",
+    "CacheFull",
+    "CacheLease",
     "CacheNotFound",
     "CacheStats",
     "CachedEmbedding",
@@ -549,8 +598,10 @@ __all__ = [
     "EntryMeta",
     "EntryTooLarge",
     "InvalidKey",
+    "NotCached",
     "VerifyFailure",
     "VerifyReport",
     "default_root",
+    "entry_size",
     "open_reader",
 ]

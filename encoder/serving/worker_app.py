@@ -59,7 +59,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from encoder.caches.embed_cache import EmbedCache, EntryTooLarge, InvalidKey
+from encoder.caches.embed_cache import CacheFull, EmbedCache, EntryTooLarge, InvalidKey
 from encoder.caches.embedding_tier import EmbeddingTier
 from encoder.caches.media_key import KeySettings, media_key
 from encoder.models.audio_checkpoint import LoadedAudioEncoder, NoAudio, load_audio_encoder
@@ -70,7 +70,7 @@ from encoder.serving.stage_work import StageWork
 from encoder.serving.worker import WorkerConfig
 from epd_common.active_paths import report
 from epd_common.admission import admission_bound_s, bound_text, request_deadline_s, retry_after_header
-from epd_common.errors import error_body
+from epd_common.errors import CACHE_FULL, ENTRY_BYTES_HEADER, error_body
 from epd_common.messages.embedding_ref import EmbeddingRef
 from epd_common.messages.encode_reply import EncodeReply
 from epd_common.runtime import freeze_startup_objects
@@ -654,6 +654,10 @@ def build_app(
             w.metrics.refusals.labels(reason="memory").inc()
             retry = retry_after_header(w.expected_wait_s())
             return _error(503, "overloaded", str(e), item, headers={"Retry-After": retry})
+        except CacheFull as e:  # every entry it could evict is leased: room frees as requests end
+            w.metrics.requests.labels(outcome="overloaded").inc()
+            headers = {"Retry-After": "1", ENTRY_BYTES_HEADER: str(e.needed_bytes)}
+            return _error(503, CACHE_FULL, str(e), item, headers=headers)
         except ValueError as e:  # patches the model cannot take (a preprocessing bug or odd input)
             w.metrics.requests.labels(outcome="error").inc()
             return _error(400, "bad_media", str(e), item)

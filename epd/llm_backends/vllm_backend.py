@@ -377,9 +377,9 @@ class VLLMBackend:
             try:
                 (mm,) = await self.source.resolve([item.ref])
             except APIError as exc:
-                if exc.status != 400:
+                if exc.status != 400 and exc.type != "embedding_evicted":
                     raise
-                if self.cache is not None and self.cache.contains(item.ref.key):
+                if exc.status == 400 and self.cache is not None and self.cache.contains(item.ref.key):
                     raise self._mismatch(item, i, EmbeddingMismatch(exc.message)) from exc
                 raise APIError(
                     503,

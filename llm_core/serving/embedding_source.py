@@ -5,6 +5,10 @@ shared-memory embedding cache and are read zero-copy (through ``EmbeddingReader`
 does not import the encoder; whoever wires the process passes the opener); from another node the
 engine fetches ``ref.url`` (a safetensors body with tensor ``embedding``). Either way the tensor
 must have the shape the ref announces, or the request fails with a 400 naming the item.
+
+An item that is in neither place (not in this node's cache, and its url answers 404 or there is
+none) was evicted after the ingress resolved it: not the client's fault, a retryable 503 of type
+``embedding_evicted`` naming the item (the ingress leases a request's entries, so this is rare).
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ class EmbeddingSource:
         return cls(cache, hidden_size, timeout_s, owns_cache=cache is not None)
 
     async def resolve(self, refs: Sequence[EmbeddingRef]) -> list[MultimodalInput]:
-        """One MultimodalInput per ref, in order; APIError (400) naming ``multimodal[i]`` on failure."""
+        """One MultimodalInput per ref, in order; APIError naming ``multimodal[i]`` on failure (400,
+        or 503 ``embedding_evicted`` for an entry gone from the node cache and from its url)."""
         out = []
         for i, ref in enumerate(refs):
             param = f"multimodal[{i}]"
@@ -74,13 +79,13 @@ class EmbeddingSource:
 
     async def _fetch(self, ref: EmbeddingRef, param: str) -> torch.Tensor:
         if not ref.url:
-            raise bad_request(
-                f"embedding {ref.key[:16]}... is not in this node's cache and the ref has no url", param
-            )
+            raise evicted(ref, param, "the ref has no url")
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
         try:
             async with self._session.get(ref.url) as resp:
+                if resp.status == 404:
+                    raise evicted(ref, param, f"{ref.url} answered 404")
                 if resp.status != 200:
                     raise bad_request(f"fetching {ref.url} answered HTTP {resp.status}", param)
                 body = await resp.read()
@@ -111,3 +116,15 @@ class EmbeddingSource:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def evicted(ref: EmbeddingRef, param: str, where: str) -> APIError:
+    """The entry left the node cache between the ingress resolving it and this read: retry."""
+    return APIError(
+        503,
+        f"embedding {ref.key[:16]}... is no longer in this node's cache and {where}: it was evicted"
+        " after the ingress resolved it; retry the request",
+        type="embedding_evicted",
+        param=param,
+        retry_after_s=0.0,
+    )

@@ -215,6 +215,27 @@ def test_error_bodies_have_the_shared_shape(served: Served) -> None:
     assert body["error"]["code"] == 404
 
 
+def test_a_node_cache_held_by_leases_is_a_retryable_503_saying_what_the_entry_needs(served: Served) -> None:
+    root = served.config.cache_root
+    assert served.request("POST", "/encode", png(56, 56, seed=70))[0] == 200
+    cache = EmbedCache("test", root=root)
+    before = cache.capacity_bytes
+    try:
+        # another request holds everything cached, and nothing else fits
+        with cache.lease([m.key for m in cache.entries()], ttl_s=60):
+            EmbedCache("test", capacity_bytes=cache.stats().used_bytes, root=root).close()
+            status, body, headers = served.request("POST", "/encode", png(56, 56, seed=71), item="new.png")
+            assert status == 503, body
+            assert (body["error"]["type"], body["error"]["param"]) == ("cache_full", "new.png")
+            assert "leased by requests in flight" in body["error"]["message"]
+            lower = {k.lower(): v for k, v in headers.items()}
+            assert int(lower["x-entry-bytes"]) > 0 and lower["retry-after"] == "1"
+    finally:
+        EmbedCache("test", capacity_bytes=before, root=root).close()
+        cache.close()
+    assert served.request("POST", "/encode", png(56, 56, seed=71))[0] == 200  # released: room again
+
+
 def test_health_and_metrics(served: Served) -> None:
     status, health, _ = served.request("GET", "/health")
     assert status == 200 and health["status"] == "ok"

@@ -187,15 +187,18 @@ def test_multimodal_from_node_cache(client: TestClient, loaded: Any, cache: Embe
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == _direct(loaded, prompt, emb, ref)
 
-    # A run of the wrong length, and a key the node does not have (and no URL), fail the item.
+    # A run of the wrong length fails the item (400); a key the node no longer has (and no URL)
+    # was evicted after the ingress resolved it: a retryable 503, not the client's fault.
     r = client.post(
         "/v1/completions", json={"prompt": _image_prompt(loaded, 5), "multimodal": [ref.to_json()], **GREEDY}
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "multimodal[0]"
     missing = {**ref.to_json(), "key": "not-cached"}
     r = client.post("/v1/completions", json={"prompt": prompt, "multimodal": [missing], **GREEDY})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "multimodal[0]"
-    assert "not in this node's cache" in r.json()["error"]["message"]
+    assert r.status_code == 503 and r.headers["Retry-After"], r.text
+    err = r.json()["error"]
+    assert err["type"] == "embedding_evicted" and err["param"] == "multimodal[0]"
+    assert "no longer in this node's cache" in err["message"]
 
 
 def test_multimodal_fetched_from_url(client: TestClient, loaded: Any) -> None:
