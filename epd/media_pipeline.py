@@ -48,7 +48,14 @@ from epd.encoder_router import EncoderRouter, WorkerUnavailable
 from epd.media_lease import LEASE_MARGIN_S, MediaLease, cache_full
 from epd.media_request import MediaSource
 from epd.metrics import IngressMetrics
-from epd_common.admission import ServiceRate, admission_bound_s, bound_text, seconds_left
+from epd_common.admission import (
+    Lateness,
+    ServiceRate,
+    admission_bound_s,
+    bound_text,
+    near_bound_s,
+    seconds_left,
+)
 from epd_common.errors import APIError, bad_request, overloaded
 from epd_common.messages.embedding_ref import EmbeddingRef
 from media_io.audio import has_audio_stream
@@ -116,6 +123,9 @@ class MediaPipeline:
         self.max_inflight = max_inflight
         self.max_queue_wait_s = max_queue_wait_s
         self.rate = ServiceRate(seed_items_per_s)
+        # of requests' media against the wait they were admitted with (learned near the bound: an
+        # upload's parse and hash weigh on short waits)
+        self.lateness = Lateness(min_estimate_s=near_bound_s(max_queue_wait_s))
         self._inflight = 0
 
     @property
@@ -123,7 +133,8 @@ class MediaPipeline:
         return self._inflight
 
     def expected_wait_s(self, items: int = 0) -> float:
-        """When ``items`` more would be done: the items in flight and theirs at the measured rate."""
+        """When ``items`` more would be done: the items in flight and theirs at the measured rate
+        (unscaled: ``check_capacity`` scales it by how late recent requests were)."""
         return self.rate.expected_wait_s(self._inflight + items)
 
     def check_capacity(self, items: int = 1, deadline_s: float | None = None) -> None:
@@ -131,7 +142,8 @@ class MediaPipeline:
         the deadline (an idle pipeline takes any request), and within the memory guard. Called
         before a body is parsed too, so a refused request costs no parsing."""
         deadline = self.max_queue_wait_s if deadline_s is None else deadline_s
-        wait = self.expected_wait_s(items)
+        raw = self.expected_wait_s(items)
+        wait = self.lateness.scaled(raw)
         self.metrics.expected_wait.set(wait)
         behind = self.router.expected_wait_s()
         if behind > deadline:
@@ -149,8 +161,9 @@ class MediaPipeline:
             self.metrics.refusals.labels(stage="ingress", reason="wait").inc()
             raise overloaded(
                 f"expected wait {wait:.1f} s ({self._inflight} items in flight and {items} of this request at"
-                f" {self.rate.per_s():.1f} items/s) exceeds {bound_text(deadline)}",
-                retry_after_s=wait,
+                f" {self.rate.per_s():.1f} items/s, x{wait / raw:.2f} for how late recent requests were)"
+                f" exceeds {bound_text(deadline)}",
+                retry_after_s=self.lateness.typical(raw),
             )
         if self._inflight + items > self.max_inflight:
             self.metrics.refusals.labels(stage="ingress", reason="memory").inc()
@@ -173,14 +186,19 @@ class MediaPipeline:
         deadline = self.max_queue_wait_s if deadline_s is None else deadline_s
         self.check_capacity(len(sources), deadline)
         deadline_at = time.monotonic() + deadline
+        token = object()  # this request's media, for the estimate's error
+        if self._inflight and self.rate.measured:  # behind other work, at a measured rate
+            self.lateness.admitted(token, self.expected_wait_s(len(sources)))
         self._inflight += len(sources)
         downloads: dict[str, asyncio.Task[bytes]] = {}
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self._timed(src, deadline_at, downloads, held)) for src in sources]
+            self.lateness.done(token)
         except* (APIError, MediaError) as eg:
             raise eg.exceptions[0] from None
         finally:
+            self.lateness.ended(token)
             self._inflight -= len(sources)
         if held is not None:
             held.check()

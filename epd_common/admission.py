@@ -37,6 +37,24 @@ A stage admits against a share of that deadline (``DEADLINE_SHARE``, ``admission
 estimate covers the wait it can see, its own queue; the answer's way out (a server's stream, the
 ingress, the client's own event loop) is in no stage's estimate, and under sustained overload on
 two shared cores it took up to a second of a 10 s deadline, which put the admitted P99 past it.
+
+The rate moves while work waits (a machine shared with other jobs, a mix that changes), and work
+admitted at the bound's edge is late whenever it slows. So each stage learns its estimate's error
+(``Lateness``): of recent work admitted behind other work, how much later it was done than
+estimated, and scales its wait by the ``LATENESS_QUANTILE`` of that (at least 1, at most 3). The
+quantile is the one the deadline is meant to bound: a client's timeout fails the late tail, not
+the median (scaled for the 90th, one admitted request in a hundred came past the deadline under
+sustained overload). A refusal's Retry-After is when the queue is expected to have drained, the
+wait scaled by the median lateness instead:
+
+    wait = lateness.scaled(raw_wait)         # raw_wait: the queue ahead at ``per_s``
+    if wait > admission_bound_s(deadline): refuse(retry_after=lateness.typical(raw_wait))
+    lateness.admitted(token, raw_wait); ...; lateness.done(token)   # what the error is learned from
+
+And when an admitted item's turn comes, a stage re-checks it against the deadline
+(``late_bound_s``): an item that would not be done in time is shed (503, Retry-After) rather
+than computed for a client that has given up; on a machine whose neighbours took the cores
+after the item was admitted, that is what keeps the admitted requests' tail within the deadline.
 """
 
 from __future__ import annotations
@@ -55,6 +73,12 @@ DEADLINE_HEADER = "X-Request-Timeout"
 # out, which no stage's estimate sees; module doc).
 DEADLINE_SHARE = 0.9
 
+
+# Of actual / estimated completion times: what a stage's wait is scaled by (module doc).
+LATENESS_QUANTILE = 0.99
+# Estimates the error is learned from (the default): below, a step's fixed cost is most of the wait
+# and the ratio says nothing of the queue.
+MIN_ESTIMATE_S = 0.5
 
 # A completion that follows the previous one within this fraction of the busy time that opened the
 # previous sample (or within CLUMP_S) is the same clump: a batch's items delivered one by one.
@@ -162,6 +186,56 @@ class ServiceRate:
         return max(units, 0.0) / self.per_s()
 
 
+class Lateness:
+    """How much later than estimated a stage's recent admitted work was done (module doc). Not
+    thread-safe: call from one thread or loop, or under the stage's lock."""
+
+    def __init__(
+        self, window: int = 64, min_known: int = 8, most: float = 3.0, min_estimate_s: float = MIN_ESTIMATE_S
+    ) -> None:
+        """``min_estimate_s``: the shortest estimate learned from. The error that matters is the
+        one near the admission bound: a stage whose fixed costs (an upload's parse, a decode) are
+        a large share of a short wait learns only from waits near the bound (``near_bound_s``),
+        or a short wait's ratio would scale the long ones."""
+        self.min_known = min_known
+        self.most = most
+        self.min_estimate_s = min_estimate_s
+        self._errors: deque[float] = deque(maxlen=window)  # actual / estimated
+        self._pending: dict[object, tuple[float, float]] = {}  # token -> (admitted at, estimate)
+
+    def scale(self, *quantiles: float) -> list[float]:
+        """The error at each of ``quantiles`` (actual / estimated, within [1, ``most``]; 1 until
+        ``min_known`` are known), from one sort."""
+        if len(self._errors) < self.min_known:
+            return [1.0] * len(quantiles)
+        ordered = sorted(self._errors)
+        return [min(max(ordered[int(q * (len(ordered) - 1))], 1.0), self.most) for q in quantiles]
+
+    def scaled(self, wait_s: float) -> float:
+        """``wait_s`` scaled for the late tail (``LATENESS_QUANTILE``): what admission bounds."""
+        return wait_s * self.scale(LATENESS_QUANTILE)[0]
+
+    def typical(self, wait_s: float) -> float:
+        """``wait_s`` scaled by the median error: when the queue is expected to have drained."""
+        return wait_s * self.scale(0.5)[0]
+
+    def admitted(self, token: object, estimate_s: float, now: float | None = None) -> None:
+        """``token``'s work was admitted, expected done in ``estimate_s`` (unscaled; only an
+        estimate from a measured rate: the seed's is a guess, its error says nothing)."""
+        self._pending[token] = (time.monotonic() if now is None else now, estimate_s)
+
+    def done(self, token: object, now: float | None = None) -> None:
+        """``token``'s work was done: its error is learned (estimates of ``min_estimate_s`` up)."""
+        start = self._pending.pop(token, None)
+        if start is not None and start[1] >= self.min_estimate_s:
+            now = time.monotonic() if now is None else now
+            self._errors.append((now - start[0]) / start[1])
+
+    def ended(self, token: object) -> None:
+        """``token``'s work left unfinished (aborted, failed): nothing is learned."""
+        self._pending.pop(token, None)
+
+
 def request_deadline_s(headers: Mapping[str, str], server_s: float) -> float:
     """The deadline a request is admitted against: ``server_s`` or the client's shorter timeout
     (``DEADLINE_HEADERS``; a value that is not a positive number is ignored)."""
@@ -181,6 +255,19 @@ def request_deadline_s(headers: Mapping[str, str], server_s: float) -> float:
 def admission_bound_s(deadline_s: float) -> float:
     """The expected wait a stage admits a request of ``deadline_s`` within (``DEADLINE_SHARE``)."""
     return deadline_s * DEADLINE_SHARE
+
+
+def late_bound_s(deadline_s: float) -> float:
+    """When admitted work of a ``deadline_s`` request is due: halfway between the admission bound
+    and the deadline. Work that would not be done by then is shed when its turn comes (a 503 with
+    Retry-After), not finished late: a client whose timeout is the deadline would not see it."""
+    return deadline_s * (1.0 + DEADLINE_SHARE) / 2.0
+
+
+def near_bound_s(deadline_s: float) -> float:
+    """Estimates a stage whose fixed costs weigh on short waits learns its lateness from (half
+    the admission bound of ``deadline_s``: ``Lateness``)."""
+    return admission_bound_s(deadline_s) / 2
 
 
 def bound_text(deadline_s: float) -> str:

@@ -48,7 +48,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import msgspec
 import torch
@@ -69,7 +69,13 @@ from encoder.serving.batcher import EncodeBatcher, QueueFull
 from encoder.serving.stage_work import StageWork
 from encoder.serving.worker import WorkerConfig
 from epd_common.active_paths import report
-from epd_common.admission import admission_bound_s, bound_text, request_deadline_s, retry_after_header
+from epd_common.admission import (
+    admission_bound_s,
+    bound_text,
+    late_bound_s,
+    request_deadline_s,
+    retry_after_header,
+)
 from epd_common.errors import CACHE_FULL, ENTRY_BYTES_HEADER, error_body
 from epd_common.messages.embedding_ref import EmbeddingRef
 from epd_common.messages.encode_reply import EncodeReply
@@ -97,10 +103,24 @@ class VideoTiming(NamedTuple):
     grid_t_timestamps: tuple[float, ...] = ()
 
 
+_T = TypeVar("_T")
+
+
+class _Late(NamedTuple):
+    late_s: float  # how long after its start-by time the item's turn came
+
+
+def _unless_late(start_by: float, fn: Callable[..., _T], *args: object) -> _T | _Late:
+    """In the decode pool: ``fn(*args)``, or ``_Late`` when the turn came after ``start_by``."""
+    now = time.monotonic()
+    return _Late(now - start_by) if now > start_by else fn(*args)
+
+
 class Overloaded(Exception):
     """The worker cannot take the item in time (or without exceeding its memory guard); the client
     should retry after ``retry_after_s`` (503 with that Retry-After). ``reason``: "wait" (the queue
-    ahead would not drain within the deadline) or "memory" (the byte or count guard)."""
+    ahead would not drain within the deadline), "memory" (the byte or count guard) or "late" (an
+    admitted item whose turn came too late to be done within the deadline)."""
 
     def __init__(self, message: str, retry_after_s: float, reason: str) -> None:
         super().__init__(message)
@@ -199,8 +219,8 @@ class EncoderWorker:
         # Admission by expected wait (``epd_common.admission``): patches per busy second, measured
         # from admission to done, so a burst the worker drains within the deadline is taken whole.
         # Admission's work per stage: the vision batcher's patches, the audio batcher's mel frames
-        self.pixels = StageWork("patches", config.admission_seed_patches_per_s)
-        self.sound = StageWork("mel frames", config.admission_seed_mel_frames_per_s)
+        self.pixels = StageWork("patches", config.admission_seed_patches_per_s, config.max_queue_wait_s)
+        self.sound = StageWork("mel frames", config.admission_seed_mel_frames_per_s, config.max_queue_wait_s)
         self.estimator = PatchEstimator(config.preprocess)
 
     @property
@@ -285,9 +305,10 @@ class EncoderWorker:
                 units = self.estimator.estimate(data, kind.modality)
             stage = self.stage(kind.modality)
             self._admit(len(data), units, deadline_s, stage)
+            start_by = self._start_by(units, deadline_s, stage)
             # A task of its own: if this request goes away, the encode still lands in the cache, and
             # concurrent requests for the same media (other ingresses) share it.
-            task = asyncio.create_task(self._encode_miss(data, kind.modality, key, item, track))
+            task = asyncio.create_task(self._encode_miss(data, kind.modality, key, item, start_by, track))
             self._inflight[key] = task
             self._admitted += 1
             self._admitted_bytes += len(data)
@@ -323,8 +344,7 @@ class EncoderWorker:
         within the deadline, and the bytes and items held within their guards. An idle worker
         takes any item; one whose own encode alone would outlast the deadline (a long video) is
         judged by the wait before its turn, or it could never be taken while others are."""
-        deadline = self.config.max_queue_wait_s
-        deadline = deadline if deadline_s is None else min(deadline_s, deadline)
+        deadline = self._deadline(deadline_s)
         bound = admission_bound_s(deadline)  # the answer's way out is not in the estimate
         wait = stage.expected_wait_s(units)
         if stage.rate.expected_wait_s(units) > bound:
@@ -335,8 +355,9 @@ class EncoderWorker:
             self._refuse(
                 "wait",
                 f"expected wait {wait:.1f} s ({stage.queued:.0f} {stage.unit} ahead and {units:.0f} of"
-                f" its own at {stage.rate.per_s():.0f} {stage.unit}/s) exceeds {bound_text(deadline)}",
-                wait,
+                f" its own at {stage.rate.per_s():.0f} {stage.unit}/s, scaled for how late recent items"
+                f" were) exceeds {bound_text(deadline)}",
+                stage.typical_wait_s(units),
             )
         if self._admitted_bytes + nbytes > cfg.max_queued_bytes or self._admitted >= cfg.max_inflight:
             self._refuse(
@@ -345,6 +366,40 @@ class EncoderWorker:
                 f" (guards: {cfg.max_inflight} items, {cfg.max_queued_bytes} bytes)",
                 wait,
             )
+
+    def _deadline(self, deadline_s: float | None) -> float:
+        """The deadline an item is held to: the worker's, or the client's shorter one."""
+        return (
+            self.config.max_queue_wait_s
+            if deadline_s is None
+            else min(deadline_s, self.config.max_queue_wait_s)
+        )
+
+    def _start_by(self, units: float, deadline_s: float | None, stage: StageWork) -> float:
+        """When an item admitted now must start to be done when due (``admission.late_bound_s``):
+        its own work before that, at the stage's rate; an item whose own work alone outlasts the
+        admission bound (a long video) was admitted by its turn, and is held to its turn."""
+        deadline = self._deadline(deadline_s)
+        own = stage.rate.expected_wait_s(units)
+        own = own if own <= admission_bound_s(deadline) else 0.0
+        return time.monotonic() + late_bound_s(deadline) - own
+
+    async def _in_time(self, key: str, start_by: float, fn: Callable[..., _T], *args: object) -> _T:
+        """``fn(*args)`` in the decode pool, unless the item's turn there comes after
+        ``start_by``: then it is shed (``Overloaded``, reason "late") rather than computed for a
+        client that will have given up."""
+        stage = self._stage_holding(key)
+        out = await asyncio.get_running_loop().run_in_executor(self.pool, _unless_late, start_by, fn, *args)
+        if isinstance(out, _Late):
+            self.metrics.refusals.labels(reason="late").inc()
+            raise Overloaded(
+                f"its turn came {out.late_s:.1f} s too late to be done within the deadline"
+                f" ({stage.queued:.0f} {stage.unit} queued at {stage.rate.per_s():.0f} {stage.unit}/s):"
+                " shed rather than answered late",
+                stage.typical_wait_s(),
+                "late",
+            )
+        return out
 
     def _refuse(self, reason: str, message: str, wait_s: float) -> NoReturn:
         """Count a refusal by ``reason`` and raise it (the client retries after ``wait_s``)."""
@@ -362,7 +417,7 @@ class EncoderWorker:
             task.exception()  # retrieved here: the awaiting requests re-raise it
 
     async def _encode_miss(
-        self, data: bytes, modality: str, key: str, item: str | None, track: bool = False
+        self, data: bytes, modality: str, key: str, item: str | None, start_by: float, track: bool = False
     ) -> EncodeOutcome:
         loop = asyncio.get_running_loop()
         claimed = False
@@ -378,7 +433,7 @@ class EncoderWorker:
                 self._correct(key, 0.0)  # nothing was encoded: no work done, no work ahead
                 return EncodeOutcome(self._public(ref), True, dict.fromkeys(STAGES, 0.0))
         try:
-            outcome = await self._compute(data, modality, key, item, track)
+            outcome = await self._compute(data, modality, key, item, start_by, track)
         except BaseException:
             if claimed and self.tier is not None:
                 self._background(self.tier.unclaim, key)
@@ -403,14 +458,15 @@ class EncoderWorker:
         asyncio.get_running_loop().run_in_executor(self.io_pool, fn, *args)
 
     async def _compute(
-        self, data: bytes, modality: str, key: str, item: str | None, track: bool = False
+        self, data: bytes, modality: str, key: str, item: str | None, start_by: float, track: bool = False
     ) -> EncodeOutcome:
+        """``start_by`` (monotonic): shed when its turn in the decode pool comes later."""
         if modality == "audio":
-            return await self._compute_audio(data, key, item, track)
+            return await self._compute_audio(data, key, item, start_by, track)
         loop = asyncio.get_running_loop()
         timings: dict[str, float] = {}
-        patches, timing = await loop.run_in_executor(
-            self.pool, self._decode_preprocess, data, modality, item, timings
+        patches, timing = await self._in_time(
+            key, start_by, self._decode_preprocess, data, modality, item, timings
         )
         self.estimator.observe(modality, patches.num_patches)
         self._correct(key, float(patches.num_patches))
@@ -435,14 +491,16 @@ class EncoderWorker:
             self.metrics.stage.labels(stage=stage).observe(ms / 1000.0)
         return EncodeOutcome(self._public(ref), False, timings)
 
-    async def _compute_audio(self, data: bytes, key: str, item: str | None, track: bool) -> EncodeOutcome:
+    async def _compute_audio(
+        self, data: bytes, key: str, item: str | None, start_by: float, track: bool
+    ) -> EncodeOutcome:
         """An audio clip: its log-mel (decode pool), its rows (audio batcher), into the cache. A
         video's track (``track``) keeps the rows laid out beside its sampled frames."""
         path = self.audio_path
         assert path is not None
         loop = asyncio.get_running_loop()
         timings: dict[str, float] = {}
-        mel = await loop.run_in_executor(self.pool, path.mel, data, self.config.limits, item, timings)
+        mel = await self._in_time(key, start_by, path.mel, data, self.config.limits, item, timings)
         window = None
         if track:  # the video's frame table only (no frame decoded)
             window = await loop.run_in_executor(

@@ -20,15 +20,9 @@ The deadline bounds that wait, the time to first token (what a streaming client'
 measures, and the part the engine's load decides): a request's own decode is its max_tokens'
 doing, and counting it would refuse every long answer whenever anything else runs.
 
-The rate moves while a request waits (a prompt mix that changes, a machine shared with other
-work), and a request admitted at the deadline's edge is late whenever it slows. So the estimate
-learns its own error: of the recent requests admitted behind others (with a measured rate), how
-much later their first token came than estimated (``LATENESS_QUANTILE`` of actual / estimated,
-at least 1, at most 3), and scales the wait by it. The quantile is the one the deadline is meant
-to bound: a client's read timeout fails the late tail, not the median, so the wait is scaled for
-the 99th percentile (with the 90th, one admitted request in a hundred came past the deadline
-under sustained overload). The refusal's Retry-After is when the queue is expected to have
-drained, not its late tail: the wait scaled by the median lateness instead (``retry_scale``).
+The estimate learns its own error (``epd_common.admission.Lateness``): of the recent requests
+admitted behind others with a measured rate, how much later their first token came than estimated;
+the wait is scaled for the late tail and Retry-After by the median.
 
 ``fill`` keeps a client that asks for 4096 tokens and stops at 50 from counting as 4096, and
 ``hit`` a shared system prompt from counting as computed again (both seeded pessimistically, at 1
@@ -43,11 +37,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from epd_common.admission import ServiceRate
+from epd_common.admission import LATENESS_QUANTILE, Lateness, ServiceRate
 from llm_core.serving.sequence import Sequence
-
-MIN_ESTIMATE_S = 0.5  # estimates the error is learned from
-LATENESS_QUANTILE = 0.99  # of actual / estimated first-token times: what the wait is scaled by
 
 
 class WaitEstimate(NamedTuple):
@@ -75,8 +66,7 @@ class EngineAdmission:
         self.rate = ServiceRate(seed_tokens_per_s, min_samples=8)
         self._fills: deque[float] = deque(maxlen=window_requests)
         self._hits: deque[float] = deque(maxlen=window_requests)
-        self._errors: deque[float] = deque(maxlen=window_requests)  # actual / estimated
-        self._pending: dict[object, tuple[float, float]] = {}  # request -> (admitted at, estimate)
+        self.lateness = Lateness(window_requests)  # of first tokens against their estimates
 
     def fill(self) -> float:
         """Output tokens over max_tokens of recent finished requests (1.0 until one finished)."""
@@ -111,7 +101,7 @@ class EngineAdmission:
         ahead = sum(self.work(s, fill, hit) for s in waiting)
         prompt = self.prompt_left(new, hit, new_copied_in)
         per_s = self.rate.per_s()
-        correction, typical = self._lateness(LATENESS_QUANTILE, 0.5)
+        correction, typical = self.lateness.scale(LATENESS_QUANTILE, 0.5)
         return WaitEstimate(
             (ahead + prompt) / per_s * correction,
             ahead / per_s * correction,
@@ -126,32 +116,21 @@ class EngineAdmission:
     def correction(self, quantile: float = LATENESS_QUANTILE) -> float:
         """``quantile`` of actual / estimated over recent requests, within [1, 3] (1 until 8 are
         known)."""
-        return self._lateness(quantile)[0]
-
-    def _lateness(self, *quantiles: float) -> list[float]:
-        """``correction`` at each of ``quantiles``, from one sort of the recent errors."""
-        if len(self._errors) < 8:
-            return [1.0] * len(quantiles)
-        ordered = sorted(self._errors)
-        return [min(max(ordered[int(q * (len(ordered) - 1))], 1.0), 3.0) for q in quantiles]
+        return self.lateness.scale(quantile)[0]
 
     def admitted(self, request: object, estimate: WaitEstimate, now: float) -> None:
         """``request`` was admitted behind others with ``estimate`` (what its first token is
         compared with; an estimate from the seed rate is not: it is a guess, not the model)."""
         if estimate.measured:
-            self._pending[request] = (now, estimate.wait_s / estimate.correction)
+            self.lateness.admitted(request, estimate.wait_s / estimate.correction, now)
 
     def first_token(self, request: object, now: float) -> None:
-        """``request`` produced its first token: how late was it against the estimate? (Only
-        estimates of half a second or more: below, a step's fixed cost is most of the wait and
-        the ratio says nothing of the queue.)"""
-        start = self._pending.pop(request, None)
-        if start is not None and start[1] >= MIN_ESTIMATE_S:
-            self._errors.append((now - start[0]) / start[1])
+        """``request`` produced its first token: how late was it against the estimate?"""
+        self.lateness.done(request, now)
 
     def ended(self, request: object) -> None:
         """``request`` left the engine (before its first token, if it was aborted or failed)."""
-        self._pending.pop(request, None)
+        self.lateness.ended(request)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """One step: prompt tokens computed plus tokens sampled, in ``seconds`` of busy time."""

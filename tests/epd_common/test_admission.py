@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epd_common.admission import ServiceRate, request_deadline_s, retry_after_header
+from epd_common.admission import Lateness, ServiceRate, request_deadline_s, retry_after_header
 
 
 def test_the_seed_holds_until_enough_completions() -> None:
@@ -140,3 +140,37 @@ def test_steady_completions_are_samples_each() -> None:
     for i in range(6):  # 1000 items/s, spaced evenly: not a clump
         rate.finished(now=0.001 * (i + 1))
     assert rate.measured and rate.per_s() == pytest.approx(1000.0)
+
+
+def test_lateness_scales_the_wait_by_the_late_tail_and_retry_after_by_the_median() -> None:
+    late = Lateness(min_known=8)
+    assert late.scaled(4.0) == 4.0  # nothing known yet: the estimate as it is
+    # 99 items done on time, one 2.5x late: the tail (99th percentile) is what admission bounds
+    for i, ratio in enumerate([1.0] * 90 + [1.5] * 9 + [2.5]):
+        late.admitted(i, 2.0, now=0.0)
+        late.done(i, now=2.0 * ratio)
+    assert late.scale(0.5) == [1.0]
+    assert late.scaled(4.0) == pytest.approx(4.0 * 1.5)  # the window holds the newest 64
+    assert late.typical(4.0) == 4.0
+
+
+def test_lateness_learns_from_measured_waits_only() -> None:
+    late = Lateness(min_known=2)
+    late.admitted("short", 0.1, now=0.0)  # below MIN_ESTIMATE_S: a fixed cost, not a queue
+    late.done("short", now=1.0)
+    late.admitted("aborted", 1.0, now=0.0)
+    late.ended("aborted")
+    late.done("aborted", now=9.0)  # ended: nothing pending to learn from
+    late.done("never-admitted", now=9.0)
+    assert late.scaled(1.0) == 1.0
+    for token in ("a", "b"):
+        late.admitted(token, 1.0, now=0.0)
+        late.done(token, now=5.0)  # 5x late: capped at 3 (a wild estimate must not refuse all)
+    assert late.scaled(1.0) == 3.0
+
+
+def test_early_work_never_shrinks_the_wait() -> None:
+    late = Lateness(min_known=1)
+    late.admitted("fast", 4.0, now=0.0)
+    late.done("fast", now=1.0)
+    assert late.scaled(2.0) == 2.0 and late.typical(2.0) == 2.0

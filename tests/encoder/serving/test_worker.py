@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import io
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from encoder.caches.media_key import media_key
 from encoder.models.checkpoint import load_encoder, random_encoder, save_vision_checkpoint
 from encoder.models.config import VisionConfig
 from encoder.serving.worker import WorkerConfig, plan_workers
-from encoder.serving.worker_app import build_app, serving_fingerprint
+from encoder.serving.worker_app import EncoderWorker, build_app, serving_fingerprint
 from media_io.config import MediaLimits
 from media_io.image import decode_image
 from media_io.preprocess import get_backend
@@ -353,6 +354,13 @@ def test_an_item_that_would_wait_past_the_deadline_is_refused_with_the_expected_
 
 def _after_one_in_flight(sock: str, then: list[tuple[bytes, dict[str, str]]]) -> list[tuple[int, dict]]:
     """Send one small item, and while the batcher holds it, each of ``then`` in turn."""
+    return _after_one_in_flight_of(sock, png(56, 56, seed=81_000), then)
+
+
+def _after_one_in_flight_of(
+    sock: str, first_item: bytes, then: list[tuple[bytes, dict[str, str]]]
+) -> list[tuple[int, dict]]:
+    """Send ``first_item``, and while it is in flight, each of ``then`` in turn."""
 
     async def go() -> list[tuple[int, dict]]:
         async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=sock, limit=0)) as s:
@@ -361,7 +369,7 @@ def _after_one_in_flight(sock: str, then: list[tuple[bytes, dict[str, str]]]) ->
                 async with s.post("http://worker/encode", data=data, headers=headers) as r:
                     return r.status, await r.json()
 
-            first = asyncio.create_task(post(png(56, 56, seed=81_000), {}))
+            first = asyncio.create_task(post(first_item, {}))
             await asyncio.sleep(0.3)
             out = [await post(data, headers) for data, headers in then]
             assert (await first)[0] == 200
@@ -385,3 +393,35 @@ def test_admission_counts_patches_and_honours_a_shorter_client_timeout(slow_work
     assert [status for status, _ in got] == [503, 503, 200, 200], got
     assert "36 of its own" in got[0][1]["error"]["message"]
     assert "1.5 s deadline" in got[1][1]["error"]["message"]
+
+
+def test_an_admitted_item_whose_turn_comes_too_late_is_shed_not_answered_late(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker believed it fast (a high seed rate) and admitted the second item; the first one's
+    decode then held the only decode thread past the second's due time (its client gave 1 s): the
+    second is shed with a 503 when its turn comes, not computed and answered after its client left."""
+    slow_seed = 90_000
+    slow = png(56, 56, seed=slow_seed)
+    decode = EncoderWorker._decode_preprocess
+
+    def held_decode(self: EncoderWorker, data: bytes, *args: Any) -> Any:
+        if data == slow:
+            time.sleep(1.5)  # a neighbour took the core while this decode ran
+        return decode(self, data, *args)
+
+    monkeypatch.setattr(EncoderWorker, "_decode_preprocess", held_decode)
+    save_vision_checkpoint(random_encoder(CFG, seed=21), tmp_path / "ckpt")
+    config = WorkerConfig(
+        uds=str(tmp_path / "w.sock"), model_path=str(tmp_path / "ckpt"), cache_root=str(tmp_path / "cache"),
+        cache_namespace="late", decode_threads=1, max_wait_ms=1.0, admission_seed_patches_per_s=1e6,
+    )  # fmt: skip
+    with _serving(config) as worker:
+        got = _after_one_in_flight_of(
+            worker.sock, slow, [(png(56, 56, seed=slow_seed + 1), {"X-Request-Timeout": "1"})]
+        )
+        _, metrics, _ = worker.request("GET", "/metrics")
+    status, body = got[0]
+    assert status == 503 and body["error"]["type"] == "overloaded", got
+    assert "shed rather than answered late" in body["error"]["message"]
+    assert b'epd_encoder_refusals_total{reason="late"} 1.0' in metrics
