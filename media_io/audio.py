@@ -51,8 +51,12 @@ def decode_audio(
     cfg: AudioConfig = AudioConfig(),
     limits: MediaLimits = MediaLimits(),
     item: str | None = None,
+    until_s: float | None = None,
 ) -> AudioClip:
-    """The first audio stream of ``data`` as mono float32 at ``cfg.sample_rate``.
+    """The first audio stream of ``data`` as mono float32 at ``cfg.sample_rate``; with
+    ``until_s``, only its first ``until_s`` seconds or a little more (decoding stops after the
+    frame that reaches it; the caps then apply to that much: a video's sound track beside its
+    sampled frames, ``media_io.audio_track``).
 
     Raises:
         BadMedia: empty, corrupt or truncated bytes, no audio stream, or a stream with no samples.
@@ -61,8 +65,8 @@ def decode_audio(
     """
     container = open_container(data, "audio", limits, item)
     with container:
-        source, stream = _checked_stream(container, limits, item)
-        samples = _decode_stream(container, stream, cfg.sample_rate, limits, item)
+        source, stream = _checked_stream(container, limits, item, until_s)
+        samples = _decode_stream(container, stream, cfg.sample_rate, limits, item, until_s)
     if samples.size == 0:
         raise BadMedia(f"audio stream ({source.codec}) holds no samples", item)
     return AudioClip(samples, cfg.sample_rate, source)
@@ -76,7 +80,10 @@ def probe_audio(data: bytes, limits: MediaLimits = MediaLimits(), item: str | No
 
 
 def _checked_stream(
-    container: av.container.InputContainer, limits: MediaLimits, item: str | None
+    container: av.container.InputContainer,
+    limits: MediaLimits,
+    item: str | None,
+    until_s: float | None = None,
 ) -> tuple[AudioSource, av.audio.stream.AudioStream]:
     require_stream(container, "audio", item)
     stream = container.streams.audio[0]
@@ -100,8 +107,9 @@ def _checked_stream(
         raise MediaTooLarge(
             f"audio has {source.channels} channels, above the limit of {limits.max_audio_channels}", item
         )
-    if source.declared_s > limits.max_audio_seconds:
-        raise MediaTooLarge(_too_long(source.declared_s, limits), item)
+    wanted_s = source.declared_s if until_s is None else min(source.declared_s, until_s)
+    if wanted_s > limits.max_audio_seconds:
+        raise MediaTooLarge(_too_long(wanted_s, limits), item)
     return source, stream
 
 
@@ -122,9 +130,11 @@ def _decode_stream(
     rate: int,
     limits: MediaLimits,
     item: str | None,
+    until_s: float | None = None,
 ) -> np.ndarray:
-    """[N] float32 mono at ``rate``. The resampler keeps the source layout (planar float), so
-    that the downmix is the plain channel mean (see the module docstring)."""
+    """[N] float32 mono at ``rate`` (with ``until_s``: up to the frame that reaches it). The
+    resampler keeps the source layout (planar float), so that the downmix is the plain channel
+    mean (see the module docstring)."""
     resampler: av.AudioResampler | None = None
     cap = int(limits.max_audio_seconds * rate) + rate  # a second of slack for codec padding
     chunks: list[np.ndarray] = []
@@ -153,6 +163,8 @@ def _decode_stream(
             if resampler is None:  # the first frame tells the layout (headers may not)
                 resampler = av.AudioResampler(format="fltp", layout=frame.layout.name, rate=rate)
             take(resampler.resample(frame))
+            if until_s is not None and seconds_in >= until_s:
+                break  # the rest of the stream is not wanted
         if resampler is not None:
             take(resampler.resample(None))  # what the resampler still holds
     except av.error.DecoderNotFoundError as e:

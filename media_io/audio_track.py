@@ -14,10 +14,18 @@ Sound past ``end`` is never laid out, so the rows kept are ``[int(t_0 * r), min(
 total))``: with ``t_0`` = 0 (every rule samples the first frame) the first rows of the track, and
 the prompt's per-patch counts (``llm_core.prompts.media_expansion.video_audio_pads``) add up to
 them. This module reads the video stream's frame table only (no frame is decoded).
+
+Nor is the sound past ``end`` decoded (``decode_until_s``): the audio tokenizer encodes each
+``segment`` (60 s of mel frames) on its own and the tower's groups never straddle two, so the rows
+of every segment that ends by ``end`` are those of the whole track's encode. The track is decoded
+to the end of the segment holding ``end``, plus a second (the resampler's filter and the log-mel's
+window reach a little past a cut; that second's rows are past ``end`` and never kept). A video
+sampled over its first 13 minutes then decodes 13 minutes of sound, not its hour.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from media_io.config import MediaLimits, PreprocessConfig
@@ -42,6 +50,12 @@ def track_window(
     stamps = [float(i) / info.fps for i in indices]
     sampled_fps = 1.0 if len(stamps) < 2 else 1.0 / (stamps[1] - stamps[0])
     return TrackWindow(stamps[0], stamps[-1] + 1.0 / sampled_fps)
+
+
+def decode_until_s(window: TrackWindow, segment_s: float, margin_s: float = 1.0) -> float:
+    """How much of the track to decode for ``window``: to the end of the ``segment_s`` segment
+    holding ``window.end_s``, plus ``margin_s`` (module docstring)."""
+    return math.ceil(window.end_s / segment_s) * segment_s + margin_s
 
 
 def track_rows(total: int, window: TrackWindow, tokens_per_second: float) -> slice:

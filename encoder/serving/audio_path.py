@@ -59,13 +59,19 @@ class AudioPath:
             self.audio.model([torch.zeros(frames, self.settings.audio.n_mels, device=self.device)])
 
     def mel(
-        self, data: bytes, limits: MediaLimits, item: str | None, timings: dict[str, float]
+        self,
+        data: bytes,
+        limits: MediaLimits,
+        item: str | None,
+        timings: dict[str, float],
+        until_s: float | None = None,
     ) -> torch.Tensor:
-        """Runs in the decode pool: the clip's log-mel [T, n_mels] float32 on the encoder's device.
-        Fills timings["decode"] and timings["preprocess"] (the log-mel), in ms. Raises the
-        ``MediaError`` of ``decode_audio`` (naming ``item``) for a bad clip."""
+        """Runs in the decode pool: the clip's log-mel [T, n_mels] float32 on the encoder's device
+        (of its first ``until_s`` seconds or a little more, when given). Fills timings["decode"]
+        and timings["preprocess"] (the log-mel), in ms. Raises the ``MediaError`` of
+        ``decode_audio`` (naming ``item``) for a bad clip."""
         t0 = time.perf_counter()
-        clip = decode_audio(data, self.settings.audio, limits, item)
+        clip = decode_audio(data, self.settings.audio, limits, item, until_s)
         t1 = time.perf_counter()
         samples = torch.from_numpy(clip.samples).to(self.device)  # [N] float32 mono
         with torch.inference_mode():
@@ -73,6 +79,12 @@ class AudioPath:
         timings["decode"] = (t1 - t0) * 1000.0
         timings["preprocess"] = (time.perf_counter() - t1) * 1000.0
         return mel
+
+    @property
+    def segment_s(self) -> float:
+        """Seconds of sound the audio tokenizer encodes on its own (``AudioTokenRule``)."""
+        audio = self.settings.audio
+        return self.settings.rule.segment_size * audio.hop_length / audio.sample_rate
 
     async def rows(self, mel: torch.Tensor) -> EncodeResult:
         """The clip's rows [pad_count(T), hidden], one per ``<|audio_pad|>``."""

@@ -82,7 +82,7 @@ from epd_common.messages.encode_reply import EncodeReply
 from epd_common.runtime import freeze_startup_objects
 from epd_common.store_config import build_store
 from media_io.active_paths import media_paths
-from media_io.audio_track import track_rows, track_window
+from media_io.audio_track import decode_until_s, track_rows, track_window
 from media_io.errors import BadMedia, MediaError, MediaTooLarge, UnsupportedMedia
 from media_io.preprocess import Patches, PreprocessBackend, get_backend
 from media_io.sniff import MediaKind, sniff
@@ -500,12 +500,13 @@ class EncoderWorker:
         assert path is not None
         loop = asyncio.get_running_loop()
         timings: dict[str, float] = {}
-        mel = await self._in_time(key, start_by, path.mel, data, self.config.limits, item, timings)
-        window = None
-        if track:  # the video's frame table only (no frame decoded)
+        window, until_s = None, None
+        if track:  # the video's frame table only (no frame decoded): the sound beside its frames
             window = await loop.run_in_executor(
                 self.pool, track_window, data, self.config.preprocess, self.config.limits, item
             )
+            until_s = decode_until_s(window, path.segment_s)
+        mel = await self._in_time(key, start_by, path.mel, data, self.config.limits, item, timings, until_s)
         frames = int(mel.shape[0])
         self.estimator.observe("audio", frames)
         self._correct(key, float(frames))

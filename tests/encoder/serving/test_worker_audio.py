@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
@@ -19,6 +20,7 @@ from encoder.serving.worker import WorkerConfig
 from epd_common.store_config import StoreConfig
 from media_io.audio import decode_audio
 from media_io.audio_features import log_mel
+from media_io.audio_track import TrackWindow, decode_until_s, track_rows
 from media_io.config import MediaLimits, PreprocessConfig
 from media_io.processor_config import preprocess_config_from_dir
 from tests.encoder.serving.test_worker import Served, _serving, png
@@ -225,3 +227,34 @@ def test_a_clip_encoded_on_one_node_is_a_store_hit_on_another(tmp_path: Path, mi
         _, health, _ = b.request("GET", "/health")
         assert health["audio"]["batches"] == 0  # nothing encoded on b
     assert torch.equal(load_safetensors(rows_a)["embedding"], load_safetensors(rows_b)["embedding"])
+
+
+def test_a_tracks_sound_past_its_window_is_not_decoded_and_the_kept_rows_are_unchanged(
+    audio: LoadedAudioEncoder,
+) -> None:
+    """A 130 s track whose video frames end at 20 s: decoded to the end of its first tokenizer
+    segment plus a second (61 s), not to 130 s; every row the window keeps (and every row of that
+    segment) equals the whole track's encode."""
+    rate = audio.settings.audio.sample_rate
+    rng = np.random.default_rng(5)
+    samples = (0.3 * rng.standard_normal((1, 130 * rate)) + tone(130.0, rate, (440.0,))).astype(np.float32)
+    data = encode(np.clip(samples, -1.0, 1.0), rate, "wav")
+    limits = MediaLimits(max_bytes=64 << 20, max_audio_seconds=600.0)
+    window = TrackWindow(0.0, 20.0)
+    segment_s = audio.settings.rule.segment_size * audio.settings.audio.hop_length / rate
+    until = decode_until_s(window, segment_s)
+    assert segment_s == 60.0 and until == 61.0
+
+    def rows(until_s: float | None) -> tuple[torch.Tensor, float]:
+        clip = decode_audio(data, audio.settings.audio, limits, until_s=until_s)
+        mel = log_mel([torch.from_numpy(clip.samples)], audio.settings.audio)[0]
+        with torch.inference_mode():
+            return audio.model([mel]).rows, clip.seconds
+
+    whole, whole_s = rows(None)
+    cut, cut_s = rows(until)
+    assert whole_s == pytest.approx(130.0, abs=0.1) and until <= cut_s < until + 0.5  # a frame's overshoot
+    kept = track_rows(int(whole.shape[0]), window, audio.settings.tokens_per_second)
+    assert track_rows(int(cut.shape[0]), window, audio.settings.tokens_per_second) == kept
+    first_segment = int(segment_s * audio.settings.tokens_per_second)  # 375 rows
+    torch.testing.assert_close(cut[:first_segment], whole[:first_segment], rtol=0, atol=0)
