@@ -125,6 +125,7 @@ class Ingress:
             max_queue_wait_s=self.config.max_queue_wait_s,
             tier=tier,
             audio=self.audio,
+            limits=self.config.limits,
         )
         await self.poll_health()
         self._health_task = asyncio.create_task(self._health_loop(), name="epd-ingress-health")

@@ -60,9 +60,10 @@ from epd_common.errors import APIError, bad_request, overloaded
 from epd_common.messages.embedding_ref import EmbeddingRef
 from media_io.audio import has_audio_stream
 from media_io.audio_settings import AudioSettings
-from media_io.config import PreprocessConfig
+from media_io.config import MediaLimits, PreprocessConfig
 from media_io.errors import MediaError, UnsupportedMedia
 from media_io.fetch import Fetcher
+from media_io.media_seconds import MediaSeconds, declared_media_seconds
 from media_io.sniff import MediaKind, sniff
 
 
@@ -107,6 +108,7 @@ class MediaPipeline:
         seed_items_per_s: float = 50.0,
         tier: EmbeddingTier | None = None,
         audio: AudioKeying | None = None,
+        limits: MediaLimits = MediaLimits(),
     ) -> None:
         """``max_queue_wait_s``: the deadline of a request that sends none (``X-Request-Timeout``
         shortens it); ``max_inflight``: a memory guard on items at once; ``seed_items_per_s``: the
@@ -122,6 +124,7 @@ class MediaPipeline:
         self.audio = audio
         self.max_inflight = max_inflight
         self.max_queue_wait_s = max_queue_wait_s
+        self.limits = limits  # the request-wide cap on media seconds (the items' own: the workers)
         self.rate = ServiceRate(seed_items_per_s)
         # of requests' media against the wait they were admitted with (learned near the bound: an
         # upload's parse and hash weigh on short waits)
@@ -191,9 +194,13 @@ class MediaPipeline:
             self.lateness.admitted(token, self.expected_wait_s(len(sources)))
         self._inflight += len(sources)
         downloads: dict[str, asyncio.Task[bytes]] = {}
+        seconds = RequestSeconds.of(self.limits)
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._timed(src, deadline_at, downloads, held)) for src in sources]
+                tasks = [
+                    group.create_task(self._timed(src, deadline_at, downloads, held, seconds))
+                    for src in sources
+                ]
             self.lateness.done(token)
         except* (APIError, MediaError) as eg:
             raise eg.exceptions[0] from None
@@ -210,12 +217,16 @@ class MediaPipeline:
         deadline_at: float,
         downloads: dict[str, asyncio.Task[bytes]],
         held: MediaLease | None = None,
+        seconds: RequestSeconds | None = None,
     ) -> EncodedItem:
-        """``resolve``, counted in the rate admission measures."""
+        """``resolve``, counted in the rate admission measures (and, with ``seconds``, in the
+        request's media seconds as encoded)."""
         self.rate.started()
         ok = False
         try:
-            item = await self.resolve(src, deadline_at, downloads, held)
+            item = await self.resolve(src, deadline_at, downloads, held, seconds)
+            if seconds is not None and not src.audio_track:  # a track lies beside its video's seconds
+                seconds.encoded.add(self._encoded_seconds(item.ref), src.name, "as encoded")
             ok = True
             return item
         finally:
@@ -227,10 +238,13 @@ class MediaPipeline:
         deadline_at: float | None = None,
         downloads: dict[str, asyncio.Task[bytes]] | None = None,
         held: MediaLease | None = None,
+        seconds: RequestSeconds | None = None,
     ) -> EncodedItem:
         """One item; ``deadline_at`` (monotonic): what is left of it goes to the worker;
         ``downloads``: the request's fetches by URL, so that a video and its sound track (the same
-        URL) download once; ``held``: the request's lease, which takes the item's entry."""
+        URL) download once; ``held``: the request's lease, which takes the item's entry;
+        ``seconds``: the request's media seconds, which an audio or video item's header adds to
+        before any work (a 413 past ``MediaLimits.max_request_media_seconds``)."""
         t0 = time.perf_counter()
         data = src.data if src.data is not None else await self._download(src, downloads)
         t_download = time.perf_counter()
@@ -256,6 +270,11 @@ class MediaPipeline:
                 f"{src.name} was sent as {src.modality_hint} but its bytes are {kind.modality} ({kind.format})",
                 src.name,
             )
+        if seconds is not None and kind.modality in ("audio", "video") and not src.audio_track:
+            declared = await asyncio.get_running_loop().run_in_executor(
+                None, declared_media_seconds, data, kind.modality, self.limits, src.name
+            )
+            seconds.declared.add(declared, src.name)
         if kind.modality == "audio":
             assert self.audio is not None
             settings = self.audio.settings
@@ -335,6 +354,14 @@ class MediaPipeline:
         self.metrics.media_items.labels(modality=kind.modality).inc()
         return EncodedItem(src.name, ref, False, timings)
 
+    def _encoded_seconds(self, ref: EmbeddingRef) -> float:
+        """The seconds an encoded item covers: a video's temporal patches, an audio clip's rows."""
+        if ref.modality == "video" and ref.seconds_per_grid_t:
+            return sum(t for t, _, _ in ref.grid_thw) * ref.seconds_per_grid_t
+        if ref.modality == "audio" and self.audio is not None:
+            return ref.shape[0] / self.audio.settings.tokens_per_second
+        return 0.0
+
     async def _download(self, src: MediaSource, downloads: dict[str, asyncio.Task[bytes]] | None) -> bytes:
         url = _url(src)
         if downloads is None:
@@ -348,6 +375,21 @@ class MediaPipeline:
 def _no_room(held: MediaLease | None, name: str, needed_bytes: int | None, cause: Exception) -> APIError:
     """A put refused because the node cache is held by leases: 413 or 503 (``MediaLease.no_room``)."""
     return cache_full(name, cause) if held is None else held.no_room(name, needed_bytes, cause)
+
+
+@dataclass(frozen=True)
+class RequestSeconds:
+    """One request's audio and video seconds, as their headers declare them (before any work)
+    and as encoded (before the engine sees them), each against the request's cap."""
+
+    declared: MediaSeconds
+    encoded: MediaSeconds
+
+    @classmethod
+    def of(cls, limits: MediaLimits) -> RequestSeconds:
+        return cls(
+            MediaSeconds(limits.max_request_media_seconds), MediaSeconds(limits.max_request_media_seconds)
+        )
 
 
 def silent_track() -> EmbeddingRef:

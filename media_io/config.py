@@ -118,6 +118,9 @@ class MediaLimits:
     min_audio_sample_rate: int = 4000
     max_audio_sample_rate: int = 384_000
     max_audio_channels: int = 8
+    # all audio and video of one request together (``media_io.media_seconds``): the caps above
+    # bound one clip, this a request of many
+    max_request_media_seconds: float = 3600.0
 
 
 @dataclass(frozen=True)

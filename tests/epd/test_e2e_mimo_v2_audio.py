@@ -32,12 +32,15 @@ from tests.fixtures import mimo_v2 as fx
 from tests.media_io.audio_files import encode, tone
 from tests.media_io.test_audio import unknown_codec_wav
 
+REQUEST_MEDIA_S = 12.0  # one request's audio and video together (each test's fit)
+
 
 @pytest.fixture(scope="module")
 def server(mimo_v2_dir: Path) -> Iterator[ServeProcess]:
     srv = start_serve(
         ["--model", str(mimo_v2_dir), "--encoder-dtype", "float32", "--llm-dtype", "float32",
-         "--llm-engine-max-model-len", "1024", "--fetch-allow-cidrs", "127.0.0.0/8"]
+         "--llm-engine-max-model-len", "1024", "--fetch-allow-cidrs", "127.0.0.0/8",
+         "--limits-max-request-media-seconds", str(REQUEST_MEDIA_S)]
     )  # fmt: skip
     try:
         yield srv
@@ -286,3 +289,16 @@ def test_video_with_sound_is_interleaved_as_documented(
     assert reply["usage"]["audio_tokens"] == edges[-1] < (total if seconds == 7 else total + 1)
     assert reply["usage"]["videos"] == 1 and reply["usage"]["audios"] == 0
     assert len(reply["choices"][0]["token_ids"]) == 16
+
+
+def test_a_requests_media_seconds_are_capped_together(server: ServeProcess) -> None:
+    """Each clip is within every per-clip cap; together they pass the request's, found from their
+    headers before any is decoded: a 413 naming the flag and the clip that crossed it."""
+    clip = encode(tone(7.0, 8000, (440.0,)), 8000, "wav")
+    status, body = upload(server, [("a.wav", clip, "audio/wav"), ("b.wav", clip, "audio/wav")])
+    assert status == 413, body
+    error = body["error"]
+    assert error["type"] == "media_too_large" and "--limits-max-request-media-seconds" in error["message"]
+    assert error["param"] in ("a.wav", "b.wav")  # the one whose seconds crossed the cap
+    status, body = upload(server, [("a.wav", clip, "audio/wav")])
+    assert status == 200, body
