@@ -28,6 +28,7 @@ from epd.media_pipeline import AudioKeying, MediaPipeline
 from epd.metrics import IngressMetrics
 from epd.prompt_format import PromptFormat
 from epd_common.errors import APIError
+from epd_common.loop_lag import LoopLag
 from epd_common.runtime import CLIENT_KEEP_ALIVE_S
 from epd_common.store.guarded import GuardedStore
 from epd_common.store_config import build_store
@@ -55,6 +56,8 @@ class Ingress:
         self._engines: EnginePool | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._check_task: asyncio.Task[None] | None = None  # servers' checks after a health round
+        self.loop_lag = LoopLag()  # how long this event loop was stalled (/health, /metrics)
+        self.metrics.loop_lag_worst.set_function(lambda: self.loop_lag.worst_s)
         # What each role reported it runs ({"paths": {step: impl}, "fallbacks": [...]}), from the
         # last health poll: the start banner and /health show it.
         self.encoder_paths: dict[str, dict[str, Any]] = {}
@@ -129,8 +132,10 @@ class Ingress:
         )
         await self.poll_health()
         self._health_task = asyncio.create_task(self._health_loop(), name="epd-ingress-health")
+        self.loop_lag.start()
 
     async def stop(self) -> None:
+        await self.loop_lag.stop()
         if self._check_task is not None:
             self._check_task.cancel()
         if self._health_task is not None:

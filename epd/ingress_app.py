@@ -56,8 +56,19 @@ def build_app(config: IngressConfig) -> Starlette:
             "items_per_s": round(ing.pipeline.rate.per_s(), 2),
             "rate_measured": ing.pipeline.rate.measured,
         }
+        # the event loop's stalls: the worst since start and over the last 5 s (epd_common.loop_lag)
+        lag = {
+            "worst": round(ing.loop_lag.worst_s * 1e3, 1),
+            "last_5s": round(ing.loop_lag.recent_worst_s(5.0) * 1e3, 1),
+        }
         return JSONResponse(
-            {"status": "ok", "admission": admission, **ing.active_paths(), "llm_routing": ing.routing_stats()}
+            {
+                "status": "ok",
+                "admission": admission,
+                "loop_lag_ms": lag,
+                **ing.active_paths(),
+                "llm_routing": ing.routing_stats(),
+            }
         )
 
     async def ready(ing: Ingress, _: Request) -> Response:

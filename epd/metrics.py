@@ -72,6 +72,11 @@ class IngressMetrics:
         self.kv_usage = Gauge("epd_kv_usage", "LLM KV pool usage (0..1)", ["pool"], registry=r)
         self.llm_waiting = Gauge("epd_llm_waiting_requests", "Requests waiting in the LLM engine", registry=r)
         self.completion_tokens = Counter("epd_completion_tokens", "Generated tokens", registry=r)
+        self.loop_lag_worst = Gauge(
+            "epd_event_loop_lag_max_seconds",
+            "The longest the ingress's event loop was stalled since start (epd_common.loop_lag)",
+            registry=r,
+        )
 
     def observe_timings(self, timings_ms: dict[str, float]) -> None:
         for stage, ms in timings_ms.items():

@@ -2,8 +2,10 @@
 models, loopback fetches allowed): random bodies and valid bodies with one field mutated, for
 ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/encode`` (media parts included: data: URIs
 of a real JPEG, and URLs of the test's own media server). Whatever comes in, the answer is a
-status below 500 with a JSON error body when it is not a 200; the server is still healthy after
-(and, at the fixture's end, has left nothing in /dev/shm). Bounded: a fixed number of examples."""
+status below 500 with a JSON error body when it is not a 200, and the ingress's event loop was
+not stalled for more than 100 ms while answering it (its own watcher's figure, ``/health``
+``loop_lag_ms``); the server is still healthy after, its memory grew by a bounded amount (and, at
+the fixture's end, it has left nothing in /dev/shm). Bounded: a fixed number of examples."""
 
 from __future__ import annotations
 
@@ -11,11 +13,16 @@ import base64
 import json
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.epd.conftest import Media, ServeProcess, http_json, request
 from tests.epd.test_e2e_errors import check_error
+from tests.system.conftest import vm_rss_kib
+
+STALL_MS = 100.0  # the longest the ingress's event loop may be held by one fuzzed request
+RSS_GROWTH_KIB = 200 * 1024  # what the whole fuzz may add to the ingress's resident memory
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/encode")
 FIELDS = (
@@ -65,16 +72,27 @@ def _mutate(body: Any, path: list[Any], value: Any) -> Any:
     return [*body[:i], _mutate(body[i], rest, value), *body[i + 1 :]] if body else value
 
 
+@pytest.fixture(scope="module")
+def rss_before(epd_server: ServeProcess) -> int:
+    """The ingress's resident memory before the first fuzzed body."""
+    return vm_rss_kib(epd_server.proc.pid)
+
+
 def _check(server: ServeProcess, route: str, payload: bytes) -> None:
     reply = request("POST", f"{server.url}{route}", payload, {"content-type": "application/json"}, timeout=60)
     assert reply.status < 500, (route, payload[:300], reply.body)
     if reply.status != 200:
         check_error(reply.status, reply.body, reply.status)
+    _, health = http_json("GET", f"{server.url}/health")
+    stall = health["loop_lag_ms"]["last_5s"]
+    assert stall < STALL_MS, f"the event loop stalled {stall} ms around {route} {payload[:200]!r}"
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(route=st.sampled_from(ROUTES), body=json_values)
-def test_random_bodies_are_never_a_5xx(epd_server: ServeProcess, route: str, body: Any) -> None:
+def test_random_bodies_are_never_a_5xx(
+    epd_server: ServeProcess, rss_before: int, route: str, body: Any
+) -> None:
     _check(epd_server, route, json.dumps(body).encode())
 
 
@@ -109,6 +127,8 @@ def test_bytes_that_are_not_json_are_a_4xx(epd_server: ServeProcess, route: str,
     _check(epd_server, route, raw)
 
 
-def test_the_server_is_healthy_after_the_fuzz(epd_server: ServeProcess) -> None:
+def test_the_server_is_healthy_after_the_fuzz(epd_server: ServeProcess, rss_before: int) -> None:
     status, body = http_json("GET", f"{epd_server.url}/health")
     assert status == 200 and body["status"] == "ok", body
+    grown = vm_rss_kib(epd_server.proc.pid) - rss_before
+    assert grown < RSS_GROWTH_KIB, f"the ingress grew by {grown} KiB over the fuzz"
