@@ -38,7 +38,7 @@ from llm_core.caches.kv_group_manager import FullAttentionManager, SlidingWindow
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.kv_pool import KVCacheConfig, KVLayout, plan_pools, swa_pages_per_sequence
 from llm_core.caches.page_pool import PagePool
-from llm_core.serving.sequence import Sequence
+from llm_core.request import Sequence
 
 GIB = 1 << 30
 PAGE = 16

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from bench.common import add_common_args, format_machine, machine_info, print_table, write_json
 from bench.kv_capacity import metadata_kv, pro_layout
 from llm_core.caches.kv_pool import KVLayout
+from llm_core.request import Sampled, Sequence
 from llm_core.serving.scheduler import Scheduler, SchedulerConfig
-from llm_core.serving.sequence import Sampled, Sequence
 
 GIB = 1 << 30
 STEP_S = 0.02  # simulated seconds per model step (the scheduler's waiting-time term uses it)

@@ -53,8 +53,8 @@ from epd_common.checkpoint.config_json import read_config_json
 from epd_common.checkpoint.errors import CheckpointError
 from epd_common.errors import APIError, bad_request
 from llm_core.prompts.request_text import mask_chat
+from llm_core.request import MultimodalInput
 from llm_core.serving.embedding_source import EmbeddingSource
-from llm_core.serving.model_runner import MultimodalInput
 
 log = logging.getLogger("epd.llm_backends.vllm")
 

@@ -6,7 +6,8 @@ free list), the KV manager (``kv_manager``: each sequence's pages, pins and pref
 store tiers below it; ``kv_transfers`` keeps, by request id, the KV each request has copied in
 (imports, host-tier restores) and its store fetch.
 
-Imports: torch, numpy, ``llm_core.serving.sequence`` and ``llm_core.serving.request`` (the record
-and the request id it keeps state by; it writes nothing on them but a sequence's progress);
-nothing from ``llm_core.models`` (groups read a config through a protocol) or from the roles.
+Imports torch, numpy, ``epd_common`` and ``llm_core.request`` (the record and the request id it
+keeps state by; it writes nothing on them but a sequence's progress); nothing from
+``llm_core.serving``, nor ``llm_core.models`` (groups read a config through a protocol), nor the
+roles.
 """

@@ -36,7 +36,7 @@ from llm_core.caches.kv_store_tier import FETCH_SPENT, StoreFetch
 from llm_core.caches.kv_transfers import KVTransfers, RequestId
 
 if TYPE_CHECKING:
-    from llm_core.serving.sequence import Sequence
+    from llm_core.request import Sequence
 
 
 class KVConnector:

@@ -47,8 +47,7 @@ from llm_core.caches.kv_transfers import KVTransfers
 from llm_core.caches.page_pool import PageAllocator, PagePool, check_blocks
 from llm_core.caches.radix_cache import InsertResult, RadixCache, RadixNode
 from llm_core.caches.seq_kv import NOT_RESIDENT, SeqKV
-from llm_core.serving.request import RequestId
-from llm_core.serving.sequence import Sequence
+from llm_core.request import RequestId, Sequence
 
 _EMPTY = SeqKV()  # what ``of`` reads for a sequence that holds nothing (never written)
 

@@ -21,7 +21,7 @@ from llm_core.caches.kv_source import KVSource
 
 if TYPE_CHECKING:
     from llm_core.caches.kv_store_tier import StoreFetch
-    from llm_core.serving.sequence import Sequence
+    from llm_core.request import Sequence
 
 RequestId = int | str
 

@@ -1,6 +1,6 @@
 """One sequence's KV state, owned by the KV manager and kept there by request id.
 
-The request record (``serving.sequence.Sequence``) carries tokens and progress; which pages hold
+The request record (``llm_core.request.Sequence``) carries tokens and progress; which pages hold
 its KV, which of them the prefix cache lent it, which window pages it released or pins, and its
 prefix lock are this record's, written only by the KV manager and its group managers. Others read
 a sequence's page rows through ``KVManager.rows(seq)`` (the scheduler hands them to the model runner

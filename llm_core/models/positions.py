@@ -39,7 +39,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from llm_core.serving.sequence import Sequence
+from llm_core.request import Sequence
 
 
 class PositionScheme(Protocol):

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from epd_common.admission import LATENESS_QUANTILE, Lateness, ServiceRate
-from llm_core.serving.sequence import Sequence
+from llm_core.request import Sequence
 
 
 class WaitEstimate(NamedTuple):

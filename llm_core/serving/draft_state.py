@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from llm_core.serving.request import RequestId
+from llm_core.request import RequestId
 
 
 @dataclass(eq=False)

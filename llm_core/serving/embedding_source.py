@@ -23,7 +23,7 @@ from safetensors.torch import load as load_safetensors
 from epd_common.errors import APIError, bad_request
 from epd_common.messages.embedding_reader import EmbeddingReader, InvalidMediaKey, ReaderOpener
 from epd_common.messages.embedding_ref import EmbeddingRef
-from llm_core.serving.model_runner import MultimodalInput
+from llm_core.request import MultimodalInput
 
 log = logging.getLogger(__name__)
 

@@ -50,18 +50,17 @@ from llm_core.models.config import DecoderConfig
 from llm_core.models.mtp import MTPHeads
 from llm_core.models.positions import PositionScheme
 from llm_core.prompts.tokenizer import Tokenizer
+from llm_core.request import MultimodalInput, Request, Sampled
+from llm_core.request import Sequence as Seq
 from llm_core.serving.admission import EngineAdmission
 from llm_core.serving.engine_stats import EngineLoad, EngineStats, ThroughputMeter
 from llm_core.serving.kv_event_publisher import KVEventPublisher
 from llm_core.serving.kv_handoff import KVHandoff
-from llm_core.serving.model_runner import CausalLM, ModelRunner, MultimodalInput
-from llm_core.serving.request import Request
+from llm_core.serving.model_runner import CausalLM, ModelRunner
 from llm_core.serving.request_stream import RequestState, RequestStream, StepOutput
 from llm_core.serving.request_stream import deliver as deliver_outputs
 from llm_core.serving.sampling import Sampler, SamplingParams
 from llm_core.serving.scheduler import QueueFull, Scheduler, SchedulerConfig, SchedulerError
-from llm_core.serving.sequence import Sampled
-from llm_core.serving.sequence import Sequence as Seq
 from llm_core.serving.server_config import EngineConfig
 from llm_core.serving.speculative import Speculator
 

@@ -31,7 +31,7 @@ from llm_core.caches.kv_pool import DualKVCache
 from llm_core.caches.kv_source import KVSource
 from llm_core.caches.kv_transfers import KVTransfers
 from llm_core.caches.layer_gate import LayerGate
-from llm_core.serving.sequence import Sampled, Sequence
+from llm_core.request import Sampled, Sequence
 
 
 class CopyJob(NamedTuple):

@@ -28,7 +28,7 @@ from llm_core.kv_transfer.kv_import import KVImport
 from llm_core.kv_transfer.layer_plan import LayerPlan
 from llm_core.kv_transfer.payload import PayloadError, pack, read
 from llm_core.kv_transfer.transport import KVTransferError, KVTransport, make_transport
-from llm_core.serving.sequence import Sequence
+from llm_core.request import Sequence
 
 log = logging.getLogger("epd.kv_handoff")
 

@@ -27,18 +27,11 @@ from llm_core.backends.selector import Backends
 from llm_core.caches.kv_pool import DualKVCache
 from llm_core.kernels.attention_batch import AttentionBatch
 from llm_core.models.positions import LinearPositions, PositionScheme
+from llm_core.request import Sampled, Sequence
 from llm_core.serving.kv_copy import CopyPlan, LayeredCopy, copy_sequentially
-from llm_core.serving.request import MultimodalInput  # noqa: F401  (re-exported: callers import it here)
+from llm_core.serving.page_tables import DecodePageTables, TokenPositions, build_page_tables, token_positions
 from llm_core.serving.sampling import Sampler, SamplingParams, filtered_probs, params_of
 from llm_core.serving.scheduler_output import SchedulerOutput
-from llm_core.serving.sequence import (
-    DecodePageTables,
-    Sampled,
-    Sequence,
-    TokenPositions,
-    build_page_tables,
-    token_positions,
-)
 from llm_core.serving.speculative import Speculator, accept_greedy, accept_sampled
 
 # Logits projections of at most this many multiply-adds (rows x hidden x vocab; 2M for 32 rows of

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llm_core.prompts.tokenizer import IncrementalDetokenizer, Tokenizer
+from llm_core.request import Sequence
 from llm_core.serving.sampling import SamplingParams, find_stop, stop_holdback
-from llm_core.serving.sequence import Sequence
 
 
 class StepOutput:

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from llm_core.caches.kv_connector import KVConnector
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.kv_source import KVSource
+from llm_core.request import Sampled, Sequence, SequenceStatus
 from llm_core.serving.draft_state import DraftStates
 from llm_core.serving.scheduler_output import SchedulerOutput
-from llm_core.serving.sequence import Sampled, Sequence, SequenceStatus
 from llm_core.serving.waiting_queue import PriorityWeights, WaitingQueue, fair_split
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llm_core.caches.kv_transfers import KVTransfers
+from llm_core.request import Sequence
 from llm_core.serving.kv_copy import CopyPlan, plan_copies
-from llm_core.serving.sequence import Sequence
 
 
 @dataclass(frozen=True, eq=False)

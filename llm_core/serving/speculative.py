@@ -36,9 +36,10 @@ from llm_core.caches.kv_pool import DualKVCache
 from llm_core.kernels.attention_batch import AttentionBatch
 from llm_core.models.decoder import RopeTables
 from llm_core.models.mtp import MTPHeads
+from llm_core.request import Sequence
 from llm_core.serving.draft_state import DraftState, DraftStates
+from llm_core.serving.page_tables import build_page_tables, token_positions
 from llm_core.serving.sampling import params_of
-from llm_core.serving.sequence import Sequence, build_page_tables, token_positions
 
 
 class TargetModel(Protocol):

@@ -22,7 +22,7 @@ import bisect
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
-from llm_core.serving.sequence import Sequence
+from llm_core.request import Sequence
 
 
 class PriorityWeights(NamedTuple):

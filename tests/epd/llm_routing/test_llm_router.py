@@ -23,8 +23,8 @@ from epd_common.messages.kv_events import AllBlocksCleared, KVEventBatch
 from llm_core.caches.kv_group_manager import FullAttentionManager, SlidingWindowManager
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.page_pool import PagePool
+from llm_core.request import Sequence
 from llm_core.serving.kv_event_publisher import KVEventPublisher
-from llm_core.serving.sequence import Sequence
 
 P = 4
 WINDOW = 9

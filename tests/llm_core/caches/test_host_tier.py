@@ -11,8 +11,8 @@ import torch
 
 from llm_core.caches.host_restore import FetchCostModel
 from llm_core.prompts.tokenizer import load_tokenizer
+from llm_core.request import MultimodalInput
 from llm_core.serving.engine import LLMEngine
-from llm_core.serving.model_runner import MultimodalInput
 from llm_core.serving.sampling import SamplingParams
 from llm_core.serving.server_config import EngineConfig
 from tests.llm_core.serving.test_engine import VISION_END, VISION_START, media_ref, prompt_of

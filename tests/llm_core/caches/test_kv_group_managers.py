@@ -15,7 +15,8 @@ from llm_core.caches.kv_group_manager import FullAttentionManager, SlidingWindow
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.page_pool import PagePool
 from llm_core.caches.radix_cache import NOT_RESIDENT, RadixCache
-from llm_core.serving.sequence import Sequence, build_page_tables
+from llm_core.request import Sequence
+from llm_core.serving.page_tables import build_page_tables
 
 P = 4
 

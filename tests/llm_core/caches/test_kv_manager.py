@@ -20,7 +20,9 @@ from llm_core.caches.kv_group_manager import FullAttentionManager, SlidingWindow
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.kv_pool import swa_pages_per_sequence
 from llm_core.caches.page_pool import PagePool
-from llm_core.serving.sequence import NOT_RESIDENT, Sequence, build_page_tables
+from llm_core.caches.seq_kv import NOT_RESIDENT
+from llm_core.request import Sequence
+from llm_core.serving.page_tables import build_page_tables
 
 P = 4
 

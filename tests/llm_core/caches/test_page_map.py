@@ -7,7 +7,7 @@ import torch
 
 from llm_core.caches.kv_pool import DualKVCache, KVLayout
 from llm_core.caches.page_map import GroupPageMap
-from llm_core.serving.sequence import NOT_RESIDENT
+from llm_core.caches.seq_kv import NOT_RESIDENT
 
 PAGE = 4
 

@@ -11,7 +11,7 @@ import torch
 
 from epd_common.messages.cache_keys import MediaSpan
 from llm_core.models.positions import LinearPositions, MediaGrid, MRopePositions, mrope_prompt_positions
-from llm_core.serving.sequence import Sequence
+from llm_core.request import Sequence
 
 IMAGE, VIDEO, START = 90, 91, 92  # placeholder and vision-start ids of the reference model below
 MERGE, TPS = 2, 2

@@ -27,10 +27,9 @@ from epd_common.messages.embedding_ref import EmbeddingRef
 from llm_core.models.checkpoint import LoadedLLM, load_llm
 from llm_core.models.positions import MRopePositions
 from llm_core.prompts.tokenizer import load_tokenizer
+from llm_core.request import MultimodalInput, Sequence
 from llm_core.serving.engine import LLMEngine
-from llm_core.serving.model_runner import MultimodalInput
 from llm_core.serving.sampling import SamplingParams
-from llm_core.serving.sequence import Sequence
 from llm_core.serving.server_config import EngineConfig
 from tests.fixtures.qwen2_5_vl import (
     SCENARIOS,

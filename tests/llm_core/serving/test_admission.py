@@ -11,10 +11,10 @@ import pytest
 from starlette.testclient import TestClient
 
 from llm_core.prompts.tokenizer import load_tokenizer
+from llm_core.request import Sequence
 from llm_core.serving.admission import EngineAdmission
 from llm_core.serving.engine import EngineOverloaded, LLMEngine
 from llm_core.serving.sampling import SamplingParams
-from llm_core.serving.sequence import Sequence
 from llm_core.serving.server import create_app
 from llm_core.serving.server_config import EngineConfig
 

@@ -20,8 +20,8 @@ from llm_core.prompts.tokenizer import (
     build_default_tokenizer,
     load_tokenizer,
 )
+from llm_core.request import MultimodalInput
 from llm_core.serving.engine import EngineOverloaded, EngineRequestError, LLMEngine, StepOutput
-from llm_core.serving.model_runner import MultimodalInput
 from llm_core.serving.sampling import SamplingParams
 from llm_core.serving.server_config import EngineConfig
 

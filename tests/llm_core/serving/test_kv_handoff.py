@@ -15,9 +15,9 @@ import torch
 
 from llm_core.kv_transfer.transport import KVTransferError
 from llm_core.prompts.tokenizer import load_tokenizer
+from llm_core.request import MultimodalInput
 from llm_core.serving.engine import LLMEngine
 from llm_core.serving.kv_handoff import KVHandoff
-from llm_core.serving.model_runner import MultimodalInput
 from llm_core.serving.sampling import SamplingParams
 from llm_core.serving.server_config import EngineConfig
 from tests.llm_core.serving.test_engine import VISION_END, VISION_START, media_ref, prompt_of

@@ -21,10 +21,11 @@ from llm_core.caches.kv_group_manager import FullAttentionManager, SlidingWindow
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.page_map import GroupPageMap
 from llm_core.caches.page_pool import PagePool
+from llm_core.caches.seq_kv import NOT_RESIDENT
 from llm_core.models.positions import LinearPositions, MRopePositions, PositionScheme
+from llm_core.request import Sequence
 from llm_core.serving.model_runner import ModelRunner, StepInputs
 from llm_core.serving.sampling import Sampler
-from llm_core.serving.sequence import NOT_RESIDENT, Sequence
 
 P = 4  # page size
 MERGE, TPS = 2, 2

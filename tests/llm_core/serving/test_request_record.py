@@ -8,8 +8,7 @@ import re
 
 import pytest
 
-from llm_core.serving.request import Request
-from llm_core.serving.sequence import Sequence
+from llm_core.request import Request, Sequence
 
 ANY = re.compile(r"\bAny\b")
 

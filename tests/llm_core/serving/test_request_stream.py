@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from llm_core.prompts.tokenizer import Tokenizer, build_default_tokenizer
+from llm_core.request import Sequence
 from llm_core.serving.request_stream import OutputQueue, RequestState, RequestStream, StepOutput
 from llm_core.serving.sampling import SamplingParams
-from llm_core.serving.sequence import Sequence
 
 TOK = Tokenizer(build_default_tokenizer())  # id b is byte b; 256.. are specials
 EOS = 256

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from llm_core.caches.kv_group_manager import FullAttentionManager, SlidingWindowManager
 from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.page_pool import PagePool
+from llm_core.request import Sequence, SequenceStatus
 from llm_core.serving.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig, SchedulerOutput
-from llm_core.serving.sequence import Sequence, SequenceStatus
 from llm_core.serving.waiting_queue import PriorityWeights, fair_split, priority_score
 
 P = 4

@@ -12,7 +12,7 @@ from epd_common.messages.cache_keys import (
     media_pseudo_id,
     media_spans,
 )
-from llm_core.serving.sequence import Sequence
+from llm_core.request import Sequence
 
 
 def test_token_slice_equals_slicing_token_ids() -> None:

@@ -18,9 +18,9 @@ from starlette.testclient import TestClient
 
 from encoder.caches.embed_cache import EmbedCache
 from llm_core.prompts.tokenizer import load_tokenizer
+from llm_core.request import MultimodalInput
 from llm_core.serving.embedding_source import EmbeddingSource
 from llm_core.serving.engine import LLMEngine
-from llm_core.serving.model_runner import MultimodalInput
 from llm_core.serving.sampling import SamplingParams
 from llm_core.serving.server import create_app
 from llm_core.serving.server_config import EngineConfig, LLMServerConfig

@@ -18,10 +18,9 @@ from hypothesis import strategies as st
 
 from llm_core.models.mtp import MTPHeads
 from llm_core.prompts.tokenizer import load_tokenizer
+from llm_core.request import MultimodalInput, Sequence
 from llm_core.serving.engine import LLMEngine
-from llm_core.serving.model_runner import MultimodalInput
 from llm_core.serving.sampling import SamplingParams
-from llm_core.serving.sequence import Sequence
 from llm_core.serving.server_config import EngineConfig
 from llm_core.serving.speculative import Speculator, accept_greedy
 from tests.llm_core.caches.test_host_tier import history_turns

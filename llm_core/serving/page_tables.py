@@ -1,26 +1,15 @@
-"""One request's state in the LLM core: its tokens, cache keys and progress; page tables from rows.
+"""Page tables from page rows: what a step's attention reads, built by the model runner and the
+speculator from the rows the scheduler hands them (``SchedulerOutput.page_rows``, the KV manager's
+``rows``).
 
-The request itself (prompt, sampling, media) is a frozen ``request.Request`` the sequence refers
-to; the scheduler and the KV manager move the rest of a ``Sequence`` (tokens, progress, status); the
-model runner only reads it. The sequence knows nothing of pages.
-
-Token layout::
-
-    token_ids   = prompt_ids + output_ids           what the model computes, position by position
-    cache_keys  = prompt_keys + output_ids          what the prefix cache matches on
-    prompt_keys = prompt_ids with each media placeholder run replaced by a pseudo-id of its MediaKey
-
-    positions   [0 ............ num_computed_tokens) KV written (full attention: all; a window: its window)
-                [num_computed_tokens .. num_tokens)  still to compute (the last one is the decode input)
-
-The sequence holds no KV state: its pages, pins and prefix lock are the KV manager's
-(``caches.seq_kv.SeqKV``, kept by request id); the page-table builders below take each
-sequence's page rows from the caller (the scheduler's ``SchedulerOutput``).
+``token_positions`` places a step's packed new tokens (sequence, position); ``build_page_tables``
+turns each sequence's page rows per KV group into int32 [B, P] tables and each new token's write
+slot; ``DecodePageTables`` keeps the tables across decode steps and patches only the rows that
+changed. The sequences are read (``seq_id``, ``num_computed_tokens``), never written.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 from typing import NamedTuple
@@ -28,166 +17,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-# The media-span parsing and the cache-key rule are shared with the ingress (it routes on the
-# keys the prefix cache matches): they live with the other messages between roles.
-from epd_common.messages.cache_keys import MediaSpan, build_cache_keys
-
-# a page-table entry for a page whose KV is not in the pool (left a window): the KV state's
+# NOT_RESIDENT: a page-table entry for a page whose KV is not in the pool (it left a window)
 from llm_core.caches.seq_kv import NOT_RESIDENT
-from llm_core.serving.request import MultimodalInput, Request, RequestId
-from llm_core.serving.sampling import SamplingParams
-
-# What a step yields per sequence: a token, None (a prefill chunk short of the end), or the tokens a
-# verify step accepted (speculative decoding, ``speculative.py``).
-Sampled = int | list[int] | None
-
-
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"  # queued (new, or preempted and reset to recompute)
-    RUNNING = "running"  # holds KV pages and is scheduled every step
-    FINISHED = "finished"  # stopped normally; pages released
-    ABORTED = "aborted"  # cancelled by the client or the engine; pages released
-
-
-class Sequence:
-    """The scheduler's state of one request: a reference to the frozen ``Request`` and what
-    scheduling moves. Identity semantics: two sequences are never equal (hashable by identity)."""
-
-    request: Request
-    output_ids: list[int]
-    status: SequenceStatus
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    num_computed_tokens: int
-    num_cached_tokens: int  # prefix-cache hit at the last admission
-    num_preemptions: int
-    # Leading tokens whose KV a later prompt with the same cache keys would compute identically
-    # (None: all). The model's position scheme lowers it when generated tokens sit at positions a
-    # prompt would not give them (``positions.MRopePositions``); only that much enters the cache.
-    cacheable_tokens: int | None
-
-    def __init__(
-        self,
-        seq_id: RequestId,
-        prompt_ids: Iterable[int],
-        sampling: SamplingParams | None = None,
-        max_new_tokens: int = 16,
-        stop_token_ids: Iterable[int] = (),
-        media: Iterable[MediaSpan] = (),
-        mm_items: Iterable[MultimodalInput] = (),
-        arrival_time: float | None = None,
-    ) -> None:
-        """A sequence of a request built from these fields (``Sequence.of`` takes a ``Request``)."""
-        self._start(
-            Request.create(
-                seq_id, prompt_ids, sampling, max_new_tokens, stop_token_ids, media, mm_items, arrival_time
-            )
-        )
-
-    @classmethod
-    def of(cls, request: Request) -> Sequence:
-        """The scheduler's state for ``request``, nothing computed yet."""
-        seq = cls.__new__(cls)
-        seq._start(request)
-        return seq
-
-    def _start(self, request: Request) -> None:
-        if not request.prompt_ids:
-            raise ValueError(f"sequence {request.request_id!r}: empty prompt")
-        self.request = request
-        # a list copy: token_ids concatenates it with output_ids every step
-        self._prompt_list = list(request.prompt_ids)
-        self._prompt_keys = build_cache_keys(self._prompt_list, request.media)
-        self.output_ids = []
-        self.status = SequenceStatus.WAITING
-        self.finish_reason = None
-        self.num_computed_tokens = 0
-        self.num_cached_tokens = 0
-        self.num_preemptions = 0
-        self.cacheable_tokens = None
-
-    def __repr__(self) -> str:
-        return (
-            f"Sequence({self.seq_id!r}, {self.num_prompt_tokens} prompt + {len(self.output_ids)} output tokens,"
-            f" {self.num_computed_tokens} computed, {self.status.value})"
-        )
-
-    # ---- the request's fields (read-only) ------------------------------------------------------
-
-    @property
-    def seq_id(self) -> RequestId:
-        return self.request.request_id
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        """The prompt (a list view of ``request.prompt_ids``; never written)."""
-        return self._prompt_list
-
-    @property
-    def sampling(self) -> SamplingParams | None:
-        return self.request.sampling
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.request.max_new_tokens
-
-    @property
-    def stop_token_ids(self) -> frozenset[int]:
-        return self.request.stop_token_ids
-
-    @property
-    def media(self) -> tuple[MediaSpan, ...]:
-        return self.request.media
-
-    @property
-    def mm_items(self) -> tuple[MultimodalInput, ...]:
-        return self.request.mm_items
-
-    @property
-    def arrival_time(self) -> float:
-        return self.request.arrival_time
-
-    @property
-    def kv_export(self) -> bool:
-        return self.request.kv_export
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    def token_slice(self, start: int, end: int) -> list[int]:
-        """``token_ids[start:end]`` without building the whole list (a decode step needs one id)."""
-        p = len(self.prompt_ids)
-        if start >= p:
-            return self.output_ids[start - p : end - p]
-        if end <= p:
-            return self.prompt_ids[start:end]
-        return self.prompt_ids[start:] + self.output_ids[: end - p]
-
-    @property
-    def cache_keys(self) -> list[int]:
-        return self._prompt_keys + self.output_ids
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed_tokens
-
-    @property
-    def in_prefill(self) -> bool:
-        """More than the one decode input token is left to compute (prompt, or recompute after preemption)."""
-        # num_uncomputed_tokens > 1, spelled out: the scheduler asks for every sequence every step
-        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed_tokens > 1
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status in (SequenceStatus.FINISHED, SequenceStatus.ABORTED)
+from llm_core.request import Sequence
 
 
 class PageTables(NamedTuple):
