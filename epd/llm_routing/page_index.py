@@ -32,6 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from epd_common.messages.hit_rule import window_accepts
 from epd_common.messages.kv_events import (
     FULL_GROUP,
     SWA_GROUP,
@@ -41,7 +42,6 @@ from epd_common.messages.kv_events import (
     KVEventBatch,
     SwaTombstoned,
 )
-from llm_core.caches.hit_rule import window_accepts
 
 # Page state bits (an int per page keeps the dict small).
 FULL = 1  # the page's full-attention KV is in the tree
@@ -69,7 +69,7 @@ def longest_hit(
             break  # chained names: no later page of this request can be present
         run = run + page_size if state & SWA_LIVE else 0
         b = (i + 1) * page_size
-        if window_accepts(run, b, window_tokens):  # the engine's own rule (llm_core.caches.hit_rule)
+        if window_accepts(run, b, window_tokens):  # the engine's own rule (epd_common.messages.hit_rule)
             best = b
     return best
 

@@ -5,8 +5,10 @@ named by its ``MediaKey``), the cache-key rule (a prompt's prefix-cache keys, ea
 replaced by a pseudo-id of its MediaKey: the ingress routes on exactly what the engine matches),
 the engine's completion request and its response and stream chunks, the node embedding
 cache as a reader sees it (``EmbeddingReader``), and what an engine's prefix cache publishes for
-routers: its pages' names (``page_hash``: chained xxh3 over token ids and MediaKeys) and its KV
-events (``kv_events``: vLLM's schema as msgpack).
+routers: its pages' names (``page_hash``: chained xxh3 over token ids and MediaKeys), the rule
+that says which page boundary is a prefix hit (``hit_rule``: the engine's radix cache and the
+router's page index ask the same function) and its KV events (``kv_events``: vLLM's schema as
+msgpack).
 
 Why here, under ``epd_common``: every role already imports ``epd_common`` and nothing in it
 imports a role, so a message defined here makes no role depend on another; the encoder, the

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from llm_core.caches.hit_rule import window_accepts
+from epd_common.messages.hit_rule import window_accepts
 from llm_core.caches.host_restore import FetchCostModel, HostPage, HostRestore
 from llm_core.caches.kv_pool import DualKVCache
 from llm_core.caches.kv_store_tier import KVStoreTier

@@ -3,7 +3,7 @@
 The KV manager (``kv_manager.py``) keeps a sequence's logical pages in step across groups (every
 group's row has one entry per logical page) and asks each group's manager what is particular to
 it: which of a sequence's pages the next queries can still read, which it may free, and what a
-cached prefix must keep for a hit (``hit_rule.py``)::
+cached prefix must keep for a hit (``epd_common.messages.hit_rule``)::
 
     FullAttentionManager      every page of [0, c) is read by every later query: nothing is freed
                               before release; a hit needs the whole path (no window rule)

@@ -58,6 +58,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 
+from epd_common.messages.hit_rule import groups_accept
 from epd_common.messages.kv_events import (
     FULL_GROUP,
     BlockRemoved,
@@ -66,7 +67,6 @@ from epd_common.messages.kv_events import (
     SwaTombstoned,
 )
 from epd_common.messages.page_hash import page_hashes
-from llm_core.caches.hit_rule import groups_accept
 from llm_core.caches.radix_node import InsertResult, MatchResult, PrefixLock, RadixNode
 
 __all__ = ["NOT_RESIDENT", "InsertResult", "MatchResult", "PrefixLock", "RadixCache", "RadixNode"]

@@ -6,10 +6,12 @@ when shorter) have live KV in that group. The full-attention group serves it if 
 [0, b) is present, which a walk over a cached path already guarantees. A boundary is a hit when
 every group accepts it.
 
-The radix cache (``radix_cache.py``) walks nodes, the host tier (``host_tier.py``) and the
-router's page index (``epd.llm_routing.page_index``) walk pages; all three keep, per window
+The engine's radix cache (``llm_core.caches.radix_cache``) walks nodes, its host tier
+(``llm_core.caches.host_tier``) and the router's page index (``epd.llm_routing.page_index``) walk
+pages; all three keep, per window
 group, the run of consecutive live tokens ending at the boundary and ask ``window_accepts``. One
-function, so the router's prediction cannot drift from the engine's hit.
+function, so the router's prediction cannot drift from the engine's hit; it lives beside
+``page_hash`` (the pages' names) so that the router imports nothing of the engine for it.
 """
 
 from __future__ import annotations
