@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from encoder.models.packed_layout import Segments
+from encoder.kernels.segments import Segments
 
 AttnBackend = Literal["auto", "torch", "triton"]
 

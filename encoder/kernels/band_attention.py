@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from encoder.kernels.attention import AttnBackend
-from encoder.models.packed_layout import Segments
+from encoder.kernels.segments import Segments
 
 DEFAULT_QUERY_BLOCK = 128
 

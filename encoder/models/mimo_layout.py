@@ -27,8 +27,9 @@ from typing import NamedTuple
 
 import torch
 
+from encoder.kernels.segments import Segments, make_segments
 from encoder.models.family import Grid
-from encoder.models.packed_layout import Segments, checked_grids, fields_to, make_segments
+from encoder.models.packed_layout import checked_grids, fields_to
 
 
 class MiMoLayout(NamedTuple):

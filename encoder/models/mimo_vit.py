@@ -32,10 +32,10 @@ from torch import nn
 
 from encoder.kernels.attention import AttnBackend
 from encoder.kernels.band_attention import band_attention
+from encoder.kernels.segments import Segments
 from encoder.models.family import Grid
 from encoder.models.mimo_layout import MiMoLayout, mimo_layout, reorder_units
 from encoder.models.mimo_vit_config import BlockMode, MiMoVisionConfig
-from encoder.models.packed_layout import Segments
 from encoder.models.packed_tower import PackedTower
 from encoder.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from encoder.models.tower import RMSNorm, VisionMLP

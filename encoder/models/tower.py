@@ -19,10 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from encoder.kernels.attention import AttnBackend, varlen_attention
+from encoder.kernels.segments import Segments
 from encoder.models.config import VisionConfig
 from encoder.models.packed_tower import PackedTower
 from encoder.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from encoder.models.windows import Grid, Segments, VisionLayout, vision_layout
+from encoder.models.windows import Grid, VisionLayout, vision_layout
 
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:

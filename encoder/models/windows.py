@@ -20,8 +20,8 @@ restored after the merger. Example: one frame of 6x6 merged units, window side 4
 
 Edge windows are smaller (no padding tokens exist). Full-attention blocks attend within one frame
 (``t`` segments of h*w patches per item, as Qwen2.5-VL does); frames stay contiguous in window
-order because windows never cross a frame. (``Segments`` themselves, shared with the MiMo layout,
-live in ``packed_layout``; they stay importable from here.)
+order because windows never cross a frame. (``Segments`` themselves, shared with the MiMo layout
+and the audio tokenizer, are the kernels' input: ``encoder.kernels.segments``.)
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from typing import NamedTuple
 
 import torch
 
+from encoder.kernels.segments import Segments, make_segments
 from encoder.models.family import Grid
-from encoder.models.packed_layout import Segments, checked_grids, fields_to, make_segments
+from encoder.models.packed_layout import checked_grids, fields_to
 
 
 class VisionLayout(NamedTuple):

@@ -33,11 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from encoder.kernels.attention import AttnBackend
+from encoder.kernels.segments import Segments, make_segments
 from encoder.models.mimo_audio.rope import apply_rope, rope_cos_sin
 from encoder.models.mimo_audio.rvq import ResidualVQ
 from encoder.models.mimo_audio.tokenizer_config import AudioTokenizerConfig
 from encoder.models.mimo_audio.window_attention import window_attention
-from encoder.models.packed_layout import Segments, make_segments
 
 
 class TokenizerOutput(NamedTuple):

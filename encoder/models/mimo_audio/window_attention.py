@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from encoder.kernels.attention import AttnBackend
 from encoder.kernels.band_attention import band_attention
-from encoder.models.packed_layout import Segments
+from encoder.kernels.segments import Segments
 
 QUERY_BLOCK = 256
 

@@ -11,7 +11,7 @@ import torch
 
 from encoder.kernels import band_attention as band_mod
 from encoder.kernels.band_attention import band_attention_torch
-from encoder.models.windows import make_segments
+from encoder.kernels.segments import make_segments
 
 needs_triton_runtime = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),

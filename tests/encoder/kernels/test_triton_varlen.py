@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from encoder.kernels.attention import varlen_attention, varlen_attention_torch
+from encoder.kernels.segments import make_segments
 from encoder.kernels.triton_varlen import varlen_attention_triton
-from encoder.models.windows import make_segments, vision_layout
+from encoder.models.windows import vision_layout
 
 needs_triton_runtime = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),

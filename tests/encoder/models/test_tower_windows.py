@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from encoder.models.windows import make_segments, vision_layout
+from encoder.kernels.segments import make_segments
+from encoder.models.windows import vision_layout
 
 CASES = [
     [(1, 8, 12)],
