@@ -5,4 +5,6 @@ holds) and ``serving`` (the cross-request batcher and the worker process; the in
 workers is ``epd.encoder_router``).
 
 It knows nothing of the language model or of the ingress's HTTP API.
+
+May import: epd_common, media_io; never: llm_core, epd.
 """

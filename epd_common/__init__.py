@@ -4,6 +4,8 @@ error channel, native-build checks, the cluster store (``store``), what a checkp
 registry) and what the roles send each other (``messages``: ``EmbeddingRef``, the cache-key rule,
 the engine's completion request and chunks, the embedding-cache reader interface).
 
-May import: third-party libraries only, never ``encoder``, ``llm_core``, ``media_io`` or ``epd``
-(the registry names model families by import path and imports them only when asked).
+It depends on third-party libraries only (the registry names model families by import path and
+imports them only when asked).
+
+May import: none; never: encoder, llm_core, media_io, epd.
 """

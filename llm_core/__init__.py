@@ -10,5 +10,8 @@ It consumes embeddings by EmbeddingRef and knows nothing of media decoding.
 
 What it shares with the other roles (EmbeddingRef, the cache-key rule, the completion request and
 its chunks, the embedding cache as a reader sees it) comes from ``epd_common.messages``; it never
-imports ``encoder`` or ``epd`` (``tests/epd_common/messages/test_role_imports.py`` checks).
+imports ``encoder``, ``media_io`` or ``epd``. The request record (``request``) sits below
+``caches`` and ``serving``, which both import it.
+
+May import: epd_common; never: encoder, media_io, epd.
 """

@@ -4,4 +4,6 @@ Fetching (aiohttp, SSRF-guarded), image decode, video probe/sample/decode, and t
 preprocessing backends (DALI and pillow-simd + torch) that produce identical layouts.
 
 This package knows nothing of models, caches or HTTP serving.
+
+May import: epd_common; never: encoder, llm_core, epd.
 """

@@ -5,8 +5,12 @@ Which family serves a checkpoint is the shared registry's answer
 (``epd_common.checkpoint.registry``, by config.json's model_type); ``family_for`` gives it the
 ``family.VisionFamily`` type. Adding a tower family is one module here and one row there.
 
-May import: ``epd_common`` (the checkpoint reader, the registry, the settings); never
-``llm_core``, ``media_io`` or ``epd``.
+Beside ``epd_common`` (the checkpoint reader, the registry, the settings) and the kernels, a tower
+takes from ``media_io`` only its input contract: the audio settings and the pad-count rule (leaf
+modules of settings); fetching and decoding stay out.
+
+May import: encoder.kernels, epd_common, media_io.audio_config, media_io.audio_settings,
+media_io.audio_tokens; never: encoder.caches, encoder.serving, media_io, llm_core, epd.
 """
 
 from __future__ import annotations

@@ -16,8 +16,10 @@ The other routing policy, KV-cache affinity or least load over LLM engines, is
 ``epd.llm_routing.LLMRouter``; the error classifiers that tell a refusal from an unreachable
 backend belong to each backend's client side (``epd.encoder_router``, ``epd.engine_pool``).
 
-May import: the standard library and uhashring. Never HTTP, a client, or the ingress: the pool
+It needs the standard library and uhashring only: never HTTP, a client, or the ingress; the pool
 only chooses URLs and counts what happened to them.
+
+May import: none; never: epd, epd_common, encoder, llm_core, media_io.
 """
 
 from epd.backend_pool.attempts import (

@@ -12,7 +12,13 @@
   ``uuid`` = its MediaKey; every embedding is checked against its grid and the model's hidden size
   before it is sent (a malformed one kills vLLM's server).
 
-May import ``epd_common``, ``encoder.caches``, ``llm_core.prompts`` / ``llm_core.serving`` (the
-cache-key rule, the embedding source) and ``epd`` modules below the chat API (``engine_client``,
-``media_pipeline``, ``prompt_format``); never ``epd.chat_api`` or ``epd.ingress``.
+Beside ``epd_common`` it takes the cache reader from ``encoder.caches``, the tokenizer and the
+request text from ``llm_core.prompts``, ``MultimodalInput`` from ``llm_core.request``, the
+embedding source from ``llm_core.serving``, and the ``epd`` modules below the chat API (the config,
+the engine client, the router, the media pipeline, the prompt format); never the chat API or the
+ingress.
+
+May import: epd_common, encoder.caches, llm_core.prompts, llm_core.request,
+llm_core.serving.embedding_source, epd.config, epd.engine_client, epd.llm_routing,
+epd.media_pipeline, epd.prompt_format; never: epd.chat_api, epd.ingress.
 """

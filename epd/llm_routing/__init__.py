@@ -13,8 +13,12 @@ llm_router.py            LLMRouter: the engines, their health, route(), stats()
 
 The router is the policy of the LLM engines' backend pool (``epd.backend_pool``, through
 ``epd.engine_pool``): liveness, refusals and failover are the pool's; which engines are up it
-reads from the pool's ``Liveness``. May import ``epd.backend_pool`` and the definitions of page
-hashes and KV events; never a client or the ingress.
+reads from the pool's ``Liveness``. Beside ``epd.backend_pool`` it takes only the definitions of
+page names, the hit rule and the KV events (``epd_common.messages``); never a client, the ingress
+or the engine.
+
+May import: epd.backend_pool, epd_common.messages; never: epd.engine_client, epd.engine_pool,
+epd.ingress, llm_core, encoder.
 """
 
 from epd.llm_routing import vllm_block_hash as _vllm_block_hash  # registers vLLM's page naming

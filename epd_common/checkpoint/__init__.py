@@ -4,8 +4,9 @@ sub-folders, or loose ``*.safetensors`` files), the one ``CheckpointError`` (``e
 registry from config.json's architecture to the language-model family, the tower family and the
 processor settings (``registry``).
 
-May import: the standard library, ``safetensors`` and ``torch`` (``shards`` only). Never ``encoder``,
-``llm_core``, ``media_io`` or ``epd``: the registry names the families by import path and resolves
-them when asked, so importing it loads neither model stack. Importing this package imports none of
-its modules.
+It needs the standard library, ``safetensors`` and ``torch`` (``shards`` only); the registry names
+the families by import path and resolves them when asked, so importing it loads neither model
+stack. Importing this package imports none of its modules.
+
+May import: none; never: encoder, llm_core, media_io, epd.
 """

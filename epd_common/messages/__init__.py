@@ -14,7 +14,9 @@ Why here, under ``epd_common``: every role already imports ``epd_common`` and no
 imports a role, so a message defined here makes no role depend on another; the encoder, the
 engine and the ingress each import the same Struct and none imports another's package for it.
 
-May import: the standard library, msgspec, and for the page names and KV events xxhash, numpy
-and msgpack (the wire formats). No torch, no media, model or serving code: a Struct here is a
-schema, and the code that acts on a message stays with the role that owns it.
+It needs the standard library, msgspec, and for the page names and KV events xxhash, numpy and
+msgpack (the wire formats). No torch at run time, no media, model or serving code: a Struct here
+is a schema, and the code that acts on a message stays with the role that owns it.
+
+May import: none; never: encoder, llm_core, media_io, epd.
 """

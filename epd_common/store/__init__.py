@@ -8,6 +8,8 @@
 
 ``open_store`` maps the CLI's ``--store`` / ``--store-dir`` onto one of them. Importing this
 package does not import redis-py; ``open_store`` does, for a Redis URL only.
+
+May import: epd_common.child_process; never: encoder, llm_core, media_io, epd.
 """
 
 from __future__ import annotations

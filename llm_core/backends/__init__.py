@@ -23,6 +23,8 @@ here depends on dtype and on which C extensions loaded, not only on the device; 
 layer kernel) spans several ops, which per-op dispatch cannot express; and an object with a name
 is what the engine reports and what a test overrides, in one place.
 
-May import: torch, ``llm_core.kernels`` (the kernels and their wrappers), ``epd_common``. Must not
-import ``llm_core.models`` or ``llm_core.serving``: the models import the backends.
+Beside torch it uses ``llm_core.kernels`` (the kernels and their wrappers) and ``epd_common``; the
+models import the backends, never the reverse.
+
+May import: llm_core.kernels, epd_common; never: llm_core.models, llm_core.serving.
 """

@@ -6,8 +6,10 @@ free list), the KV manager (``kv_manager``: each sequence's pages, pins and pref
 store tiers below it; ``kv_transfers`` keeps, by request id, the KV each request has copied in
 (imports, host-tier restores) and its store fetch.
 
-Imports torch, numpy, ``epd_common`` and ``llm_core.request`` (the record and the request id it
-keeps state by; it writes nothing on them but a sequence's progress); nothing from
-``llm_core.serving``, nor ``llm_core.models`` (groups read a config through a protocol), nor the
-roles.
+Beside torch and numpy it reads the request record (``llm_core.request``: the record and the
+request id it keeps state by; it writes nothing on them but a sequence's progress) and
+``epd_common`` (the messages, the store); nothing from ``llm_core.serving``, nor ``llm_core.models``
+(groups read a config through a protocol), nor the roles.
+
+May import: llm_core.request, epd_common; never: llm_core.serving, llm_core.models.
 """

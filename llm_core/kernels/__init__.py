@@ -3,5 +3,8 @@ Triton), the C decoder-layer, MoE and RMSNorm kernels, the rotary rotation, the 
 (``attention_batch``), and which of them a process runs (``active_paths``).
 
 Which kernel a model runs is chosen in ``llm_core.backends``; the models do not import the
-``cpu_*`` wrappers. May import: torch, numpy, triton (``triton_attention`` only), ``epd_common``.
+``cpu_*`` wrappers. Beside torch, numpy and triton (``triton_attention`` only) they use
+``epd_common`` only.
+
+May import: epd_common; never: llm_core.backends, llm_core.models, llm_core.serving.
 """

@@ -7,9 +7,13 @@ Which family serves a checkpoint is the shared registry's answer
 ``family_for`` gives it the ``family.LLMFamily`` type. Adding a family is one module here and one
 row there; an unknown architecture fails with the list of supported ones.
 
-May import: ``epd_common`` (the checkpoint reader, the registry, the settings) and ``llm_core``'s
-``kernels`` and ``prompts`` (``positions`` and ``mtp_distill`` also reach into ``caches`` /
-``serving``); never ``encoder``, ``media_io`` or ``epd``.
+Beside ``epd_common`` (the checkpoint reader, the registry, the settings) it uses ``llm_core``'s
+``backends`` (the kernels chosen once, handed over by ``after_load``), ``kernels``, ``prompts`` and
+the request record (``positions``). One exception is left until the embedded default's MTP heads
+become a tools step (#41 step 4): ``checkpoint`` runs ``llm_core.tools.mtp_distill``.
+
+May import: epd_common, llm_core.backends, llm_core.kernels, llm_core.prompts, llm_core.request;
+never: llm_core.caches, llm_core.serving, llm_core.tools.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ present). Patch, merge and temporal size, pixel bounds and mean/std all come fro
 ``PreprocessConfig``. Pick one with ``get_backend(name, cfg)``.
 
 This package knows nothing of fetching, models or serving.
+
+May import: epd_common, media_io; never: media_io.fetch, media_io.ssrf.
 """
 
 from media_io.preprocess.backend import BackendName, PreprocessBackend, get_backend

@@ -10,7 +10,10 @@ Owns: the two configs (``tokenizer_config``, ``tower_config``), the modules (``t
 ``rvq``, ``tower``, ``local_transformer``), their packed attention (``window_attention``) and
 rotary (``rope``), the checkpoint names (``weights``), the clip-level driver (``encoder``) and
 the checkpoint family (``family``: which files hold it, its log-mel settings, loading).
-Imports torch, ``encoder.kernels`` (attention), ``encoder.models.packed_layout`` (segments),
-``encoder.models.tower`` (RMSNorm), ``media_io`` (the pad-count rule, the audio settings) and, in
-``family`` only, ``epd_common.checkpoint`` (the readers); nothing of HTTP, the worker or the cache.
+Beside torch it takes the attention and its segments from ``encoder.kernels``, RMSNorm from
+``encoder.models.tower``, the pad-count rule and the audio settings from ``media_io`` and, in
+``family`` only, the readers from ``epd_common.checkpoint``; nothing of HTTP, the worker or the cache.
+
+May import: encoder.kernels, encoder.models.tower, epd_common.checkpoint, media_io.audio_config,
+media_io.audio_settings, media_io.audio_tokens; never: encoder.caches, encoder.serving.
 """
