@@ -23,12 +23,13 @@ README_MAX_LINES = 260
 FOREIGN_FLAGS = {
     # benchmarks
     "--depth", "--frame-sizes", "--minutes", "--peer", "--pipeline-bound", "--quick", "--repeats", "--rounds",
-    "--sessions", "--epd-cpus",
+    "--sessions", "--epd-cpus", "--images",
     "--tiny-qwen",
     # vLLM
     "--ec-transfer-config", "--enable-mm-embeds", "--max-num-seqs", "--mm-processor-kwargs",
     "--tensor-parallel-size", "--block-size", "--enable-prompt-tokens-details", "--enable-scale-out",
-    "--kv-events-config", "--prefix-caching-hash-algo", "--num-gpu-blocks-override",
+    "--kv-events-config", "--prefix-caching-hash-algo", "--num-gpu-blocks-override", "--trust-remote-code",
+    "--limit-mm-per-prompt", "--hf-overrides",
     # llama-server
     "--parallel", "--swa-full",
     # SGLang's bench_serving
