@@ -266,3 +266,35 @@ def test_the_start_up_check_passes_under_either_name(
 
     asyncio.run(check())
     assert vllm.alive and vllm.healthy()
+
+
+def _engine_row(epd: ServeProcess) -> dict[str, Any]:
+    (row,) = http_json("GET", f"{epd.url}/health")[1]["llm_routing"]["engines"]
+    return dict(row)
+
+
+def test_hybrid_kv_events_are_refused_and_routed_by_load(epd: ServeProcess) -> None:
+    """Affinity over MiMo's hybrid KV does not hold yet, and the router says so instead of guessing:
+    vLLM 0.32 gives the full-attention group 256-token blocks (its page bytes evened with the
+    sliding-window group's 128-token ones, whose layers have twice the KV heads), each named by the
+    128-token chain hash at its end; the router names pages of one size, so its check refuses the
+    stream and predicts no hit, while vLLM's own prefix cache hits."""
+    system = " ".join(f"rule {i}: answer briefly and name the colour you see." for i in range(30))
+    history: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    predicted = actual = 0
+    for turn in range(3):
+        content: list[dict[str, Any]] = [{"type": "text", "text": f"Turn {turn}."}]
+        if turn % 2 == 0:
+            content.insert(0, image_part(300 + turn))
+        history.append({"role": "user", "content": content})
+        before = _engine_row(epd)
+        body = {"messages": history, "max_tokens": 4, "temperature": 0}
+        status, reply = http_json("POST", f"{epd.url}/v1/chat/completions", body)
+        assert status == 200, reply
+        history.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
+        after = _engine_row(epd)
+        predicted += after["predicted_cached_tokens"] - before["predicted_cached_tokens"]
+        actual += reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+    row = _engine_row(epd)
+    assert row["naming_check"] == "mismatch: its pages are 256 tokens, the router's 128", row
+    assert predicted == 0 and actual >= 2 * 256, (predicted, actual)
