@@ -53,7 +53,9 @@ def kv_blocks(trace: Trace, args: argparse.Namespace, directory: Path) -> int:
     byte_tokens = even + (every - even) // 4
     ratio = len(load_tokenizer(str(directory)).encode_text(trace.system)) / max(1, system_tokens(trace))
     tokens = max(math.ceil(byte_tokens * ratio), args.vllm_max_model_len)
-    return math.ceil(tokens / BLOCK_SIZE)
+    # + 1: vLLM keeps one block of the pool as its null block (a pool of exactly max_model_len
+    # tokens is refused at start: "the estimated maximum model length is 4064")
+    return math.ceil(tokens / BLOCK_SIZE) + 1
 
 
 def vllm_counters(url: str) -> tuple[int, int]:
