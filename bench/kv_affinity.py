@@ -454,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         "--engines",
         type=int,
         default=None,
-        help="engines (vLLM servers) per service (default: 4; 2 with vllm)",
+        help="engines (vLLM servers) per service (default: 4)",
     )
     parser.add_argument(
         "--backend",
@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", type=Path, default=None, help="service logs (default: a temporary dir)")
     args = parser.parse_args(argv)
     if args.engines is None:
-        args.engines = 2 if args.backend == "vllm" else 4
+        args.engines = 4
     if args.quick:
         args.sessions, args.turns = 4, 3
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
