@@ -84,6 +84,21 @@ def _pump(proc: subprocess.Popen[str], log: list[str], ready: threading.Event) -
             ready.set()
 
 
+@contextlib.contextmanager
+def serving_with_local_vllm(model_dir: Path, *extra: str) -> Iterator[ServeProcess]:
+    """``epd serve --model DIR --llm-backend vllm`` with the local vLLM it starts itself (1 GiB of
+    KV, float32) and ``extra`` flags; on leaving, epd stops and its vLLM processes with it."""
+    server = start_serve(
+        ["--model", str(model_dir), "--llm-backend", "vllm", "--vllm-kv-cache-gib", "1",
+         "--vllm-dtype", "float32", *extra],
+        timeout_s=600,
+    )  # fmt: skip
+    try:
+        yield server
+    finally:
+        assert stop_serve(server) == 0, server.tail()
+
+
 def start_serve(args: Sequence[str], timeout_s: float = START_TIMEOUT_S) -> ServeProcess:
     """Start ``epd serve --port <free> *args`` and wait until it announced itself and /ready is 200."""
     port = free_port()

@@ -32,7 +32,7 @@ from epd.llm_backends.vllm_backend import ModelInfo, VLLMBackend
 from epd.llm_backends.vllm_embeds import EmbeddingGeometry
 from epd.llm_backends.vllm_launch import free_port, peer_python
 from epd.prompt_format import PromptFormat
-from tests.epd.conftest import ServeProcess, http_json, start_serve, stop_serve
+from tests.epd.conftest import ServeProcess, http_json, serving_with_local_vllm, start_serve, stop_serve
 from tests.epd.test_e2e_qwen2_5_vl import openai_messages
 from tests.fixtures.qwen2_5_vl import (
     make_image,
@@ -85,25 +85,10 @@ class SupervisedVLLM:
 
 @pytest.fixture(scope="module")
 def epd(qwen_dir: Path) -> Iterator[ServeProcess]:
-    """epd with the local vLLM it starts itself on the same directory (no --llm-url)."""
-    server = start_serve(
-        [
-            "--model",
-            str(qwen_dir),
-            "--llm-backend",
-            "vllm",
-            "--vllm-kv-cache-gib",
-            "1",
-            "--vllm-dtype",
-            "float32",
-        ],
-        timeout_s=600,
-    )
-    try:
+    """epd with the local vLLM it starts itself on the same directory (no --llm-url); the group
+    must empty out when it stops: vLLM and its engine processes stop with epd."""
+    with serving_with_local_vllm(qwen_dir) as server:
         yield server
-    finally:
-        # the group must empty out: vLLM and its engine processes stop with epd
-        assert stop_serve(server) == 0, server.tail()
 
 
 @pytest.fixture(scope="module")

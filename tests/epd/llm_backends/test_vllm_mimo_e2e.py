@@ -32,7 +32,7 @@ from epd.llm_backends.vllm_embeds import EmbeddingGeometry
 from epd.llm_backends.vllm_launch import peer_python
 from epd.prompt_format import PromptFormat
 from llm_core.prompts.tokenizer import load_tokenizer
-from tests.epd.conftest import ServeProcess, http_json, start_serve, stop_serve
+from tests.epd.conftest import ServeProcess, http_json, serving_with_local_vllm
 from tests.epd.llm_backends.test_vllm_e2e import SupervisedVLLM
 from tests.epd.test_e2e_mimo_v2 import _data_uri, _png
 from tests.fixtures import mimo_v2 as fx
@@ -51,25 +51,8 @@ IMAGE_PAD = fx.token_id(fx.IMAGE_PAD)
 
 @pytest.fixture(scope="module")
 def epd(mimo_v2_vllm_dir: Path) -> Iterator[ServeProcess]:
-    server = start_serve(
-        [
-            "--model",
-            str(mimo_v2_vllm_dir),
-            "--llm-backend",
-            "vllm",
-            "--vllm-kv-cache-gib",
-            "1",
-            "--vllm-dtype",
-            "float32",
-            "--encoder-dtype",
-            "float32",
-        ],
-        timeout_s=600,
-    )
-    try:
+    with serving_with_local_vllm(mimo_v2_vllm_dir, "--encoder-dtype", "float32") as server:
         yield server
-    finally:
-        assert stop_serve(server) == 0, server.tail()
 
 
 @pytest.fixture(scope="module")
