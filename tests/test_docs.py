@@ -23,7 +23,7 @@ README_MAX_LINES = 260
 FOREIGN_FLAGS = {
     # benchmarks
     "--depth", "--frame-sizes", "--minutes", "--peer", "--pipeline-bound", "--quick", "--repeats", "--rounds",
-    "--sessions", "--epd-cpus", "--images", "--engines", "--policies",
+    "--sessions", "--epd-cpus", "--images", "--engines", "--policies", "--workloads", "--open-requests",
     "--tiny-qwen",
     # vLLM
     "--ec-transfer-config", "--enable-mm-embeds", "--max-num-seqs", "--mm-processor-kwargs",
