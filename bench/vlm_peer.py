@@ -500,6 +500,18 @@ ROLE_MARKERS = (
 )
 
 
+def pin_frontend(root: int, cpus: Sequence[int]) -> None:
+    """Every thread of vLLM's processes under ``root`` but its workers (whose inference threads
+    carry their own binding) onto ``cpus``."""
+    for pid in [root, *_children(root)]:
+        with contextlib.suppress(OSError):
+            if b"Worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), cpus)
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for name in os.listdir("/proc"):
@@ -543,9 +555,20 @@ class Side:
     url: str
     roots: list[tuple[int, str]]  # the processes it runs on (pid, label), each with its tree
     model: str = ""
+    # vLLM's API server (its tree), and the cores its API server and engine core run on while this
+    # side is driven (``place``): epd in front keeps them on vLLM's own cores, as
+    # ``epd serve --cpu-split`` places a local vLLM; None: every core (vLLM alone)
+    vllm_pid: int | None = None
+    vllm_cpus: tuple[int, ...] | None = None
 
     def cpu(self) -> dict[str, float]:
         return process_cpu(self.roots)
+
+    def place(self) -> None:
+        """Move vLLM's API server and engine core threads to this side's cores (its worker's
+        inference threads stay where ``VLLM_CPU_OMP_THREADS_BIND`` bound them)."""
+        if self.vllm_pid is not None:
+            pin_frontend(self.vllm_pid, self.vllm_cpus or tuple(sorted(os.sched_getaffinity(0))))
 
     def learn_model(self) -> None:
         """The model id its /v1/models names first (vLLM needs it in every request)."""
@@ -584,6 +607,7 @@ def drive(
     or with ``encode`` each chat's image URL to epd's ``/v1/encode`` (the encode stage alone)."""
     answers: dict[int, Answer] = {}
     send = send_one if encode else chat_sender(answers)
+    side.place()
 
     def body(i: int) -> dict[str, Any]:
         if encode:
@@ -955,13 +979,26 @@ class Servers:
         out: list[Side] = []
         for name in sides:
             if name == "vllm":
-                out.append(Side(name, self.vllm.url, [vllm_root]))
+                out.append(Side(name, self.vllm.url, [vllm_root], vllm_pid=self.vllm.proc.pid))
             elif name == "epd+vllm":
                 assert front is not None and front.pid is not None
-                out.append(Side(name, front.base_url, [(front.pid, "epd ingress"), vllm_root]))
+                mine = epd_cpus(self.args.epd_cpus, self.settings)
+                theirs = tuple(c for c in sorted(os.sched_getaffinity(0)) if c not in mine) or None
+                out.append(
+                    Side(
+                        name,
+                        front.base_url,
+                        [(front.pid, "epd ingress"), vllm_root],
+                        vllm_pid=self.vllm.proc.pid,
+                        vllm_cpus=theirs,
+                    )
+                )
             else:
                 assert alone is not None and alone.pid is not None
-                out.append(Side(name, alone.base_url, [(alone.pid, "epd ingress")]))
+                # vLLM (idle) back on every core, as it was before the split's phases
+                out.append(
+                    Side(name, alone.base_url, [(alone.pid, "epd ingress")], vllm_pid=self.vllm.proc.pid)
+                )
         for side in out:
             side.learn_model()
         return out
