@@ -54,10 +54,6 @@ class StageWork:
         self.rate.finished(ok=ok, units=units)
         (self.lateness.done if ok else self.lateness.ended)(key)
 
-    def own_s(self, key: str) -> float:
-        """How long ``key``'s own work takes at the measured rate (0 when it is not admitted)."""
-        return self.rate.expected_wait_s(self._units.get(key, 0.0))
-
     def expected_wait_s(self, units: float = 0.0) -> float:
         """When a new item of ``units`` would be done: the work ahead of it and its own, scaled
         for the late tail of recent items (what admission bounds)."""
