@@ -27,7 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ import pytest
 import torch
 from PIL import Image
 
+from encoder.caches.embed_cache import EmbedCache
 from epd.supervisor import group_alive
 from tests.fixtures.media_server import MediaServer
 from tests.fixtures.video_factory import make_clip
@@ -82,6 +83,21 @@ def _pump(proc: subprocess.Popen[str], log: list[str], ready: threading.Event) -
         log.append(line)
         if line.startswith("epd serving on "):
             ready.set()
+
+
+def forge_cached_embedding(
+    server: ServeProcess, key: str, edit: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    """Replace ``key``'s entry in ``server``'s node cache by ``edit`` of its tensor, under the same
+    grid: an embedding that no longer fits what its ref says (the LLM server must never get it)."""
+    cache = EmbedCache(namespace=f"serve-{server.port}")
+    try:
+        real = cache.get(key, touch=False)
+        assert real is not None
+        cache.evict(key)
+        cache.put(key, edit(real.tensor).clone(), real.ref.grid_thw, real.ref.modality)
+    finally:
+        cache.close()
 
 
 @contextlib.contextmanager

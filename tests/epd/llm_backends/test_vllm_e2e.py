@@ -26,13 +26,19 @@ from typing import Any
 import aiohttp
 import pytest
 
-from encoder.caches.embed_cache import EmbedCache
 from epd.llm_backends.base import BackendMismatch
 from epd.llm_backends.vllm_backend import ModelInfo, VLLMBackend
 from epd.llm_backends.vllm_embeds import EmbeddingGeometry
 from epd.llm_backends.vllm_launch import free_port, peer_python
 from epd.prompt_format import PromptFormat
-from tests.epd.conftest import ServeProcess, http_json, serving_with_local_vllm, start_serve, stop_serve
+from tests.epd.conftest import (
+    ServeProcess,
+    forge_cached_embedding,
+    http_json,
+    serving_with_local_vllm,
+    start_serve,
+    stop_serve,
+)
 from tests.epd.test_e2e_qwen2_5_vl import openai_messages
 from tests.fixtures.qwen2_5_vl import (
     make_image,
@@ -380,15 +386,8 @@ def test_forged_cache_entry_never_reaches_vllm(
     ]
     good = epd_chat(epd, messages)
     key = good["media"][0]["key"]
-    cache = EmbedCache(namespace=f"serve-{epd.port}")
-    try:
-        real = cache.get(key, touch=False)
-        assert real is not None
-        cache.evict(key)
-        # one row short of what the grid says: vLLM's server would exit on it
-        cache.put(key, real.tensor[:-1].clone(), real.ref.grid_thw, "image")
-    finally:
-        cache.close()
+    # one row short of what the grid says: vLLM's server would exit on it
+    forge_cached_embedding(epd, key, lambda rows: rows[:-1])
     status, reply = http_json(
         "POST",
         f"{epd.url}/v1/chat/completions",

@@ -32,7 +32,7 @@ from epd.llm_backends.vllm_embeds import EmbeddingGeometry
 from epd.llm_backends.vllm_launch import peer_python
 from epd.prompt_format import PromptFormat
 from llm_core.prompts.tokenizer import load_tokenizer
-from tests.epd.conftest import ServeProcess, http_json, serving_with_local_vllm
+from tests.epd.conftest import ServeProcess, forge_cached_embedding, http_json, serving_with_local_vllm
 from tests.epd.llm_backends.test_vllm_e2e import SupervisedVLLM
 from tests.epd.test_e2e_mimo_v2 import _data_uri, _png
 from tests.fixtures import mimo_v2 as fx
@@ -211,15 +211,8 @@ def test_a_wrong_width_embedding_is_never_sent(epd: ServeProcess, vllm: Supervis
     content = [image_part(61, 64, 64), {"type": "text", "text": "Go"}]
     good = chat(epd, content)
     key = good["media"][0]["key"]
-    cache = EmbedCache(namespace=f"serve-{epd.port}")
-    try:
-        real = cache.get(key, touch=False)
-        assert real is not None
-        cache.evict(key)
-        # one column short of the hidden size: vLLM's server would exit on it
-        cache.put(key, real.tensor[:, :-1].clone(), real.ref.grid_thw, "image")
-    finally:
-        cache.close()
+    # one column short of the hidden size: vLLM's server would exit on it
+    forge_cached_embedding(epd, key, lambda rows: rows[:, :-1])
     before = _routed(epd)
     status, reply = http_json(
         "POST",
