@@ -42,6 +42,7 @@ EXTENSIONS: dict[str, tuple[str, ...]] = {
     "llm_core.kernels._moe": (
         "llm_core/kernels/_moe.c",
         *_LLM_COMMON,
+        "llm_core/kernels/_blas.h",
         "llm_core/kernels/_gemm.h",
         "llm_core/kernels/_moe.h",
     ),
@@ -53,6 +54,7 @@ EXTENSIONS: dict[str, tuple[str, ...]] = {
     "llm_core.kernels._decoder_layer": (
         "llm_core/kernels/_decoder_layer.c",
         *_LLM_COMMON,
+        "llm_core/kernels/_blas.h",
         "llm_core/kernels/_gemm.h",
         "llm_core/kernels/_paged_attention.h",
         "llm_core/kernels/_moe.h",

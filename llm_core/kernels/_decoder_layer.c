@@ -11,8 +11,8 @@
  *
  * x and residual [T, hidden] are updated in place: the model keeps two buffers for a whole forward.
  *
- * Threads (set_threads, _pool.h): attention is split by sequence (ranges of about equal work), the
- * routed experts by expert (each part stores its weighted rows, then the rows are summed per token
+ * Threads (set_threads, _pool.h): attention is split by query rows (ranges of about equal work, a
+ * long prompt's queries too; every new key is stored first), the routed experts by expert (each part stores its weighted rows, then the rows are summed per token
  * in expert order), decode-sized projections by 16-column strip. Every part writes its own outputs
  * and every sum runs in the same order, so any thread count gives the same bits. Prefill-sized
  * projections are BLAS calls, which use BLAS's own threads.
@@ -39,9 +39,9 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <dlfcn.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "_kernels.h"
 #include "_moe.h"
@@ -50,24 +50,6 @@
 #include "_rms_norm.h"
 
 #define KERNEL "decoder_layer" /* error messages start with this */
-
-/* BLAS (Fortran interface, 32-bit integers, as torch's MKL build exports it). */
-typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n, const int *k,
-                         const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
-                         const float *beta, float *c, const int *ldc);
-static sgemm_fn sgemm = NULL;
-
-/* y [M, N] (row stride N) = x [M, K] (row stride ldx) @ w [K, N] (+ bias [N]), as torch's linear
- * does it for an input-major weight: the bias copied into y, then one column-major sgemm call
- * computing y^T = w^T x^T with beta 1 (0 without bias). */
-static void linear(const float *x, Py_ssize_t ldx, const float *w, const float *bias, float *y, Py_ssize_t M,
-                   Py_ssize_t K, Py_ssize_t N) {
-    const int m = (int)N, n = (int)M, k = (int)K, lda = (int)N, ldb = (int)ldx, ldc = (int)N;
-    const float one = 1.0f, beta = bias != NULL ? 1.0f : 0.0f;
-    if (bias != NULL)
-        for (Py_ssize_t r = 0; r < M; r++) memcpy(y + r * N, bias, (size_t)N * sizeof(float));
-    sgemm("N", "N", &m, &n, &k, &one, w, &lda, x, &ldb, &beta, y, &ldc);
-}
 
 /* Batches of at most this many rows (decode steps) multiply by the strip-packed copy of a projection
  * weight, [out / 16, in, 16], with the MoE kernel's small-M product: each 16-column strip is one
@@ -100,17 +82,25 @@ static void project_part(void *ctx, int p, int parts) {
             for (Py_ssize_t c = s0 * 16; c < s1 * 16; c++) j->y[r * j->N + c] += j->bias[c];
 }
 
-/* Attention: part p runs sequences bounds[p] .. bounds[p + 1] (attention_split). */
+/* Attention: part p stores the new keys of rows [t0, t1) of an even split, then (a second region)
+ * attends rows bounds[p] .. bounds[p + 1] (attention_split: equal work, a long prompt split too). */
 typedef struct {
     const AttnProblem *pb;
     Py_ssize_t bounds[POOL_MAX + 1];
     const char *err[POOL_MAX];
 } AttnJob;
 
+static void store_part(void *ctx, int p, int parts) {
+    const AttnProblem *pb = ((const AttnJob *)ctx)->pb;
+    Py_ssize_t t0, t1;
+    pool_split(pb->B ? pb->cu[pb->B] : 0, p, parts, &t0, &t1);
+    attention_store(pb, t0, t1);
+}
+
 static void attention_part(void *ctx, int p, int parts) {
     AttnJob *j = ctx;
     (void)parts;
-    j->err[p] = attention_run_range(j->pb, j->bounds[p], j->bounds[p + 1]);
+    j->err[p] = attention_run_rows(j->pb, j->bounds[p], j->bounds[p + 1]);
 }
 
 /* Routed experts: part p runs experts bounds[p] .. bounds[p + 1] into contrib rows, then (a
@@ -126,7 +116,7 @@ typedef struct {
 static void moe_part(void *ctx, int p, int parts) {
     MoeJob *j = ctx;
     (void)parts;
-    j->err[p] = moe_experts_range(j->pb, j->plan, j->bounds[p], j->bounds[p + 1], j->contrib);
+    j->err[p] = moe_experts_range(j->pb, j->plan, j->bounds[p], j->bounds[p + 1], j->contrib, MOE_SMALL);
 }
 
 static void moe_sum_part(void *ctx, int p, int parts) {
@@ -136,7 +126,10 @@ static void moe_sum_part(void *ctx, int p, int parts) {
     moe_sum_contrib(j->pb, j->contrib, t0, t1);
 }
 
-/* The routed experts over the pool's threads: expert ranges of about equal assignments. */
+/* The routed experts over the pool's threads: the large experts (moe_blas_min_rows rows or more: a
+ * prefill chunk's) first, on this thread through BLAS and its threads, then the small ones in
+ * expert ranges of about equal assignments over the pool. Every expert's rows go to contrib and
+ * are summed per token in expert order, so the split does not change the bits. */
 static const char *moe_parallel(const MoeProblem *moe, int parts) {
     if (parts <= 1) return moe_run(moe);
     MoePlan plan = {0};
@@ -144,16 +137,26 @@ static const char *moe_parallel(const MoeProblem *moe, int parts) {
     const char *err = moe_plan(moe, &plan);
     if (err == NULL) job.contrib = malloc((size_t)(moe->T * moe->K * moe->H) * sizeof(float));
     if (err == NULL && job.contrib == NULL) err = "moe_experts: out of memory";
+    if (err == NULL && moe_is_large(plan.most))
+        err = moe_experts_range(moe, &plan, 0, moe->E, job.contrib, MOE_LARGE);
     if (err == NULL) {
-        const Py_ssize_t n = moe->T * moe->K;
-        Py_ssize_t e = 0;
+        Py_ssize_t n = 0; /* the small experts' assignments, split evenly */
+        for (Py_ssize_t e = 0; e < moe->E; e++) {
+            const Py_ssize_t c = plan.start[e + 1] - plan.start[e];
+            n += moe_is_large(c) ? 0 : c;
+        }
+        Py_ssize_t e = 0, seen = 0;
         for (int p = 1; p < parts; p++) {
-            while (e < moe->E && plan.start[e] < n * p / parts) e++;
+            while (e < moe->E && seen < n * p / parts) {
+                const Py_ssize_t c = plan.start[e + 1] - plan.start[e];
+                seen += moe_is_large(c) ? 0 : c;
+                e++;
+            }
             job.bounds[p] = e;
         }
         job.bounds[parts] = moe->E;
-        pool_run(parts, moe_part, &job);
-        for (int p = 0; p < parts && err == NULL; p++) err = job.err[p];
+        if (n > 0) pool_run(parts, moe_part, &job);
+        for (int p = 0; p < parts && err == NULL && n > 0; p++) err = job.err[p];
         if (err == NULL) pool_run(parts, moe_sum_part, &job);
     }
     free(job.contrib);
@@ -173,6 +176,28 @@ static void project(const float *x, Py_ssize_t ldx, const float *w, const float 
     for (Py_ssize_t r = 0; r < M; r++) rows[r] = x + r * ldx;
     ProjectJob job = {rows, packed, bias, y, M, K, N};
     pool_run(pool_size(), project_part, &job);
+}
+
+/* ---- phase profile (profile(on), phase_seconds()): where a layer's time goes, off by default -------
+ * Each phase's wall time is added up over every layer call while on (one clock read per phase). */
+enum { PH_NORM, PH_QKV, PH_ATTENTION, PH_O_PROJ, PH_ROUTER, PH_EXPERTS, PH_DENSE_MLP, PH_COUNT };
+static const char *const phase_names[PH_COUNT] = {"norms",  "qkv_proj",       "attention", "o_proj",
+                                                  "router", "routed_experts", "dense_mlp"};
+static int profiling = 0;
+static int64_t phase_ns[PH_COUNT];
+
+static inline int64_t clock_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* The time since *mark goes to phase ph; *mark moves to now. */
+static inline void phase_end(int ph, int64_t *mark) {
+    if (!profiling) return;
+    const int64_t now = clock_ns();
+    phase_ns[ph] += now - *mark;
+    *mark = now;
 }
 
 /* The layer's weights and sizes, and its scratch. */
@@ -197,33 +222,45 @@ typedef struct {
 /* Runs the layer; NULL or a static error message. Called without the GIL. */
 static const char *layer_run(Layer *ly) {
     const Py_ssize_t T = ly->T, Hd = ly->hidden, I = ly->I;
+    int64_t mark = profiling ? clock_ns() : 0;
     if (ly->first) {
         memcpy(ly->residual, ly->x, (size_t)(T * Hd) * sizeof(float));
         rms_norm_rows(ly->residual, NULL, ly->ln1, ly->h, NULL, T, Hd, ly->eps);
     } else {
         rms_norm_rows(ly->x, ly->residual, ly->ln1, ly->h, ly->residual, T, Hd, ly->eps);
     }
+    phase_end(PH_NORM, &mark);
     project(ly->h, Hd, ly->qkv_w, ly->qkv_p, ly->qkv_b, ly->qkv, T, Hd, ly->qkv_dim);
+    phase_end(PH_QKV, &mark);
     const int parts = pool_size();
     AttnJob attn = {&ly->attn, {0}, {NULL}};
+    if (attention_resident(&ly->attn) < 0) return NOT_RESIDENT;
+    pool_run(parts, store_part, &attn); /* every new key stored before any query reads it */
     attention_split(&ly->attn, parts, attn.bounds);
     pool_run(parts, attention_part, &attn); /* out: ly->a [T, H * Dv] */
     for (int p = 0; p < parts; p++)
         if (attn.err[p] != NULL) return attn.err[p];
+    phase_end(PH_ATTENTION, &mark);
     const Py_ssize_t attn_dim = ly->attn.H * ly->attn.Dv;
     project(ly->a, attn_dim, ly->o_w, ly->o_p, NULL, ly->h, T, attn_dim, Hd);
+    phase_end(PH_O_PROJ, &mark);
     rms_norm_rows(ly->h, ly->residual, ly->ln2, ly->g, ly->residual, T, Hd, ly->eps);
+    phase_end(PH_NORM, &mark);
     if (ly->E == 0) { /* dense SwiGLU: [T, 2I] = g @ gate_up, activated in place, then down from the gate half */
         float *gu = ly->h; /* free again, and sized for [T, 2I] too */
         project(ly->g, Hd, ly->gate_up, ly->gate_up_p, NULL, gu, T, Hd, 2 * I);
         for (Py_ssize_t r = 0; r < T; r++) swiglu(gu + r * 2 * I, I);
         project(gu, 2 * I, ly->down, ly->down_p, NULL, ly->x, T, I, Hd);
+        phase_end(PH_DENSE_MLP, &mark);
         return NULL;
     }
     ly->route.x = ly->g;
     for (Py_ssize_t t = 0; t < T; t++) route_token(&ly->route, t, ly->route_work);
+    phase_end(PH_ROUTER, &mark);
     const MoeProblem moe = {ly->g, ly->weights, ly->gate_up, ly->down, ly->experts, ly->x, T, ly->K, ly->E, Hd, I};
-    return moe_parallel(&moe, parts);
+    const char *err = moe_parallel(&moe, parts);
+    phase_end(PH_EXPERTS, &mark);
+    return err;
 }
 
 /* A strip-packed weight [out / 16, in, 16]: empty (none), or whole strips of the right size. */
@@ -341,22 +378,36 @@ static PyObject *py_set_threads(PyObject *self, PyObject *args) {
     return PyLong_FromLong(pool_size());
 }
 
-/* bind_sgemm(path): take sgemm_ from the already loaded shared library at path (libtorch_cpu). */
-static PyObject *py_bind_sgemm(PyObject *self, PyObject *args) {
-    const char *path;
+/* profile(on): add up each phase's time from now on (True) or stop (False); the sums are kept. */
+static PyObject *py_profile(PyObject *self, PyObject *args) {
+    int on;
     (void)self;
-    if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
-    void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
-    sgemm_fn fn = lib != NULL ? (sgemm_fn)dlsym(lib, "sgemm_") : NULL;
-    if (fn == NULL) {
-        PyErr_Format(PyExc_OSError, "bind_sgemm: no sgemm_ in a loaded %s", path);
-        return NULL;
-    }
-    sgemm = fn; /* the library stays loaded: torch holds it (and dlopen took a reference) */
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    profiling = on;
     Py_RETURN_NONE;
 }
 
+/* phase_seconds(reset) -> {phase: seconds}: the sums so far (zeroed after, with reset). */
+static PyObject *py_phase_seconds(PyObject *self, PyObject *args) {
+    int reset;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "p", &reset)) return NULL;
+    PyObject *d = PyDict_New();
+    for (int i = 0; d != NULL && i < PH_COUNT; i++) {
+        PyObject *v = PyFloat_FromDouble((double)phase_ns[i] * 1e-9);
+        if (v == NULL || PyDict_SetItemString(d, phase_names[i], v) < 0) Py_CLEAR(d);
+        Py_XDECREF(v);
+    }
+    if (d != NULL && reset) memset(phase_ns, 0, sizeof(phase_ns));
+    return d;
+}
+
 static PyMethodDef methods[] = {
+    {"profile", py_profile, METH_VARARGS,
+     "profile(on): add up the wall time of each layer phase (norms, projections, attention, router, experts) "
+     "from now on, or stop."},
+    {"phase_seconds", py_phase_seconds, METH_VARARGS,
+     "phase_seconds(reset) -> {phase: seconds} summed over layer calls while profiling; reset zeroes them."},
     {"decoder_layer", py_decoder_layer, METH_VARARGS,
      "decoder_layer(x, residual, first, cos, sin, slots, page_table, cu_seqlens_q, seq_lens, k, v, page_size, ln1, "
      "ln2, eps, qkv_w, qkv_b, o_w, sinks, H, Hkv, D, Dv, window, scale, v_scale, gate_up, down, router_w, router_b, "
@@ -365,8 +416,8 @@ static PyMethodDef methods[] = {
     {"set_threads", py_set_threads, METH_VARARGS,
      "set_threads(n) -> threads: how many threads (the caller included) a layer's attention, MoE experts and "
      "decode-sized projections are split over (workers are created on first need)."},
-    {"bind_sgemm", py_bind_sgemm, METH_VARARGS,
-     "bind_sgemm(path): use sgemm_ from the loaded shared library at path for the projections."},
+    BIND_SGEMM_METHOD,
+    SET_BLAS_MIN_ROWS_METHOD,
     {NULL, NULL, 0, NULL},
 };
 

@@ -127,6 +127,8 @@ static PyMethodDef methods[] = {
     {"route", py_route, METH_VARARGS,
      "route(x, weight, bias, experts, weights, T, H, E, K, n_group, topk_group, norm, scaling): sigmoid routing "
      "with a selection bias and group-limited top-k, into experts int64 [T, K] and weights float32 [T, K]."},
+    BIND_SGEMM_METHOD,
+    SET_BLAS_MIN_ROWS_METHOD,
     {"simd", py_simd, METH_NOARGS, "simd() -> 'avx2' or 'scalar': the kernel in use."},
     {"set_simd", py_set_simd, METH_VARARGS, "set_simd(name): use the 'avx2' or the 'scalar' kernel."},
     {NULL, NULL, 0, NULL},

@@ -12,7 +12,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_blas.h"
 #include "_gemm.h"
+
+/* An expert with at least this many rows (a prefill chunk's share) multiplies through BLAS
+ * (sgemm, when bound: _blas.h), fewer (decode) through the small-M product, which streams the
+ * weights once without a packed copy. Set by set_blas_min_rows (the Python wrapper picks it for
+ * the CPU at import: docs/performance.md). */
+static Py_ssize_t moe_blas_min_rows = 16;
+
+/* Which experts a call runs: all, only those below moe_blas_min_rows rows, or only those at it. */
+typedef enum { MOE_ALL, MOE_SMALL, MOE_LARGE } MoeWhich;
+
+static inline int moe_is_large(Py_ssize_t rows) { return sgemm != NULL && rows >= moe_blas_min_rows; }
 
 /* h[i] = silu(h[i]) * h[I + i] for i < I: the SwiGLU activation over one [gate | up] row. */
 typedef void (*swiglu_fn)(float *h, Py_ssize_t I);
@@ -90,39 +102,54 @@ done:
     return err;
 }
 
-/* Experts e0 .. e1 - 1 over their assignments. Each weighted output row w * y is added to its
- * token's row of pb->out (experts in order: the sum of a token's rows in expert order), or, with
- * contrib non-NULL, stored at contrib [T * K, H] row a instead (ranges may then run at the same
- * time; moe_sum_contrib adds them up in the same order). NULL or a static error message. */
+/* Experts e0 .. e1 - 1 over their assignments (those ``which`` selects). Each weighted output row
+ * w * y is added to its token's row of pb->out (experts in order: the sum of a token's rows in
+ * expert order), or, with contrib non-NULL, stored at contrib [T * K, H] row a instead (ranges may
+ * then run at the same time; moe_sum_contrib adds them up in the same order). A large expert's
+ * products are BLAS calls (BLAS's own threads): run MOE_LARGE ranges on one thread. NULL or a
+ * static error message. */
 static const char *moe_experts_range(const MoeProblem *pb, const MoePlan *plan, Py_ssize_t e0, Py_ssize_t e1,
-                                     float *contrib) {
+                                     float *contrib, MoeWhich which) {
     const Py_ssize_t H = pb->H, I = pb->I, most = plan->most;
+    const int blas = moe_is_large(most) && which != MOE_SMALL;
     /* scratch, for the largest expert's assignments: their rows of x, then gate|up [C, 2I]
-     * (activated in place), then down outputs [C, H] */
+     * (activated in place), then down outputs [C, H], and for BLAS the rows of x gathered [C, H] */
     const float **rows = malloc((size_t)most * sizeof(float *));
-    float *scratch = malloc((size_t)(most * (2 * I + H)) * sizeof(float));
+    float *scratch = malloc((size_t)(most * (2 * I + H + (blas ? H : 0))) * sizeof(float));
     if (rows == NULL || scratch == NULL) {
         free(rows);
         free(scratch);
         return "moe_experts: out of memory";
     }
-    float *hidden = scratch, *y = scratch + most * 2 * I;
+    float *hidden = scratch, *y = scratch + most * 2 * I, *gathered = y + most * H;
     const Strips gate_up_rows = {16, 2 * I}, down_rows = {16, H}; /* row-major [in, out] */
     for (Py_ssize_t e = e0; e < e1; e++) {
         const Py_ssize_t c = plan->start[e + 1] - plan->start[e];
-        if (c == 0) continue;
-        Py_ssize_t e2 = e + 1; /* the next expert with tokens: its weights are fetched meanwhile */
-        while (e2 < e1 && plan->start[e2 + 1] == plan->start[e2]) e2++;
-        const float *next_gate_up = e2 < e1 ? pb->gate_up + e2 * H * 2 * I : NULL;
-        const float *next_down = e2 < e1 ? pb->down + e2 * I * H : NULL;
+        const int large = moe_is_large(c);
+        if (c == 0 || (which == MOE_SMALL && large) || (which == MOE_LARGE && !large)) continue;
         const Py_ssize_t *mine = plan->order + plan->start[e];
-        for (Py_ssize_t r = 0; r < c; r++) rows[r] = pb->x + (mine[r] / pb->K) * H;
-        gemm_rows(rows, c, pb->gate_up + e * H * 2 * I, H, 2 * I, hidden, 2 * I, next_gate_up, &gate_up_rows); /* [C, 2I] */
-        for (Py_ssize_t r = 0; r < c; r++) {
-            swiglu(hidden + r * 2 * I, I); /* over the gate half */
-            rows[r] = hidden + r * 2 * I;
+        const float *gate_up = pb->gate_up + e * H * 2 * I, *down = pb->down + e * I * H;
+        if (large) { /* [C, H] gathered -> [C, 2I] -> activated -> [C, H], two BLAS calls */
+            for (Py_ssize_t r = 0; r < c; r++)
+                memcpy(gathered + r * H, pb->x + (mine[r] / pb->K) * H, (size_t)H * sizeof(float));
+            linear(gathered, H, gate_up, NULL, hidden, c, H, 2 * I);
+            for (Py_ssize_t r = 0; r < c; r++) swiglu(hidden + r * 2 * I, I);
+            linear(hidden, 2 * I, down, NULL, y, c, I, H);
+        } else {
+            Py_ssize_t e2 = e + 1; /* the next small expert with tokens: its weights are fetched meanwhile */
+            while (e2 < e1 && (plan->start[e2 + 1] == plan->start[e2] ||
+                               moe_is_large(plan->start[e2 + 1] - plan->start[e2])))
+                e2++;
+            const float *next_gate_up = e2 < e1 ? pb->gate_up + e2 * H * 2 * I : NULL;
+            const float *next_down = e2 < e1 ? pb->down + e2 * I * H : NULL;
+            for (Py_ssize_t r = 0; r < c; r++) rows[r] = pb->x + (mine[r] / pb->K) * H;
+            gemm_rows(rows, c, gate_up, H, 2 * I, hidden, 2 * I, next_gate_up, &gate_up_rows); /* [C, 2I] */
+            for (Py_ssize_t r = 0; r < c; r++) {
+                swiglu(hidden + r * 2 * I, I); /* over the gate half */
+                rows[r] = hidden + r * 2 * I;
+            }
+            gemm_rows(rows, c, down, I, H, y, H, next_down, &down_rows); /* [C, H] */
         }
-        gemm_rows(rows, c, pb->down + e * I * H, I, H, y, H, next_down, &down_rows); /* [C, H] */
         for (Py_ssize_t r = 0; r < c; r++) {
             const float w = pb->weights[mine[r]], *yr = y + r * H;
             if (contrib != NULL) {
@@ -167,11 +194,28 @@ static const char *moe_run(const MoeProblem *pb) {
     const char *err = moe_plan(pb, &plan);
     if (err == NULL) {
         memset(pb->out, 0, (size_t)(pb->T * pb->H) * sizeof(float));
-        err = moe_experts_range(pb, &plan, 0, pb->E, NULL);
+        err = moe_experts_range(pb, &plan, 0, pb->E, NULL, MOE_ALL);
     }
     moe_plan_free(&plan);
     return err;
 }
+
+/* set_blas_min_rows(n): experts with n rows or more multiply through BLAS from now on. */
+static PyObject *py_set_blas_min_rows(PyObject *self, PyObject *args) {
+    Py_ssize_t n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "n", &n)) return NULL;
+    if (n < 1) {
+        PyErr_SetString(PyExc_ValueError, "set_blas_min_rows: n must be >= 1");
+        return NULL;
+    }
+    moe_blas_min_rows = n;
+    Py_RETURN_NONE;
+}
+
+#define SET_BLAS_MIN_ROWS_METHOD                                                                             \
+    {"set_blas_min_rows", py_set_blas_min_rows, METH_VARARGS,                                              \
+     "set_blas_min_rows(n): routed experts with n rows or more multiply through BLAS (when bound)."}
 
 /* ---- routing ------------------------------------------------------------------------------- */
 

@@ -371,13 +371,42 @@ static Py_ssize_t next_nonempty(const AttnProblem *pb, Py_ssize_t b, Py_ssize_t 
     return b;
 }
 
-/* Runs sequences b0 .. b1 - 1 of the batch; returns NULL or a static error message. Called without
- * the GIL; ranges that do not overlap may run at the same time (each sequence writes only its own
- * KV slots and output rows). */
-static const char *attention_run_range(const AttnProblem *pb, Py_ssize_t b0, Py_ssize_t b1) {
-    static const char *not_resident =
-        "paged_attention: a page some query reads is not in the pool (page table entry out of range or -1)";
+/* 0 when every page some query of the batch reads is in the pool, else -1: checked for the whole
+ * batch before any key is stored, so an error leaves the pools as they were. */
+static int attention_resident(const AttnProblem *pb) {
+    for (Py_ssize_t b = 0; b < pb->B; b++) {
+        const Py_ssize_t n = pb->cu[b + 1] - pb->cu[b], len = pb->lens[b], first = len - n;
+        if (n == 0) continue;
+        const Py_ssize_t lo = pb->window > 0 && first - pb->window + 1 > 0 ? first - pb->window + 1 : 0;
+        for (Py_ssize_t logical = lo / pb->page; logical <= (len - 1) / pb->page; logical++) {
+            const int32_t phys = logical < pb->P ? pb->table[b * pb->P + logical] : -1;
+            if (phys < 0 || phys >= pb->num_pages) return -1;
+        }
+    }
+    return 0;
+}
+
+#define NOT_RESIDENT "paged_attention: a page some query reads is not in the pool (page table entry out of range or -1)"
+
+/* The sequence holding packed row t (cu[b] <= t < cu[b + 1]). */
+static Py_ssize_t sequence_of_row(const AttnProblem *pb, Py_ssize_t t) {
+    Py_ssize_t lo = 0, hi = pb->B - 1;
+    while (lo < hi) {
+        const Py_ssize_t mid = (lo + hi) / 2;
+        if (pb->cu[mid + 1] > t) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}
+
+/* Attends the queries of packed rows t0 .. t1 - 1 (whole sequences or a part of one), their keys
+ * already stored (attention_store). Returns NULL or a static error message. Called without the
+ * GIL; row ranges that do not overlap may run at the same time (each writes its own output rows),
+ * and a query's result does not depend on its range: any split gives the same bits. */
+static const char *attention_run_rows(const AttnProblem *pb, Py_ssize_t t0, Py_ssize_t t1) {
+    if (t1 <= t0) return NULL;
     const char *err = NULL;
+    const Py_ssize_t b0 = sequence_of_row(pb, t0), b1 = sequence_of_row(pb, t1 - 1) + 1;
     Py_ssize_t max_keys = 1;
     for (Py_ssize_t b = b0; b < b1; b++) max_keys = pb->lens[b] > max_keys ? pb->lens[b] : max_keys;
     int64_t *const slot_buf = malloc(2 * (size_t)max_keys * sizeof(int64_t));
@@ -391,18 +420,19 @@ static const char *attention_run_range(const AttnProblem *pb, Py_ssize_t b0, Py_
     Py_ssize_t b = next_nonempty(pb, b0, b1), lo = b < b1 ? sequence_slots(pb, b, cur) : 0;
     while (b < b1) {
         if (lo < 0) {
-            err = not_resident;
+            err = NOT_RESIDENT;
             goto done;
         }
         const Py_ssize_t n = pb->cu[b + 1] - pb->cu[b], first = pb->lens[b] - n;
+        const Py_ssize_t i0 = t0 > pb->cu[b] ? t0 - pb->cu[b] : 0, i1 = t1 < pb->cu[b + 1] ? t1 - pb->cu[b] : n;
         const Py_ssize_t nb = next_nonempty(pb, b + 1, b1);
-        if (pb->new_slots != NULL) rope_and_store(pb, pb->cu[b], pb->cu[b + 1]); /* its keys, before it reads them */
         Py_ssize_t lo_next = 0;
         Prefetch pf = {0}, *last_pf = NULL;
         if (nb < b1) { /* the next sequence's slots now, so its first query's rows can be fetched */
             lo_next = sequence_slots(pb, nb, nxt);
+            const Py_ssize_t q0 = pb->cu[nb] > t0 ? 0 : t0 - pb->cu[nb]; /* its first query in range */
             if (lo_next >= 0) {
-                const Py_ssize_t pos = pb->lens[nb] - (pb->cu[nb + 1] - pb->cu[nb]);
+                const Py_ssize_t pos = pb->lens[nb] - (pb->cu[nb + 1] - pb->cu[nb]) + q0;
                 const Py_ssize_t start = first_key(pb, pos, lo_next);
                 pf.slots = nxt + (start - lo_next);
                 pf.n = pos - start + 1;
@@ -413,9 +443,9 @@ static const char *attention_run_range(const AttnProblem *pb, Py_ssize_t b0, Py_
                 last_pf = &pf;
             }
         }
-        for (Py_ssize_t i = 0; i < n; i++) {
+        for (Py_ssize_t i = i0; i < i1; i++) {
             const Py_ssize_t pos = first + i, start = first_key(pb, pos, lo);
-            attend_query(pb, pb->cu[b] + i, cur + (start - lo), pos - start + 1, i == n - 1 ? last_pf : NULL, s,
+            attend_query(pb, pb->cu[b] + i, cur + (start - lo), pos - start + 1, i == i1 - 1 ? last_pf : NULL, s,
                          m, l, acc);
         }
         int64_t *swap = cur;
@@ -428,29 +458,48 @@ done:
     return err;
 }
 
-static inline const char *attention_run(const AttnProblem *pb) { return attention_run_range(pb, 0, pb->B); }
-
-/* The work of sequence b's queries, for splitting: its new tokens times the keys they read (a
- * window's worth at most) plus a fixed share. */
-static inline double sequence_cost(const AttnProblem *pb, Py_ssize_t b) {
-    const Py_ssize_t n = pb->cu[b + 1] - pb->cu[b], len = pb->lens[b];
-    const Py_ssize_t keys = pb->window > 0 && pb->window < len ? pb->window : len;
-    return (double)n * (double)(keys + 16);
+/* The fused entry's rotary and KV store of every new token (nothing without new_slots). */
+static inline void attention_store(const AttnProblem *pb, Py_ssize_t t0, Py_ssize_t t1) {
+    if (pb->new_slots != NULL) rope_and_store(pb, t0, t1);
 }
 
-/* Sequence ranges of about equal work (sequence_cost) for `parts` threads: bounds[p] .. bounds[p + 1]. */
+/* The whole batch on one thread: the pages checked, the new keys stored, every query attended. */
+static inline const char *attention_run(const AttnProblem *pb) {
+    if (attention_resident(pb) < 0) return NOT_RESIDENT;
+    const Py_ssize_t T = pb->B ? pb->cu[pb->B] : 0;
+    attention_store(pb, 0, T);
+    return attention_run_rows(pb, 0, T);
+}
+
+/* The work of the query at position pos of a sequence whose keys start at lo: the keys it reads
+ * (a window's worth at most) plus a fixed share. */
+static inline double query_cost(const AttnProblem *pb, Py_ssize_t pos) {
+    const Py_ssize_t keys = pb->window > 0 && pb->window < pos + 1 ? pb->window : pos + 1;
+    return (double)(keys + 16);
+}
+
+/* Row ranges of about equal work (query_cost) for `parts` threads: bounds[p] .. bounds[p + 1]. A
+ * long prompt's queries are split too, so one sequence's prefill uses every thread. */
 static inline void attention_split(const AttnProblem *pb, int parts, Py_ssize_t *bounds) {
     double total = 0.0;
-    for (Py_ssize_t b = 0; b < pb->B; b++) total += sequence_cost(pb, b);
+    for (Py_ssize_t b = 0; b < pb->B; b++) {
+        const Py_ssize_t first = pb->lens[b] - (pb->cu[b + 1] - pb->cu[b]);
+        for (Py_ssize_t pos = first; pos < pb->lens[b]; pos++) total += query_cost(pb, pos);
+    }
+    const Py_ssize_t T = pb->B ? pb->cu[pb->B] : 0;
     bounds[0] = 0;
     double acc = 0.0;
-    Py_ssize_t b = 0;
+    Py_ssize_t b = 0, t = 0;
     for (int p = 1; p < parts; p++) {
         const double target = total * p / parts;
-        while (b < pb->B && acc < target) acc += sequence_cost(pb, b++);
-        bounds[p] = b;
+        while (t < T && acc < target) {
+            while (pb->cu[b + 1] <= t) b++;
+            acc += query_cost(pb, pb->lens[b] - (pb->cu[b + 1] - t));
+            t++;
+        }
+        bounds[p] = t;
     }
-    bounds[parts] = pb->B;
+    bounds[parts] = T;
 }
 
 /* The checks and fields both entry points share: sizes, cu/lens, pools, page table, sinks (each

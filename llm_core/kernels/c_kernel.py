@@ -7,9 +7,11 @@ are missing, ``load`` returns None and the wrappers report themselves unavailabl
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from epd_common import native
@@ -37,3 +39,44 @@ def set_simd(kernel: ModuleType | None, name: str) -> None:
     if kernel is None:
         raise RuntimeError("this C kernel is not built")
     kernel.set_simd(name)
+
+
+def bind_sgemm(kernel: ModuleType | None) -> bool:
+    """Give ``kernel`` torch's own sgemm (``_blas.h``: libtorch_cpu exports it) for its products of
+    many rows; False when the kernel is not built or this torch build has no such symbol."""
+    if kernel is None:
+        return False
+    try:
+        kernel.bind_sgemm(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    except OSError:  # pragma: no cover - a torch build without BLAS symbols
+        return False
+    return True
+
+
+def _cpu_vendor() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return ""
+
+
+def expert_blas_min_rows() -> int:
+    """Rows from which a routed expert multiplies through BLAS rather than the small-M product
+    (``_moe.h``), chosen for this CPU once at import: every expert (1) where torch's BLAS is MKL on an
+    Intel CPU (its AVX-512 sgemm ran 2.3x the AVX2 small-M product at 1 row per expert, 1.6x at 4,
+    3x at 256: docs/performance.md); prefill-sized experts only (16) elsewhere, where the small-M
+    product was measured the faster one for decode."""
+    mkl = torch.backends.mkl.is_available()
+    return 1 if mkl and _cpu_vendor() == "GenuineIntel" else 16
+
+
+def bind_blas(kernel: ModuleType | None) -> bool:
+    """``bind_sgemm``, then the routed experts' BLAS threshold (``expert_blas_min_rows``)."""
+    if not bind_sgemm(kernel):
+        return False
+    assert kernel is not None
+    kernel.set_blas_min_rows(expert_blas_min_rows())
+    return True

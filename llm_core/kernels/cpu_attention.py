@@ -133,8 +133,8 @@ def qkv_attention_cpu(
     Same results as ``rope.apply_partial_rotary_`` + ``write_kv`` + ``paged_attention_cpu`` (the
     pools get the same bits). ``qkv`` must be contiguous: it is rotated in place. Raises ValueError
     for a write slot outside the pool (checked before anything is written) and for a page a query
-    reads that is not in the pool (found sequence by sequence: earlier sequences' KV is stored by
-    then, as the torch path stores every sequence's KV before attending)."""
+    reads that is not in the pool (checked for the whole batch before any KV is stored: the pools
+    are then as they were)."""
     if _kernel is None:
         raise RuntimeError("llm_core.kernels._paged_attention is not built; use the torch path")
     if not supports(qkv, k_cache, v_cache) or not qkv.is_contiguous():

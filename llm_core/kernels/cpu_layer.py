@@ -18,7 +18,7 @@ from torch's silu). The packed copies add the attention and dense-MLP projection
 once more; the routed experts (most of a MoE model) are not copied.
 
 With several threads (``set_threads``; the model passes torch's intra-op thread count) a layer's
-attention is split by sequence, its routed experts by expert and its decode-sized projections by
+attention is split by query rows (a long prompt's too), its routed experts by expert and its decode-sized projections by
 column strip, with the same bits for any count.
 
 fp32 CPU only, projection weights input-major (``weight_layout``). ``AVAILABLE`` is False when the
@@ -28,7 +28,6 @@ layer backend and the model runs its modules. ``backends.layer.CpuLayer`` is the
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -42,18 +41,7 @@ from llm_core.kernels.weight_layout import in_out_view
 _kernel = c_kernel.load("llm_core.kernels._decoder_layer")
 
 
-def _bind_sgemm() -> bool:
-    """Give the kernel torch's sgemm (the library is loaded with torch)."""
-    if _kernel is None:
-        return False
-    try:
-        _kernel.bind_sgemm(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-    except OSError:  # pragma: no cover - a torch build without BLAS symbols
-        return False
-    return True
-
-
-AVAILABLE = _bind_sgemm()
+AVAILABLE = c_kernel.bind_blas(_kernel)
 
 # Batches of at most this many rows use the strip-packed weight copies (``pack_strips``), larger
 # ones torch's sgemm (whose results the modules give bit for bit).
@@ -61,11 +49,32 @@ PACKED_MAX_ROWS: int = _kernel.PACKED_MAX_ROWS if _kernel is not None else 0
 
 
 def set_threads(n: int) -> int:
-    """Split each layer's attention (by sequence), routed experts (by expert) and decode-sized
+    """Split each layer's attention (by query rows), routed experts (by expert) and decode-sized
     projections (by column strip) over n threads, the caller included; returns the count in use.
     Every count gives the same bits. The model sets torch's intra-op thread count per forward."""
     assert _kernel is not None
     return int(_kernel.set_threads(n))
+
+
+def set_blas_min_rows(n: int) -> None:
+    """Routed experts with n rows or more multiply through BLAS (``cpu_moe.set_blas_min_rows``
+    sets both kernels)."""
+    assert _kernel is not None
+    _kernel.set_blas_min_rows(n)
+
+
+def profile(on: bool) -> None:
+    """Add up the wall time of each layer phase (``phase_seconds``) from now on, or stop. Off by
+    default; on, a layer reads the clock once per phase (``bench.step_profile``)."""
+    assert _kernel is not None
+    _kernel.profile(on)
+
+
+def phase_seconds(reset: bool = False) -> dict[str, float]:
+    """Seconds per layer phase (norms, qkv_proj, attention, o_proj, router, routed_experts,
+    dense_mlp) summed over every layer call while ``profile`` was on; ``reset`` zeroes the sums."""
+    assert _kernel is not None
+    return dict(_kernel.phase_seconds(reset))
 
 
 class LayerWeights(NamedTuple):

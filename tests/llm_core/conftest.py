@@ -131,3 +131,15 @@ def simd_fixture(kernel: SimdKernel) -> Any:
         kernel.set_simd(before)
 
     return simd
+
+
+@pytest.fixture(params=["small_m", "blas"])
+def expert_product(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs a test with every routed expert through the small-M product, then through BLAS
+    (``cpu_moe.set_blas_min_rows``), restoring the threshold chosen at import afterwards."""
+    from llm_core.kernels import cpu_moe
+
+    before = cpu_moe.blas_min_rows()
+    cpu_moe.set_blas_min_rows(1 if request.param == "blas" else 1 << 30)
+    yield request.param
+    cpu_moe.set_blas_min_rows(before)

@@ -85,7 +85,7 @@ def run_layer_both_ways(
     )
 
 
-def test_each_layer_equals_the_modules_in_prefill(loaded: LoadedLLM) -> None:
+def test_each_layer_equals_the_modules_in_prefill(loaded: LoadedLLM, expert_product: str) -> None:
     """More rows than PACKED_MAX_ROWS: every projection goes through torch's sgemm, as in the modules."""
     batch = prefill_then_decode_batch([40, 33], [40, 33])
     assert batch.num_tokens > cpu_layer.PACKED_MAX_ROWS
@@ -99,7 +99,7 @@ def test_each_layer_equals_the_modules_in_prefill(loaded: LoadedLLM) -> None:
             assert rel_err(xk, out) <= 1e-6, f"layer {i}: dense MLP output"
 
 
-def test_each_layer_equals_the_modules_in_decode(loaded: LoadedLLM) -> None:
+def test_each_layer_equals_the_modules_in_decode(loaded: LoadedLLM, expert_product: str) -> None:
     """A decode step: the projections multiply by the strip-packed copies (their own summation
     order), so everything agrees to float32 rounding."""
     batch = prefill_then_decode_batch([40, 33], [1, 1])
@@ -109,9 +109,15 @@ def test_each_layer_equals_the_modules_in_decode(loaded: LoadedLLM) -> None:
             assert rel_err(a, b) <= 1e-6, f"layer {i}: {name}"
 
 
-@pytest.mark.parametrize(("lens", "news"), [([40, 33, 21], [40, 33, 21]), ([40, 33, 21], [1, 1, 1])])
-def test_threads_give_the_same_bits(loaded: LoadedLLM, lens: list[int], news: list[int]) -> None:
-    """Attention split by sequence, experts by expert, projections by strip: 3 threads = 1 thread."""
+@pytest.mark.parametrize(
+    ("lens", "news"),
+    [([40, 33, 21], [40, 33, 21]), ([40, 33, 21], [1, 1, 1]), ([90], [90]), ([90, 5], [50, 1])],
+)
+def test_threads_give_the_same_bits(
+    loaded: LoadedLLM, lens: list[int], news: list[int], expert_product: str
+) -> None:
+    """Attention split by query rows (one prompt's too), experts by expert, projections by strip:
+    3 threads = 1 thread."""
     batch = prefill_then_decode_batch(lens, news)
     layers = loaded.model.model.decoder_layers()
     outs = []

@@ -1,0 +1,49 @@
+/*
+ * The BLAS product the CPU kernels use for many rows: torch's own sgemm_ (MKL or OpenBLAS, Fortran
+ * interface, 32-bit integers, exported by libtorch_cpu), bound at run time by bind_sgemm, so that a
+ * kernel's large products run the code (and give the bits) of torch's CPU linear. Include after
+ * Python.h. Each extension that includes it has its own pointer and its own bind_sgemm entry.
+ */
+#ifndef LLM_CORE_BLAS_H
+#define LLM_CORE_BLAS_H
+
+#include <dlfcn.h>
+#include <string.h>
+
+typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n, const int *k,
+                         const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
+                         const float *beta, float *c, const int *ldc);
+static sgemm_fn sgemm = NULL;
+
+/* y [M, N] (row stride N) = x [M, K] (row stride ldx) @ w [K, N] (+ bias [N]), as torch's linear
+ * does it for an input-major weight: the bias copied into y, then one column-major sgemm call
+ * computing y^T = w^T x^T with beta 1 (0 without bias). sgemm must be bound. */
+static void linear(const float *x, Py_ssize_t ldx, const float *w, const float *bias, float *y, Py_ssize_t M,
+                   Py_ssize_t K, Py_ssize_t N) {
+    const int m = (int)N, n = (int)M, k = (int)K, lda = (int)N, ldb = (int)ldx, ldc = (int)N;
+    const float one = 1.0f, beta = bias != NULL ? 1.0f : 0.0f;
+    if (bias != NULL)
+        for (Py_ssize_t r = 0; r < M; r++) memcpy(y + r * N, bias, (size_t)N * sizeof(float));
+    sgemm("N", "N", &m, &n, &k, &one, w, &lda, x, &ldb, &beta, y, &ldc);
+}
+
+/* bind_sgemm(path): take sgemm_ from the already loaded shared library at path (libtorch_cpu). */
+static PyObject *py_bind_sgemm(PyObject *self, PyObject *args) {
+    const char *path;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
+    void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    sgemm_fn fn = lib != NULL ? (sgemm_fn)dlsym(lib, "sgemm_") : NULL;
+    if (fn == NULL) {
+        PyErr_Format(PyExc_OSError, "bind_sgemm: no sgemm_ in a loaded %s", path);
+        return NULL;
+    }
+    sgemm = fn; /* the library stays loaded: torch holds it (and dlopen took a reference) */
+    Py_RETURN_NONE;
+}
+
+#define BIND_SGEMM_METHOD                                                                                    \
+    {"bind_sgemm", py_bind_sgemm, METH_VARARGS,                                                            \
+     "bind_sgemm(path): use sgemm_ from the loaded shared library at path for products of many rows."}
+
+#endif
