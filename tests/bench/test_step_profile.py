@@ -17,7 +17,18 @@ from tests.llm_core.conftest import build_tiny_mimo
 def test_a_short_profile_splits_each_step(tmp_path: Path) -> None:
     model = build_tiny_mimo(tmp_path / "model")
     out = tmp_path / "profile.json"
-    argv = ["--model", str(model), "--concurrency", "2", "--chunks", "16", "--steps", "3", "--chunk-repeats", "2"]
+    argv = [
+        "--model",
+        str(model),
+        "--concurrency",
+        "2",
+        "--chunks",
+        "16",
+        "--steps",
+        "3",
+        "--chunk-repeats",
+        "2",
+    ]
     assert main([*argv, "--prompt-tokens", "8", "--threads", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
     assert [(r["concurrency"], r["chunk_tokens"]) for r in rows] == [(2, 0), (2, 16)]
