@@ -53,17 +53,19 @@ requests reported as the share of identical sequences):
 vLLM runs as its users would on this machine: ``--max-num-seqs`` = the largest concurrency, its
 scheduler's defaults (chunked prefill, prefix caching), no access log, the LD_PRELOAD its CPU
 install guide recommends (Intel OpenMP from the venv, tcmalloc where the system has it), and
-``VLLM_CPU_OMP_THREADS_BIND`` probed per model: ``auto`` (its default: inference threads on core 0,
-core 1 left to its API server and engine-core process) and ``0-1`` (both cores for inference), one
-pass over the levels each after a warm-up; the one with the larger geometric mean of tokens/s is
-used (``--vllm-bind`` gives the candidates; one value skips the probe). A vLLM start takes ~1.5-3
+``VLLM_CPU_OMP_THREADS_BIND`` at its best for each concurrency: ``auto`` (its default: inference
+threads on core 0, core 1 left to its API server and engine-core process) and ``0-1`` (both cores
+for inference) are each started and run through every level's repeats (interleaved with ours);
+each level reports the bind under which vLLM's median tokens/s was highest, with our repeats of the
+same session (``--vllm-bind`` gives the candidates). A vLLM start takes ~1.5-3
 minutes here (it recompiles the model every time: its AOT compile cache fails to load on CPU).
 Streamed chunks may carry several tokens: each chunk's ``token_ids`` (``return_token_ids``) are
 counted, and the usage chunk (``stream_options.include_usage``) catches any left out. Both sides
 admit every request: our engine's admission by expected wait is set to an hour
 (``ADMIT_ALL_WAIT_S``; a closed loop offers at most c requests and vLLM queues them all).
 Summary: ``vllm_ratio_c1`` / ``_c8`` / ``_c32`` (our output tokens/s over vLLM's, the first size),
-``medium_vllm_ratio_c*``, the binds chosen and the identical shares.
+``medium_vllm_ratio_c*``; ``*_vllm_itl_p99_ratio_c*`` and ``*_vllm_ttft_p50_ratio_c*`` (ours over
+vLLM's: < 1 is lower), the bind chosen per level (``*_vllm_bind_c*``) and the identical shares.
 
     make vllm-peer && python -m bench.llm_peer --peer vllm [--quick] [--json PATH]
 """
@@ -76,7 +78,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import math
 import random
 import re
 import sys
@@ -737,15 +738,6 @@ VLLM_UNSUPPORTED = {
 }
 
 
-def _geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
-
-
-def probe_vllm_bind(url: str, levels: list[int], max_tokens: int, seed: int) -> dict[int, float]:
-    """vLLM's output tokens/s at each level, once (prompts of their own, not the repeats')."""
-    return {c: run_level(url, VLLM, c, max_tokens, seed - 5000, 0)["tokens_per_s"] for c in levels}
-
-
 def run_size_vllm(
     size: str,
     model_dir: Path,
@@ -756,61 +748,55 @@ def run_size_vllm(
     repeats: int = 3,
     binds: tuple[str, ...] = VLLM_BINDS,
 ) -> dict[str, Any]:
-    """``run_size`` against vLLM: our engine up throughout; vLLM started once per bind in
-    ``binds`` (one pass over the levels each, after a warm-up; the bind with the larger geometric
-    mean of tokens/s over the levels wins, and the last one started stays up if it won), then the
-    interleaved repeats and the agreement pass as against llama-server."""
+    """``run_size`` against vLLM at its best thread binding for each concurrency: our engine up
+    throughout; vLLM started once per bind in ``binds``, and against each the interleaved repeats
+    of every level (which side goes first alternates). A level reports the bind under which vLLM's
+    median tokens/s was highest, with our repeats from the same session (the same minutes of the
+    machine); every bind's medians stay in ``vllm_bind_tokens_per_s``. Then the agreement pass,
+    against the last vLLM started."""
     threads = usable_cores()
     served = vllm_view(model_dir, work)
     row: dict[str, Any] = {"size": size, "parameters": parameter_count(model_dir), "vllm_dir": str(served)}
     max_len = PROMPT_TOKENS[1] + max_tokens + CTX_MARGIN
     top = max(levels)
-    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}  # (bind, side, c) -> repeats
     ids: dict[str, list[list[int]]] = {}
     with contextlib.ExitStack() as stack:
         ours_url = stack.enter_context(serve_ours(model_dir, threads, top, work))
         warm_up(ours_url, OURS, seed, top)
-
-        def start(bind: str) -> VLLMServer:
+        for i, bind in enumerate(binds):
             log = work / f"vllm-{size}-{bind}.log"
             log.unlink(missing_ok=True)
-            server = stack.enter_context(serve_vllm(served, top, max_len, bind, log))
-            warm_up(server.url, VLLM, seed, top)
-            return server
-
-        probe: dict[str, dict[int, float]] = {}
-
-        def best() -> str:
-            return max(probe, key=lambda b: _geomean(list(probe[b].values())))
-
-        server: VLLMServer | None = None
-        for i, bind in enumerate(binds):
-            server = start(bind)
-            if len(binds) == 1:
-                break
-            probe[bind] = probe_vllm_bind(server.url, levels, max_tokens, seed)
-            print(f"{size}: vLLM, VLLM_CPU_OMP_THREADS_BIND={bind}: tokens/s {probe[bind]}", flush=True)
-            if i < len(binds) - 1 or best() != bind:
-                server.stop()
-                server = None
-        bind = best() if probe else binds[0]
-        if server is None:
-            server = start(bind)
-        row["vllm_bind"] = bind
-        row["vllm_bind_probe"] = probe
-        row["vllm_preload"] = vllm_preload()
-        sides = [("epd", ours_url, OURS), ("vllm", server.url, VLLM)]
-        for rep in range(repeats):
-            for c in levels:
-                for name, url, side in sides if rep % 2 == 0 else sides[::-1]:
-                    runs.setdefault((name, c), []).append(run_level(url, side, c, max_tokens, seed, rep))
-        c8 = max([x for x in levels if x <= 8] or [min(levels)])
-        for name, url, side in sides:
-            ids[name] = agreement_ids(url, side, c8, max_tokens, seed)
+            with serve_vllm(served, top, max_len, bind, log) as server:
+                warm_up(server.url, VLLM, seed, top)
+                sides = [("epd", ours_url, OURS), ("vllm", server.url, VLLM)]
+                for rep in range(repeats):
+                    for c in levels:
+                        for name, url, side in sides if rep % 2 == 0 else sides[::-1]:
+                            runs.setdefault((bind, name, c), []).append(
+                                run_level(url, side, c, max_tokens, seed, rep)
+                            )
+                print(
+                    f"{size}: vLLM, VLLM_CPU_OMP_THREADS_BIND={bind}: tokens/s "
+                    + ", ".join(
+                        f"c={c} {median_row(runs[bind, 'vllm', c])['tokens_per_s']:.1f}" for c in levels
+                    ),
+                    flush=True,
+                )
+                if i == len(binds) - 1:
+                    c8 = max([x for x in levels if x <= 8] or [min(levels)])
+                    for name, url, side in sides:
+                        ids[name] = agreement_ids(url, side, c8, max_tokens, seed)
+    row["vllm_preload"] = vllm_preload()
+    row["vllm_bind_tokens_per_s"] = {
+        b: {c: median_row(runs[b, "vllm", c])["tokens_per_s"] for c in levels} for b in binds
+    }
     row["levels"] = {}
     for c in levels:
-        lv = {name: median_row(runs[name, c]) for name in ("epd", "vllm")}
+        bind = max(binds, key=lambda b: row["vllm_bind_tokens_per_s"][b][c])
+        lv: dict[str, Any] = {name: median_row(runs[bind, name, c]) for name in ("epd", "vllm")}
         lv["ratio"] = lv["epd"]["tokens_per_s"] / lv["vllm"]["tokens_per_s"]
+        lv["vllm_bind"] = bind
         row["levels"][c] = lv
     row["agreement"] = agreement(ids["epd"], ids["vllm"])
     return row
@@ -933,27 +919,27 @@ def main_vllm(args: argparse.Namespace, sizes: list[str], levels: list[int], wor
     )
     for r in rows:
         a = r["agreement"]
-        probe = "; ".join(
+        per_bind = "; ".join(
             f"{b}: " + ", ".join(f"c={c} {t:.1f}" for c, t in tps.items())
-            for b, tps in r["vllm_bind_probe"].items()
+            for b, tps in r["vllm_bind_tokens_per_s"].items()
         )
+        chosen = ", ".join(f"c={c} {lv['vllm_bind']}" for c, lv in r["levels"].items())
         print(
             f"{r['size']} ({r['parameters'] / 1e6:.1f}M parameters): outputs identical {a['identical']}/{a['of']} "
-            f"(mean common prefix {a['mean_common_prefix']:.0%}); vLLM ran with "
-            f"VLLM_CPU_OMP_THREADS_BIND={r['vllm_bind']}"
-            + (f" (probe, tokens/s: {probe})" if probe else "")
-            + f", LD_PRELOAD {':'.join(r['vllm_preload']) or 'none'}"
+            f"(mean common prefix {a['mean_common_prefix']:.0%}); vLLM's VLLM_CPU_OMP_THREADS_BIND per level: "
+            f"{chosen} (vLLM tokens/s by bind: {per_bind}), LD_PRELOAD {':'.join(r['vllm_preload']) or 'none'}"
         )
-    first = rows[0]
-    summary: dict[str, Any] = {f"vllm_ratio_c{c}": first["levels"][c]["ratio"] for c in levels} | {
-        "size": first["size"],
-        "vllm_bind": first["vllm_bind"],
-        "vllm_identical_share": first["agreement"]["identical"] / first["agreement"]["of"],
-    }
-    for r in rows[1:]:
-        summary |= {f"{r['size']}_vllm_ratio_c{c}": r["levels"][c]["ratio"] for c in levels}
-        summary[f"{r['size']}_vllm_bind"] = r["vllm_bind"]
-        summary[f"{r['size']}_vllm_identical_share"] = r["agreement"]["identical"] / r["agreement"]["of"]
+    summary: dict[str, Any] = {"size": rows[0]["size"]}
+    for i, r in enumerate(rows):
+        pre = "" if i == 0 else f"{r['size']}_"  # the first size's keys unprefixed
+        for c in levels:
+            lv = r["levels"][c]
+            summary[f"{pre}vllm_ratio_c{c}"] = lv["ratio"]
+            # latency ratios, ours over vLLM's (< 1: ours is lower)
+            summary[f"{pre}vllm_itl_p99_ratio_c{c}"] = lv["epd"]["itl_p99_s"] / lv["vllm"]["itl_p99_s"]
+            summary[f"{pre}vllm_ttft_p50_ratio_c{c}"] = lv["epd"]["ttft_p50_s"] / lv["vllm"]["ttft_p50_s"]
+            summary[f"{pre}vllm_bind_c{c}"] = lv["vllm_bind"]
+        summary[f"{pre}vllm_identical_share"] = r["agreement"]["identical"] / r["agreement"]["of"]
     summary["vllm_skipped"] = skipped
     write_json(args.json, machine=machine_info(), config=vars(args), results=rows, summary=summary)
     return 0

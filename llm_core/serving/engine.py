@@ -63,6 +63,7 @@ from llm_core.serving.sampling import Sampler, SamplingParams
 from llm_core.serving.scheduler import QueueFull, Scheduler, SchedulerConfig, SchedulerError
 from llm_core.serving.server_config import EngineConfig
 from llm_core.serving.speculative import Speculator
+from llm_core.serving.step_cost import StepCost
 
 log = logging.getLogger(__name__)
 
@@ -410,6 +411,15 @@ class LLMEngine:
         self.scheduler.copy_out(batch)  # KV leaving the engine (a P/D export), pages still held
         host = self.scheduler.kv.host_tier
         sources = self.scheduler.kv.transfers
+        if self.scheduler.step_cost is not None:
+            # prompt tokens computed (a copied chunk costs little), and sequences decoding
+            prefill = sum(
+                n
+                for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+                if s.in_prefill and sources.source(s.seq_id) is None
+            )
+            decoding = sum(1 for s in batch.seqs if not s.in_prefill)
+            self.scheduler.step_cost.observe(decoding, prefill, time.perf_counter() - t0)
         if host is not None:  # the cost model's prefill rate: tokens computed by multi-token chunks
             computed = sum(
                 n
@@ -692,4 +702,7 @@ def _build_kv_and_scheduler(
         max_waiting=ec.max_waiting,
         kv_copy_overlap=ec.kv_copy_overlap,
     )
-    return kv, Scheduler(sched_cfg, manager)
+    scheduler = Scheduler(sched_cfg, manager)
+    if ec.prefill_stall_factor > 0:
+        scheduler.step_cost = StepCost(ec.prefill_stall_factor, ec.prefill_step_floor_ms / 1e3)
+    return kv, scheduler

@@ -6,7 +6,8 @@ One ``schedule()`` call plans one model step under a token budget:
    running sequence not yet in this step is preempted by recompute (its KV goes back to the
    prefix cache, it returns to the waiting queue with ``num_computed_tokens = 0``); if there is
    none, the sequence itself waits a step. Never a crash.
-2. The rest of the budget goes to prefill, split max-min fairly between length buckets that have
+2. The rest of the budget goes to prefill (while streams decode, at most what keeps the step within
+   its target time: ``step_cost.py``, when the engine measures it), split max-min fairly between length buckets that have
    prefill work (waiting_queue.py). Within a bucket, sequences already prefilling continue first,
    then waiting ones are admitted in priority order (cache hit, uncached tokens, waiting time).
    A chunk is cut to the bucket's share, ``max_prefill_chunk`` and what the pools can hold; it
@@ -30,6 +31,7 @@ from llm_core.caches.kv_source import KVSource
 from llm_core.request import Sampled, Sequence, SequenceStatus
 from llm_core.serving.draft_state import DraftStates
 from llm_core.serving.scheduler_output import SchedulerOutput
+from llm_core.serving.step_cost import StepCost
 from llm_core.serving.waiting_queue import PriorityWeights, WaitingQueue, fair_split
 
 
@@ -88,6 +90,8 @@ class Scheduler:
         self.connectors: list[KVConnector] = []
         # The speculator's per-request drafts (set by the engine when it speculates).
         self.drafts: DraftStates | None = None
+        # The measured step cost that bounds prefill beside decodes (set by the engine).
+        self.step_cost: StepCost | None = None
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, seq: Sequence, kv_import: KVSource | None = None) -> None:
@@ -161,6 +165,8 @@ class Scheduler:
                 take(seq, n)
                 budget -= n
         prefilling = [s for s in prefilling if s.status is SequenceStatus.RUNNING]
+        if self.step_cost is not None:  # running streams wait on this step: bound its prefill
+            budget = self.step_cost.prefill_budget(len(seqs), budget)
 
         # With no prefill running and nothing waiting (a decode-only step) every bucket's demand is 0.
         if prefilling or len(self.waiting):

@@ -37,6 +37,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int | None = None  # per-sequence cap on one step's prefill chunk
+    # While streams decode, a step that also prefills takes at most this many times a decode-only
+    # step (measured: ``step_cost.py``), and at least the floor; 0: only max_num_batched_tokens
+    prefill_stall_factor: float = 2.0
+    prefill_step_floor_ms: float = 25.0
     max_waiting: int = 4096  # memory guard (requests waiting); admission is by expected wait
     max_queue_wait_s: float = 10.0  # admission deadline of a request that sends no timeout
     # the rate assumed until measured (8 steps): a guess, high enough that the first burst into an
@@ -66,6 +70,8 @@ class EngineConfig:
         for name in ("max_queue_wait_s", "admission_seed_tokens_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.prefill_stall_factor < 0 or self.prefill_step_floor_ms < 0:
+            raise ValueError("EngineConfig.prefill_stall_factor and prefill_step_floor_ms must be >= 0")
         if self.speculative_steps < 0:
             raise ValueError(f"EngineConfig.speculative_steps must be >= 0, got {self.speculative_steps}")
 

@@ -13,6 +13,7 @@ from llm_core.caches.kv_manager import KVManager
 from llm_core.caches.page_pool import PagePool
 from llm_core.request import Sequence, SequenceStatus
 from llm_core.serving.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig, SchedulerOutput
+from llm_core.serving.step_cost import StepCost
 from llm_core.serving.waiting_queue import PriorityWeights, fair_split, priority_score
 
 P = 4
@@ -283,3 +284,20 @@ def test_random_traffic_drains_with_integrity(
     assert sched.kv.radix is not None
     sched.kv.radix.evict_full(1 << 30)
     assert sched.kv.full_pool.num_used == 0 and sched.kv.swa_pool.num_used == 0
+
+
+def test_measured_step_cost_bounds_prefill_beside_decodes() -> None:
+    """With streams decoding, a step prefills only what keeps it within the target of
+    ``step_cost.StepCost`` (2 x a 10 ms decode step, 1 ms a token: 10 tokens); alone, a prompt
+    takes the whole budget."""
+    sched = make(max_num_batched_tokens=64)
+    sched.step_cost = StepCost(stall_factor=2.0, floor_s=0.0, decode_s=0.01, token_s=0.001, min_tokens=4)
+    sched.add(seq(0, 40))
+    batch, _ = step(sched)
+    assert batch.num_new_tokens == [40]  # nobody decodes: not bounded
+    sched.add(seq(1, 40))
+    batch, _ = step(sched)
+    assert [s.seq_id for s in batch.seqs] == [0, 1] and batch.num_new_tokens == [1, 10]
+    sched.step_cost = None
+    batch, _ = step(sched)
+    assert batch.num_new_tokens == [1, 30]
