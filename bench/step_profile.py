@@ -82,6 +82,7 @@ class Profiler:
             max_num_batched_tokens=budget,
             max_queue_wait_s=3600.0,
             enable_prefix_cache=False,  # every chunk computes
+            prefill_stall_factor=0.0,  # the whole chunk in its step (no measured bound)
         )
         self.engine = LLMEngine.from_checkpoint(path, cfg)
         runner = self.engine.runner

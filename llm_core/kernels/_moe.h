@@ -17,8 +17,8 @@
 
 /* An expert with at least this many rows (a prefill chunk's share) multiplies through BLAS
  * (sgemm, when bound: _blas.h), fewer (decode) through the small-M product, which streams the
- * weights once without a packed copy. Set by set_blas_min_rows (the Python wrapper picks it for
- * the CPU at import: docs/performance.md). */
+ * weights once without a packed copy. Set by set_blas_min_rows (c_kernel.EXPERT_BLAS_MIN_ROWS at
+ * import: why 16 there). */
 static Py_ssize_t moe_blas_min_rows = 16;
 
 /* Which experts a call runs: all, only those below moe_blas_min_rows rows, or only those at it. */

@@ -53,30 +53,19 @@ def bind_sgemm(kernel: ModuleType | None) -> bool:
     return True
 
 
-def _cpu_vendor() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:  # pragma: no cover - not Linux
-        pass
-    return ""
-
-
-def expert_blas_min_rows() -> int:
-    """Rows from which a routed expert multiplies through BLAS rather than the small-M product
-    (``_moe.h``), chosen for this CPU once at import: every expert (1) where torch's BLAS is MKL on an
-    Intel CPU (its AVX-512 sgemm ran 2.3x the AVX2 small-M product at 1 row per expert, 1.6x at 4,
-    3x at 256: docs/performance.md); prefill-sized experts only (16) elsewhere, where the small-M
-    product was measured the faster one for decode."""
-    mkl = torch.backends.mkl.is_available()
-    return 1 if mkl and _cpu_vendor() == "GenuineIntel" else 16
+# Rows from which a routed expert multiplies through BLAS rather than the small-M product (_moe.h).
+# A prefill chunk's experts (hundreds of rows) run ~3x faster through MKL's sgemm. Below 16 rows the
+# small-M product stays: on the Intel Xeon of session 21 MKL ran a lone expert of 1-4 rows 1.6-2.3x
+# faster in a single-threaded loop and in bench.step_profile, yet with every expert through it the
+# served engine collapsed (ITL P50 445 ms against 55 at c = 8): MKL's OpenMP team and the layer's
+# thread pool then alternate 176 times a step and contend for the 2 cores (docs/performance.md).
+EXPERT_BLAS_MIN_ROWS = 16
 
 
 def bind_blas(kernel: ModuleType | None) -> bool:
-    """``bind_sgemm``, then the routed experts' BLAS threshold (``expert_blas_min_rows``)."""
+    """``bind_sgemm``, then the routed experts' BLAS threshold (``EXPERT_BLAS_MIN_ROWS``)."""
     if not bind_sgemm(kernel):
         return False
     assert kernel is not None
-    kernel.set_blas_min_rows(expert_blas_min_rows())
+    kernel.set_blas_min_rows(EXPERT_BLAS_MIN_ROWS)
     return True
