@@ -14,6 +14,11 @@ typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, c
                          const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
                          const float *beta, float *c, const int *ldc);
 static sgemm_fn sgemm = NULL;
+/* MKL's per-thread thread count (MKL_Set_Num_Threads_Local; returns the previous, 0 = the global
+ * one), or NULL where torch's BLAS is not MKL: what lets several threads of our own pool each run
+ * a product on one core (linear_serial) instead of each starting a BLAS thread team. */
+typedef int (*blas_threads_fn)(int);
+static blas_threads_fn blas_threads_local = NULL;
 
 /* y [M, N] (row stride N) = x [M, K] (row stride ldx) @ w [K, N] (+ bias [N]), as torch's linear
  * does it for an input-major weight: the bias copied into y, then one column-major sgemm call
@@ -25,6 +30,15 @@ static void linear(const float *x, Py_ssize_t ldx, const float *w, const float *
     if (bias != NULL)
         for (Py_ssize_t r = 0; r < M; r++) memcpy(y + r * N, bias, (size_t)N * sizeof(float));
     sgemm("N", "N", &m, &n, &k, &one, w, &lda, x, &ldb, &beta, y, &ldc);
+}
+
+/* linear on the calling thread alone (BLAS's own threads not used): for products that run in
+ * parallel over our pool's threads. Needs blas_threads_local. */
+static void linear_serial(const float *x, Py_ssize_t ldx, const float *w, const float *bias, float *y, Py_ssize_t M,
+                          Py_ssize_t K, Py_ssize_t N) {
+    const int before = blas_threads_local(1);
+    linear(x, ldx, w, bias, y, M, K, N);
+    blas_threads_local(before);
 }
 
 /* bind_sgemm(path): take sgemm_ from the already loaded shared library at path (libtorch_cpu). */
@@ -39,6 +53,8 @@ static PyObject *py_bind_sgemm(PyObject *self, PyObject *args) {
         return NULL;
     }
     sgemm = fn; /* the library stays loaded: torch holds it (and dlopen took a reference) */
+    /* the C entry (takes the count by value; the lower-case symbol here is the Fortran one) */
+    blas_threads_local = (blas_threads_fn)dlsym(lib, "MKL_Set_Num_Threads_Local"); /* NULL: not MKL */
     Py_RETURN_NONE;
 }
 

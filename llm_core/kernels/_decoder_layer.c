@@ -116,7 +116,7 @@ typedef struct {
 static void moe_part(void *ctx, int p, int parts) {
     MoeJob *j = ctx;
     (void)parts;
-    j->err[p] = moe_experts_range(j->pb, j->plan, j->bounds[p], j->bounds[p + 1], j->contrib, MOE_SMALL);
+    j->err[p] = moe_experts_range(j->pb, j->plan, j->bounds[p], j->bounds[p + 1], j->contrib);
 }
 
 static void moe_sum_part(void *ctx, int p, int parts) {
@@ -126,10 +126,8 @@ static void moe_sum_part(void *ctx, int p, int parts) {
     moe_sum_contrib(j->pb, j->contrib, t0, t1);
 }
 
-/* The routed experts over the pool's threads: the large experts (moe_blas_min_rows rows or more: a
- * prefill chunk's) first, on this thread through BLAS and its threads, then the small ones in
- * expert ranges of about equal assignments over the pool. Every expert's rows go to contrib and
- * are summed per token in expert order, so the split does not change the bits. */
+/* The routed experts over the pool's threads: expert ranges of about equal assignments, each
+ * expert through the small-M product or, with many rows, single-threaded BLAS (_moe.h). */
 static const char *moe_parallel(const MoeProblem *moe, int parts) {
     if (parts <= 1) return moe_run(moe);
     MoePlan plan = {0};
@@ -137,26 +135,16 @@ static const char *moe_parallel(const MoeProblem *moe, int parts) {
     const char *err = moe_plan(moe, &plan);
     if (err == NULL) job.contrib = malloc((size_t)(moe->T * moe->K * moe->H) * sizeof(float));
     if (err == NULL && job.contrib == NULL) err = "moe_experts: out of memory";
-    if (err == NULL && moe_is_large(plan.most))
-        err = moe_experts_range(moe, &plan, 0, moe->E, job.contrib, MOE_LARGE);
     if (err == NULL) {
-        Py_ssize_t n = 0; /* the small experts' assignments, split evenly */
-        for (Py_ssize_t e = 0; e < moe->E; e++) {
-            const Py_ssize_t c = plan.start[e + 1] - plan.start[e];
-            n += moe_is_large(c) ? 0 : c;
-        }
-        Py_ssize_t e = 0, seen = 0;
+        const Py_ssize_t n = moe->T * moe->K;
+        Py_ssize_t e = 0;
         for (int p = 1; p < parts; p++) {
-            while (e < moe->E && seen < n * p / parts) {
-                const Py_ssize_t c = plan.start[e + 1] - plan.start[e];
-                seen += moe_is_large(c) ? 0 : c;
-                e++;
-            }
+            while (e < moe->E && plan.start[e] < n * p / parts) e++;
             job.bounds[p] = e;
         }
         job.bounds[parts] = moe->E;
-        if (n > 0) pool_run(parts, moe_part, &job);
-        for (int p = 0; p < parts && err == NULL && n > 0; p++) err = job.err[p];
+        pool_run(parts, moe_part, &job);
+        for (int p = 0; p < parts && err == NULL; p++) err = job.err[p];
         if (err == NULL) pool_run(parts, moe_sum_part, &job);
     }
     free(job.contrib);

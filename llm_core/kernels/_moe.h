@@ -15,16 +15,17 @@
 #include "_blas.h"
 #include "_gemm.h"
 
-/* An expert with at least this many rows (a prefill chunk's share) multiplies through BLAS
- * (sgemm, when bound: _blas.h), fewer (decode) through the small-M product, which streams the
- * weights once without a packed copy. Set by set_blas_min_rows (c_kernel.EXPERT_BLAS_MIN_ROWS at
- * import: why 16 there). */
+/* An expert with at least this many rows multiplies through BLAS on one thread (linear_serial:
+ * sgemm and MKL's per-thread count bound, _blas.h), fewer through the small-M product, which
+ * streams the weights once without a packed copy. Experts run in parallel over our pool either
+ * way (MKL's own thread team, alternating with the pool 176 times a decode step, collapsed a
+ * served engine on 2 cores). Set by set_blas_min_rows (c_kernel.expert_blas_min_rows at import). */
 static Py_ssize_t moe_blas_min_rows = 16;
 
-/* Which experts a call runs: all, only those below moe_blas_min_rows rows, or only those at it. */
-typedef enum { MOE_ALL, MOE_SMALL, MOE_LARGE } MoeWhich;
 
-static inline int moe_is_large(Py_ssize_t rows) { return sgemm != NULL && rows >= moe_blas_min_rows; }
+static inline int moe_is_large(Py_ssize_t rows) {
+    return sgemm != NULL && blas_threads_local != NULL && rows >= moe_blas_min_rows;
+}
 
 /* h[i] = silu(h[i]) * h[I + i] for i < I: the SwiGLU activation over one [gate | up] row. */
 typedef void (*swiglu_fn)(float *h, Py_ssize_t I);
@@ -102,16 +103,15 @@ done:
     return err;
 }
 
-/* Experts e0 .. e1 - 1 over their assignments (those ``which`` selects). Each weighted output row
+/* Experts e0 .. e1 - 1 over their assignments. Each weighted output row
  * w * y is added to its token's row of pb->out (experts in order: the sum of a token's rows in
  * expert order), or, with contrib non-NULL, stored at contrib [T * K, H] row a instead (ranges may
  * then run at the same time; moe_sum_contrib adds them up in the same order). A large expert's
- * products are BLAS calls (BLAS's own threads): run MOE_LARGE ranges on one thread. NULL or a
- * static error message. */
+ * products are single-threaded BLAS calls. NULL or a static error message. */
 static const char *moe_experts_range(const MoeProblem *pb, const MoePlan *plan, Py_ssize_t e0, Py_ssize_t e1,
-                                     float *contrib, MoeWhich which) {
+                                     float *contrib) {
     const Py_ssize_t H = pb->H, I = pb->I, most = plan->most;
-    const int blas = moe_is_large(most) && which != MOE_SMALL;
+    const int blas = moe_is_large(most);
     /* scratch, for the largest expert's assignments: their rows of x, then gate|up [C, 2I]
      * (activated in place), then down outputs [C, H], and for BLAS the rows of x gathered [C, H] */
     const float **rows = malloc((size_t)most * sizeof(float *));
@@ -126,15 +126,15 @@ static const char *moe_experts_range(const MoeProblem *pb, const MoePlan *plan, 
     for (Py_ssize_t e = e0; e < e1; e++) {
         const Py_ssize_t c = plan->start[e + 1] - plan->start[e];
         const int large = moe_is_large(c);
-        if (c == 0 || (which == MOE_SMALL && large) || (which == MOE_LARGE && !large)) continue;
+        if (c == 0) continue;
         const Py_ssize_t *mine = plan->order + plan->start[e];
         const float *gate_up = pb->gate_up + e * H * 2 * I, *down = pb->down + e * I * H;
         if (large) { /* [C, H] gathered -> [C, 2I] -> activated -> [C, H], two BLAS calls */
             for (Py_ssize_t r = 0; r < c; r++)
                 memcpy(gathered + r * H, pb->x + (mine[r] / pb->K) * H, (size_t)H * sizeof(float));
-            linear(gathered, H, gate_up, NULL, hidden, c, H, 2 * I);
+            linear_serial(gathered, H, gate_up, NULL, hidden, c, H, 2 * I);
             for (Py_ssize_t r = 0; r < c; r++) swiglu(hidden + r * 2 * I, I);
-            linear(hidden, 2 * I, down, NULL, y, c, I, H);
+            linear_serial(hidden, 2 * I, down, NULL, y, c, I, H);
         } else {
             Py_ssize_t e2 = e + 1; /* the next small expert with tokens: its weights are fetched meanwhile */
             while (e2 < e1 && (plan->start[e2 + 1] == plan->start[e2] ||
@@ -194,7 +194,7 @@ static const char *moe_run(const MoeProblem *pb) {
     const char *err = moe_plan(pb, &plan);
     if (err == NULL) {
         memset(pb->out, 0, (size_t)(pb->T * pb->H) * sizeof(float));
-        err = moe_experts_range(pb, &plan, 0, pb->E, NULL, MOE_ALL);
+        err = moe_experts_range(pb, &plan, 0, pb->E, NULL);
     }
     moe_plan_free(&plan);
     return err;

@@ -53,19 +53,30 @@ def bind_sgemm(kernel: ModuleType | None) -> bool:
     return True
 
 
-# Rows from which a routed expert multiplies through BLAS rather than the small-M product (_moe.h).
-# A prefill chunk's experts (hundreds of rows) run ~3x faster through MKL's sgemm. Below 16 rows the
-# small-M product stays: on the Intel Xeon of session 21 MKL ran a lone expert of 1-4 rows 1.6-2.3x
-# faster in a single-threaded loop and in bench.step_profile, yet with every expert through it the
-# served engine collapsed (ITL P50 445 ms against 55 at c = 8): MKL's OpenMP team and the layer's
-# thread pool then alternate 176 times a step and contend for the 2 cores (docs/performance.md).
-EXPERT_BLAS_MIN_ROWS = 16
+def _cpu_vendor() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return ""
+
+
+def expert_blas_min_rows() -> int:
+    """Rows from which a routed expert multiplies through BLAS (single-threaded MKL on one of the
+    layer pool's threads, ``_moe.h``) rather than the small-M product, chosen for this CPU at
+    import: every expert (1) on an Intel CPU, where MKL's AVX-512 sgemm ran 1.6-2.3x our AVX2
+    small-M product for an expert of 1-4 rows and 3x at 256 (served medium model, c = 8: 171 vs
+    103 tokens/s: docs/performance.md); experts of 16 rows or more (a prefill chunk's) elsewhere,
+    where MKL's speed was not measured and the small-M product was the faster one for decode."""
+    return 1 if _cpu_vendor() == "GenuineIntel" else 16
 
 
 def bind_blas(kernel: ModuleType | None) -> bool:
-    """``bind_sgemm``, then the routed experts' BLAS threshold (``EXPERT_BLAS_MIN_ROWS``)."""
+    """``bind_sgemm``, then the routed experts' BLAS threshold (``expert_blas_min_rows``)."""
     if not bind_sgemm(kernel):
         return False
     assert kernel is not None
-    kernel.set_blas_min_rows(EXPERT_BLAS_MIN_ROWS)
+    kernel.set_blas_min_rows(expert_blas_min_rows())
     return True

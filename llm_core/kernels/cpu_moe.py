@@ -9,8 +9,8 @@ the MoE backend's pack hook (``backends.layout.pack_experts``) lays them out in 
 with a few tokens per expert (decode), the torch path is small batched GEMMs over padded rows plus
 a dozen gather, activation and scatter ops per layer; the kernel streams each expert's weights
 once per call (fetching the next routed expert's meanwhile) and fuses the rest; an expert with
-many rows (a prefill chunk's) goes through torch's BLAS instead (``BLAS``), ~3x faster there
-(``c_kernel.EXPERT_BLAS_MIN_ROWS``). fp32 only;
+many rows (a prefill chunk's; on an Intel CPU any) goes through torch's BLAS on one thread instead
+(``BLAS``; ``c_kernel.expert_blas_min_rows``), ~3x faster at 256 rows. fp32 only;
 ``AVAILABLE`` is False when the extension was not built, and ``backends.selector`` chooses the
 torch MoE backend.
 """
@@ -25,8 +25,8 @@ from llm_core.kernels.c_kernel import buffer as _buf
 from llm_core.kernels.weight_layout import in_out_view as _in_out
 
 _kernel = c_kernel.load("llm_core.kernels._moe")
-# An expert given many rows (a prefill chunk's) multiplies through torch's sgemm when bound
-# (``c_kernel.EXPERT_BLAS_MIN_ROWS``), as the decoder-layer kernel's do.
+# An expert given many rows multiplies through torch's sgemm (MKL, one thread) when bound
+# (``c_kernel.expert_blas_min_rows``), as the decoder-layer kernel's do: the same bits.
 BLAS = c_kernel.bind_blas(_kernel)
 
 AVAILABLE = _kernel is not None
@@ -49,7 +49,7 @@ def blas_min_rows() -> int:
 
 def set_blas_min_rows(n: int) -> None:
     """Experts with n rows or more multiply through BLAS from now on, in this kernel and the
-    decoder-layer kernel alike (``c_kernel.EXPERT_BLAS_MIN_ROWS`` from import; tests run both
+    decoder-layer kernel alike (``c_kernel.expert_blas_min_rows`` at import; tests run both
     products this way)."""
     global _blas_min_rows
     from llm_core.kernels import cpu_layer
@@ -61,7 +61,7 @@ def set_blas_min_rows(n: int) -> None:
     _blas_min_rows = n
 
 
-_blas_min_rows = c_kernel.EXPERT_BLAS_MIN_ROWS
+_blas_min_rows = c_kernel.expert_blas_min_rows()
 
 
 def supports(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
