@@ -75,7 +75,6 @@ from bench.common import (
     write_json,
 )
 from epd.allocator import keep_freed_memory
-from llm_core.kernels.active_paths import llm_paths
 from llm_core.models.checkpoint import load_llm
 from llm_core.prompts.tokenizer import TOKENIZER_FILE, load_tokenizer
 from llm_core.serving.engine import LLMEngine
@@ -383,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         EngineConfig(kv_memory_bytes=256 << 20, max_num_seqs=max(64, args.requests), max_model_len=4096),
         positions=loaded.positions,
     )
-    paths = llm_paths(torch.device("cpu"), torch.float32)
+    paths = loaded.model.backends.paths()
     phases = PhaseTimes(engine) if args.phases else None
     engine.start()
     try:

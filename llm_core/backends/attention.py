@@ -30,6 +30,10 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
 
+    def describe(self) -> str:
+        """What runs attention, for /health's ``paths``."""
+        return self.name
+
     def pack_attention(
         self,
         q: Tensor,
@@ -105,6 +109,9 @@ class TorchAttention(_SplitAttention):
     name = "torch"
     kernel = "torch"
 
+    def describe(self) -> str:
+        return "torch (gathered pages, masked softmax)"
+
 
 class TritonAttention(_SplitAttention):
     """The Triton prefill and decode kernels (``kernels.triton_attention``); CUDA tensors."""
@@ -112,12 +119,18 @@ class TritonAttention(_SplitAttention):
     name = "triton"
     kernel = "triton"
 
+    def describe(self) -> str:
+        return "Triton paged prefill/decode kernels"
+
 
 class CpuAttention(AttentionBackend):
     """The C kernel (``kernels.cpu_attention.qkv_attention_cpu``): rotary, store and attention in
     one call; fp32 CPU tensors."""
 
     name = "cpu"
+
+    def describe(self) -> str:
+        return f"C paged attention ({cpu_attention.simd()})"
 
     def forward(
         self,

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from llm_core.backends.specs import AttentionSpec, RoutingSpec
-from llm_core.kernels import cpu_layer
+from llm_core.kernels import cpu_attention, cpu_layer, cpu_moe
 from llm_core.kernels.attention_batch import AttentionBatch, LayerKVLike
 
 
@@ -64,6 +64,10 @@ LayerStep = object
 class LayerBackend(ABC):
     name: ClassVar[str]
 
+    def describe(self) -> str:
+        """What runs a whole block, for /health's ``paths``."""
+        return self.name
+
     @abstractmethod
     def pack(self, params: BlockParams) -> PackedLayer | None:
         """After-load hook: what this backend runs the block with, or None when it cannot."""
@@ -93,6 +97,9 @@ class NoLayer(LayerBackend):
 
     name = "none"
 
+    def describe(self) -> str:
+        return "the model's modules (the attention, MoE and norm backends)"
+
     def pack(self, params: BlockParams) -> PackedLayer | None:
         return None
 
@@ -117,6 +124,12 @@ class CpuLayer(LayerBackend):
     """One C call per block (``cpu_layer.decoder_layer_cpu``), split over torch's intra-op threads."""
 
     name = "cpu"
+
+    def describe(self) -> str:
+        return (
+            f"one C call per layer ({cpu_attention.simd()}, torch's sgemm; "
+            f"experts of {cpu_moe.blas_min_rows()}+ rows through it; {torch.get_num_threads()} threads)"
+        )
 
     def pack(self, params: BlockParams) -> PackedLayer | None:
         mlp = params.mlp

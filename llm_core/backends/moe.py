@@ -38,6 +38,10 @@ class MoEBackend(ABC):
 
     name: ClassVar[str]
 
+    def describe(self) -> str:
+        """What runs the router and the experts, for /health's ``paths``."""
+        return self.name
+
     def pack_experts(self, gate_up: Tensor, down: Tensor) -> tuple[Tensor, Tensor]:
         """After-load hook: the stacked expert weights -> the layout ``experts`` reads (the same
         shapes and values, stored [E, in, out]; ``layout.pack_experts``)."""
@@ -60,6 +64,10 @@ class CpuMoE(MoEBackend):
     """The C router and experts kernels: one call each per layer (fp32 CPU)."""
 
     name = "cpu"
+
+    def describe(self) -> str:
+        blas = f"; experts of {cpu_moe.blas_min_rows()}+ rows through torch's BLAS" if cpu_moe.BLAS else ""
+        return f"C experts and router ({cpu_moe.simd()}{blas})"
 
     def route(self, x: Tensor, weight: Tensor, bias: Tensor, spec: RoutingSpec) -> Routing:
         return Routing(

@@ -23,6 +23,10 @@ from llm_core.kernels import cpu_norm
 class NormBackend(ABC):
     name: ClassVar[str]
 
+    def describe(self) -> str:
+        """What runs the RMSNorms, for /health's ``paths``."""
+        return self.name
+
     @abstractmethod
     def norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """x [..., dim], weight [dim] -> [..., dim]."""
@@ -50,6 +54,9 @@ class TorchNorm(NormBackend):
 
 class CpuNorm(NormBackend):
     name = "cpu"
+
+    def describe(self) -> str:
+        return "C RMSNorm fused with the residual add"
 
     def norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return cpu_norm.rms_norm_cpu(x, weight, eps)[0]

@@ -11,10 +11,12 @@ are built, with a per-kind override (tests, benchmarks), and named for /health.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from epd_common import native
+from epd_common.active_paths import ActivePath
 from llm_core.backends.attention import AttentionBackend, CpuAttention, TorchAttention, TritonAttention
 from llm_core.backends.layer import CpuLayer, LayerBackend, NoLayer
 from llm_core.backends.moe import CpuMoE, MoEBackend
@@ -44,6 +46,8 @@ class Backends:
     moe: MoEBackend
     norm: NormBackend
     layer: LayerBackend
+    # kind -> why its fast backend was not chosen (the dtype, a kernel not built), for /health
+    reasons: dict[str, str] = field(default_factory=dict, compare=False)
 
     def names(self) -> dict[str, str]:
         """{kind: backend name}, e.g. for /health."""
@@ -54,10 +58,37 @@ class Backends:
             "layer": self.layer.name,
         }
 
+    def paths(self) -> list[ActivePath]:
+        """What runs each kind (``describe``), with the reason where a stand-in runs: /health's
+        ``paths`` and the start banner, derived from the chosen backends themselves."""
+        chosen = (
+            ("layer", self.layer),
+            ("attention", self.attention),
+            ("moe", self.moe),
+            ("norm", self.norm),
+        )
+        return [ActivePath(kind, b.describe(), self.reasons.get(kind)) for kind, b in chosen]
+
 
 def reference_backends() -> Backends:
     """The torch reference for every kind: what a model runs until ``after_load`` chooses."""
     return Backends(TorchAttention(), TorchMoE(), TorchNorm(), NoLayer())
+
+
+# kind -> the extension its "cpu" backend runs (for a stand-in's reason)
+_EXTENSIONS = {
+    "attention": "llm_core.kernels._paged_attention",
+    "moe": "llm_core.kernels._moe",
+    "norm": "llm_core.kernels._rms_norm",
+    "layer": "llm_core.kernels._decoder_layer",
+}
+
+
+def _not_built_reason(kind: str) -> str:
+    ext = _EXTENSIONS[kind]
+    if kind == "layer" and native.fallback_reason(ext) is None and cpu_layer._kernel is not None:
+        return "torch's sgemm_ could not be bound from libtorch_cpu"
+    return native.fallback_reason(ext) or native.unavailable_reason(ext)
 
 
 def _built(kind: str, name: str) -> bool:
@@ -98,6 +129,17 @@ def select_backends(
         "cpu" if fast and chosen["attention"] == "cpu" and _built("layer", "cpu") else "none"
     )
     tables: dict[str, dict[str, type]] = {"attention": ATTENTION, "moe": MOE, "norm": NORM, "layer": LAYER}
+    reasons: dict[str, str] = {}
+    if kind == "cpu" and not fast:
+        why = f"the C kernels are fp32 only and the weights are {str(dtype).removeprefix('torch.')}"
+        reasons = dict.fromkeys(chosen, why)
+    elif fast:
+        requested = {"attention": attention, "moe": moe, "norm": norm, "layer": layer}
+        for k, name in chosen.items():
+            if name != "cpu" and requested[k] is None:  # a stand-in for a kernel that is missing
+                reasons[k] = (
+                    _not_built_reason(k) if not _built(k, "cpu") else "the attention kernel is missing"
+                )
     for k, name in chosen.items():
         if name not in tables[k]:
             raise BackendUnavailable(f"unknown {k} backend {name!r}; known: {', '.join(sorted(tables[k]))}")
@@ -108,4 +150,5 @@ def select_backends(
         MOE[chosen["moe"]](),
         NORM[chosen["norm"]](),
         LAYER[chosen["layer"]](),
+        reasons,
     )

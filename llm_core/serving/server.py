@@ -45,7 +45,6 @@ from epd_common.messages.completion_response import SSE_DONE, encode, sse_event,
 from epd_common.messages.embedding_reader import ReaderOpener
 from epd_common.runtime import freeze_startup_objects, serve_internal
 from epd_common.store_config import build_store
-from llm_core.kernels.active_paths import llm_paths
 from llm_core.serving.completion_request import (
     CompletionRequest,
     chunk_body,
@@ -146,8 +145,9 @@ def create_app(
     metrics = _Metrics()
     served = config.served_model_names
     model_name = served[0]  # what responses report (vLLM's rule)
-    paths = report(llm_paths(engine.device, engine.dtype))  # fixed once the process has started
-    backends = engine.runner.model.backends.names()  # chosen once, when the model was loaded
+    chosen = engine.runner.model.backends  # chosen once, when the model was loaded
+    paths = report(chosen.paths())  # what each chosen backend runs, and why where a stand-in runs
+    backends = chosen.names()
 
     def guarded(fn: Handler) -> Handler:
         async def handler(request: Request) -> Response:

@@ -40,7 +40,7 @@ def _quick(tmp_path: Path, *extra: str) -> dict[str, Any]:
     assert summary["engine_cached_prompt_tokens_per_round"] == [0]
     # The engine ran its one-C-call decoder layer, not the torch modules.
     paths = {p["step"]: p for p in summary["engine_paths"]}
-    assert paths["decoder_layer"]["fallback"] is None
+    assert paths["layer"]["fallback"] is None
     return summary
 
 

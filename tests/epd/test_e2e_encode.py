@@ -141,10 +141,10 @@ def test_operational_routes(epd_server: ServeProcess) -> None:
     (encoder,) = health["paths"]["encoders"].values()
     assert encoder["jpeg_decode"].startswith("libjpeg") and encoder["patchify"].startswith("C kernel")
     assert encoder["resize"].startswith("Pillow-SIMD")
-    assert health["paths"]["llm"]["decoder_layer"].startswith("one C call per layer")
+    assert health["paths"]["llm"]["layer"].startswith("one C call per layer")
     assert health["fallbacks"] == []
     # ... and the start banner said the same.
-    assert "  llm: decoder_layer=one C call per layer" in "".join(epd_server.log)
+    assert "  llm: layer=one C call per layer" in "".join(epd_server.log)
     assert "WARNING slower fallback" not in "".join(epd_server.log)
     status, ready = http_json("GET", f"{url}/ready")
     assert status == 200 and ready["ready"] is True
