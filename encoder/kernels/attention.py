@@ -26,6 +26,16 @@ from encoder.kernels.segments import Segments
 AttnBackend = Literal["auto", "torch", "triton"]
 
 
+def resolve_backend(backend: AttnBackend, device: torch.device, head_dim: int) -> AttnBackend:
+    """ "auto" -> "triton" on CUDA for head dims up to 256 (the Triton kernels' limit), "torch"
+    otherwise; a named backend as it is. A model resolves its backend once at load
+    (``PackedTower.resolve_attention``, ``MiMoAudioEncoder.resolve_attention``); the kernels apply
+    the same rule to a direct caller's "auto"."""
+    if backend != "auto":
+        return backend
+    return "triton" if device.type == "cuda" and head_dim <= 256 else "torch"
+
+
 def varlen_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
     """Per-length-bucket SDPA. q, k, v: [N, H, D] -> [N, H, D]."""
     n, h, d = q.shape
@@ -54,8 +64,7 @@ def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, backend: AttnBackend = "auto"
 ) -> torch.Tensor:
     """Attention within each segment of ``seg``; softmax scale 1/sqrt(D). [N, H, D] -> [N, H, D]."""
-    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda and q.shape[-1] <= 256)
-    if use_triton:
+    if resolve_backend(backend, q.device, q.shape[-1]) == "triton":
         from encoder.kernels.triton_varlen import varlen_attention_triton
 
         return varlen_attention_triton(q, k, v, seg.cu_seqlens, seg.max_len)

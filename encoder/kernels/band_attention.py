@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from encoder.kernels.attention import AttnBackend
+from encoder.kernels.attention import AttnBackend, resolve_backend
 from encoder.kernels.segments import Segments
 
 DEFAULT_QUERY_BLOCK = 128
@@ -118,8 +118,7 @@ def band_attention(
     backend: AttnBackend = "auto",
 ) -> torch.Tensor:
     """Banded (or, with ``band=None``, full) GQA attention within each segment of ``seg``."""
-    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda and q.shape[-1] <= 256)
-    if use_triton:
+    if resolve_backend(backend, q.device, q.shape[-1]) == "triton":
         from encoder.kernels.triton_band import band_attention_triton
 
         return band_attention_triton(q, k, v, seg.cu_seqlens, seg.max_len, band, sinks)

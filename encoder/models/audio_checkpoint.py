@@ -56,6 +56,7 @@ def load_audio_encoder(
     try:
         settings = family.settings(raw)
         model, config, tensors = family.load(path, raw, dtype, torch.device(device))
+        model.resolve_attention(torch.device(device))  # "auto" resolved once, for this device
     except (TypeError, ValueError) as e:  # configs that disagree, missing or misshapen tensors
         raise CheckpointError(f"{path / CONFIG_FILE}: bad audio encoder: {e}") from e
     fp = _fingerprint(config, settings, tensors, dtype)

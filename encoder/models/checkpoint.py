@@ -153,8 +153,9 @@ def load_checkpoint_dir(
     with torch.device("meta"):  # no weights allocated twice: the checkpoint's tensors are assigned
         model = family.build_tower(cfg)
     model.load_state_dict(state, strict=True, assign=True)
-    model = model.to(device).eval().requires_grad_(False)
-    return LoadedEncoder(cast(VisionTower, model), cfg, fp)
+    tower = cast(VisionTower, model.to(device).eval().requires_grad_(False))
+    tower.resolve_attention(torch.device(device))  # "auto" resolved once, for this device
+    return LoadedEncoder(tower, cfg, fp)
 
 
 def save_vision_checkpoint(model: VisionTower, path: str | Path) -> None:

@@ -47,6 +47,8 @@ class VisionTowerConfig(Protocol):
     def patch_dim(self) -> int: ...  # values in one input row: in_channels * temporal * patch^2
     @property
     def merge_unit(self) -> int: ...  # patches folded into one output row (4 for 2x2)
+    @property
+    def head_dim(self) -> int: ...  # one attention head's width (which attention kernel runs)
 
     def to_dict(self) -> dict[str, Any]:
         """Canonical JSON-able form (hashed into the checkpoint fingerprint)."""
@@ -76,6 +78,7 @@ class VisionTower(Protocol):
     def eval(self) -> Self: ...  # nn.Module's
     def layout(self, grids: Sequence[Grid]) -> Any: ...
     def forward_layout(self, pixel_values: torch.Tensor, layout: Any) -> torch.Tensor: ...
+    def resolve_attention(self, device: torch.device) -> None: ...  # "auto" resolved once, at load
     def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor: ...
 
 

@@ -20,7 +20,7 @@ from typing import Generic, TypeVar
 import torch
 from torch import nn
 
-from encoder.kernels.attention import AttnBackend
+from encoder.kernels.attention import AttnBackend, resolve_backend
 from encoder.models.family import Grid, VisionTowerConfig
 from encoder.models.packed_layout import PackedLayout
 
@@ -56,6 +56,10 @@ class PackedTower(nn.Module, Generic[ConfigT, LayoutT], ABC):
         self.attn_backend: AttnBackend = attn_backend
         self.patch_embed = PatchEmbed(cfg)
         self._device_layouts: OrderedDict[tuple[tuple[Grid, ...], str], LayoutT] = OrderedDict()
+
+    def resolve_attention(self, device: torch.device) -> None:
+        """Resolve an "auto" attention backend for ``device``, once, at load (``resolve_backend``)."""
+        self.attn_backend = resolve_backend(self.attn_backend, device, self.config.head_dim)
 
     @property
     def device(self) -> torch.device:

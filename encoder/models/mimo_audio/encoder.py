@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from encoder.kernels.attention import AttnBackend
+from encoder.kernels.attention import AttnBackend, resolve_backend
 from encoder.models.mimo_audio.tokenizer import AudioTokenizerEncoder
 from encoder.models.mimo_audio.tower import AudioTower
 
@@ -51,9 +51,15 @@ class MiMoAudioEncoder(nn.Module):
             raise ValueError("audio tokenizer and audio_config disagree: " + "; ".join(mismatch))
         self.tokenizer = tokenizer
         self.tower = tower
+        self.attn_backend: AttnBackend = "auto"
 
-    def forward(self, mels: Sequence[torch.Tensor], backend: AttnBackend = "auto") -> AudioEncoding:
-        """Clips' log-mels, each [T_i, n_mels] -> rows and per-clip counts."""
+    def resolve_attention(self, device: torch.device) -> None:
+        """Resolve an "auto" attention backend for ``device``, once, at load (``resolve_backend``)."""
+        self.attn_backend = resolve_backend(self.attn_backend, device, self.tokenizer.cfg.head_dim)
+
+    def forward(self, mels: Sequence[torch.Tensor], backend: AttnBackend | None = None) -> AudioEncoding:
+        """Clips' log-mels, each [T_i, n_mels] -> rows and per-clip counts. ``backend``: the
+        attention kernel (None: the one resolved at load)."""
         rule = self.tower.cfg.rule
         if not mels:
             raise ValueError("no audio clips to encode")
@@ -66,7 +72,7 @@ class MiMoAudioEncoder(nn.Module):
         flat = [t for segs in seg_lens for t in segs]
         weight = self.tokenizer.conv1.weight
         packed = torch.cat([m.to(device=weight.device, dtype=weight.dtype) for m in mels])  # [sum T, n_mels]
-        out = self.tokenizer(packed, flat, backend)
+        out = self.tokenizer(packed, flat, self.attn_backend if backend is None else backend)
         per_clip = [
             sum(out.code_lengths[i : i + len(s)]) for i, s in zip(_offsets(seg_lens), seg_lens, strict=True)
         ]

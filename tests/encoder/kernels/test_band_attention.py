@@ -159,3 +159,12 @@ def test_triton_bfloat16_realistic_shape() -> None:
     out = band_attention_triton(q, k, v, seg.cu_seqlens, seg.max_len, 64, sinks)
     ref = band_attention_torch(q.float(), k.float(), v.float(), seg, 64, sinks.float())
     assert float((out.float() - ref).abs().max() / ref.abs().max()) < 2e-2
+
+
+def test_auto_resolves_by_device_and_head_width() -> None:
+    from encoder.kernels.attention import resolve_backend
+
+    assert resolve_backend("auto", torch.device("cpu"), 64) == "torch"
+    assert resolve_backend("auto", torch.device("cuda"), 64) == "triton"
+    assert resolve_backend("auto", torch.device("cuda"), 512) == "torch"  # past the Triton kernels' width
+    assert resolve_backend("triton", torch.device("cpu"), 64) == "triton"  # named: as it is

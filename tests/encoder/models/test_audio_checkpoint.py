@@ -23,6 +23,7 @@ def test_loads_the_fixture_audio_encoder(mimo_v2_dir: Path) -> None:
     assert isinstance(loaded, LoadedAudioEncoder)
     assert loaded.settings == AudioSettings()  # the fixture keeps the release's audio fields
     assert loaded.out_hidden_size == 128
+    assert loaded.model.attn_backend == "torch"  # "auto" resolved at load, for the CPU
     again, bf16 = load_audio_encoder(mimo_v2_dir), load_audio_encoder(mimo_v2_dir, dtype=torch.bfloat16)
     assert isinstance(again, LoadedAudioEncoder) and isinstance(bf16, LoadedAudioEncoder)
     assert again.fingerprint == loaded.fingerprint and bf16.fingerprint != loaded.fingerprint

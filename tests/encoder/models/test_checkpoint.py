@@ -51,6 +51,9 @@ def test_round_trip(ckpt: Path) -> None:
     with torch.inference_mode():
         assert torch.equal(loaded.model(x, torch.tensor([[1, 4, 4]])), ref(x, torch.tensor([[1, 4, 4]])))
     assert not any(p.requires_grad for p in loaded.model.parameters())
+    assert (
+        ref.attn_backend == "auto" and loaded.model.attn_backend == "torch"
+    )  # resolved at load, for the CPU
 
 
 def test_missing_config(ckpt: Path) -> None:
