@@ -11,7 +11,7 @@ import pytest
 from epd_common import native
 
 # Importing the wrappers loads every extension through native.load.
-import llm_core.kernels.active_paths  # noqa: F401  # isort: skip  (cpu_layer, cpu_attention, cpu_moe, cpu_norm)
+import llm_core.backends.selector  # noqa: F401  # isort: skip  (cpu_layer, cpu_attention, cpu_moe, cpu_norm)
 import media_io.active_paths  # isort: skip
 import media_io.jpeg  # isort: skip
 import media_io.preprocess.patchify  # noqa: F401  # isort: skip
