@@ -10,7 +10,7 @@ tokens a step may take while streams decode: the step's predicted time stays wit
 
     target = max(stall_factor * decode_s, floor_s)
 
-(``EngineConfig.prefill_stall_factor``, ``prefill_step_floor_ms``), as vLLM's fixed
+(``EngineConfig.prefill_stall_factor``, off by default, and ``prefill_step_floor_ms``), as vLLM's fixed
 ``max_num_batched_tokens`` bounds it but following the measured cost, so the same setting holds on
 a fast and a slow machine and for a small and a large model. With no stream decoding (nobody
 waits on the step) or before both averages are measured the budget is not limited here.
