@@ -102,8 +102,10 @@ class Profiler:
 
     def step(self) -> float:
         t0 = time.perf_counter()
-        assert self.engine._step(), "nothing to run"
-        return time.perf_counter() - t0
+        ran = self.engine._step()
+        wall = time.perf_counter() - t0
+        assert ran, "nothing to run"
+        return wall
 
     def split(self, wall: float) -> dict[str, float]:
         """The time since ``reset`` by column (seconds), ``wall`` the steps' own sum."""

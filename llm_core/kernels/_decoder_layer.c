@@ -12,8 +12,9 @@
  * x and residual [T, hidden] are updated in place: the model keeps two buffers for a whole forward.
  *
  * Threads (set_threads, _pool.h): attention is split by query rows (ranges of about equal work, a
- * long prompt's queries too; every new key is stored first), the routed experts by expert (each part stores its weighted rows, then the rows are summed per token
- * in expert order), decode-sized projections by 16-column strip. Every part writes its own outputs
+ * long prompt's queries too; every new key is stored first), the routed experts by expert (each
+ * part stores its weighted rows, then the rows are summed per token in expert order),
+ * decode-sized projections by 16-column strip. Every part writes its own outputs
  * and every sum runs in the same order, so any thread count gives the same bits. Prefill-sized
  * projections are BLAS calls, which use BLAS's own threads.
  *

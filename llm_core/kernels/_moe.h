@@ -125,8 +125,8 @@ static const char *moe_experts_range(const MoeProblem *pb, const MoePlan *plan, 
     const Strips gate_up_rows = {16, 2 * I}, down_rows = {16, H}; /* row-major [in, out] */
     for (Py_ssize_t e = e0; e < e1; e++) {
         const Py_ssize_t c = plan->start[e + 1] - plan->start[e];
-        const int large = moe_is_large(c);
         if (c == 0) continue;
+        const int large = moe_is_large(c);
         const Py_ssize_t *mine = plan->order + plan->start[e];
         const float *gate_up = pb->gate_up + e * H * 2 * I, *down = pb->down + e * I * H;
         if (large) { /* [C, H] gathered -> [C, 2I] -> activated -> [C, H], two BLAS calls */

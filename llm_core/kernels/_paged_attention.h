@@ -346,11 +346,16 @@ static void attend_query(const AttnProblem *pb, Py_ssize_t t, const int64_t *slo
     }
 }
 
+/* The first position some query of sequence b reads (its first new token's window start). */
+static inline Py_ssize_t first_read(const AttnProblem *pb, Py_ssize_t b) {
+    const Py_ssize_t first = pb->lens[b] - (pb->cu[b + 1] - pb->cu[b]);
+    return pb->window > 0 && first - pb->window + 1 > 0 ? first - pb->window + 1 : 0;
+}
+
 /* Slots of every key some query of sequence b reads (positions lo .. len - 1) into slots;
  * returns lo, or -1 when a page is not in the pool. */
 static Py_ssize_t sequence_slots(const AttnProblem *pb, Py_ssize_t b, int64_t *slots) {
-    const Py_ssize_t len = pb->lens[b], first = len - (pb->cu[b + 1] - pb->cu[b]);
-    const Py_ssize_t lo = pb->window > 0 && first - pb->window + 1 > 0 ? first - pb->window + 1 : 0;
+    const Py_ssize_t len = pb->lens[b], lo = first_read(pb, b);
     for (Py_ssize_t pos = lo; pos < len; pos++) {
         const Py_ssize_t logical = pos / pb->page;
         const int32_t phys = logical < pb->P ? pb->table[b * pb->P + logical] : -1;
@@ -375,10 +380,9 @@ static Py_ssize_t next_nonempty(const AttnProblem *pb, Py_ssize_t b, Py_ssize_t 
  * batch before any key is stored, so an error leaves the pools as they were. */
 static int attention_resident(const AttnProblem *pb) {
     for (Py_ssize_t b = 0; b < pb->B; b++) {
-        const Py_ssize_t n = pb->cu[b + 1] - pb->cu[b], len = pb->lens[b], first = len - n;
-        if (n == 0) continue;
-        const Py_ssize_t lo = pb->window > 0 && first - pb->window + 1 > 0 ? first - pb->window + 1 : 0;
-        for (Py_ssize_t logical = lo / pb->page; logical <= (len - 1) / pb->page; logical++) {
+        if (pb->cu[b + 1] == pb->cu[b]) continue;
+        const Py_ssize_t last = (pb->lens[b] - 1) / pb->page; /* the last logical page read */
+        for (Py_ssize_t logical = first_read(pb, b) / pb->page; logical <= last; logical++) {
             const int32_t phys = logical < pb->P ? pb->table[b * pb->P + logical] : -1;
             if (phys < 0 || phys >= pb->num_pages) return -1;
         }
@@ -471,8 +475,8 @@ static inline const char *attention_run(const AttnProblem *pb) {
     return attention_run_rows(pb, 0, T);
 }
 
-/* The work of the query at position pos of a sequence whose keys start at lo: the keys it reads
- * (a window's worth at most) plus a fixed share. */
+/* The work of the query at position pos: the keys it reads (a window's worth at most) plus a fixed
+ * share. */
 static inline double query_cost(const AttnProblem *pb, Py_ssize_t pos) {
     const Py_ssize_t keys = pb->window > 0 && pb->window < pos + 1 ? pb->window : pos + 1;
     return (double)(keys + 16);

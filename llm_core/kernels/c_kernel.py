@@ -7,6 +7,7 @@ are missing, ``load`` returns None and the wrappers report themselves unavailabl
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from types import ModuleType
 
@@ -63,6 +64,7 @@ def _cpu_vendor() -> str:
     return ""
 
 
+@functools.cache  # the CPU does not change: read /proc/cpuinfo once
 def expert_blas_min_rows() -> int:
     """Rows from which a routed expert multiplies through BLAS (single-threaded MKL on one of the
     layer pool's threads, ``_moe.h``) rather than the small-M product, chosen for this CPU at

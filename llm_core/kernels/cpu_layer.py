@@ -18,8 +18,8 @@ from torch's silu). The packed copies add the attention and dense-MLP projection
 once more; the routed experts (most of a MoE model) are not copied.
 
 With several threads (``set_threads``; the model passes torch's intra-op thread count) a layer's
-attention is split by query rows (a long prompt's too), its routed experts by expert and its decode-sized projections by
-column strip, with the same bits for any count.
+attention is split by query rows (a long prompt's too), its routed experts by expert and its
+decode-sized projections by column strip, with the same bits for any count.
 
 fp32 CPU only, projection weights input-major (``weight_layout``). ``AVAILABLE`` is False when the
 extension was not built or torch's sgemm could not be bound; ``backends.selector`` then chooses no

@@ -411,23 +411,19 @@ class LLMEngine:
         self.scheduler.copy_out(batch)  # KV leaving the engine (a P/D export), pages still held
         host = self.scheduler.kv.host_tier
         sources = self.scheduler.kv.transfers
-        if self.scheduler.step_cost is not None:
-            # prompt tokens computed (a copied chunk costs little), and sequences decoding
-            prefill = sum(
+        if host is not None or self.scheduler.step_cost is not None:
+            # the cost models' prefill rate: prompt tokens computed by multi-token chunks (a copied
+            # chunk costs little; a verify chunk, drafts past the known tokens, costs a decode step)
+            chunks = [
                 n
                 for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
-                if s.in_prefill and sources.source(s.seq_id) is None
-            )
-            decoding = sum(1 for s in batch.seqs if not s.in_prefill)
-            self.scheduler.step_cost.observe(decoding, prefill, time.perf_counter() - t0)
-        if host is not None:  # the cost model's prefill rate: tokens computed by multi-token chunks
-            computed = sum(
-                n
-                for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
-                # a verify chunk (drafts past the known tokens) costs a decode step, not a prefill's
                 if n > 1 and sources.source(s.seq_id) is None and s.num_computed_tokens + n <= s.num_tokens
-            )
-            host.cost.observe_prefill(computed, time.perf_counter() - t0)
+            ]
+            elapsed = time.perf_counter() - t0
+            if host is not None:
+                host.cost.observe_prefill(sum(chunks), elapsed)
+            if self.scheduler.step_cost is not None:
+                self.scheduler.step_cost.observe(len(batch.seqs) - len(chunks), sum(chunks), elapsed)
         # Admission's unit of work: prompt tokens this step computed, and tokens it sampled.
         prompt_done = sum(
             max(min(s.num_computed_tokens + n, s.num_prompt_tokens) - s.num_computed_tokens, 0)

@@ -7,8 +7,8 @@ One ``schedule()`` call plans one model step under a token budget:
    prefix cache, it returns to the waiting queue with ``num_computed_tokens = 0``); if there is
    none, the sequence itself waits a step. Never a crash.
 2. The rest of the budget goes to prefill (while streams decode, at most what keeps the step within
-   its target time: ``step_cost.py``, when the engine measures it), split max-min fairly between length buckets that have
-   prefill work (waiting_queue.py). Within a bucket, sequences already prefilling continue first,
+   its target time: ``step_cost.py``, when the engine measures it), split max-min fairly between
+   length buckets that have prefill work (waiting_queue.py). Within a bucket, sequences already prefilling continue first,
    then waiting ones are admitted in priority order (cache hit, uncached tokens, waiting time).
    A chunk is cut to the bucket's share, ``max_prefill_chunk`` and what the pools can hold; it
    may be smaller than the window. Admission never preempts.
