@@ -19,7 +19,10 @@ Also printed: bytes kept per cached prefix, SWA-aware (every page's full-attenti
 layers' KV only for the window at the prefix's end) against all layers for every token, for the
 tiny model and for MiMo-V2.5-Pro's plan (``layer_plan.LayerPlan``).
 
-    python -m bench.kv_tiers [--quick] [--json PATH]
+    python -m bench.kv_tiers [--quick] [--dtype float32|bfloat16] [--json PATH]
+
+``--dtype bfloat16``: the engines store weights and KV in bf16 (half the bytes a page moves to and
+from the tiers; the CPU layer kernel computes in float32).
 """
 
 from __future__ import annotations
@@ -62,7 +65,13 @@ async def _ttft(engine: LLMEngine, prompt: list[int], n: int) -> tuple[float, li
     return first, ids
 
 
-def _engine(length: int, host: bool, layout: KVLayout, store_url: str | None = None) -> LLMEngine:
+def _engine(
+    length: int,
+    host: bool,
+    layout: KVLayout,
+    store_url: str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> LLMEngine:
     full_per_token, swa_per_token = layout.full_bytes_per_token, layout.swa_bytes_per_token
     chunk = 2048
     # One history and a bit in the full pool, not two; the SWA pool holds a few windows plus a
@@ -76,7 +85,7 @@ def _engine(length: int, host: bool, layout: KVLayout, store_url: str | None = N
         max_num_batched_tokens=chunk,
         host_kv_bytes=8 * length * (full_per_token + swa_per_token) if host else 0,
     )
-    engine = LLMEngine.from_checkpoint(None, cfg)
+    engine = LLMEngine.from_checkpoint(None, cfg, dtype=dtype)
     if store_url is not None:
         # the shared tier as ``epd serve --store`` builds it (GuardedStore over a RedisStore); a
         # longer per-call timeout than the default since a 16-page batch of 32K-token KV is large
@@ -90,7 +99,9 @@ def _engine(length: int, host: bool, layout: KVLayout, store_url: str | None = N
 MODES = ("recompute", "host_tier", "redis")
 
 
-def run_length(length: int, sessions: int, seed: int, redis_url: str) -> dict[str, Any]:
+def run_length(
+    length: int, sessions: int, seed: int, redis_url: str, dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
     """Per mode, each session: turn 1, a filler that pushes it out of the device pool, turn 2 (timed).
     "redis": turn 1 on one engine, turn 2 on a fresh one sharing the store (another node, or a
     restart): its KV comes from Redis through that engine's host tier."""
@@ -98,13 +109,15 @@ def run_length(length: int, sessions: int, seed: int, redis_url: str) -> dict[st
     plans = [(_ids(rng, length), _ids(rng, length), _ids(rng, QUESTION_TOKENS)) for _ in range(sessions)]
     out: dict[str, Any] = {"length": length}
     answers: dict[str, list[list[int]]] = {}
-    probe = LLMEngine.from_checkpoint(None, EngineConfig(kv_memory_bytes=1 << 20, max_model_len=512))
-    sized = KVLayout(**{**probe.kv.layout.__dict__, "dtype_bytes": 4})
+    probe = LLMEngine.from_checkpoint(
+        None, EngineConfig(kv_memory_bytes=1 << 20, max_model_len=512), dtype=dtype
+    )
+    sized = KVLayout(**{**probe.kv.layout.__dict__, "dtype_bytes": dtype.itemsize})
     probe.stop()
     for mode in MODES:
         store_url = redis_url if mode == "redis" else None
-        engine = _engine(length, mode != "recompute", sized, store_url)
-        returning = _engine(length, True, sized, store_url) if mode == "redis" else engine
+        engine = _engine(length, mode != "recompute", sized, store_url, dtype)
+        returning = _engine(length, True, sized, store_url, dtype) if mode == "redis" else engine
         ttfts: list[float] = []
         answers[mode] = []
         try:
@@ -141,17 +154,25 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(parser)
     parser.add_argument("--lengths", default="2048,8192,32000", help="history tokens per session")
     parser.add_argument("--sessions", type=int, default=2, help="returning sessions per length")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the engines' weights and KV (bfloat16: half the bytes per page; summary keys end in _bf16)",
+    )
     args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     if args.quick:
         args.lengths, args.sessions = "1024,2048", 1
     torch.manual_seed(args.seed)
     with LocalRedis(maxmemory_bytes=8 << 30) as redis_server:
         rows = [
-            run_length(int(n), args.sessions, args.seed, redis_server.url) for n in args.lengths.split(",")
+            run_length(int(n), args.sessions, args.seed, redis_server.url, dtype)
+            for n in args.lengths.split(",")
         ]
     machine = format_machine(machine_info())
     print_table(
-        "returning session: TTFT of turn 2 after its history left the device pool",
+        f"returning session: TTFT of turn 2 after its history left the device pool ({args.dtype} KV)",
         [
             "history tokens",
             "recompute P50 s",
@@ -220,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     if longest["length"] >= 32000:
         summary["ttft_ratio_32k"] = longest["ttft_ratio"]
         summary["meets_target"] = longest["ttft_ratio"] <= 0.5
+    if args.dtype == "bfloat16":  # the bf16 run's keys beside the float32 run's: ttft_ratio_32k_bf16
+        summary = {k if k.startswith("pro_") else f"{k}_bf16": v for k, v in summary.items()}
+    summary["dtype"] = args.dtype
     print(
         f"TTFT / recompute at {longest['length']} tokens: host tier {longest['ttft_ratio_host_tier']:.3f}, "
         f"Redis (another engine) {longest['ttft_ratio_redis']:.3f}"

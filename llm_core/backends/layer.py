@@ -8,7 +8,8 @@
 (``BlockParams``, after the attention and MLP weights are packed) to ``pack``; a backend that
 supports the block returns what it will run it with, else None, and the model then runs that
 block's modules (through the attention, MoE and norm backends). "none" supports no block; "cpu"
-is the C decoder-layer kernel (``kernels.cpu_layer``: fp32 CPU, input-major weights).
+is the C decoder-layer kernel (``kernels.cpu_layer``: CPU, float32 compute over float32 or bf16
+weights and KV, input-major weights).
 """
 
 from __future__ import annotations
@@ -127,8 +128,9 @@ class CpuLayer(LayerBackend):
 
     def describe(self) -> str:
         return (
-            f"one C call per layer ({cpu_attention.simd()}, torch's sgemm; "
-            f"experts of {cpu_moe.blas_min_rows()}+ rows through it; {torch.get_num_threads()} threads)"
+            f"one C call per layer (attention {cpu_attention.simd()}, small-M products {cpu_moe.simd()}; "
+            f"torch's sgemm for prefill and for experts of {cpu_moe.blas_min_rows()}+ rows, "
+            f"{cpu_moe.bf16_blas_min_rows()}+ with bf16 weights; {torch.get_num_threads()} threads)"
         )
 
     def pack(self, params: BlockParams) -> PackedLayer | None:

@@ -6,6 +6,9 @@ are built, with a per-kind override (tests, benchmarks), and named for /health.
     cpu      float32   cpu         cpu     cpu     cpu      (each where its extension is built;
                                                              the layer kernel only under "cpu"
                                                              attention: it is the same kernels)
+    cpu      bfloat16  torch       torch   torch   cpu      (the layer kernel stores weights and KV
+                                                             in bf16 and computes in float32; the
+                                                             per-op kernels are float32 only)
     other    any       torch       torch   torch   none
 """
 
@@ -115,6 +118,7 @@ def select_backends(
     overrides the choice (``BackendUnavailable`` when it is unknown or not built)."""
     kind = torch.device(device).type
     fast = kind == "cpu" and dtype == torch.float32
+    bf16_layer = kind == "cpu" and dtype == torch.bfloat16 and _built("layer", "cpu")
     default_attention = "triton" if kind == "cuda" else "cpu" if fast else "torch"
     chosen = {
         "attention": attention or default_attention,
@@ -126,13 +130,20 @@ def select_backends(
         if not _built(k, default) and {"attention": attention, "moe": moe, "norm": norm}[k] is None:
             chosen[k] = "torch"
     chosen["layer"] = layer or (
-        "cpu" if fast and chosen["attention"] == "cpu" and _built("layer", "cpu") else "none"
+        "cpu" if (fast and chosen["attention"] == "cpu" and _built("layer", "cpu")) or bf16_layer else "none"
     )
     tables: dict[str, dict[str, type]] = {"attention": ATTENTION, "moe": MOE, "norm": NORM, "layer": LAYER}
     reasons: dict[str, str] = {}
     if kind == "cpu" and not fast:
-        why = f"the C kernels are fp32 only and the weights are {str(dtype).removeprefix('torch.')}"
-        reasons = dict.fromkeys(chosen, why)
+        name = str(dtype).removeprefix("torch.")
+        why = f"the per-op C kernels are float32 only and the weights are {name}"
+        reasons = {k: why for k, n in chosen.items() if n != "cpu"}
+        if chosen["layer"] != "cpu" and not bf16_layer:
+            reasons["layer"] = (
+                f"the layer kernel stores float32 or bfloat16 only and the weights are {name}"
+                if _built("layer", "cpu")
+                else _not_built_reason("layer")
+            )
     elif fast:
         requested = {"attention": attention, "moe": moe, "norm": norm, "layer": layer}
         for k, name in chosen.items():

@@ -8,6 +8,8 @@
 #define LLM_CORE_BLAS_H
 
 #include <dlfcn.h>
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n, const int *k,
@@ -39,6 +41,36 @@ static void linear_serial(const float *x, Py_ssize_t ldx, const float *w, const 
     const int before = blas_threads_local(1);
     linear(x, ldx, w, bias, y, M, K, N);
     blas_threads_local(before);
+}
+
+/* A float32 copy of n bf16 weights, in this thread's scratch (grown as needed, kept for the
+ * thread's next call: a product of many rows widens its weight once, then runs the same sgemm as a
+ * float32 weight of the same values, so the results are the same bits). NULL when out of memory.
+ * The scratch holds the largest weight this thread widened (pool threads: one expert's). */
+static float *widen_bf16(const void *w, Py_ssize_t n) {
+    static __thread float *buf = NULL;
+    static __thread Py_ssize_t cap = 0;
+    if (n > cap) {
+        float *grown = aligned_alloc(64, (size_t)((n + 15) / 16 * 16) * sizeof(float));
+        if (grown == NULL) return NULL;
+        free(buf);
+        buf = grown, cap = n;
+    }
+    const uint16_t *h = w;
+    uint32_t *out = (uint32_t *)buf;
+    for (Py_ssize_t i = 0; i < n; i++) out[i] = (uint32_t)h[i] << 16; /* exact: bf16 is a float's top half */
+    return buf;
+}
+
+/* linear (or linear_serial, serial != 0) of a weight stored float32 or bf16 (widened first);
+ * NULL or a static error message. */
+static const char *linear_any(const float *x, Py_ssize_t ldx, const void *w, int bf16, const float *bias, float *y,
+                              Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int serial) {
+    const float *wf = bf16 ? widen_bf16(w, K * N) : w;
+    if (wf == NULL) return "linear: out of memory widening a bf16 weight";
+    if (serial) linear_serial(x, ldx, wf, bias, y, M, K, N);
+    else linear(x, ldx, wf, bias, y, M, K, N);
+    return NULL;
 }
 
 /* bind_sgemm(path): take sgemm_ from the already loaded shared library at path (libtorch_cpu). */

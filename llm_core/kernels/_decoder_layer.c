@@ -1,5 +1,5 @@
 /*
- * One whole decoder layer of the MiMo model on the CPU, in one call (float32):
+ * One whole decoder layer of the MiMo model on the CPU, in one call (float32 activations and sums):
  *
  *   residual += x            (the first layer: residual = x)
  *   h = rms_norm(residual) * ln1
@@ -27,6 +27,12 @@
  * gives the bits of the per-op path; smaller ones (decode) multiply by strip-packed copies of the
  * weights (``project``), which agree to float32 rounding. The dense MLP's activation is the MoE
  * kernel's SwiGLU (its own exponential), not torch's silu: float32 rounding again.
+ *
+ * Storage in bf16 (w_bf16, kv_bf16): the projection and expert weights (and their packed copies),
+ * and the KV pools, may be bfloat16; a bf16 value widens to float32 exactly as it is read, so a
+ * bf16 weight gives the bits of a float32 weight of the same values. New keys and values are rounded
+ * to bf16 as torch's .to(torch.bfloat16) rounds. Everything else stays float32: x, residual, norm
+ * and router weights, biases, sinks, scratch.
  *
  * Layouts (C-contiguous float32 unless noted; projection weights input-major [in, out], as
  * model.fuse_weights lays them out):
@@ -65,9 +71,11 @@
 /* A packed projection: part p computes its share of the 16-column strips for every row. */
 typedef struct {
     const float *const *rows;
-    const float *packed, *bias;
+    const void *packed; /* float32, or bf16 with bf16 */
+    const float *bias;
     float *y;
     Py_ssize_t M, K, N;
+    int bf16;
 } ProjectJob;
 
 static void project_part(void *ctx, int p, int parts) {
@@ -75,9 +83,9 @@ static void project_part(void *ctx, int p, int parts) {
     Py_ssize_t s0, s1;
     pool_split(j->N / 16, p, parts, &s0, &s1);
     if (s1 == s0) return;
-    const Strips packed_strips = {j->K * 16, 16};
-    gemm_rows(j->rows, j->M, j->packed + s0 * j->K * 16, j->K, (s1 - s0) * 16, j->y + s0 * 16, j->N, NULL,
-              &packed_strips);
+    const Strips packed_strips = {j->K * 16, 16, j->bf16};
+    const char *first = (const char *)j->packed + s0 * j->K * 16 * (j->bf16 ? 2 : 4);
+    gemm_rows(j->rows, j->M, first, j->K, (s1 - s0) * 16, j->y + s0 * 16, j->N, NULL, &packed_strips);
     if (j->bias != NULL)
         for (Py_ssize_t r = 0; r < j->M; r++)
             for (Py_ssize_t c = s0 * 16; c < s1 * 16; c++) j->y[r * j->N + c] += j->bias[c];
@@ -153,18 +161,17 @@ static const char *moe_parallel(const MoeProblem *moe, int parts) {
     return err;
 }
 
-/* y [M, N] = x [M, K] (row stride ldx) @ w (+ bias): the packed copy (or NULL) for small M, split
- * over the pool's threads, else BLAS (its own threads). */
-static void project(const float *x, Py_ssize_t ldx, const float *w, const float *packed, const float *bias, float *y,
-                    Py_ssize_t M, Py_ssize_t K, Py_ssize_t N) {
-    if (packed == NULL || M > PACKED_MAX_ROWS) {
-        linear(x, ldx, w, bias, y, M, K, N);
-        return;
-    }
+/* y [M, N] = x [M, K] (row stride ldx) @ w (+ bias), w and its packed copy float32 or bf16: the
+ * packed copy (or NULL) for small M, split over the pool's threads, else BLAS (its own threads; a
+ * bf16 weight widened first). NULL or a static error message. */
+static const char *project(const float *x, Py_ssize_t ldx, const void *w, const void *packed, int bf16,
+                           const float *bias, float *y, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N) {
+    if (packed == NULL || M > PACKED_MAX_ROWS) return linear_any(x, ldx, w, bf16, bias, y, M, K, N, 0);
     const float *rows[PACKED_MAX_ROWS];
     for (Py_ssize_t r = 0; r < M; r++) rows[r] = x + r * ldx;
-    ProjectJob job = {rows, packed, bias, y, M, K, N};
+    ProjectJob job = {rows, packed, bias, y, M, K, N, bf16};
     pool_run(pool_size(), project_part, &job);
+    return NULL;
 }
 
 /* ---- phase profile (profile(on), phase_seconds()): where a layer's time goes, off by default -------
@@ -193,13 +200,15 @@ static inline void phase_end(int ph, int64_t *mark) {
 typedef struct {
     float *x, *residual;
     int first;
-    const float *ln1, *ln2, *qkv_w, *qkv_b, *o_w;
-    const float *qkv_p, *o_p, *gate_up_p, *down_p; /* strip-packed copies, or NULL */
+    const float *ln1, *ln2, *qkv_b;
+    /* the projection weights and their strip-packed copies (or NULL): float32, or bf16 with wbf16 */
+    const void *qkv_w, *o_w, *qkv_p, *o_p, *gate_up_p, *down_p;
+    int wbf16;
     float eps;
     Py_ssize_t T, hidden, qkv_dim;
     AttnProblem attn;
     /* MLP: E == 0 dense */
-    const float *gate_up, *down;
+    const void *gate_up, *down;
     Py_ssize_t E, I, K;
     Route route;
     /* scratch */
@@ -219,7 +228,8 @@ static const char *layer_run(Layer *ly) {
         rms_norm_rows(ly->x, ly->residual, ly->ln1, ly->h, ly->residual, T, Hd, ly->eps);
     }
     phase_end(PH_NORM, &mark);
-    project(ly->h, Hd, ly->qkv_w, ly->qkv_p, ly->qkv_b, ly->qkv, T, Hd, ly->qkv_dim);
+    const char *err = project(ly->h, Hd, ly->qkv_w, ly->qkv_p, ly->wbf16, ly->qkv_b, ly->qkv, T, Hd, ly->qkv_dim);
+    if (err != NULL) return err;
     phase_end(PH_QKV, &mark);
     const int parts = pool_size();
     AttnJob attn = {&ly->attn, {0}, {NULL}};
@@ -231,53 +241,57 @@ static const char *layer_run(Layer *ly) {
         if (attn.err[p] != NULL) return attn.err[p];
     phase_end(PH_ATTENTION, &mark);
     const Py_ssize_t attn_dim = ly->attn.H * ly->attn.Dv;
-    project(ly->a, attn_dim, ly->o_w, ly->o_p, NULL, ly->h, T, attn_dim, Hd);
+    err = project(ly->a, attn_dim, ly->o_w, ly->o_p, ly->wbf16, NULL, ly->h, T, attn_dim, Hd);
+    if (err != NULL) return err;
     phase_end(PH_O_PROJ, &mark);
     rms_norm_rows(ly->h, ly->residual, ly->ln2, ly->g, ly->residual, T, Hd, ly->eps);
     phase_end(PH_NORM, &mark);
     if (ly->E == 0) { /* dense SwiGLU: [T, 2I] = g @ gate_up, activated in place, then down from the gate half */
         float *gu = ly->h; /* free again, and sized for [T, 2I] too */
-        project(ly->g, Hd, ly->gate_up, ly->gate_up_p, NULL, gu, T, Hd, 2 * I);
+        err = project(ly->g, Hd, ly->gate_up, ly->gate_up_p, ly->wbf16, NULL, gu, T, Hd, 2 * I);
+        if (err != NULL) return err;
         for (Py_ssize_t r = 0; r < T; r++) swiglu(gu + r * 2 * I, I);
-        project(gu, 2 * I, ly->down, ly->down_p, NULL, ly->x, T, I, Hd);
+        err = project(gu, 2 * I, ly->down, ly->down_p, ly->wbf16, NULL, ly->x, T, I, Hd);
         phase_end(PH_DENSE_MLP, &mark);
-        return NULL;
+        return err;
     }
     ly->route.x = ly->g;
     for (Py_ssize_t t = 0; t < T; t++) route_token(&ly->route, t, ly->route_work);
     phase_end(PH_ROUTER, &mark);
-    const MoeProblem moe = {ly->g, ly->weights, ly->gate_up, ly->down, ly->experts, ly->x, T, ly->K, ly->E, Hd, I};
-    const char *err = moe_parallel(&moe, parts);
+    const MoeProblem moe = {ly->g,      ly->weights, ly->gate_up, ly->down, ly->experts, ly->x,
+                            T,          ly->K,       ly->E,       Hd,       I,           ly->wbf16};
+    err = moe_parallel(&moe, parts);
     phase_end(PH_EXPERTS, &mark);
     return err;
 }
 
-/* A strip-packed weight [out / 16, in, 16]: empty (none), or whole strips of the right size. */
-static int check_packed(const Py_buffer *buf, Py_ssize_t in, Py_ssize_t out, const char *name) {
+/* A strip-packed weight [out / 16, in, 16] of es-byte elements: empty (none), or whole strips of
+ * the right size. */
+static int check_packed(const Py_buffer *buf, Py_ssize_t in, Py_ssize_t out, Py_ssize_t es, const char *name) {
     if (buf->len == 0) return 0;
     if (out % 16) {
         PyErr_Format(PyExc_ValueError, "decoder_layer: %s: %zd outputs are not whole strips of 16", name, out);
         return -1;
     }
-    return check_buffer(buf, KERNEL, in * out * (Py_ssize_t)sizeof(float), name);
+    return check_buffer(buf, KERNEL, in * out * es, name);
 }
 
-/* decoder_layer(x, residual, first, cos, sin, slots, table, cu, lens, k, v, page, ln1, ln2, eps, qkv_w, qkv_b,
- *               o_w, sinks, H, Hkv, D, Dv, window, scale, v_scale, gate_up, down, router_w, router_b, E, I, K,
- *               n_group, topk_group, norm, scaling, qkv_p, o_p, gate_up_p, down_p) -> None */
+/* decoder_layer(x, residual, first, cos, sin, slots, table, cu, lens, k, v, page, kv_bf16, ln1, ln2, eps, qkv_w,
+ *               qkv_b, o_w, sinks, H, Hkv, D, Dv, window, scale, v_scale, gate_up, down, router_w, router_b, E,
+ *               I, K, n_group, topk_group, norm, scaling, qkv_p, o_p, gate_up_p, down_p, w_bf16) -> None */
 static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
     Py_buffer x, residual, cos, sin, slots, table, cu, lens, k, v, ln1, ln2, qkv_w, qkv_b, o_w, sinks, gate_up, down,
         router_w, router_b, qkv_p, o_p, gate_up_p, down_p;
     Py_ssize_t page, H, Hkv, D, Dv, window, n_group, topk_group;
     float scale, v_scale, scaling;
-    int norm;
+    int norm, kv_bf16;
     Layer ly = {0};
     (void)self;
-    if (!PyArg_ParseTuple(args, "w*w*py*y*y*y*y*y*w*w*ny*y*fy*y*y*y*nnnnnffy*y*y*y*nnnnnpfy*y*y*y*", &x, &residual,
-                          &ly.first, &cos, &sin, &slots, &table, &cu, &lens, &k, &v, &page, &ln1, &ln2, &ly.eps, &qkv_w,
-                          &qkv_b, &o_w, &sinks, &H, &Hkv, &D, &Dv, &window, &scale, &v_scale, &gate_up, &down,
-                          &router_w, &router_b, &ly.E, &ly.I, &ly.K, &n_group, &topk_group, &norm, &scaling, &qkv_p,
-                          &o_p, &gate_up_p, &down_p))
+    if (!PyArg_ParseTuple(args, "w*w*py*y*y*y*y*y*w*w*npy*y*fy*y*y*y*nnnnnffy*y*y*y*nnnnnpfy*y*y*y*p", &x, &residual,
+                          &ly.first, &cos, &sin, &slots, &table, &cu, &lens, &k, &v, &page, &kv_bf16, &ln1, &ln2,
+                          &ly.eps, &qkv_w, &qkv_b, &o_w, &sinks, &H, &Hkv, &D, &Dv, &window, &scale, &v_scale,
+                          &gate_up, &down, &router_w, &router_b, &ly.E, &ly.I, &ly.K, &n_group, &topk_group, &norm,
+                          &scaling, &qkv_p, &o_p, &gate_up_p, &down_p, &ly.wbf16))
         return NULL;
     PyObject *result = NULL;
     float *scratch = NULL;
@@ -287,8 +301,10 @@ static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_RuntimeError, "decoder_layer: no BLAS bound (call bind_sgemm first)");
         goto done;
     }
-    if (attention_setup(&ly.attn, &k, &v, &table, &cu, &lens, &sinks, H, Hkv, D, Dv, page, window, scale)) goto done;
+    if (attention_setup(&ly.attn, &k, &v, &table, &cu, &lens, &sinks, H, Hkv, D, Dv, page, window, scale, kv_bf16))
+        goto done;
     const Py_ssize_t Hd = ln1.len / f, T = ly.attn.B ? ly.attn.cu[ly.attn.B] : 0, E = ly.E, I = ly.I;
+    const Py_ssize_t wf = ly.wbf16 ? 2 : f; /* bytes per projection-weight element */
     ly.T = T, ly.hidden = Hd, ly.qkv_dim = (H + Hkv) * D + Hkv * Dv;
     if (Hd < 1 || E < 0 || I < 1 || (E > 0 && ly.K < 1)) {
         PyErr_SetString(PyExc_ValueError, "decoder_layer: invalid sizes");
@@ -296,15 +312,16 @@ static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
     }
     if (check_buffer(&x, KERNEL, T * Hd * f, "x") || check_buffer(&residual, KERNEL, T * Hd * f, "residual") ||
         check_buffer(&ln1, KERNEL, Hd * f, "ln1") || check_buffer(&ln2, KERNEL, Hd * f, "ln2") ||
-        check_buffer(&qkv_w, KERNEL, Hd * ly.qkv_dim * f, "qkv_w") ||
+        check_buffer(&qkv_w, KERNEL, Hd * ly.qkv_dim * wf, "qkv_w") ||
         (qkv_b.len != 0 && check_buffer(&qkv_b, KERNEL, ly.qkv_dim * f, "qkv_b")) ||
-        check_buffer(&o_w, KERNEL, H * Dv * Hd * f, "o_w") ||
-        check_buffer(&gate_up, KERNEL, (E ? E : 1) * Hd * 2 * I * f, "gate_up") ||
-        check_buffer(&down, KERNEL, (E ? E : 1) * I * Hd * f, "down") ||
+        check_buffer(&o_w, KERNEL, H * Dv * Hd * wf, "o_w") ||
+        check_buffer(&gate_up, KERNEL, (E ? E : 1) * Hd * 2 * I * wf, "gate_up") ||
+        check_buffer(&down, KERNEL, (E ? E : 1) * I * Hd * wf, "down") ||
         (E > 0 && (check_buffer(&router_w, KERNEL, E * Hd * f, "router_w") ||
                    check_buffer(&router_b, KERNEL, E * f, "router_b"))) ||
-        check_packed(&qkv_p, Hd, ly.qkv_dim, "qkv_p") || check_packed(&o_p, H * Dv, Hd, "o_p") ||
-        (E == 0 && (check_packed(&gate_up_p, Hd, 2 * I, "gate_up_p") || check_packed(&down_p, I, Hd, "down_p"))))
+        check_packed(&qkv_p, Hd, ly.qkv_dim, wf, "qkv_p") || check_packed(&o_p, H * Dv, Hd, wf, "o_p") ||
+        (E == 0 &&
+         (check_packed(&gate_up_p, Hd, 2 * I, wf, "gate_up_p") || check_packed(&down_p, I, Hd, wf, "down_p"))))
         goto done;
     ly.qkv_p = qkv_p.len ? qkv_p.buf : NULL, ly.o_p = o_p.len ? o_p.buf : NULL;
     ly.gate_up_p = E == 0 && gate_up_p.len ? gate_up_p.buf : NULL, ly.down_p = E == 0 && down_p.len ? down_p.buf : NULL;
@@ -398,9 +415,10 @@ static PyMethodDef methods[] = {
     {"phase_seconds", py_phase_seconds, METH_VARARGS,
      "phase_seconds(reset) -> {phase: seconds} summed over layer calls while profiling; reset zeroes them."},
     {"decoder_layer", py_decoder_layer, METH_VARARGS,
-     "decoder_layer(x, residual, first, cos, sin, slots, page_table, cu_seqlens_q, seq_lens, k, v, page_size, ln1, "
-     "ln2, eps, qkv_w, qkv_b, o_w, sinks, H, Hkv, D, Dv, window, scale, v_scale, gate_up, down, router_w, router_b, "
-     "E, I, K, n_group, topk_group, norm, scaling): one float32 decoder layer; x and residual [T, hidden] updated "
+     "decoder_layer(x, residual, first, cos, sin, slots, page_table, cu_seqlens_q, seq_lens, k, v, page_size, "
+     "kv_bf16, ln1, ln2, eps, qkv_w, qkv_b, o_w, sinks, H, Hkv, D, Dv, window, scale, v_scale, gate_up, down, "
+     "router_w, router_b, E, I, K, n_group, topk_group, norm, scaling, qkv_p, o_p, gate_up_p, down_p, w_bf16): one "
+     "decoder layer (float32 activations; weights and KV pools float32 or bf16); x and residual [T, hidden] updated "
      "in place (x: the MLP output, residual: the stream before it); releases the GIL."},
     {"set_threads", py_set_threads, METH_VARARGS,
      "set_threads(n) -> threads: how many threads (the caller included) a layer's attention, MoE experts and "
@@ -417,7 +435,7 @@ static struct PyModuleDef module = {
    compares it with the tree at import, so a stale build is not used). */
 PyMODINIT_FUNC PyInit__decoder_layer(void) {
     attention_use_avx2(1);
-    moe_use_avx2(1);
+    moe_use_level(2);
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddIntConstant(m, "PACKED_MAX_ROWS", PACKED_MAX_ROWS) < 0) Py_CLEAR(m);
     if (m != NULL && PyModule_AddStringConstant(m, "SOURCE_HASH", EPD_SOURCE_HASH) < 0) Py_CLEAR(m);

@@ -7,6 +7,9 @@
 #ifndef LLM_CORE_KERNELS_H
 #define LLM_CORE_KERNELS_H
 
+#include <stdint.h>
+#include <string.h>
+
 /* 0 when buf is C-contiguous and expect_len bytes long; else -1 with a ValueError naming the
  * kernel and the argument. */
 static int check_buffer(const Py_buffer *buf, const char *kernel, Py_ssize_t expect_len, const char *name) {
@@ -39,6 +42,30 @@ static inline float dot8(const float *a, const float *b, Py_ssize_t n) {
     return sum;
 }
 
+/* ---- bfloat16: the top 16 bits of a float32 ------------------------------------------------
+ * Weights and KV pages may be stored as bf16 (half the bytes a decode step streams); every
+ * product and sum still runs in float32: a bf16 value widens to float32 exactly (a shift). */
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Rounded to nearest, ties to even, NaN to the quiet NaN 0x7fc0: torch's .to(torch.bfloat16), so
+ * pages the kernels store hold the bits the torch path stores. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Element i of a float32 (bf16 = 0) or bf16 (bf16 = 1) array, as float32. */
+static inline float elem_at(const void *base, Py_ssize_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define HAVE_AVX2_PATH 1
 #include <immintrin.h>
@@ -52,6 +79,14 @@ static inline AVX2 __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m2
     __m256 u0 = _mm256_hadd_ps(t0, t1); /* [a0..a3 lanes 0-3 | a0..a3 lanes 4-7] */
     __m256 u1 = _mm256_hadd_ps(t2, t3); /* same for a4..a7 */
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* Elements i .. i + 7 of a float32 (bf16 = 0) or bf16 array as float32. Called with a constant
+ * bf16 from always-inline code, so each specialisation keeps one load. */
+static inline AVX2 __attribute__((always_inline)) __m256 load8(const void *base, Py_ssize_t i, const int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)base + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 static inline AVX2 float hsum(__m256 a) {

@@ -12,8 +12,9 @@
  * Layouts (C-contiguous float32; "[E, in, out]" is what GroupedExperts.fuse_weights lays out):
  *   x [T, H]    experts int64 [T, K]   weights [T, K]   out [T, H] (overwritten)
  *   gate_up [E, H, 2I]  (columns 0..I-1 gate, I..2I-1 up)     down [E, I, H]
- * Assignments are taken per expert in (t, k) order. Expert ids are checked (ValueError).
- * AVX2 + FMA where the CPU has them (chosen at import), plain loops otherwise.
+ * With bf16 = True, gate_up and down hold bfloat16 (widened as they are read: the bits of float32
+ * weights of the same values). Assignments are taken per expert in (t, k) order. Expert ids are checked (ValueError).
+ * AVX-512 or AVX2 + FMA where the CPU has them (chosen at import), plain loops otherwise.
  *
  * A second entry, route, is the router before it (llm_core/models/moe.py, TopKRouter): per token the
  * sigmoid scores of x @ W_router^T, the selection by score + bias within the best expert groups,
@@ -29,16 +30,16 @@
 
 #define KERNEL "moe_experts" /* error messages start with this */
 
-/* moe_experts(x, experts, weights, gate_up, down, out, T, K, E, H, I) -> None */
+/* moe_experts(x, experts, weights, gate_up, down, out, T, K, E, H, I[, bf16]) -> None */
 static PyObject *py_moe_experts(PyObject *self, PyObject *args) {
     Py_buffer x, experts, weights, gate_up, down, out;
     MoeProblem pb = {0};
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*nnnnn", &x, &experts, &weights, &gate_up, &down, &out, &pb.T, &pb.K,
-                          &pb.E, &pb.H, &pb.I))
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*nnnnn|p", &x, &experts, &weights, &gate_up, &down, &out, &pb.T, &pb.K,
+                          &pb.E, &pb.H, &pb.I, &pb.wbf16))
         return NULL;
     PyObject *result = NULL;
-    const Py_ssize_t f = (Py_ssize_t)sizeof(float);
+    const Py_ssize_t f = (Py_ssize_t)sizeof(float), wf = pb.wbf16 ? 2 : f;
     if (pb.T < 0 || pb.K < 1 || pb.E < 1 || pb.H < 1 || pb.I < 1) {
         PyErr_SetString(PyExc_ValueError, "moe_experts: invalid sizes");
         goto done;
@@ -46,8 +47,8 @@ static PyObject *py_moe_experts(PyObject *self, PyObject *args) {
     if (check_buffer(&x, KERNEL, pb.T * pb.H * f, "x") ||
         check_buffer(&experts, KERNEL, pb.T * pb.K * (Py_ssize_t)sizeof(int64_t), "experts") ||
         check_buffer(&weights, KERNEL, pb.T * pb.K * f, "weights") ||
-        check_buffer(&gate_up, KERNEL, pb.E * pb.H * 2 * pb.I * f, "gate_up") ||
-        check_buffer(&down, KERNEL, pb.E * pb.I * pb.H * f, "down") ||
+        check_buffer(&gate_up, KERNEL, pb.E * pb.H * 2 * pb.I * wf, "gate_up") ||
+        check_buffer(&down, KERNEL, pb.E * pb.I * pb.H * wf, "down") ||
         check_buffer(&out, KERNEL, pb.T * pb.H * f, "out"))
         goto done;
     pb.x = x.buf, pb.experts = experts.buf, pb.weights = weights.buf;
@@ -103,34 +104,40 @@ done:
     return result;
 }
 
+static const char *const simd_names[] = {"scalar", "avx2", "avx512"};
+
 static PyObject *py_simd(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
-    return PyUnicode_FromString(moe_uses_avx2() ? "avx2" : "scalar");
+    return PyUnicode_FromString(simd_names[moe_level()]);
 }
 
-/* set_simd(name): "avx2" (where the CPU has it) or "scalar"; for tests of both paths. */
+/* set_simd(name): "avx512" or "avx2" (where the CPU has it) or "scalar"; for tests of every path. */
 static PyObject *py_set_simd(PyObject *self, PyObject *args) {
     const char *name;
     (void)self;
     if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
-    const int avx2 = strcmp(name, "avx2") == 0;
-    if ((avx2 || strcmp(name, "scalar") == 0) && moe_use_avx2(avx2)) Py_RETURN_NONE;
+    const int before = moe_level();
+    for (int level = 0; level < 3; level++)
+        if (strcmp(name, simd_names[level]) == 0) {
+            if (moe_use_level(level) == level) Py_RETURN_NONE;
+            moe_use_level(before);
+        }
     PyErr_Format(PyExc_ValueError, "set_simd: '%s' is not available on this CPU (try 'scalar')", name);
     return NULL;
 }
 
 static PyMethodDef methods[] = {
     {"moe_experts", py_moe_experts, METH_VARARGS,
-     "moe_experts(x, experts, weights, gate_up, down, out, T, K, E, H, I): float32 SwiGLU experts over "
+     "moe_experts(x, experts, weights, gate_up, down, out, T, K, E, H, I[, bf16]): float32 SwiGLU experts over "
      "routed tokens, weighted and summed per token into out [T, H]; releases the GIL."},
     {"route", py_route, METH_VARARGS,
      "route(x, weight, bias, experts, weights, T, H, E, K, n_group, topk_group, norm, scaling): sigmoid routing "
      "with a selection bias and group-limited top-k, into experts int64 [T, K] and weights float32 [T, K]."},
     BIND_SGEMM_METHOD,
     SET_BLAS_MIN_ROWS_METHOD,
-    {"simd", py_simd, METH_NOARGS, "simd() -> 'avx2' or 'scalar': the kernel in use."},
-    {"set_simd", py_set_simd, METH_VARARGS, "set_simd(name): use the 'avx2' or the 'scalar' kernel."},
+    {"simd", py_simd, METH_NOARGS, "simd() -> 'avx512', 'avx2' or 'scalar': the products in use."},
+    {"set_simd", py_set_simd, METH_VARARGS, "set_simd(name): use the 'avx512', 'avx2' or 'scalar' products."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -139,7 +146,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_moe", NULL, -1, met
 /* EPD_SOURCE_HASH: the hash of this extension's sources, defined by setup.py (epd_common/native.py
    compares it with the tree at import, so a stale build is not used). */
 PyMODINIT_FUNC PyInit__moe(void) {
-    moe_use_avx2(1);
+    moe_use_level(2);
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddStringConstant(m, "SOURCE_HASH", EPD_SOURCE_HASH) < 0) Py_CLEAR(m);
     return m;

@@ -2,7 +2,7 @@
  * The MoE kernels (see _moe.c for what they compute and the layouts), without their Python entry
  * points, so that the decoder-layer kernel (_decoder_layer.c) runs the same code. Include after
  * Python.h and _kernels.h. Each extension that includes it has its own copy of the SIMD dispatch
- * (moe_use_avx2).
+ * (moe_use_level).
  */
 #ifndef LLM_CORE_MOE_H
 #define LLM_CORE_MOE_H
@@ -22,9 +22,14 @@
  * served engine on 2 cores). Set by set_blas_min_rows (c_kernel.expert_blas_min_rows at import). */
 static Py_ssize_t moe_blas_min_rows = 16;
 
+/* The same for bf16 weights, by default max(moe_blas_min_rows, 16): such an expert's weight is
+ * first widened to float32 (a pass over it at write bandwidth), which pays only when many rows
+ * share it; fewer rows stream the bf16 weight through the small-M product. */
+#define MOE_BF16_BLAS_FLOOR 16
+static Py_ssize_t moe_bf16_blas_min_rows = 16;
 
-static inline int moe_is_large(Py_ssize_t rows) {
-    return sgemm != NULL && blas_threads_local != NULL && rows >= moe_blas_min_rows;
+static inline int moe_is_large(Py_ssize_t rows, int bf16) {
+    return sgemm != NULL && blas_threads_local != NULL && rows >= (bf16 ? moe_bf16_blas_min_rows : moe_blas_min_rows);
 }
 
 /* h[i] = silu(h[i]) * h[I + i] for i < I: the SwiGLU activation over one [gate | up] row. */
@@ -52,10 +57,12 @@ static AVX2 void swiglu_avx2(float *h, Py_ssize_t I) {
 static swiglu_fn swiglu = swiglu_scalar;
 
 typedef struct {
-    const float *x, *weights, *gate_up, *down;
+    const float *x, *weights;
+    const void *gate_up, *down; /* float32, or bf16 with wbf16 */
     const int64_t *experts;
     float *out;
     Py_ssize_t T, K, E, H, I;
+    int wbf16;
 } MoeProblem;
 
 /* Where each expert's assignments are: assignment a = t * K + k; order lists them grouped by
@@ -110,8 +117,8 @@ done:
  * products are single-threaded BLAS calls. NULL or a static error message. */
 static const char *moe_experts_range(const MoeProblem *pb, const MoePlan *plan, Py_ssize_t e0, Py_ssize_t e1,
                                      float *contrib) {
-    const Py_ssize_t H = pb->H, I = pb->I, most = plan->most;
-    const int blas = moe_is_large(most);
+    const Py_ssize_t H = pb->H, I = pb->I, most = plan->most, es = pb->wbf16 ? 2 : 4;
+    const int blas = moe_is_large(most, pb->wbf16);
     /* scratch, for the largest expert's assignments: their rows of x, then gate|up [C, 2I]
      * (activated in place), then down outputs [C, H], and for BLAS the rows of x gathered [C, H] */
     const float **rows = malloc((size_t)most * sizeof(float *));
@@ -122,26 +129,30 @@ static const char *moe_experts_range(const MoeProblem *pb, const MoePlan *plan, 
         return "moe_experts: out of memory";
     }
     float *hidden = scratch, *y = scratch + most * 2 * I, *gathered = y + most * H;
-    const Strips gate_up_rows = {16, 2 * I}, down_rows = {16, H}; /* row-major [in, out] */
+    const Strips gate_up_rows = {16, 2 * I, pb->wbf16}, down_rows = {16, H, pb->wbf16}; /* row-major [in, out] */
+    const char *err = NULL;
     for (Py_ssize_t e = e0; e < e1; e++) {
         const Py_ssize_t c = plan->start[e + 1] - plan->start[e];
         if (c == 0) continue;
-        const int large = moe_is_large(c);
+        const int large = moe_is_large(c, pb->wbf16);
         const Py_ssize_t *mine = plan->order + plan->start[e];
-        const float *gate_up = pb->gate_up + e * H * 2 * I, *down = pb->down + e * I * H;
+        const char *gate_up = (const char *)pb->gate_up + e * H * 2 * I * es;
+        const char *down = (const char *)pb->down + e * I * H * es;
         if (large) { /* [C, H] gathered -> [C, 2I] -> activated -> [C, H], two BLAS calls */
             for (Py_ssize_t r = 0; r < c; r++)
                 memcpy(gathered + r * H, pb->x + (mine[r] / pb->K) * H, (size_t)H * sizeof(float));
-            linear_serial(gathered, H, gate_up, NULL, hidden, c, H, 2 * I);
+            err = linear_any(gathered, H, gate_up, pb->wbf16, NULL, hidden, c, H, 2 * I, 1);
+            if (err != NULL) break;
             for (Py_ssize_t r = 0; r < c; r++) swiglu(hidden + r * 2 * I, I);
-            linear_serial(hidden, 2 * I, down, NULL, y, c, I, H);
+            err = linear_any(hidden, 2 * I, down, pb->wbf16, NULL, y, c, I, H, 1);
+            if (err != NULL) break;
         } else {
             Py_ssize_t e2 = e + 1; /* the next small expert with tokens: its weights are fetched meanwhile */
             while (e2 < e1 && (plan->start[e2 + 1] == plan->start[e2] ||
-                               moe_is_large(plan->start[e2 + 1] - plan->start[e2])))
+                               moe_is_large(plan->start[e2 + 1] - plan->start[e2], pb->wbf16)))
                 e2++;
-            const float *next_gate_up = e2 < e1 ? pb->gate_up + e2 * H * 2 * I : NULL;
-            const float *next_down = e2 < e1 ? pb->down + e2 * I * H : NULL;
+            const char *next_gate_up = e2 < e1 ? (const char *)pb->gate_up + e2 * H * 2 * I * es : NULL;
+            const char *next_down = e2 < e1 ? (const char *)pb->down + e2 * I * H * es : NULL;
             for (Py_ssize_t r = 0; r < c; r++) rows[r] = pb->x + (mine[r] / pb->K) * H;
             gemm_rows(rows, c, gate_up, H, 2 * I, hidden, 2 * I, next_gate_up, &gate_up_rows); /* [C, 2I] */
             for (Py_ssize_t r = 0; r < c; r++) {
@@ -163,7 +174,7 @@ static const char *moe_experts_range(const MoeProblem *pb, const MoePlan *plan, 
     }
     free(rows);
     free(scratch);
-    return NULL;
+    return err;
 }
 
 /* out rows t0 .. t1 - 1 = the sum of each token's contrib rows, in expert order from 0 (the order
@@ -200,22 +211,25 @@ static const char *moe_run(const MoeProblem *pb) {
     return err;
 }
 
-/* set_blas_min_rows(n): experts with n rows or more multiply through BLAS from now on. */
+/* set_blas_min_rows(n[, n_bf16]): experts with n rows or more (n_bf16 for bf16 weights; default
+ * max(n, 16)) multiply through BLAS from now on. */
 static PyObject *py_set_blas_min_rows(PyObject *self, PyObject *args) {
-    Py_ssize_t n;
+    Py_ssize_t n, n_bf16 = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "n", &n)) return NULL;
-    if (n < 1) {
-        PyErr_SetString(PyExc_ValueError, "set_blas_min_rows: n must be >= 1");
+    if (!PyArg_ParseTuple(args, "n|n", &n, &n_bf16)) return NULL;
+    if (PyTuple_GET_SIZE(args) < 2) n_bf16 = n > MOE_BF16_BLAS_FLOOR ? n : MOE_BF16_BLAS_FLOOR;
+    if (n < 1 || n_bf16 < 1) {
+        PyErr_SetString(PyExc_ValueError, "set_blas_min_rows: row counts must be >= 1");
         return NULL;
     }
-    moe_blas_min_rows = n;
+    moe_blas_min_rows = n, moe_bf16_blas_min_rows = n_bf16;
     Py_RETURN_NONE;
 }
 
 #define SET_BLAS_MIN_ROWS_METHOD                                                                             \
     {"set_blas_min_rows", py_set_blas_min_rows, METH_VARARGS,                                              \
-     "set_blas_min_rows(n): routed experts with n rows or more multiply through BLAS (when bound)."}
+     "set_blas_min_rows(n[, n_bf16]): routed experts with n rows or more (n_bf16 with bf16 weights, default "  \
+     "max(n, 16)) multiply through BLAS (when bound)."}
 
 /* ---- routing ------------------------------------------------------------------------------- */
 
@@ -290,18 +304,18 @@ static void route_token(const Route *rt, Py_ssize_t t, float *work) {
     }
 }
 
-/* The products in use: the AVX2 + FMA ones (where the CPU has them) or the scalar ones. */
-static int moe_use_avx2(int on) {
+/* SIMD level 2 (the AVX-512 product, AVX2 SwiGLU), 1 (AVX2 + FMA) or 0 (scalar), or the best
+ * below it the CPU has; returns the level in use. */
+static int moe_use_level(int level) {
+    const int got = gemm_use_level(level);
 #ifdef HAVE_AVX2_PATH
-    if (on && cpu_has_avx2()) {
-        gemm_use_avx2(1), swiglu = swiglu_avx2;
-        return 1;
-    }
+    swiglu = got >= 1 ? swiglu_avx2 : swiglu_scalar;
+#else
+    swiglu = swiglu_scalar;
 #endif
-    gemm_use_avx2(0), swiglu = swiglu_scalar;
-    return !on;
+    return got;
 }
 
-static inline int moe_uses_avx2(void) { return gemm_rows != gemm_rows_scalar; }
+static inline int moe_level(void) { return gemm_level(); }
 
 #endif

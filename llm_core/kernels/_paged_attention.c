@@ -69,7 +69,7 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *args) {
         return NULL;
     PyObject *result = NULL;
     AttnProblem pb = {0};
-    if (attention_setup(&pb, &k, &v, &table, &cu, &lens, &sinks, H, Hkv, D, Dv, page, window, scale) ||
+    if (attention_setup(&pb, &k, &v, &table, &cu, &lens, &sinks, H, Hkv, D, Dv, page, window, scale, 0) ||
         check_buffer(&q, ATTENTION_KERNEL, (pb.B ? pb.cu[pb.B] : 0) * H * D * (Py_ssize_t)sizeof(float), "q") ||
         attention_check_out(&pb, &out))
         goto done;
@@ -93,7 +93,7 @@ static PyObject *py_qkv_attention(PyObject *self, PyObject *args) {
         return NULL;
     PyObject *result = NULL;
     AttnProblem pb = {0};
-    if (attention_setup(&pb, &k, &v, &table, &cu, &lens, &sinks, H, Hkv, D, Dv, page, window, scale))
+    if (attention_setup(&pb, &k, &v, &table, &cu, &lens, &sinks, H, Hkv, D, Dv, page, window, scale, 0))
         goto done;
     const Py_ssize_t T = pb.B ? pb.cu[pb.B] : 0;
     if (check_buffer(&qkv, ATTENTION_KERNEL, T * ((H + Hkv) * D + Hkv * Dv) * (Py_ssize_t)sizeof(float), "qkv") ||

@@ -21,11 +21,13 @@
  * and heads the inner one, so each key's pool row (all KV heads, contiguous) is read once, in
  * slot order: pages stream through the cache instead of being walked once per head. */
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v; /* the pools: float32, or bf16 with bf16 (widened as they are read) */
     const int64_t *slots;
-    Py_ssize_t nb, H, group, D, Dv, kstride, vstride; /* group: query heads per KV head */
+    Py_ssize_t nb, H, group, D, Dv, kstride, vstride; /* group: query heads per KV head; strides in elements */
     float scale;
     struct Prefetch *pf; /* or NULL */
+    int bf16;
 } Block;
 
 /* The pool rows the next query will read, requested while this one computes. Decode queries
@@ -60,11 +62,12 @@ static inline void prefetch_step(Prefetch *pf) {
 
 static void block_scores_scalar(const Block *bk, float *s) {
     for (Py_ssize_t j = 0; j < bk->nb; j++) {
-        const float *row = bk->k + bk->slots[j] * bk->kstride;
+        const Py_ssize_t row = bk->slots[j] * bk->kstride;
         for (Py_ssize_t h = 0; h < bk->H; h++) {
-            const float *qh = bk->q + h * bk->D, *kh = row + (h / bk->group) * bk->D;
+            const float *qh = bk->q + h * bk->D;
+            const Py_ssize_t kh = row + (h / bk->group) * bk->D;
             float acc = 0.0f;
-            for (Py_ssize_t d = 0; d < bk->D; d++) acc += qh[d] * kh[d];
+            for (Py_ssize_t d = 0; d < bk->D; d++) acc += qh[d] * elem_at(bk->k, kh + d, bk->bf16);
             s[h * KEY_BLOCK + j] = bk->scale * acc;
         }
     }
@@ -87,11 +90,12 @@ static float max_of_scalar(const float *s, Py_ssize_t n) {
 /* acc[h] += sum_j p[h][j] * v_j[h / group] */
 static void block_accumulate_scalar(const Block *bk, const float *p, float *acc) {
     for (Py_ssize_t j = 0; j < bk->nb; j++) {
-        const float *row = bk->v + bk->slots[j] * bk->vstride;
+        const Py_ssize_t row = bk->slots[j] * bk->vstride;
         for (Py_ssize_t h = 0; h < bk->H; h++) {
-            const float *vh = row + (h / bk->group) * bk->Dv, pj = p[h * KEY_BLOCK + j];
+            const Py_ssize_t vh = row + (h / bk->group) * bk->Dv;
+            const float pj = p[h * KEY_BLOCK + j];
             float *ah = acc + h * bk->Dv;
-            for (Py_ssize_t d = 0; d < bk->Dv; d++) ah[d] += pj * vh[d];
+            for (Py_ssize_t d = 0; d < bk->Dv; d++) ah[d] += pj * elem_at(bk->v, vh + d, bk->bf16);
         }
     }
 }
@@ -99,17 +103,15 @@ static void block_accumulate_scalar(const Block *bk, const float *p, float *acc)
 /* ---- primitives: AVX2 + FMA versions ------------------------------------------------------ */
 
 #ifdef HAVE_AVX2_PATH
-static AVX2 void block_scores_avx2(const Block *bk, float *s) {
-    const Py_ssize_t D = bk->D;
-    if (D & 7) {
-        block_scores_scalar(bk, s);
-        return;
-    }
+/* bf16: a constant at each call (block_scores_avx2), so each pool type gets its own loop. */
+static inline AVX2 __attribute__((always_inline)) void block_scores_avx2_t(const Block *bk, float *s, const int bf16) {
+    const Py_ssize_t D = bk->D, es = bf16 ? 2 : 4;
+    const char *const pool = bk->k;
     const __m256 vscale = _mm256_set1_ps(bk->scale);
     Py_ssize_t j = 0;
     for (; j + 8 <= bk->nb; j += 8) { /* 8 keys, every head: 8 independent FMA chains per head */
-        const float *r[8];
-        for (int i = 0; i < 8; i++) r[i] = bk->k + bk->slots[j + i] * bk->kstride;
+        const char *r[8];
+        for (int i = 0; i < 8; i++) r[i] = pool + bk->slots[j + i] * bk->kstride * es;
         for (Py_ssize_t h = 0; h < bk->H; h++) {
             prefetch_step(bk->pf);
             const float *qh = bk->q + h * D;
@@ -117,28 +119,34 @@ static AVX2 void block_scores_avx2(const Block *bk, float *s) {
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
             for (Py_ssize_t d = 0; d < D; d += 8) {
                 const __m256 qv = _mm256_loadu_ps(qh + d);
-                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[0] + off + d), a0);
-                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[1] + off + d), a1);
-                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[2] + off + d), a2);
-                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[3] + off + d), a3);
-                a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[4] + off + d), a4);
-                a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[5] + off + d), a5);
-                a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[6] + off + d), a6);
-                a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[7] + off + d), a7);
+                a0 = _mm256_fmadd_ps(qv, load8(r[0], off + d, bf16), a0);
+                a1 = _mm256_fmadd_ps(qv, load8(r[1], off + d, bf16), a1);
+                a2 = _mm256_fmadd_ps(qv, load8(r[2], off + d, bf16), a2);
+                a3 = _mm256_fmadd_ps(qv, load8(r[3], off + d, bf16), a3);
+                a4 = _mm256_fmadd_ps(qv, load8(r[4], off + d, bf16), a4);
+                a5 = _mm256_fmadd_ps(qv, load8(r[5], off + d, bf16), a5);
+                a6 = _mm256_fmadd_ps(qv, load8(r[6], off + d, bf16), a6);
+                a7 = _mm256_fmadd_ps(qv, load8(r[7], off + d, bf16), a7);
             }
             _mm256_storeu_ps(s + h * KEY_BLOCK + j, _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), vscale));
         }
     }
     for (; j < bk->nb; j++) {
-        const float *row = bk->k + bk->slots[j] * bk->kstride;
+        const char *row = pool + bk->slots[j] * bk->kstride * es;
         for (Py_ssize_t h = 0; h < bk->H; h++) {
-            const float *qh = bk->q + h * D, *kh = row + (h / bk->group) * D;
+            const float *qh = bk->q + h * D;
+            const Py_ssize_t kh = (h / bk->group) * D;
             __m256 a = _mm256_setzero_ps();
-            for (Py_ssize_t d = 0; d < D; d += 8)
-                a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(kh + d), a);
+            for (Py_ssize_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(row, kh + d, bf16), a);
             s[h * KEY_BLOCK + j] = bk->scale * hsum(a);
         }
     }
+}
+
+static AVX2 void block_scores_avx2(const Block *bk, float *s) {
+    if (bk->D & 7) block_scores_scalar(bk, s);
+    else if (bk->bf16) block_scores_avx2_t(bk, s, 1);
+    else block_scores_avx2_t(bk, s, 0);
 }
 
 /* A scalar max is one dependent compare per key; here eight lanes in two registers (a max is
@@ -186,14 +194,13 @@ static AVX2 float exp_shift_avx2(float *s, Py_ssize_t n, float m) {
 /* One head at a time, the output chunk in registers across the block's keys, and two keys per
  * step into separate accumulators: eight independent FMA chains, so the FMA latency is hidden
  * (one chain per output register would leave the units idle three cycles in four). */
-static AVX2 void block_accumulate_avx2(const Block *bk, const float *p, float *acc) {
+static inline AVX2 __attribute__((always_inline)) void block_accumulate_avx2_t(const Block *bk, const float *p,
+                                                                               float *acc, const int bf16) {
     const Py_ssize_t Dv = bk->Dv, nb = bk->nb, vstride = bk->vstride;
-    if (Dv & 7) {
-        block_accumulate_scalar(bk, p, acc);
-        return;
-    }
     for (Py_ssize_t h = 0; h < bk->H; h++) {
-        const float *ph = p + h * KEY_BLOCK, *base = bk->v + (h / bk->group) * Dv;
+        const float *ph = p + h * KEY_BLOCK;
+        const Py_ssize_t base = (h / bk->group) * Dv; /* this head's offset in a pool row */
+        const void *const pool = bk->v;
         float *ah = acc + h * Dv;
         Py_ssize_t d0 = 0;
         for (; d0 + 32 <= Dv; d0 += 32) {
@@ -203,24 +210,24 @@ static AVX2 void block_accumulate_avx2(const Block *bk, const float *p, float *a
             Py_ssize_t j = 0;
             for (; j + 2 <= nb; j += 2) {
                 if ((j & 7) == 0) prefetch_step(bk->pf);
-                const float *r0 = base + bk->slots[j] * vstride + d0, *r1 = base + bk->slots[j + 1] * vstride + d0;
+                const Py_ssize_t r0 = base + bk->slots[j] * vstride + d0, r1 = base + bk->slots[j + 1] * vstride + d0;
                 const __m256 p0 = _mm256_broadcast_ss(ph + j), p1 = _mm256_broadcast_ss(ph + j + 1);
-                a0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0), a0);
-                a1 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0 + 8), a1);
-                a2 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0 + 16), a2);
-                a3 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0 + 24), a3);
-                b0 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(r1), b0);
-                b1 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(r1 + 8), b1);
-                b2 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(r1 + 16), b2);
-                b3 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(r1 + 24), b3);
+                a0 = _mm256_fmadd_ps(p0, load8(pool, r0, bf16), a0);
+                a1 = _mm256_fmadd_ps(p0, load8(pool, r0 + 8, bf16), a1);
+                a2 = _mm256_fmadd_ps(p0, load8(pool, r0 + 16, bf16), a2);
+                a3 = _mm256_fmadd_ps(p0, load8(pool, r0 + 24, bf16), a3);
+                b0 = _mm256_fmadd_ps(p1, load8(pool, r1, bf16), b0);
+                b1 = _mm256_fmadd_ps(p1, load8(pool, r1 + 8, bf16), b1);
+                b2 = _mm256_fmadd_ps(p1, load8(pool, r1 + 16, bf16), b2);
+                b3 = _mm256_fmadd_ps(p1, load8(pool, r1 + 24, bf16), b3);
             }
             if (j < nb) {
-                const float *r0 = base + bk->slots[j] * vstride + d0;
+                const Py_ssize_t r0 = base + bk->slots[j] * vstride + d0;
                 const __m256 p0 = _mm256_broadcast_ss(ph + j);
-                a0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0), a0);
-                a1 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0 + 8), a1);
-                a2 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0 + 16), a2);
-                a3 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0 + 24), a3);
+                a0 = _mm256_fmadd_ps(p0, load8(pool, r0, bf16), a0);
+                a1 = _mm256_fmadd_ps(p0, load8(pool, r0 + 8, bf16), a1);
+                a2 = _mm256_fmadd_ps(p0, load8(pool, r0 + 16, bf16), a2);
+                a3 = _mm256_fmadd_ps(p0, load8(pool, r0 + 24, bf16), a3);
             }
             _mm256_storeu_ps(ah + d0, _mm256_add_ps(a0, b0));
             _mm256_storeu_ps(ah + d0 + 8, _mm256_add_ps(a1, b1));
@@ -234,13 +241,19 @@ static AVX2 void block_accumulate_avx2(const Block *bk, const float *p, float *a
             for (; j + 4 <= nb; j += 4)
                 for (int i = 0; i < 4; i++)
                     a[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(ph + j + i),
-                                           _mm256_loadu_ps(base + bk->slots[j + i] * vstride + d0), a[i]);
+                                           load8(pool, base + bk->slots[j + i] * vstride + d0, bf16), a[i]);
             for (; j < nb; j++)
-                a[0] = _mm256_fmadd_ps(_mm256_broadcast_ss(ph + j),
-                                       _mm256_loadu_ps(base + bk->slots[j] * vstride + d0), a[0]);
+                a[0] = _mm256_fmadd_ps(_mm256_broadcast_ss(ph + j), load8(pool, base + bk->slots[j] * vstride + d0, bf16),
+                                       a[0]);
             _mm256_storeu_ps(ah + d0, _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
         }
     }
+}
+
+static AVX2 void block_accumulate_avx2(const Block *bk, const float *p, float *acc) {
+    if (bk->Dv & 7) block_accumulate_scalar(bk, p, acc);
+    else if (bk->bf16) block_accumulate_avx2_t(bk, p, acc, 1);
+    else block_accumulate_avx2_t(bk, p, acc, 0);
 }
 #endif
 
@@ -258,7 +271,8 @@ static block_accumulate_fn block_accumulate = block_accumulate_scalar;
 
 typedef struct {
     const float *q, *sinks; /* sinks: NULL for none */
-    float *k, *v;           /* written only by the fused entry (new tokens' rows) */
+    void *k, *v;            /* float32, or bf16 with kv_bf16; written only by the fused entry (new tokens' rows) */
+    int kv_bf16;
     const int32_t *table, *cu, *lens;
     float *out;
     Py_ssize_t B, H, Hkv, D, Dv, page, P, num_pages, window;
@@ -293,10 +307,16 @@ static void rope_and_store(const AttnProblem *pb, Py_ssize_t t0, Py_ssize_t t1) 
             }
         }
         const int64_t slot = pb->new_slots[t];
-        memcpy(pb->k + slot * kdim, row + pb->H * D, (size_t)kdim * sizeof(float));
-        const float *vin = row + heads * D;
-        float *vout = pb->v + slot * vdim;
-        for (Py_ssize_t i = 0; i < vdim; i++) vout[i] = vin[i] * pb->v_scale;
+        const float *kin = row + pb->H * D, *vin = row + heads * D;
+        if (pb->kv_bf16) { /* rounded as torch's .to(torch.bfloat16) */
+            uint16_t *kout = (uint16_t *)pb->k + slot * kdim, *vout = (uint16_t *)pb->v + slot * vdim;
+            for (Py_ssize_t i = 0; i < kdim; i++) kout[i] = float_to_bf16(kin[i]);
+            for (Py_ssize_t i = 0; i < vdim; i++) vout[i] = float_to_bf16(vin[i] * pb->v_scale);
+        } else {
+            float *kout = (float *)pb->k + slot * kdim, *vout = (float *)pb->v + slot * vdim;
+            memcpy(kout, kin, (size_t)kdim * sizeof(float));
+            for (Py_ssize_t i = 0; i < vdim; i++) vout[i] = vin[i] * pb->v_scale;
+        }
     }
 }
 
@@ -306,7 +326,7 @@ static void attend_query(const AttnProblem *pb, Py_ssize_t t, const int64_t *slo
                          float *s, float *m, float *l, float *acc) {
     const Py_ssize_t H = pb->H, Dv = pb->Dv;
     Block bk = {pb->q + t * pb->q_stride, pb->k, pb->v, slots, 0, H, H / pb->Hkv, pb->D, Dv,
-                pb->Hkv * pb->D, pb->Hkv * Dv, pb->scale, pf};
+                pb->Hkv * pb->D, pb->Hkv * Dv, pb->scale, pf, pb->kv_bf16};
     if (pf != NULL) { /* prefetch_step calls: one per head and 8 keys in the score pass, and per head,
                        * 8 keys and 32 value dims in the value pass */
         const Py_ssize_t steps = H * ((nk + 7) / 8) * (1 + Dv / 32);
@@ -441,8 +461,9 @@ static const char *attention_run_rows(const AttnProblem *pb, Py_ssize_t t0, Py_s
                 pf.slots = nxt + (start - lo_next);
                 pf.n = pos - start + 1;
                 pf.k = (const char *)pb->k, pf.v = (const char *)pb->v;
-                pf.k_bytes = pb->Hkv * pb->D * (Py_ssize_t)sizeof(float);
-                pf.v_bytes = pb->Hkv * pb->Dv * (Py_ssize_t)sizeof(float);
+                const Py_ssize_t es = pb->kv_bf16 ? 2 : (Py_ssize_t)sizeof(float);
+                pf.k_bytes = pb->Hkv * pb->D * es;
+                pf.v_bytes = pb->Hkv * pb->Dv * es;
                 pf.k_lines = (pf.k_bytes + 63) / 64, pf.v_lines = (pf.v_bytes + 63) / 64;
                 last_pf = &pf;
             }
@@ -510,7 +531,7 @@ static inline void attention_split(const AttnProblem *pb, int parts, Py_ssize_t 
  * entry checks its queries, then out: see check_out). Returns 0, or -1 with a ValueError set. */
 static int attention_setup(AttnProblem *pb, Py_buffer *k, Py_buffer *v, Py_buffer *table, Py_buffer *cu, Py_buffer *lens,
                          Py_buffer *sinks, Py_ssize_t H, Py_ssize_t Hkv, Py_ssize_t D, Py_ssize_t Dv,
-                         Py_ssize_t page, Py_ssize_t window, float scale) {
+                         Py_ssize_t page, Py_ssize_t window, float scale, int kv_bf16) {
     const Py_ssize_t f = (Py_ssize_t)sizeof(float), i32 = (Py_ssize_t)sizeof(int32_t);
     if (H < 1 || Hkv < 1 || H % Hkv || D < 1 || Dv < 1 || page < 1) {
         PyErr_SetString(PyExc_ValueError, "paged_attention: invalid head counts, head dims or page size");
@@ -534,7 +555,7 @@ static int attention_setup(AttnProblem *pb, Py_buffer *k, Py_buffer *v, Py_buffe
             return -1;
         }
     }
-    const Py_ssize_t row_k = Hkv * D * f, row_v = Hkv * Dv * f;
+    const Py_ssize_t es = kv_bf16 ? 2 : f, row_k = Hkv * D * es, row_v = Hkv * Dv * es;
     if (k->len % (row_k * page) || v->len / row_v != k->len / row_k || v->len % row_v) {
         PyErr_SetString(PyExc_ValueError, "paged_attention: k and v pools must hold the same whole pages");
         return -1;
@@ -545,7 +566,7 @@ static int attention_setup(AttnProblem *pb, Py_buffer *k, Py_buffer *v, Py_buffe
         check_buffer(v, ATTENTION_KERNEL, v->len, "v") || check_buffer(table, ATTENTION_KERNEL, pb->B * pb->P * i32, "page_table") ||
         (sinks->len != 0 && check_buffer(sinks, ATTENTION_KERNEL, H * f, "sinks")))
         return -1;
-    pb->k = k->buf, pb->v = v->buf, pb->table = table->buf;
+    pb->k = k->buf, pb->v = v->buf, pb->kv_bf16 = kv_bf16, pb->table = table->buf;
     pb->sinks = sinks->len ? sinks->buf : NULL;
     pb->H = H, pb->Hkv = Hkv, pb->D = D, pb->Dv = Dv, pb->page = page, pb->window = window, pb->scale = scale;
     return 0;

@@ -24,18 +24,25 @@ def load(name: str) -> ModuleType | None:
     return native.load(name)
 
 
+def raw(t: Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's own memory as a kernel buffer, no copy; bf16 as its 16-bit
+    patterns (numpy has no bfloat16). The kernel is told the dtype separately."""
+    return (t.view(torch.int16) if t.dtype is torch.bfloat16 else t).numpy()
+
+
 def buffer(t: Tensor) -> np.ndarray:
-    """A CPU tensor's memory as a C-contiguous buffer for a kernel (no copy when already contiguous)."""
-    return t.detach().contiguous().numpy()
+    """A CPU tensor's memory as a C-contiguous buffer for a kernel (no copy when already contiguous;
+    bf16 as in ``raw``)."""
+    return raw(t.detach().contiguous())
 
 
 def simd(kernel: ModuleType | None) -> str | None:
-    """'avx2' or 'scalar' (the primitives ``kernel`` uses), None when it is not built."""
+    """'avx512', 'avx2' or 'scalar' (the primitives ``kernel`` uses), None when it is not built."""
     return None if kernel is None else str(kernel.simd())
 
 
 def set_simd(kernel: ModuleType | None, name: str) -> None:
-    """Make ``kernel`` use its 'avx2' or 'scalar' primitives from now on (ValueError where the CPU
+    """Make ``kernel`` use its 'avx512' (the MoE products), 'avx2' or 'scalar' primitives from now on (ValueError where the CPU
     lacks them); each kernel picks the best at import, so this exists for tests of both paths."""
     if kernel is None:
         raise RuntimeError("this C kernel is not built")

@@ -21,7 +21,12 @@ With several threads (``set_threads``; the model passes torch's intra-op thread 
 attention is split by query rows (a long prompt's too), its routed experts by expert and its
 decode-sized projections by column strip, with the same bits for any count.
 
-fp32 CPU only, projection weights input-major (``weight_layout``). ``AVAILABLE`` is False when the
+Activations, sums, norms and router run in float32. The projection and expert weights may be
+stored in float32 or bfloat16 (``STORAGE_DTYPES``), and so may the KV pools: a bf16 value is widened
+to float32 as it is read (exact), so bf16 weights give the bits of float32 weights holding the same
+values; new keys and values are rounded to bf16 as ``.to(torch.bfloat16)`` rounds. A prefill-sized
+product widens its bf16 weight into a per-thread scratch first and then runs the same sgemm. CPU
+only, projection weights input-major (``weight_layout``). ``AVAILABLE`` is False when the
 extension was not built or torch's sgemm could not be bound; ``backends.selector`` then chooses no
 layer backend and the model runs its modules. ``backends.layer.CpuLayer`` is the caller.
 """
@@ -36,6 +41,7 @@ from torch import Tensor
 from llm_core.kernels import c_kernel
 from llm_core.kernels.attention_batch import AttentionBatch, LayerKVLike
 from llm_core.kernels.c_kernel import buffer as _buf
+from llm_core.kernels.c_kernel import raw
 from llm_core.kernels.weight_layout import in_out_view
 
 _kernel = c_kernel.load("llm_core.kernels._decoder_layer")
@@ -56,11 +62,11 @@ def set_threads(n: int) -> int:
     return int(_kernel.set_threads(n))
 
 
-def set_blas_min_rows(n: int) -> None:
-    """Routed experts with n rows or more multiply through BLAS (``cpu_moe.set_blas_min_rows``
-    sets both kernels)."""
+def set_blas_min_rows(n: int, bf16: int) -> None:
+    """Routed experts with n rows or more (``bf16`` with bf16 weights) multiply through BLAS
+    (``cpu_moe.set_blas_min_rows`` sets both kernels)."""
     assert _kernel is not None
-    _kernel.set_blas_min_rows(n)
+    _kernel.set_blas_min_rows(n, bf16)
 
 
 def profile(on: bool) -> None:
@@ -90,33 +96,45 @@ class MlpArgs(NamedTuple):
 
     args: tuple[object, ...]
     packed: tuple[object, object]  # strip-packed gate_up and down (dense only), or empty
+    dtype: torch.dtype  # the weights' storage dtype
+
+
+# The dtypes the kernel reads weights and KV pools in (module doc).
+STORAGE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _in_out(w: Tensor) -> Tensor | None:
-    """The [..., in, out] memory of an input-major fp32 CPU weight, or None."""
-    if w.device.type != "cpu" or w.dtype != torch.float32:
+    """The [..., in, out] memory of an input-major CPU weight in a storage dtype, or None."""
+    if w.device.type != "cpu" or w.dtype not in STORAGE_DTYPES:
         return None
     return in_out_view(w.detach())
 
 
 def pack_strips(w: Tensor) -> object:
-    """A copy of an [in, out] weight as 16-column strips, [out / 16, in, 16] contiguous: what the
-    kernel multiplies small batches (decode) by; empty when out is not a multiple of 16."""
+    """A copy of an [in, out] weight as 16-column strips, [out / 16, in, 16] contiguous, in w's
+    dtype: what the kernel multiplies small batches (decode) by; empty when out is not a multiple
+    of 16."""
     k, n = w.shape
     if n % 16:
         return b""
-    return w.reshape(k, n // 16, 16).permute(1, 0, 2).contiguous().numpy()
+    return raw(w.reshape(k, n // 16, 16).permute(1, 0, 2).contiguous())
+
+
+def _fp32(t: Tensor) -> object:
+    """A small parameter (norm, router, bias, sinks) as a float32 kernel buffer."""
+    return _buf(t.to(torch.float32))
 
 
 def dense_mlp_args(gate_up: Tensor, down: Tensor) -> MlpArgs | None:
     """The MLP arguments of a dense SwiGLU layer: gate_up [2I, hidden] (gate rows first) and down
     [hidden, I], both input-major; None when they are not."""
     gu, dn = _in_out(gate_up), _in_out(down)
-    if gu is None or dn is None:
+    if gu is None or dn is None or gu.dtype != dn.dtype:
         return None
     return MlpArgs(
-        (gu.numpy(), dn.numpy(), b"", b"", 0, down.shape[1], 0, 1, 1, False, 1.0),
+        (raw(gu), raw(dn), b"", b"", 0, down.shape[1], 0, 1, 1, False, 1.0),
         (pack_strips(gu), pack_strips(dn)),
+        gu.dtype,
     )
 
 
@@ -131,16 +149,17 @@ def moe_args(
     norm_topk_prob: bool,
     scaling: float,
 ) -> MlpArgs | None:
-    """The MLP arguments of a MoE layer: router [E, hidden] and its selection bias [E] (fp32),
-    experts gate_up [E, 2I, hidden] and down [E, hidden, I] input-major; None when not so."""
+    """The MLP arguments of a MoE layer: router [E, hidden] and its selection bias [E] (given to
+    the kernel in float32), experts gate_up [E, 2I, hidden] and down [E, hidden, I] input-major;
+    None when not so."""
     gu, dn = _in_out(gate_up), _in_out(down)
-    if gu is None or dn is None or router.dtype != torch.float32 or router.device.type != "cpu":
+    if gu is None or dn is None or gu.dtype != dn.dtype or router.device.type != "cpu":
         return None
     args = (
-        gu.numpy(),
-        dn.numpy(),
-        _buf(router),
-        _buf(bias.to(torch.float32)),
+        raw(gu),
+        raw(dn),
+        _fp32(router),
+        _fp32(bias),
         gate_up.shape[0],
         down.shape[2],
         top_k,
@@ -149,7 +168,7 @@ def moe_args(
         norm_topk_prob,
         float(scaling),
     )
-    return MlpArgs(args, (b"", b""))
+    return MlpArgs(args, (b"", b""), gu.dtype)
 
 
 def layer_weights(
@@ -171,18 +190,19 @@ def layer_weights(
 ) -> LayerWeights | None:
     """A layer's arguments (norm weights, fused qkv [(H + 2 Hkv') * ., hidden] and o [hidden, H * Dv]
     projections input-major, attention sizes, and ``dense_mlp_args`` / ``moe_args``), with
-    strip-packed copies of the projections for small batches; None when the kernel cannot run them."""
+    strip-packed copies of the projections for small batches; None when the kernel cannot run them
+    (the projections and the MLP must share one storage dtype)."""
     qkv, o = _in_out(qkv_weight), _in_out(o_weight)
-    if not AVAILABLE or qkv is None or o is None or ln1.dtype != torch.float32 or ln2.dtype != torch.float32:
+    if not AVAILABLE or qkv is None or o is None or not qkv.dtype == o.dtype == mlp.dtype:
         return None
     args = (
-        _buf(ln1),
-        _buf(ln2),
+        _fp32(ln1),
+        _fp32(ln2),
         float(eps),
-        qkv.numpy(),
-        b"" if qkv_bias is None else _buf(qkv_bias.to(torch.float32)),
-        o.numpy(),
-        b"" if sinks is None else _buf(sinks.to(torch.float32)),
+        raw(qkv),
+        b"" if qkv_bias is None else _fp32(qkv_bias),
+        raw(o),
+        b"" if sinks is None else _fp32(sinks),
         num_heads,
         num_kv_heads,
         head_dim,
@@ -194,6 +214,7 @@ def layer_weights(
         pack_strips(qkv),
         pack_strips(o),
         *mlp.packed,
+        qkv.dtype is torch.bfloat16,
     )
     return LayerWeights(args)
 
@@ -243,8 +264,9 @@ def decoder_layer_cpu(
 ) -> None:
     """Run one layer in place on x and residual [T, hidden] (contiguous fp32; module doc). ``first``:
     the residual stream starts here (residual = x). cos/sin [T, rotary width] of this layer's
-    rotary. Raises ValueError for inconsistent sizes, a write slot outside the pool or a page a
-    query reads that is not in it (x and residual are then partly updated)."""
+    rotary. The KV pools are float32 or bf16. Raises ValueError for inconsistent sizes, a write
+    slot outside the pool or a page a query reads that is not in it (x and residual are then partly
+    updated)."""
     assert _kernel is not None
     _kernel.decoder_layer(
         step.buffer(x, writable=True),
@@ -253,8 +275,9 @@ def decoder_layer_cpu(
         step.buffer(cos),
         step.buffer(sin),
         *step.groups[kv.group],
-        kv.k.numpy(),
-        kv.v.numpy(),
+        raw(kv.k),
+        raw(kv.v),
         kv.k.shape[1],
+        kv.k.dtype is torch.bfloat16,
         *weights.args,
     )

@@ -10,7 +10,9 @@ with a few tokens per expert (decode), the torch path is small batched GEMMs ove
 a dozen gather, activation and scatter ops per layer; the kernel streams each expert's weights
 once per call (fetching the next routed expert's meanwhile) and fuses the rest; an expert with
 many rows (a prefill chunk's; on an Intel CPU any) goes through torch's BLAS on one thread instead
-(``BLAS``; ``c_kernel.expert_blas_min_rows``), ~3x faster at 256 rows. fp32 only;
+(``BLAS``; ``c_kernel.expert_blas_min_rows``), ~3x faster at 256 rows. x fp32; the expert weights
+fp32 or bf16 (widened as read: the bits of fp32 weights of the same values; a bf16 expert takes
+BLAS from ``bf16_blas_min_rows``, after widening its weight into a per-thread scratch);
 ``AVAILABLE`` is False when the extension was not built, and ``backends.selector`` chooses the
 torch MoE backend.
 """
@@ -33,43 +35,54 @@ AVAILABLE = _kernel is not None
 
 
 def simd() -> str | None:
-    """'avx2' or 'scalar' (the kernel in use), None when not built."""
+    """'avx512', 'avx2' or 'scalar' (the products in use), None when not built."""
     return c_kernel.simd(_kernel)
 
 
 def set_simd(name: str) -> None:
-    """Use the 'avx2' or the 'scalar' kernel from now on (see ``c_kernel.set_simd``)."""
+    """Use the 'avx512', 'avx2' or 'scalar' products from now on (see ``c_kernel.set_simd``)."""
     c_kernel.set_simd(_kernel, name)
 
 
 def blas_min_rows() -> int:
     """Rows from which an expert multiplies through BLAS (a large number: never)."""
-    return _blas_min_rows
+    return _blas_min_rows[0]
 
 
-def set_blas_min_rows(n: int) -> None:
-    """Experts with n rows or more multiply through BLAS from now on, in this kernel and the
-    decoder-layer kernel alike (``c_kernel.expert_blas_min_rows`` at import; tests run both
+def bf16_blas_min_rows() -> int:
+    """The same for bf16 expert weights."""
+    return _blas_min_rows[1]
+
+
+def set_blas_min_rows(n: int, bf16: int | None = None) -> None:
+    """Experts with n rows or more (``bf16`` rows with bf16 weights; default max(n, 16): widening
+    the weight first pays with many rows only) multiply through BLAS from now on, in this kernel
+    and the decoder-layer kernel alike (``c_kernel.expert_blas_min_rows`` at import; tests run both
     products this way)."""
     global _blas_min_rows
     from llm_core.kernels import cpu_layer
 
+    both = (n, max(n, BF16_BLAS_FLOOR) if bf16 is None else bf16)
     if _kernel is not None:
-        _kernel.set_blas_min_rows(n)
+        _kernel.set_blas_min_rows(*both)
     if cpu_layer.AVAILABLE:
-        cpu_layer.set_blas_min_rows(n)
-    _blas_min_rows = n
+        cpu_layer.set_blas_min_rows(*both)
+    _blas_min_rows = both
 
 
-_blas_min_rows = c_kernel.expert_blas_min_rows()
+BF16_BLAS_FLOOR = 16  # the C kernels' MOE_BF16_BLAS_FLOOR
+_blas_min_rows = (c_kernel.expert_blas_min_rows(), max(c_kernel.expert_blas_min_rows(), BF16_BLAS_FLOOR))
 
 
 def supports(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
-    """True when the kernel can run these tensors: built, CPU fp32, weights laid out [E, in, out]."""
+    """True when the kernel can run these tensors: built, CPU, x fp32, weights fp32 or bf16 (both
+    the same) laid out [E, in, out]."""
     return (
         _kernel is not None
         and x.device.type == gate_up.device.type == down.device.type == "cpu"
-        and x.dtype == gate_up.dtype == down.dtype == torch.float32
+        and x.dtype == torch.float32
+        and gate_up.dtype == down.dtype
+        and gate_up.dtype in (torch.float32, torch.bfloat16)
         and _in_out(gate_up) is not None
         and _in_out(down) is not None
     )
@@ -82,7 +95,7 @@ def moe_experts_cpu(x: Tensor, experts: Tensor, weights: Tensor, gate_up: Tensor
     Raises RuntimeError when the kernel cannot run them, ValueError for an expert id out of range."""
     if _kernel is None or not supports(x, gate_up, down):
         raise RuntimeError(
-            "moe_experts_cpu needs the built kernel, fp32 CPU tensors and [E, in, out] weights"
+            "moe_experts_cpu needs the built kernel, fp32 CPU x and fp32/bf16 [E, in, out] weights"
         )
     gu, dn = _in_out(gate_up), _in_out(down)
     assert gu is not None and dn is not None
@@ -103,6 +116,7 @@ def moe_experts_cpu(x: Tensor, experts: Tensor, weights: Tensor, gate_up: Tensor
         num_experts,
         hidden,
         inter,
+        gu.dtype is torch.bfloat16,
     )
     return out
 

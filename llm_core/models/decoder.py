@@ -390,6 +390,11 @@ class DecoderForCausalLM(nn.Module):
             layer.after_load(backends)
         if self.lm_head.weight is not self.model.embed_tokens.weight:  # lookups want rows contiguous
             self.lm_head.weight.data = input_major(self.lm_head.weight.data)
+        taken = [layer.packed is not None for layer in layers]
+        if any(taken) and not all(taken) and self.lm_head.weight.dtype != torch.float32:
+            # the layer backend computes in float32, modules in the weights' dtype: one or the other
+            for layer in layers:
+                layer.packed = None
         self._layer_backend_runs = any(layer.packed is not None for layer in layers)
         return backends
 
@@ -416,10 +421,16 @@ class DecoderForCausalLM(nn.Module):
         x = self.embed(input_ids) if input_embeds is None else input_embeds
         assert x.shape[0] == positions.shape[-1] == batch.num_tokens, "tokens, positions, slots disagree"
         assert positions.dim() == (2 if self.config.mrope_section else 1), "M-RoPE takes [3, T] positions"
-        rope = self.rope_tables(positions, x.dtype)
         if self._layer_backend_runs:
-            # x: a fresh embedding, or a copy of the caller's (the layer backend updates it in place)
-            x = x.contiguous() if input_embeds is None else x.clone(memory_format=torch.contiguous_format)
+            # The layer backend computes in float32 whatever the weights' storage, and updates x in
+            # place: a fresh float32 embedding, else a float32 copy.
+            fresh = input_embeds is None and x.dtype == torch.float32
+            x = (
+                x.contiguous()
+                if fresh
+                else x.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+            )
+        rope = self.rope_tables(positions, x.dtype)
         step = self.backends.layer.begin(batch)
         residual = None
         for layer in self.model.layers:
@@ -461,8 +472,10 @@ class DecoderForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [B, hidden] (e.g. the last new token of each sequence) -> logits [B, vocab] (fp32)."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        """hidden [B, hidden] (e.g. the last new token of each sequence) -> logits [B, vocab] (fp32).
+        The product runs in the lm_head's dtype (bf16 weights: hidden rounded to bf16 first)."""
+        w = self.lm_head.weight
+        return F.linear(hidden.to(w.dtype), w).float()
 
     @torch.inference_mode()
     def forward_dense(

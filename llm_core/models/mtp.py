@@ -92,7 +92,9 @@ class MTPLayer(nn.Module):
 
     def mix(self, embeds: Tensor, prev_hidden: Tensor) -> Tensor:
         """embeds [T, hidden] (of the tokens t_{i+j+1}), prev_hidden [T, hidden] (h^j) -> x [T, hidden].
-        Embedding first, hidden second (the agreed order, as in DeepSeek-V3's NextN heads)."""
+        Embedding first, hidden second (the agreed order, as in DeepSeek-V3's NextN heads). Runs in
+        the embeddings' dtype (the target's layer backend hands a float32 h^j beside bf16 weights)."""
+        prev_hidden = prev_hidden.to(embeds.dtype)
         return self.eh_proj(torch.cat([_norm(self.enorm, embeds), _norm(self.hnorm, prev_hidden)], dim=-1))
 
     def after_load(self, backends: Backends) -> PackedLayer | None:
@@ -224,7 +226,8 @@ class MTPHeads(nn.Module):
             # op split over threads would wait for one (~0.1 ms here, the product itself ~10 us).
             # A prefill chunk's rows are worth the threads.
             with torch_threads(1 if t <= SMALL_MIX_ROWS else threads):
-                x = head.mix(embed(token_ids), prev_hidden).contiguous()  # [T, hidden]
+                # [T, hidden] float32, as the layer backend computes
+                x = head.mix(embed(token_ids), prev_hidden).to(torch.float32).contiguous()
             residual = torch.empty_like(x)
             step = self.layer_backend.begin(batch)
             cos, sin = rope[head.self_attn.rotary.key]

@@ -63,6 +63,10 @@ def test_agreement_counts_identical_outputs_and_common_prefixes() -> None:
     a = agreement([[1, 2, 3, 4], [1, 2, 3, 4]], [[1, 2, 3, 4], [1, 2, 9, 9]])
     assert a["identical"] == 1 and a["of"] == 2
     assert a["mean_common_prefix"] == pytest.approx((1.0 + 0.5) / 2)
+    long = [list(range(40)), list(range(40))]
+    late = [list(range(40)), [*range(32), 0, *range(33, 40)]]  # differs at token 33 only
+    b = agreement(long, late)
+    assert b["identical"] == 1 and b["first32_identical"] == 2
 
 
 def test_our_kv_per_sequence_is_full_layers_plus_the_window() -> None:
@@ -72,6 +76,8 @@ def test_our_kv_per_sequence_is_full_layers_plus_the_window() -> None:
     # 6 SWA layers x 4 heads x 96 x fp32 over the pages a 128-token window spans (9 of 16 tokens)
     assert kv["swa_tokens"] == 144 and kv["swa_bytes"] == 6 * 4 * 96 * 4 * 144
     assert kv["bytes"] == kv["full_bytes"] + kv["swa_bytes"]
+    bf16 = ours_kv_per_sequence(ensure_default_checkpoint(), 8192, "bfloat16")  # epd llm --dtype bfloat16
+    assert bf16["bytes"] * 2 == kv["bytes"] and bf16["dtype"] == "torch.bfloat16"
 
 
 def test_the_harness_measures_a_real_epd_llm(tmp_path: Path) -> None:

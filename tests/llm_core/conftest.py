@@ -116,17 +116,18 @@ class SimdKernel(Protocol):
 
 
 def simd_fixture(kernel: SimdKernel) -> Any:
-    """A fixture that runs a test once per SIMD level of ``kernel`` ("avx2" where the CPU has it,
-    "scalar"), restoring the level the kernel chose at import afterwards."""
+    """A fixture that runs a test once per SIMD level of ``kernel`` ("avx512" and "avx2" where the
+    kernel and the CPU have them, "scalar"), restoring the level the kernel chose at import
+    afterwards."""
 
-    @pytest.fixture(params=["avx2", "scalar"])
+    @pytest.fixture(params=["avx512", "avx2", "scalar"])
     def simd(request: pytest.FixtureRequest) -> Iterator[str]:
         before = kernel.simd()
         assert before is not None
         try:
             kernel.set_simd(request.param)
         except ValueError:
-            pytest.skip(f"{request.param} is not available on this CPU")
+            pytest.skip(f"{request.param} is not available in this kernel on this CPU")
         yield request.param
         kernel.set_simd(before)
 
@@ -139,7 +140,8 @@ def expert_product(request: pytest.FixtureRequest) -> Iterator[str]:
     (``cpu_moe.set_blas_min_rows``), restoring the threshold chosen at import afterwards."""
     from llm_core.kernels import cpu_moe
 
-    before = cpu_moe.blas_min_rows()
-    cpu_moe.set_blas_min_rows(1 if request.param == "blas" else 1 << 30)
+    before = cpu_moe.blas_min_rows(), cpu_moe.bf16_blas_min_rows()
+    rows = 1 if request.param == "blas" else 1 << 30
+    cpu_moe.set_blas_min_rows(rows, rows)  # bf16 weights too
     yield request.param
-    cpu_moe.set_blas_min_rows(before)
+    cpu_moe.set_blas_min_rows(*before)

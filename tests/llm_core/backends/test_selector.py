@@ -26,7 +26,10 @@ def test_cpu_fp32_takes_the_c_kernels() -> None:
 
 
 def test_other_dtypes_and_devices() -> None:
-    assert select_backends("cpu", torch.bfloat16).names() == ALL_TORCH
+    # bf16 on CPU: the layer kernel (bf16 storage, float32 compute); the per-op kernels are fp32 only
+    bf16_layer = "cpu" if cpu_layer.AVAILABLE else "none"
+    assert select_backends("cpu", torch.bfloat16).names() == {**ALL_TORCH, "layer": bf16_layer}
+    assert select_backends("cpu", torch.float16).names() == ALL_TORCH
     assert select_backends(torch.device("cuda"), torch.bfloat16).names() == {
         **ALL_TORCH,
         "attention": "triton",

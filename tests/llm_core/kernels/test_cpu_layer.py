@@ -19,7 +19,7 @@ from llm_core.backends.selector import select_backends
 from llm_core.caches.kv_pool import DualKVCache
 from llm_core.kernels import cpu_layer
 from llm_core.kernels.attention_batch import AttentionBatch, build_attention_batch
-from llm_core.models.checkpoint import LoadedLLM
+from llm_core.models.checkpoint import LoadedLLM, load_llm
 from llm_core.models.config import DecoderConfig
 from llm_core.models.decoder import DecoderForCausalLM
 from llm_core.models.moe import SparseMoE
@@ -40,8 +40,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def zeroed_kv(config: DecoderConfig, num_pages: int) -> DualKVCache:
-    kv = make_kv(config, num_pages)  # NaN-poisoned; zero it so that pools compare with torch.equal
+def zeroed_kv(config: DecoderConfig, num_pages: int, dtype: torch.dtype = torch.float32) -> DualKVCache:
+    kv = make_kv(config, num_pages, dtype)  # NaN-poisoned; zero it so that pools compare with torch.equal
     for i in range(kv.num_layers):
         kv.layer(i).k.zero_()
         kv.layer(i).v.zero_()
@@ -229,3 +229,106 @@ def test_errors_are_value_errors(loaded: LoadedLLM) -> None:
         cpu_layer.decoder_layer_cpu(
             weights, cpu_layer.StepArgs(missing), kv.layer(2), cos, sin, x.clone(), x.clone(), False
         )
+
+
+# ---- bf16 storage: weights and KV pools in bf16, everything computed in float32 ----------------
+
+
+@pytest.fixture(scope="module")
+def bf16_pair(tiny_mimo_dir: Path) -> tuple[DecoderForCausalLM, DecoderForCausalLM]:
+    """The tiny checkpoint loaded in bf16, and a float32 twin holding exactly its values (every
+    weight rounded to bf16, then widened), re-packed by ``after_load``."""
+    bf16 = load_llm(tiny_mimo_dir, dtype=torch.bfloat16).model
+    twin = load_llm(tiny_mimo_dir).model
+    state = twin.state_dict()
+    with torch.no_grad():
+        for name, t in bf16.state_dict().items():
+            if t.is_floating_point():
+                state[name].copy_(t.float())
+    twin.after_load()
+    assert bf16.backends.layer.name == "cpu" and all(
+        layer.packed is not None for layer in bf16.model.decoder_layers()
+    )
+    return bf16, twin
+
+
+def run_kernel(
+    model: DecoderForCausalLM, i: int, batch: AttentionBatch, seed: int, kv: DualKVCache
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, residual) after layer i through the layer kernel, its KV written into ``kv``."""
+    layer, config = model.model.layers[i], model.config
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch.num_tokens, config.hidden_size, generator=g)
+    residual = torch.randn(batch.num_tokens, config.hidden_size, generator=g)
+    cos, sin = layer.self_attn._cos_sin(batch.positions(), torch.float32, {})
+    weights = layer.packed
+    assert isinstance(weights, cpu_layer.LayerWeights)
+    cpu_layer.decoder_layer_cpu(
+        weights, cpu_layer.StepArgs(batch), kv.layer(i), cos, sin, x, residual, i == 0
+    )
+    return x, residual
+
+
+@pytest.mark.parametrize("news", [[40, 33], [1, 1]])  # BLAS (widened weights) / the packed bf16 strips
+def test_bf16_weights_give_the_bits_of_their_float32_values(
+    bf16_pair: tuple[DecoderForCausalLM, DecoderForCausalLM], news: list[int], expert_product: str
+) -> None:
+    """A bf16 weight widens to float32 exactly as it is read, and the products and sums run as for a
+    float32 weight: every layer's output, residual and stored KV equal the float32 twin's bit for bit."""
+    bf16, twin = bf16_pair
+    batch = prefill_then_decode_batch([40, 33], news)
+    for i in range(len(bf16.model.layers)):
+        kv_a, kv_b = zeroed_kv(bf16.config, 16), zeroed_kv(bf16.config, 16)
+        got, want = run_kernel(bf16, i, batch, i, kv_a), run_kernel(twin, i, batch, i, kv_b)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"layer {i}"
+        assert torch.equal(kv_a.layer(i).k, kv_b.layer(i).k) and torch.equal(kv_a.layer(i).v, kv_b.layer(i).v)
+
+
+@pytest.mark.parametrize("news", [[40, 33], [1, 1]])
+def test_bf16_kv_pools_store_as_torch_rounds_and_attend_like_the_modules(
+    loaded: LoadedLLM, news: list[int]
+) -> None:
+    """bf16 pools under float32 weights: the kernel stores each key and value rounded as torch's
+    ``.to(torch.bfloat16)`` (the torch attention backend's store), and attends over the widened
+    values as the torch reference does (float32 rounding apart)."""
+    model, config = loaded.model, loaded.config
+    batch = prefill_then_decode_batch([40, 33], news)
+    with cpu_backends(
+        model, attention="torch", layer="none"
+    ):  # the modules: torch attention reads bf16 pools
+        kv_ref = zeroed_kv(config, 16, torch.bfloat16)
+        refs = []
+        for i, layer in enumerate(model.model.layers):
+            g = torch.Generator().manual_seed(i)
+            x = torch.randn(batch.num_tokens, config.hidden_size, generator=g)
+            residual = torch.randn(batch.num_tokens, config.hidden_size, generator=g)
+            refs.append(layer(x, None if i == 0 else residual, batch.positions(), batch, kv_ref, {}))
+    kv = zeroed_kv(config, 16, torch.bfloat16)
+    for i, (out, res) in enumerate(refs):
+        xk, rk = run_kernel(model, i, batch, i, kv)
+        assert kv.layer(i).k.dtype == torch.bfloat16
+        assert torch.equal(kv.layer(i).k, kv_ref.layer(i).k) and torch.equal(kv.layer(i).v, kv_ref.layer(i).v)
+        assert rel_err(rk, res) <= 1e-5 and rel_err(xk, out) <= 1e-5, f"layer {i}"
+
+
+def test_bf16_model_forward_runs_the_layer_kernel_in_float32(
+    bf16_pair: tuple[DecoderForCausalLM, DecoderForCausalLM],
+) -> None:
+    """The paged forward of the bf16 model (bf16 weights and pools) against its float32 twin (fp32
+    pools): hidden states apart only by the pools' bf16 rounding, and greedy picks that agree."""
+    bf16, twin = bf16_pair
+    ids = [prompt(29, seed=8), prompt(13, seed=9)]
+    outs = []
+    for model, dtype in ((bf16, torch.bfloat16), (twin, torch.float32)):
+        kv = make_kv(model.config, 16, dtype)
+        full_free, swa_free = free_lists(16, seed=2)
+        seqs = [PagedSeq(full_free, swa_free) for _ in range(2)]
+        hidden = [step(model, kv, seqs, [ids[0][:27], ids[1][:11]])]
+        for t in (27, 28):
+            hidden.append(step(model, kv, seqs, [ids[0][t : t + 1], ids[1][t - 16 : t - 15]]))
+        outs.append(torch.cat(hidden))
+    assert outs[0].dtype == torch.float32
+    assert rel_err(outs[0], outs[1]) <= 2e-2  # keys and values rounded to 8 bits of mantissa
+    logits = [model.compute_logits(h) for model, h in zip((bf16, twin), outs, strict=True)]
+    agree = (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean()
+    assert agree >= 0.9, agree

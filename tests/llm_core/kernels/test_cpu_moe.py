@@ -136,16 +136,22 @@ def float64_reference(
     return out
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "rows", [[1, 0, 0, 2], [15, 16, 0, 17], [0, 64, 3, 0], [300, 1, 0, 0], [4096, 0, 0, 0], [0, 0, 0, 0]]
 )
-def test_rows_per_expert_from_one_to_thousands_against_float64(rows: list[int], expert_product: str) -> None:
+def test_rows_per_expert_from_one_to_thousands_against_float64(
+    rows: list[int], weight_dtype: torch.dtype, expert_product: str
+) -> None:
     """Expert e gets rows[e] tokens (top-1: experts with none included), from 1 row to a prefill
-    chunk's hundreds and 4,096, through each product, and the threshold chosen at import."""
+    chunk's hundreds and 4,096, through each product, and the threshold chosen at import; weights
+    stored in float32 or bf16 (the reference takes the bf16 values exactly)."""
     num_experts, hidden, inter = len(rows), 48, 32
     g = torch.Generator().manual_seed(sum(rows) + 7)
-    gu = torch.randn(num_experts, hidden, 2 * inter, generator=g) * 0.2  # [E, in, out] memory
-    dn = torch.randn(num_experts, inter, hidden, generator=g) * 0.2
+    gu = (torch.randn(num_experts, hidden, 2 * inter, generator=g) * 0.2).to(
+        weight_dtype
+    )  # [E, in, out] memory
+    dn = (torch.randn(num_experts, inter, hidden, generator=g) * 0.2).to(weight_dtype)
     experts = torch.tensor([e for e, n in enumerate(rows) for _ in range(n)], dtype=torch.int64)
     experts = experts[torch.randperm(len(experts), generator=g)].reshape(-1, 1)
     x = torch.randn(len(experts), hidden, generator=g)
@@ -153,6 +159,11 @@ def test_rows_per_expert_from_one_to_thousands_against_float64(rows: list[int], 
     out = cpu_moe.moe_experts_cpu(x, experts, weights, gu.transpose(1, 2), dn.transpose(1, 2))
     want = float64_reference(x, experts, weights, gu, dn)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    if weight_dtype is torch.bfloat16:  # widened as read: the bits of float32 weights of those values
+        same = cpu_moe.moe_experts_cpu(
+            x, experts, weights, gu.float().transpose(1, 2), dn.float().transpose(1, 2)
+        )
+        assert torch.equal(out, same)
 
 
 def test_both_products_agree_to_float32_rounding() -> None:
@@ -165,13 +176,41 @@ def test_both_products_agree_to_float32_rounding() -> None:
     experts = torch.tensor([e for e, n in enumerate(rows) for _ in range(n)]).reshape(-1, 1)
     x = torch.randn(len(experts), 48, generator=g)
     weights = torch.rand(len(experts), 1, generator=g)
-    before = cpu_moe.blas_min_rows()
+    before = cpu_moe.blas_min_rows(), cpu_moe.bf16_blas_min_rows()
     outs = []
     try:
         for n in (1 << 30, 1, 16):
             cpu_moe.set_blas_min_rows(n)
             outs.append(cpu_moe.moe_experts_cpu(x, experts, weights, gu.transpose(1, 2), dn.transpose(1, 2)))
     finally:
-        cpu_moe.set_blas_min_rows(before)
+        cpu_moe.set_blas_min_rows(*before)
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("hidden", "inter"), [(48, 32), (40, 72), (136, 100)])
+def test_avx512_products_give_the_avx2_bits(hidden: int, inter: int, weight_dtype: torch.dtype) -> None:
+    """The AVX-512 tiles (several strips wide) run each output's FMA chain over k in the AVX2
+    tile's order: the same bits, for 1 to 9 rows per expert, strip counts that leave blocks
+    partly filled and widths with columns past the last whole strip."""
+    if cpu_moe.simd() != "avx512":
+        pytest.skip("this CPU or build has no AVX-512 products")
+    rows = [1, 2, 3, 4, 5, 9, 0, 1]
+    g = torch.Generator().manual_seed(hidden + inter)
+    gu = (torch.randn(len(rows), hidden, 2 * inter, generator=g) * 0.2).to(weight_dtype)
+    dn = (torch.randn(len(rows), inter, hidden, generator=g) * 0.2).to(weight_dtype)
+    experts = torch.tensor([e for e, n in enumerate(rows) for _ in range(n)]).reshape(-1, 1)
+    x = torch.randn(len(experts), hidden, generator=g)
+    weights = torch.rand(len(experts), 1, generator=g)
+    before = cpu_moe.blas_min_rows(), cpu_moe.bf16_blas_min_rows()
+    outs = []
+    try:
+        cpu_moe.set_blas_min_rows(1 << 30, 1 << 30)  # every expert through the small-M product
+        for level in ("avx512", "avx2"):
+            cpu_moe.set_simd(level)
+            outs.append(cpu_moe.moe_experts_cpu(x, experts, weights, gu.transpose(1, 2), dn.transpose(1, 2)))
+    finally:
+        cpu_moe.set_simd("avx512")
+        cpu_moe.set_blas_min_rows(*before)
+    assert torch.equal(outs[0], outs[1])

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from llm_core.models.checkpoint import LoadedLLM, load_llm
 from llm_core.prompts.tokenizer import load_tokenizer
 from llm_core.serving.engine import LLMEngine, StepOutput
 from llm_core.serving.sampling import SamplingParams
@@ -150,6 +151,40 @@ def test_greedy_under_preemption(
         for i, outs in enumerate(results):
             assert tokens(outs) == hf_reference[i], f"prompt {i} (len {len(prompts[i])})"
         assert engine.scheduler.num_preemptions > 0
+        check_kv_released(engine)
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def loaded_bf16(tiny_mimo_dir: Any) -> LoadedLLM:
+    """The tiny checkpoint in bf16: weights and KV pools in bf16, the CPU layer kernel computing in
+    float32 (``llm_core.backends.selector``)."""
+    loaded = load_llm(tiny_mimo_dir, dtype=torch.bfloat16)
+    assert loaded.model.backends.layer.name == "cpu"
+    return loaded
+
+
+def test_bf16_greedy_is_the_same_alone_batched_chunked_and_cached(
+    loaded_bf16: LoadedLLM, prompts: list[list[int]]
+) -> None:
+    """bf16 through the layer kernel: each prompt alone (no prefix cache) is the reference; all 8 in
+    flight with chunked prefill, then again from the prefix cache, give the same ids."""
+    engine = make_engine(loaded_bf16, enable_prefix_cache=False)
+    try:
+        alone = [tokens(outs) for p in prompts for outs in run_all(engine, [p])]
+    finally:
+        engine.stop()
+    engine = make_engine(loaded_bf16, max_num_batched_tokens=64, max_prefill_chunk=24)
+    try:
+        for attempt in ("batched", "cached"):
+            results = run_all(engine, prompts)
+            for i, outs in enumerate(results):
+                assert tokens(outs) == alone[i], f"{attempt}: prompt {i} (len {len(prompts[i])})"
+            if attempt == "cached":  # every prompt of two pages or more starts from the cache
+                assert all(
+                    o[-1].num_cached_tokens > 0 for o, p in zip(results, prompts, strict=True) if len(p) >= 32
+                )
         check_kv_released(engine)
     finally:
         engine.stop()
