@@ -772,7 +772,8 @@ def run_size_vllm(
 ) -> dict[str, Any]:
     """``run_size`` against vLLM at its best thread binding for each concurrency: our engine up
     throughout; vLLM started once per bind in ``binds``, and against each the interleaved repeats
-    of every level (which side goes first alternates). A level reports the bind under which vLLM's
+    of every level (which side goes first alternates; every bind's repeats get prompts of their
+    own, so our server, up throughout, never meets a prompt again in its prefix cache). A level reports the bind under which vLLM's
     median tokens/s was highest, with our repeats from the same session (the same minutes of the
     machine); every bind's medians stay in ``vllm_bind_tokens_per_s``. Then the agreement pass,
     against the last vLLM started. ``dtype``: both sides' weights (and KV)."""
@@ -795,8 +796,10 @@ def run_size_vllm(
                 for rep in range(repeats):
                     for c in levels:
                         for name, url, side in sides if rep % 2 == 0 else sides[::-1]:
+                            # prompts new to both sides: ours stays up across binds, and would
+                            # find a previous bind's prompts in its prefix cache
                             runs.setdefault((bind, name, c), []).append(
-                                run_level(url, side, c, max_tokens, seed, rep)
+                                run_level(url, side, c, max_tokens, seed, rep + i * repeats)
                             )
                 print(
                     f"{size}: vLLM, VLLM_CPU_OMP_THREADS_BIND={bind}: tokens/s "
@@ -809,6 +812,9 @@ def run_size_vllm(
                     c8 = max([x for x in levels if x <= 8] or [min(levels)])
                     for name, url, side in sides:
                         ids[name] = agreement_ids(url, side, c8, max_tokens, seed)
+        if dtype != "float32":  # each side's ids against float32's (ours: float32 ids equal vLLM's)
+            with serve_ours(model_dir, threads, top, work) as f32_url:
+                ids["epd float32"] = agreement_ids(f32_url, OURS, c8, max_tokens, seed)
     row["vllm_preload"] = vllm_preload()
     row["vllm_bind_tokens_per_s"] = {
         b: {c: median_row(runs[b, "vllm", c])["tokens_per_s"] for c in levels} for b in binds
@@ -821,6 +827,10 @@ def run_size_vllm(
         lv["vllm_bind"] = bind
         row["levels"][c] = lv
     row["agreement"] = agreement(ids["epd"], ids["vllm"])
+    if "epd float32" in ids:
+        row["agreement_with_float32"] = {
+            name: agreement(ids[name], ids["epd float32"]) for name in ("epd", "vllm")
+        }
     return row
 
 
@@ -962,6 +972,11 @@ def main_vllm(args: argparse.Namespace, sizes: list[str], levels: list[int], wor
             f"(mean common prefix {a['mean_common_prefix']:.0%}); vLLM's VLLM_CPU_OMP_THREADS_BIND per level: "
             f"{chosen} (vLLM tokens/s by bind: {per_bind}), LD_PRELOAD {':'.join(r['vllm_preload']) or 'none'}"
         )
+        for name, vs in r.get("agreement_with_float32", {}).items():
+            print(
+                f"{r['size']}: {name} ({args.dtype}) against our float32 ids (vLLM's equal them in float32): "
+                f"identical {vs['identical']}/{vs['of']}, first 32 tokens {vs['first32_identical']}/{vs['of']}"
+            )
     summary: dict[str, Any] = {"size": rows[0]["size"], "dtype": args.dtype}
     post = "_bf16" if args.dtype == "bfloat16" else ""  # e.g. medium_vllm_ratio_c32_bf16
     for i, r in enumerate(rows):
@@ -978,6 +993,8 @@ def main_vllm(args: argparse.Namespace, sizes: list[str], levels: list[int], wor
         a = r["agreement"]
         summary[f"{pre}vllm_identical_share{post}"] = a["identical"] / a["of"]
         summary[f"{pre}vllm_first32_identical{post}"] = a["first32_identical"]
+        for name, vs in r.get("agreement_with_float32", {}).items():  # how far each side's bf16 moves
+            summary[f"{pre}{name}_first32_vs_float32{post}"] = vs["first32_identical"]
     summary["vllm_skipped"] = skipped
     write_json(args.json, machine=machine_info(), config=vars(args), results=rows, summary=summary)
     return 0

@@ -89,7 +89,7 @@ _EXTENSIONS = {
 
 def _not_built_reason(kind: str) -> str:
     ext = _EXTENSIONS[kind]
-    if kind == "layer" and native.fallback_reason(ext) is None and cpu_layer._kernel is not None:
+    if kind == "layer" and native.fallback_reason(ext) is None and cpu_layer.BUILT:
         return "torch's sgemm_ could not be bound from libtorch_cpu"
     return native.fallback_reason(ext) or native.unavailable_reason(ext)
 

@@ -47,6 +47,7 @@ from llm_core.kernels.weight_layout import in_out_view
 _kernel = c_kernel.load("llm_core.kernels._decoder_layer")
 
 
+BUILT = _kernel is not None  # the extension loaded (AVAILABLE also needs torch's sgemm bound)
 AVAILABLE = c_kernel.bind_blas(_kernel)
 
 # Batches of at most this many rows use the strip-packed weight copies (``pack_strips``), larger
