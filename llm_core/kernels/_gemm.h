@@ -39,6 +39,17 @@ static inline Py_ssize_t strip_index(const Strips *st, Py_ssize_t k, Py_ssize_t 
     return (j / 16) * st->step + k * st->ld + j % 16;
 }
 
+/* Columns c0 .. n - 1 (past the last whole strip) of every row, one at a time. */
+static void gemm_tail_columns(const float *const *x, Py_ssize_t M, const void *W, Py_ssize_t in, Py_ssize_t c0,
+                              Py_ssize_t n, float *y, Py_ssize_t ldy, const Strips *st) {
+    for (Py_ssize_t r = 0; r < M; r++)
+        for (Py_ssize_t c = c0; c < n; c++) {
+            float acc = 0.0f;
+            for (Py_ssize_t k = 0; k < in; k++) acc += x[r][k] * elem_at(W, strip_index(st, k, c), st->bf16);
+            y[r * ldy + c] = acc;
+        }
+}
+
 static void gemm_rows_scalar(const float *const *x, Py_ssize_t M, const void *W, Py_ssize_t in, Py_ssize_t n,
                              float *y, Py_ssize_t ldy, const void *next, const Strips *strips) {
     (void)next;
@@ -147,12 +158,7 @@ static inline AVX2 __attribute__((always_inline)) void gemm_rows_avx2_t(const in
             r0 += left >= 5 ? 6 : left >= 3 ? 4 : 2;
         }
     }
-    for (Py_ssize_t r = 0; r < M; r++) /* columns past the last full strip, one at a time */
-        for (Py_ssize_t c = strips * 16; c < n; c++) {
-            float acc = 0.0f;
-            for (Py_ssize_t k = 0; k < in; k++) acc += x[r][k] * elem_at(W, strip_index(st, k, c), bf16);
-            y[r * ldy + c] = acc;
-        }
+    gemm_tail_columns(x, M, W, in, strips * 16, n, y, ldy, st);
 }
 
 /* One specialisation per weight type. */
@@ -360,12 +366,7 @@ static inline AVX512 __attribute__((always_inline)) void gemm_rows_avx512_t(cons
         }
         s += S;
     }
-    for (Py_ssize_t r = 0; r < M; r++) /* columns past the last full strip, one at a time */
-        for (Py_ssize_t c = strips * 16; c < n; c++) {
-            float acc = 0.0f;
-            for (Py_ssize_t k = 0; k < in; k++) acc += x[r][k] * elem_at(W, strip_index(st, k, c), bf16);
-            y[r * ldy + c] = acc;
-        }
+    gemm_tail_columns(x, M, W, in, strips * 16, n, y, ldy, st);
 }
 
 static AVX512 void gemm_rows_avx512(const float *const *x, Py_ssize_t M, const void *W, Py_ssize_t in, Py_ssize_t n,

@@ -172,18 +172,22 @@ def test_paged_forward_equals_the_modules(loaded: LoadedLLM) -> None:
     """A prefill chunk then two decode steps of two sequences, with and without the layer kernel."""
     model, config = loaded.model, loaded.config
     assert all(layer.packed is not None for layer in model.model.decoder_layers())
-    ids = [prompt(29, seed=8), prompt(13, seed=9)]
     outs = []
     for on in (True, False):
         with cpu_backends(model, **({} if on else {"layer": "none"})):
-            kv = make_kv(config, 16)
-            full_free, swa_free = free_lists(16, seed=2)
-            seqs = [PagedSeq(full_free, swa_free) for _ in range(2)]
-            hidden = [step(model, kv, seqs, [ids[0][:27], ids[1][:11]])]
-            for t in (27, 28):
-                hidden.append(step(model, kv, seqs, [ids[0][t : t + 1], ids[1][t - 16 : t - 15]]))
-            outs.append(torch.cat(hidden))
+            outs.append(prefill_then_two_decode_steps(model, make_kv(config, 16)))
     assert rel_err(outs[0], outs[1]) <= 1e-6
+
+
+def prefill_then_two_decode_steps(model: DecoderForCausalLM, kv: DualKVCache) -> torch.Tensor:
+    """The hidden states of a prefill chunk then two decode steps of two sequences."""
+    ids = [prompt(29, seed=8), prompt(13, seed=9)]
+    full_free, swa_free = free_lists(16, seed=2)
+    seqs = [PagedSeq(full_free, swa_free) for _ in range(2)]
+    hidden = [step(model, kv, seqs, [ids[0][:27], ids[1][:11]])]
+    for t in (27, 28):
+        hidden.append(step(model, kv, seqs, [ids[0][t : t + 1], ids[1][t - 16 : t - 15]]))
+    return torch.cat(hidden)
 
 
 def test_model_falls_back_to_the_modules(loaded: LoadedLLM) -> None:
@@ -317,16 +321,10 @@ def test_bf16_model_forward_runs_the_layer_kernel_in_float32(
     """The paged forward of the bf16 model (bf16 weights and pools) against its float32 twin (fp32
     pools): hidden states apart only by the pools' bf16 rounding, and greedy picks that agree."""
     bf16, twin = bf16_pair
-    ids = [prompt(29, seed=8), prompt(13, seed=9)]
-    outs = []
-    for model, dtype in ((bf16, torch.bfloat16), (twin, torch.float32)):
-        kv = make_kv(model.config, 16, dtype)
-        full_free, swa_free = free_lists(16, seed=2)
-        seqs = [PagedSeq(full_free, swa_free) for _ in range(2)]
-        hidden = [step(model, kv, seqs, [ids[0][:27], ids[1][:11]])]
-        for t in (27, 28):
-            hidden.append(step(model, kv, seqs, [ids[0][t : t + 1], ids[1][t - 16 : t - 15]]))
-        outs.append(torch.cat(hidden))
+    outs = [
+        prefill_then_two_decode_steps(model, make_kv(model.config, 16, dtype))
+        for model, dtype in ((bf16, torch.bfloat16), (twin, torch.float32))
+    ]
     assert outs[0].dtype == torch.float32
     assert rel_err(outs[0], outs[1]) <= 2e-2  # keys and values rounded to 8 bits of mantissa
     logits = [model.compute_logits(h) for model, h in zip((bf16, twin), outs, strict=True)]
