@@ -269,6 +269,10 @@ def decoder_layer_cpu(
     slot outside the pool or a page a query reads that is not in it (x and residual are then partly
     updated)."""
     assert _kernel is not None
+    if kv.k.dtype not in STORAGE_DTYPES or kv.v.dtype != kv.k.dtype:
+        raise ValueError(
+            f"decoder_layer: KV pools of {kv.k.dtype} / {kv.v.dtype}; float32 or bf16, both alike"
+        )
     _kernel.decoder_layer(
         step.buffer(x, writable=True),
         step.buffer(residual, writable=True),

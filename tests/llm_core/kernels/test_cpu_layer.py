@@ -221,6 +221,11 @@ def test_errors_are_value_errors(loaded: LoadedLLM) -> None:
         cpu_layer.decoder_layer_cpu(
             weights, cpu_layer.StepArgs(batch), kv.layer(2), cos, sin, x[:11].clone(), x.clone(), False
         )
+    half = zeroed_kv(loaded.config, 16, torch.float16)  # a pool dtype the kernel does not read
+    with pytest.raises(ValueError, match="float32 or bf16"):
+        cpu_layer.decoder_layer_cpu(
+            weights, cpu_layer.StepArgs(batch), half.layer(2), cos, sin, x.clone(), x.clone(), False
+        )
     bad = dataclasses.replace(batch, slots=tuple(s + 10**6 for s in batch.slots))
     before = kv.layer(2).k.clone()
     with pytest.raises(ValueError, match="outside the pool"):
@@ -292,14 +297,12 @@ def test_bf16_weights_give_the_bits_of_their_float32_values(
 def test_bf16_kv_pools_store_as_torch_rounds_and_attend_like_the_modules(
     loaded: LoadedLLM, news: list[int]
 ) -> None:
-    """bf16 pools under float32 weights: the kernel stores each key and value rounded as torch's
-    ``.to(torch.bfloat16)`` (the torch attention backend's store), and attends over the widened
-    values as the torch reference does (float32 rounding apart)."""
+    """bf16 pools under float32 weights: each key and value the kernel stores is the float32 one
+    it stores into float32 pools, rounded as torch's ``.to(torch.bfloat16)`` (exactly), and the
+    layer attends over the widened values as the torch reference does (float32 rounding apart)."""
     model, config = loaded.model, loaded.config
     batch = prefill_then_decode_batch([40, 33], news)
-    with cpu_backends(
-        model, attention="torch", layer="none"
-    ):  # the modules: torch attention reads bf16 pools
+    with cpu_backends(model, attention="torch", layer="none"):  # torch attention reads bf16 pools
         kv_ref = zeroed_kv(config, 16, torch.bfloat16)
         refs = []
         for i, layer in enumerate(model.model.layers):
@@ -307,11 +310,12 @@ def test_bf16_kv_pools_store_as_torch_rounds_and_attend_like_the_modules(
             x = torch.randn(batch.num_tokens, config.hidden_size, generator=g)
             residual = torch.randn(batch.num_tokens, config.hidden_size, generator=g)
             refs.append(layer(x, None if i == 0 else residual, batch.positions(), batch, kv_ref, {}))
-    kv = zeroed_kv(config, 16, torch.bfloat16)
+    kv, kv_f32 = zeroed_kv(config, 16, torch.bfloat16), zeroed_kv(config, 16)
     for i, (out, res) in enumerate(refs):
         xk, rk = run_kernel(model, i, batch, i, kv)
-        assert kv.layer(i).k.dtype == torch.bfloat16
-        assert torch.equal(kv.layer(i).k, kv_ref.layer(i).k) and torch.equal(kv.layer(i).v, kv_ref.layer(i).v)
+        run_kernel(model, i, batch, i, kv_f32)
+        for pool, f32 in ((kv.layer(i).k, kv_f32.layer(i).k), (kv.layer(i).v, kv_f32.layer(i).v)):
+            assert pool.dtype == torch.bfloat16 and torch.equal(pool, f32.to(torch.bfloat16))
         assert rel_err(rk, res) <= 1e-5 and rel_err(xk, out) <= 1e-5, f"layer {i}"
 
 
