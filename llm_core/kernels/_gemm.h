@@ -72,6 +72,19 @@ typedef struct {
     Py_ssize_t pf_step;
 } TileFetch;
 
+/* The fetches of the first row tile over strips [s0, s1) of ``strips``: next_strip as given, and
+ * that range's share of ``next`` (bytes long, or NULL), lines [s0, s1) / strips, over in steps. */
+static inline TileFetch tile_fetch(Py_ssize_t next_strip, const void *next, Py_ssize_t bytes, Py_ssize_t strips,
+                                   Py_ssize_t s0, Py_ssize_t s1, Py_ssize_t in) {
+    TileFetch fetch = {next_strip, NULL, NULL, 0};
+    if (next != NULL) {
+        fetch.pf = (const char *)next + s0 * bytes / strips / 64 * 64;
+        fetch.pf_end = (const char *)next + s1 * bytes / strips;
+        fetch.pf_step = ((fetch.pf_end - fetch.pf) / in + 63) / 64 * 64;
+    }
+    return fetch;
+}
+
 /* y rows (ldy apart) = R rows x[0 .. R) times one 16-column strip w (rows ld elements apart, bf16
  * or float32 elements), in registers: R x 2 accumulators, one FMA chain per accumulator over k. R
  * and bf16 are constants at every call (the unused accumulators and branches fold away; named
@@ -138,12 +151,7 @@ static inline AVX2 __attribute__((always_inline)) void gemm_rows_avx2_t(const in
         const Py_ssize_t j = s * 16;
         /* the first row tile fetches the next strip, one line per k, and its share of ``next``,
          * lines [s, s + 1) / strips, spread over the same k loop */
-        TileFetch fetch = {s + 1 < strips ? st->step : 0, NULL, NULL, 0};
-        if (next != NULL) {
-            fetch.pf = (const char *)next + s * bytes / strips / 64 * 64;
-            fetch.pf_end = (const char *)next + (s + 1) * bytes / strips;
-            fetch.pf_step = ((fetch.pf_end - fetch.pf) / in + 63) / 64 * 64;
-        }
+        const TileFetch fetch = tile_fetch(s + 1 < strips ? st->step : 0, next, bytes, strips, s, s + 1, in);
         const char *w = (const char *)W + s * st->step * es;
         for (Py_ssize_t r0 = 0; r0 < M;) {
             const Py_ssize_t left = M - r0;
@@ -342,12 +350,7 @@ static inline AVX512 __attribute__((always_inline)) void gemm_rows_avx512_t(cons
         const int S = strips - s >= width ? width : 1;
         /* the first row tile fetches the next block's first lines, one row per k, and its share of
          * ``next``, lines [s, s + S) / strips, spread over the same k loop */
-        TileFetch fetch = {s + S < strips ? S * sstep : 0, NULL, NULL, 0};
-        if (next != NULL) {
-            fetch.pf = (const char *)next + s * bytes / strips / 64 * 64;
-            fetch.pf_end = (const char *)next + (s + S) * bytes / strips;
-            fetch.pf_step = ((fetch.pf_end - fetch.pf) / in + 63) / 64 * 64;
-        }
+        const TileFetch fetch = tile_fetch(s + S < strips ? S * sstep : 0, next, bytes, strips, s, s + S, in);
         const char *w = (const char *)W + s * sstep;
         for (Py_ssize_t r0 = 0; r0 < M;) {
             const Py_ssize_t left = M - r0;

@@ -22,10 +22,8 @@
  * served engine on 2 cores). Set by set_blas_min_rows (c_kernel.expert_blas_min_rows at import). */
 static Py_ssize_t moe_blas_min_rows = 16;
 
-/* The same for bf16 weights, by default max(moe_blas_min_rows, 16): such an expert's weight is
- * first widened to float32 (a pass over it at write bandwidth), which pays only when many rows
- * share it; fewer rows stream the bf16 weight through the small-M product. */
-#define MOE_BF16_BLAS_FLOOR 16
+/* The same for bf16 weights (c_kernel.blas_thresholds: a bf16 expert's weight is first widened
+ * to float32, which pays only when many rows share it). */
 static Py_ssize_t moe_bf16_blas_min_rows = 16;
 
 static inline int moe_is_large(Py_ssize_t rows, int bf16) {
@@ -211,13 +209,12 @@ static const char *moe_run(const MoeProblem *pb) {
     return err;
 }
 
-/* set_blas_min_rows(n[, n_bf16]): experts with n rows or more (n_bf16 for bf16 weights; default
- * max(n, 16)) multiply through BLAS from now on. */
+/* set_blas_min_rows(n, n_bf16): experts with n rows or more (n_bf16 for bf16 weights) multiply
+ * through BLAS from now on. */
 static PyObject *py_set_blas_min_rows(PyObject *self, PyObject *args) {
-    Py_ssize_t n, n_bf16 = 0;
+    Py_ssize_t n, n_bf16;
     (void)self;
-    if (!PyArg_ParseTuple(args, "n|n", &n, &n_bf16)) return NULL;
-    if (PyTuple_GET_SIZE(args) < 2) n_bf16 = n > MOE_BF16_BLAS_FLOOR ? n : MOE_BF16_BLAS_FLOOR;
+    if (!PyArg_ParseTuple(args, "nn", &n, &n_bf16)) return NULL;
     if (n < 1 || n_bf16 < 1) {
         PyErr_SetString(PyExc_ValueError, "set_blas_min_rows: row counts must be >= 1");
         return NULL;
@@ -228,8 +225,8 @@ static PyObject *py_set_blas_min_rows(PyObject *self, PyObject *args) {
 
 #define SET_BLAS_MIN_ROWS_METHOD                                                                             \
     {"set_blas_min_rows", py_set_blas_min_rows, METH_VARARGS,                                              \
-     "set_blas_min_rows(n[, n_bf16]): routed experts with n rows or more (n_bf16 with bf16 weights, default "  \
-     "max(n, 16)) multiply through BLAS (when bound)."}
+     "set_blas_min_rows(n, n_bf16): routed experts with n rows or more (n_bf16 with bf16 weights) multiply " \
+     "through BLAS (when bound)."}
 
 /* ---- routing ------------------------------------------------------------------------------- */
 

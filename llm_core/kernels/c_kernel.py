@@ -82,10 +82,22 @@ def expert_blas_min_rows() -> int:
     return 1 if _cpu_vendor() == "GenuineIntel" else 16
 
 
+# A bf16 expert goes through BLAS from this many rows at the least: its weight is first widened
+# to float32 (a pass over it at write bandwidth), which pays only when many rows share it; fewer
+# rows stream the bf16 weight through the small-M product.
+BF16_EXPERT_BLAS_FLOOR = 16
+
+
+def blas_thresholds(n: int, bf16: int | None = None) -> tuple[int, int]:
+    """The kernels' (float32, bf16) expert BLAS thresholds for float32 threshold n; the bf16 one by
+    default max(n, ``BF16_EXPERT_BLAS_FLOOR``)."""
+    return n, max(n, BF16_EXPERT_BLAS_FLOOR) if bf16 is None else bf16
+
+
 def bind_blas(kernel: ModuleType | None) -> bool:
-    """``bind_sgemm``, then the routed experts' BLAS threshold (``expert_blas_min_rows``)."""
+    """``bind_sgemm``, then the routed experts' BLAS thresholds (``expert_blas_min_rows``)."""
     if not bind_sgemm(kernel):
         return False
     assert kernel is not None
-    kernel.set_blas_min_rows(expert_blas_min_rows())
+    kernel.set_blas_min_rows(*blas_thresholds(expert_blas_min_rows()))
     return True

@@ -55,14 +55,14 @@ def bf16_blas_min_rows() -> int:
 
 
 def set_blas_min_rows(n: int, bf16: int | None = None) -> None:
-    """Experts with n rows or more (``bf16`` rows with bf16 weights; default max(n, 16): widening
-    the weight first pays with many rows only) multiply through BLAS from now on, in this kernel
-    and the decoder-layer kernel alike (``c_kernel.expert_blas_min_rows`` at import; tests run both
+    """Experts with n rows or more (``bf16`` rows with bf16 weights; default:
+    ``c_kernel.blas_thresholds``) multiply through BLAS from now on, in this kernel and the
+    decoder-layer kernel alike (``c_kernel.expert_blas_min_rows`` at import; tests run both
     products this way)."""
     global _blas_min_rows
     from llm_core.kernels import cpu_layer
 
-    both = (n, max(n, BF16_BLAS_FLOOR) if bf16 is None else bf16)
+    both = c_kernel.blas_thresholds(n, bf16)
     if _kernel is not None:
         _kernel.set_blas_min_rows(*both)
     if cpu_layer.AVAILABLE:
@@ -70,8 +70,7 @@ def set_blas_min_rows(n: int, bf16: int | None = None) -> None:
     _blas_min_rows = both
 
 
-BF16_BLAS_FLOOR = 16  # the C kernels' MOE_BF16_BLAS_FLOOR
-_blas_min_rows = (c_kernel.expert_blas_min_rows(), max(c_kernel.expert_blas_min_rows(), BF16_BLAS_FLOOR))
+_blas_min_rows = c_kernel.blas_thresholds(c_kernel.expert_blas_min_rows())  # as bind_blas set them
 
 
 def supports(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:

@@ -391,7 +391,7 @@ class DecoderForCausalLM(nn.Module):
         if self.lm_head.weight is not self.model.embed_tokens.weight:  # lookups want rows contiguous
             self.lm_head.weight.data = input_major(self.lm_head.weight.data)
         taken = [layer.packed is not None for layer in layers]
-        if any(taken) and not all(taken) and self.lm_head.weight.dtype != torch.float32:
+        if any(taken) and not all(taken) and self.model.embed_tokens.weight.dtype != torch.float32:
             # the layer backend computes in float32, modules in the weights' dtype: one or the other
             for layer in layers:
                 layer.packed = None
