@@ -174,6 +174,19 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+DTYPES = ("float32", "bfloat16")  # what a benchmark's --dtype offers (our CPU engine runs both)
+
+
+def add_dtype_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--dtype float32|bfloat16`` (default float32); ``what`` says what it sets."""
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help=what)
+
+
+def dtype_key_suffix(dtype: str) -> str:
+    """What a run's summary keys end in: "_bf16" for a bfloat16 run (beside the float32 run's keys)."""
+    return "_bf16" if dtype == "bfloat16" else ""
+
+
 def _jsonable(v: Any) -> Any:
     if isinstance(v, Path):
         return str(v)

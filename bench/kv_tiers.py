@@ -35,7 +35,16 @@ from typing import Any
 
 import torch
 
-from bench.common import add_common_args, format_machine, machine_info, percentiles, print_table, write_json
+from bench.common import (
+    add_common_args,
+    add_dtype_arg,
+    dtype_key_suffix,
+    format_machine,
+    machine_info,
+    percentiles,
+    print_table,
+    write_json,
+)
 from bench.pd import PRO_LAYOUT
 from epd_common.store.local_redis import LocalRedis
 from epd_common.store_config import StoreConfig, build_store
@@ -154,11 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(parser)
     parser.add_argument("--lengths", default="2048,8192,32000", help="history tokens per session")
     parser.add_argument("--sessions", type=int, default=2, help="returning sessions per length")
-    parser.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="the engines' weights and KV (bfloat16: half the bytes per page; summary keys end in _bf16)",
+    add_dtype_arg(
+        parser, "the engines' weights and KV (bfloat16: half the bytes per page; summary keys end in _bf16)"
     )
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
@@ -241,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     if longest["length"] >= 32000:
         summary["ttft_ratio_32k"] = longest["ttft_ratio"]
         summary["meets_target"] = longest["ttft_ratio"] <= 0.5
-    if args.dtype == "bfloat16":  # the bf16 run's keys beside the float32 run's: ttft_ratio_32k_bf16
-        summary = {k if k.startswith("pro_") else f"{k}_bf16": v for k, v in summary.items()}
+    post = dtype_key_suffix(args.dtype)  # the bf16 run's keys beside the float32 run's: ttft_ratio_32k_bf16
+    summary = {k if k.startswith("pro_") else f"{k}{post}": v for k, v in summary.items()}
     summary["dtype"] = args.dtype
     print(
         f"TTFT / recompute at {longest['length']} tokens: host tier {longest['ttft_ratio_host_tier']:.3f}, "

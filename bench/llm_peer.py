@@ -92,6 +92,8 @@ import aiohttp
 
 from bench.common import (
     add_common_args,
+    add_dtype_arg,
+    dtype_key_suffix,
     format_machine,
     machine_info,
     percentiles,
@@ -850,11 +852,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=OUTPUT_TOKENS, help="output tokens per request")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; rows report the median")
     parser.add_argument("--work-dir", default=None, help="GGUF files and logs (default: the bench cache)")
-    parser.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="both sides' weights and KV (bfloat16: --peer vllm only; summary keys get a _bf16 suffix)",
+    add_dtype_arg(
+        parser, "both sides' weights and KV (bfloat16: --peer vllm only; summary keys get a _bf16 suffix)"
     )
     parser.add_argument(
         "--vllm-bind",
@@ -978,7 +977,7 @@ def main_vllm(args: argparse.Namespace, sizes: list[str], levels: list[int], wor
                 f"identical {vs['identical']}/{vs['of']}, first 32 tokens {vs['first32_identical']}/{vs['of']}"
             )
     summary: dict[str, Any] = {"size": rows[0]["size"], "dtype": args.dtype}
-    post = "_bf16" if args.dtype == "bfloat16" else ""  # e.g. medium_vllm_ratio_c32_bf16
+    post = dtype_key_suffix(args.dtype)  # e.g. medium_vllm_ratio_c32_bf16
     for i, r in enumerate(rows):
         pre = "" if i == 0 else f"{r['size']}_"  # the first size's keys unprefixed
         for c in levels:

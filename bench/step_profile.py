@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from bench.common import format_machine, machine_info, print_table, usable_cores, write_json
+from bench.common import add_dtype_arg, format_machine, machine_info, print_table, usable_cores, write_json
 
 PHASES = ("norms", "qkv_proj", "attention", "o_proj", "router", "routed_experts", "dense_mlp")
 COLUMNS = (*PHASES, "forward_rest", "logits", "sampling", "engine_python")
@@ -183,9 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-repeats", type=int, default=3, help="steps with a chunk timed per size")
     ap.add_argument("--threads", type=int, default=0, help="torch / kernel threads (0: the usable cores)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and KV storage"
-    )
+    add_dtype_arg(ap, "weights and KV storage")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",") if x]
