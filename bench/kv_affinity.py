@@ -38,13 +38,18 @@ the sequence's last page (where its window is kept), else only up to the branch 
 healed, near the end of turn t-2's prompt. ``hit rate by turn`` and the JSON's per-request
 ``turns`` show both.
 
+``--repeats N`` plays N rounds of every policy, interleaved (affinity, round robin, ..., affinity,
+...), each on a fresh service: the trace runs ~10 s, and on a small machine one policy's input
+tokens/s spreads ~40% between runs. The summary's gains and load ratio are then the medians of the
+rounds' (``rounds`` holds each round's).
+
 ``summary``: ``hit_rate_gain`` and ``input_throughput_gain`` (affinity / round robin - 1),
 ``max_load_ratio`` (affinity's), the same gains against least-load, the raw figures per policy,
 and per target whether it is met (None when a policy it needs was not run or had failed requests).
 
     python -m bench.kv_affinity [--sessions 16] [--turns 6] [--concurrency 8] [--max-tokens 16]
                                 [--engines 4] [--policies affinity,round_robin,least_load]
-                                [--kv-memory-bytes 0] [--json out.json] [--quick]
+                                [--kv-memory-bytes 0] [--repeats 1] [--json out.json] [--quick]
                                 [--backend vllm]   (vLLM servers: bench.kv_affinity_vllm; summary
                                                     adds vllm_hit_gain, vllm_input_tps_gain,
                                                     vllm_max_mean_load)
@@ -57,6 +62,7 @@ import asyncio
 import base64
 import json
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -188,6 +194,21 @@ def _gain(new: float, base: float) -> float | None:
     return new / base - 1.0 if base > 0 else None
 
 
+GAIN_KEYS = ("hit_rate_gain", "input_throughput_gain", "max_load_ratio")
+
+
+def _judge(out: dict[str, Any]) -> None:
+    """The targets and, per target, whether ``out``'s figure meets it (None: not measured)."""
+    gain, tput, ratio = (out[k] for k in GAIN_KEYS)
+    targets = (TARGET_HIT_RATE_GAIN, TARGET_INPUT_THROUGHPUT_GAIN, TARGET_MAX_LOAD_RATIO)
+    out["targets"] = dict(zip(GAIN_KEYS, targets, strict=True))
+    out["meets_hit_rate_target"] = None if gain is None else gain >= TARGET_HIT_RATE_GAIN
+    out["meets_input_throughput_target"] = None if tput is None else tput >= TARGET_INPUT_THROUGHPUT_GAIN
+    out["meets_load_target"] = None if ratio is None else ratio <= TARGET_MAX_LOAD_RATIO
+    verdicts = [out["meets_hit_rate_target"], out["meets_input_throughput_target"], out["meets_load_target"]]
+    out["meets_all_targets"] = None if None in verdicts else all(verdicts)
+
+
 def summarize(results: Mapping[str, PolicyResult]) -> dict[str, Any]:
     """Gains of affinity over round robin (and least-load), affinity's load ratio, the verdicts."""
     aff, rr, ll = (results.get(p) for p in ("affinity", "round_robin", "least_load"))
@@ -203,18 +224,23 @@ def summarize(results: Mapping[str, PolicyResult]) -> dict[str, Any]:
             "hit_rate_gain": _gain(aff.hit_rate, ll.hit_rate),
             "input_throughput_gain": _gain(aff.input_tokens_per_s, ll.input_tokens_per_s),
         }
-    gain, tput, ratio = out["hit_rate_gain"], out["input_throughput_gain"], out["max_load_ratio"]
-    out["targets"] = {
-        "hit_rate_gain": TARGET_HIT_RATE_GAIN,
-        "input_throughput_gain": TARGET_INPUT_THROUGHPUT_GAIN,
-        "max_load_ratio": TARGET_MAX_LOAD_RATIO,
-    }
-    out["meets_hit_rate_target"] = None if gain is None else gain >= TARGET_HIT_RATE_GAIN
-    out["meets_input_throughput_target"] = None if tput is None else tput >= TARGET_INPUT_THROUGHPUT_GAIN
-    out["meets_load_target"] = None if ratio is None else ratio <= TARGET_MAX_LOAD_RATIO
-    verdicts = [out["meets_hit_rate_target"], out["meets_input_throughput_target"], out["meets_load_target"]]
-    out["meets_all_targets"] = None if None in verdicts else all(verdicts)
+    _judge(out)
     out["policies"] = {p: r.figures() for p, r in results.items()}
+    return out
+
+
+def summarize_rounds(rounds: Sequence[Mapping[str, PolicyResult]]) -> dict[str, Any]:
+    """``summarize`` over several rounds (each a fresh service per policy): every gain and the load
+    ratio is the median of the rounds' (a round that lacks one is left out of its median), the
+    verdicts are taken on those medians, and ``rounds`` keeps each round's own summary. One round
+    is ``summarize`` of it, plus ``rounds``."""
+    each = [summarize(r) for r in rounds]
+    out = dict(each[-1]) if len(each) == 1 else summarize({})
+    for key in GAIN_KEYS:
+        values = [s[key] for s in each if s[key] is not None]
+        out[key] = statistics.median(values) if values else None
+    _judge(out)
+    out["rounds"] = [{k: s[k] for k in (*GAIN_KEYS, "policies")} for s in each]
     return out
 
 
@@ -437,6 +463,13 @@ def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else f"{v:{spec}}"
 
 
+def _round_line(s: Mapping[str, Any]) -> str:
+    return (
+        f"hit rate {_fmt(s['hit_rate_gain'], '+.1%')}, input tokens/s {_fmt(s['input_throughput_gain'], '+.1%')}, "
+        f"max/mean load {_fmt(s['max_load_ratio'], '.2f')}"
+    )
+
+
 def _verdict(v: bool | None) -> str:
     return "not measured" if v is None else "met" if v else "NOT met"
 
@@ -478,6 +511,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="with --kv-memory-bytes: the SWA share (default: the engine's)",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of every policy, interleaved, each a fresh service; the summary takes medians",
+    )
     parser.add_argument("--log-dir", type=Path, default=None, help="service logs (default: a temporary dir)")
     args = parser.parse_args(argv)
     if args.engines is None:
@@ -488,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(policies) - set(POLICIES))
     if unknown or not policies:
         parser.error(f"--policies: unknown {unknown}; known: {', '.join(POLICIES)}")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     if args.swa_fraction is not None and args.kv_memory_bytes <= 0:
         parser.error("--swa-fraction goes with --kv-memory-bytes (the derived budget has its own)")
     trace = make_trace(
@@ -519,19 +560,26 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kv-affinity-"))
-    results: dict[str, PolicyResult] = {}
-    for p in policies:
-        t0 = time.perf_counter()
-        if args.backend == "vllm":
-            from bench.kv_affinity_vllm import run_policy_vllm
+    rounds: list[dict[str, PolicyResult]] = []
+    for n in range(args.repeats):
+        results: dict[str, PolicyResult] = {}
+        for p in policies:
+            t0 = time.perf_counter()
+            if args.backend == "vllm":
+                from bench.kv_affinity_vllm import run_policy_vllm
 
-            results[p] = run_policy_vllm(p, trace, args, log_dir)
-        else:
-            results[p] = run_policy(p, trace, args, budget, log_dir)
-        print(f"{p}: done in {time.perf_counter() - t0:.1f} s (service start included)", flush=True)
+                results[p] = run_policy_vllm(p, trace, args, log_dir)
+            else:
+                results[p] = run_policy(p, trace, args, budget, log_dir)
+            print(f"{p}: done in {time.perf_counter() - t0:.1f} s (service start included)", flush=True)
+        rounds.append(results)
+        if args.repeats > 1:
+            print(f"round {n + 1} of {args.repeats}: {_round_line(summarize(results))}", flush=True)
     info = machine_info()
-    print_results(results, f"{format_machine(info)} | logs: {log_dir}")
-    summary = summarize(results)
+    for n, results in enumerate(rounds):
+        caption = f"round {n + 1} of {args.repeats} | " if args.repeats > 1 else ""
+        print_results(results, f"{caption}{format_machine(info)} | logs: {log_dir}")
+    summary = summarize_rounds(rounds)
     if args.backend == "vllm":  # the fleet issue's keys: the same figures, on the engine users run
         summary.update(
             vllm_hit_gain=summary["hit_rate_gain"],
@@ -539,19 +587,22 @@ def main(argv: list[str] | None = None) -> int:
             vllm_max_mean_load=summary["max_load_ratio"],
         )
     gain, tput, ratio = (summary[k] for k in ("hit_rate_gain", "input_throughput_gain", "max_load_ratio"))
+    median = f" (median of {args.repeats} rounds)" if args.repeats > 1 else ""
     print(
-        f"affinity vs round robin: hit rate {_fmt(gain, '+.1%')} (target >= +{TARGET_HIT_RATE_GAIN:.0%}: "
+        f"affinity vs round robin{median}: hit rate {_fmt(gain, '+.1%')} (target >= +{TARGET_HIT_RATE_GAIN:.0%}: "
         f"{_verdict(summary['meets_hit_rate_target'])}), input tokens/s {_fmt(tput, '+.1%')} (target >= "
         f"+{TARGET_INPUT_THROUGHPUT_GAIN:.0%}: {_verdict(summary['meets_input_throughput_target'])}); "
         f"affinity max/mean engine load {_fmt(ratio, '.2f')} (target <= {TARGET_MAX_LOAD_RATIO}: "
         f"{_verdict(summary['meets_load_target'])})"
     )
+    per_round = [{p: {**r._asdict(), **r.figures()} for p, r in results.items()} for results in rounds]
     write_json(
         args.json,
         machine=info,
         config={**vars(args), "policies": policies, "kv_memory_bytes": budget[0], "swa_fraction": budget[1],
                 "derived_budget": derived._asdict(), "requests": trace.requests, "images": trace.images},
-        results={p: {**r._asdict(), **r.figures()} for p, r in results.items()},
+        # per policy, or with --repeats a list of rounds, each per policy
+        results=per_round[0] if len(per_round) == 1 else per_round,
         summary=summary,
     )  # fmt: skip
     return 0

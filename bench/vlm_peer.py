@@ -865,6 +865,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="cores of the epd in front of vLLM (auto: those vLLM's inference threads are not bound to; off)",
     )
+    g.add_argument(
+        "--vllm-frontend-cpus",
+        choices=("llm", "epd", "all"),
+        default="llm",
+        help="with epd in front: vLLM's API server and engine core on the inference threads' cores, "
+        "on epd's, or anywhere (its worker's inference threads stay bound)",
+    )
     g.add_argument("--vllm-api-servers", type=int, default=d.api_servers, help="--api-server-count")
     g.add_argument("--vllm-mm-cache-gb", type=float, default=d.mm_cache_gb, help="--mm-processor-cache-gb")
     g.add_argument(
@@ -917,6 +924,18 @@ def epd_cpus(spec: str, settings: VLLMSettings) -> tuple[int, ...]:
     )
     rest = tuple(c for c in usable if c not in bound)
     return rest if rest and len(rest) < len(usable) else ()
+
+
+def frontend_cpus(spec: str, epd: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Where vLLM's API server and engine core run while epd is in front (``--vllm-frontend-cpus``):
+    ``llm`` the cores epd leaves (beside the inference threads), ``epd`` epd's own cores, ``all``
+    every core (None)."""
+    usable = tuple(sorted(os.sched_getaffinity(0)))
+    if spec == "epd":
+        return epd or None
+    if spec == "llm":
+        return tuple(c for c in usable if c not in epd) or None
+    return None
 
 
 class Servers:
@@ -983,7 +1002,7 @@ class Servers:
             elif name == "epd+vllm":
                 assert front is not None and front.pid is not None
                 mine = epd_cpus(self.args.epd_cpus, self.settings)
-                theirs = tuple(c for c in sorted(os.sched_getaffinity(0)) if c not in mine) or None
+                theirs = frontend_cpus(self.args.vllm_frontend_cpus, mine)
                 out.append(
                     Side(
                         name,

@@ -21,6 +21,7 @@ from bench.kv_affinity import (
     TurnRecord,
     policy_result,
     summarize,
+    summarize_rounds,
 )
 from bench.kv_affinity_trace import (
     IMAGE_TOKENS,
@@ -251,3 +252,25 @@ def test_bad_flags_are_refused_before_any_service_starts(flags: list[str], tmp_p
     with pytest.raises(SystemExit) as exc:
         main([*flags, "--log-dir", str(tmp_path)])
     assert exc.value.code == 2
+
+
+def test_rounds_take_the_median_of_each_gain_and_judge_it() -> None:
+    def round_(aff_wall: float, aff_cached: int, top: int) -> dict[str, PolicyResult]:
+        return {
+            "affinity": _result("affinity", 10_000, aff_cached, aff_wall, [100, 100, 100, top]),
+            "round_robin": _result("round_robin", 10_000, 4_000, 10.0, [100] * 4),
+        }
+
+    # input tokens/s gains +25%, +100%, +42.9%; hit gains +50%, +25%, +10%; max/mean load 1.0, 1.82, 1.47
+    rounds = [round_(8.0, 6_000, 100), round_(5.0, 5_000, 250), round_(7.0, 4_400, 175)]
+    s = summarize_rounds(rounds)
+    assert s["input_throughput_gain"] == pytest.approx(10.0 / 7.0 - 1)  # the middle round's
+    assert s["hit_rate_gain"] == pytest.approx(0.25)
+    assert s["max_load_ratio"] == pytest.approx(175 / 118.75)
+    assert s["meets_input_throughput_target"] is True and s["meets_hit_rate_target"] is True
+    assert s["meets_load_target"] is True and s["meets_all_targets"] is True
+    assert [r["input_throughput_gain"] for r in s["rounds"]] == pytest.approx([0.25, 1.0, 10.0 / 7.0 - 1])
+    # one round: the round's own summary
+    assert summarize_rounds(rounds[:1])["input_throughput_gain"] == pytest.approx(0.25)
+    assert summarize_rounds(rounds[:1])["meets_input_throughput_target"] is False
+    json.dumps(s)
