@@ -60,7 +60,7 @@ class ChurnRun(NamedTuple):
 def _apply(event: str, router: EncoderRouter, caches: CacheSet) -> None:
     if event == "death":
         # mark_down logs a warning meant for an operator; here it is the experiment.
-        router_log = logging.getLogger("epd.backend_pool")
+        router_log = logging.getLogger("epd.server_pool")
         level = router_log.level
         router_log.setLevel(logging.ERROR)
         try:

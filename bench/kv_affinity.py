@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         "--backend",
         choices=("epd", "vllm"),
         default="epd",
-        help="epd's engines, or vLLM servers behind epd serve --llm-backend vllm (bench.kv_affinity_vllm)",
+        help="epd's engines, or vLLM servers behind epd serve --llm-server vllm (bench.kv_affinity_vllm)",
     )
     parser.add_argument("--vllm-max-model-len", type=int, default=4096, help="with --backend vllm")
     parser.add_argument(

@@ -1,5 +1,5 @@
 """``bench.kv_affinity --backend vllm``: the same trace and policies over several vLLM servers (the
-CPU build, ``make vllm-peer``) behind one ``epd serve --llm-backend vllm``.
+CPU build, ``make vllm-peer``) behind one ``epd serve --llm-server vllm``.
 
 Per policy a fresh set of servers (no policy inherits another's caches), each started as a team
 would start it for epd's router: ``--enable-mm-embeds``, ``--prefix-caching-hash-algo
@@ -70,8 +70,8 @@ def start_servers(
     stack: ExitStack, directory: Path, blocks: int, args: argparse.Namespace, log_dir: Path, tag: str
 ) -> list[tuple[str, str]]:
     """``args.engines`` vLLM servers: (url, "events,replay") each."""
-    from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMServer
-    from epd.llm_backends.vllm_routing import local_kv_events, remove_local
+    from epd.llm_servers.vllm_launch import VLLMLaunch, VLLMProcess
+    from epd.llm_servers.vllm_routing import local_kv_events, remove_local
 
     cores = sorted(os.sched_getaffinity(0))
     out = []
@@ -97,7 +97,7 @@ def start_servers(
             kv_events=events,
         )
         server = stack.enter_context(
-            VLLMServer(launch, log_dir / f"vllm-{tag}-{i}.log", ready_timeout_s=420.0)
+            VLLMProcess(launch, log_dir / f"vllm-{tag}-{i}.log", ready_timeout_s=420.0)
         )
         out.append((server.url, f"{events.endpoint},{events.replay}"))
     return out
@@ -114,7 +114,7 @@ def run_policy_vllm(policy: str, trace: Trace, args: argparse.Namespace, log_dir
         servers = start_servers(stack, directory, blocks, args, log_dir, policy)
         cmd = [
             sys.executable, "-m", "epd.cli", "serve", "--port", str(port), "--model", str(directory),
-            "--llm-backend", "vllm", "--llm-router-policy", policy, "--llm-router-seed", str(args.seed),
+            "--llm-server", "vllm", "--llm-router-policy", policy, "--llm-router-seed", str(args.seed),
             "--vllm-block-size", str(BLOCK_SIZE), "--encoder-workers", "1", "--encoder-torch-threads", "1",
             "--encoder-decode-threads", "1", "--max-queue-wait-s", "120", "--log-level", "warning",
         ]  # fmt: skip

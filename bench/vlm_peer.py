@@ -11,7 +11,7 @@ server that adds ``--latency-ms`` per response, like an object store):
     vllm        vLLM's OpenAI server alone, given the raw image URLs: it downloads, decodes and
                 preprocesses them (its Hugging Face processor, in its API server process), runs the
                 tower and the language model
-    epd+vllm    ``epd serve --model DIR --llm-backend vllm --llm-url URL``: epd's ingress downloads,
+    epd+vllm    ``epd serve --model DIR --llm-server vllm --llm-url URL``: epd's ingress downloads,
                 its encoder workers decode, preprocess and run the tower (node cache and MediaKeys
                 as always), and the chat goes to the *same* vLLM server with one ``image_embeds``
                 part per image
@@ -319,7 +319,7 @@ PROBES: tuple[VLLMSettings, ...] = (
 
 
 def start_vllm(model_dir: Path, settings: VLLMSettings, log: Path, max_seqs: int) -> Any:
-    from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMServer
+    from epd.llm_servers.vllm_launch import VLLMLaunch, VLLMProcess
 
     launch = VLLMLaunch(
         str(model_dir),
@@ -336,7 +336,7 @@ def start_vllm(model_dir: Path, settings: VLLMSettings, log: Path, max_seqs: int
         ),
         env=settings.env(),
     )
-    return VLLMServer(launch, log, ready_timeout_s=420.0).start()
+    return VLLMProcess(launch, log, ready_timeout_s=420.0).start()
 
 
 # ---- requests -------------------------------------------------------------------------------------
@@ -403,7 +403,7 @@ class Requests:
         uuid per request (no cache hit), the same text."""
         import torch
 
-        from epd.llm_backends.vllm_embeds import tensor_b64
+        from epd.llm_servers.vllm_embeds import tensor_b64
         from media_io.preprocess.resize import smart_resize
         from media_io.processor_config import preprocess_config_from_dir
 
@@ -987,7 +987,7 @@ class Servers:
             print(f"vLLM up in {time.monotonic() - t0:.0f} s ({self.settings.label()})", flush=True)
             front = None
             if "epd+vllm" in sides:
-                front = self._epd("epd+vllm", ["--llm-backend", "vllm", "--llm-url", self.vllm.url])
+                front = self._epd("epd+vllm", ["--llm-server", "vllm", "--llm-url", self.vllm.url])
                 front.cmd = list(pinned_argv(tuple(front.cmd), epd_cpus(self.args.epd_cpus, self.settings)))
                 front.start()
         finally:
@@ -1281,7 +1281,7 @@ def run_probe(args: argparse.Namespace, model_dir: Path, images: Sequence[Corpus
 
 
 def run(args: argparse.Namespace) -> int:
-    from epd.llm_backends.vllm_launch import find_vllm
+    from epd.llm_servers.vllm_launch import find_vllm
 
     if args.quick:
         _quick(args)

@@ -1,6 +1,6 @@
 """The epd service: configuration, the ``epd`` CLI, the ingress HTTP app, the launcher that
 starts and supervises the encoder and LLM processes (or a local vLLM server), the language-model
-backends a chat is answered by (``llm_backends``), metrics and the OpenAI-compatible API.
+servers a chat is answered by (``llm_servers``), metrics and the OpenAI-compatible API.
 
 It reaches into the roles only for what it wires or shares: the encoder's cache and worker, the
 engine's server, prompts, request record and model check, the shared-memory KV names; never an

@@ -2,7 +2,7 @@
 pass-through ``POST /v1/completions``.
 
 E → P → D: the media of all messages are resolved concurrently to EmbeddingRefs (cache or
-encoder); the language-model backend (``epd.llm_backends``: our engine, or vLLM) turns the
+encoder); the language-model server (``epd.llm_servers``: our engine, or vLLM) turns the
 messages and refs into its server's request, and its answer into a ``ChatResult`` or a stream of
 ``ChatDelta``s, which this module frames as OpenAI chat responses with epd's media usage added.
 
@@ -38,10 +38,10 @@ from epd_common.errors import APIError, bad_request, error_body, overloaded, unp
 _NOT_SAMPLING = frozenset({"messages", "model", "stream", "stream_options", "n", "best_of", "user"})
 
 
-def _sampling(body: dict[str, Any], backend: str) -> dict[str, Any]:
-    """The sampling fields the backend's server gets unchanged (``client_fields`` has checked the
+def _sampling(body: dict[str, Any], server: str) -> dict[str, Any]:
+    """The sampling fields the LLM server gets unchanged (``client_fields`` has checked the
     names and bounds; the server validates the values)."""
-    fields = allowed_fields(backend, chat=True) - _NOT_SAMPLING - {"max_completion_tokens"}
+    fields = allowed_fields(server, chat=True) - _NOT_SAMPLING - {"max_completion_tokens"}
     out = {k: body[k] for k in fields if k in body and body[k] is not None}
     if "max_completion_tokens" in body and "max_tokens" not in out:
         out["max_tokens"] = body["max_completion_tokens"]
@@ -77,7 +77,7 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
     body = await read_json(request, ingress.config.max_json_body_bytes)
     if not isinstance(body, dict):
         raise unprocessable("the body must be a JSON object", "body")
-    check_fields(body, ingress.backend.name, chat=True)
+    check_fields(body, ingress.llm_server.name, chat=True)
     model = resolve_model(ingress.config, body.get("model"))
     # One deadline for the whole chat: the media resolve against it, the engine gets what is left.
     deadline = request_deadline_s(request.headers, ingress.config.max_queue_wait_s)
@@ -92,7 +92,7 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
         raise APIError(415, str(exc), type="unsupported_media_type", param=exc.param) from exc
     except ChatTemplateError as exc:
         raise bad_request(str(exc), exc.param) from exc
-    sampling = _sampling(body, ingress.backend.name)
+    sampling = _sampling(body, ingress.llm_server.name)
     stream = bool(body.get("stream", False))
     want_ids = bool(body.get("return_token_ids"))
     include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
@@ -112,14 +112,14 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
             items = await ingress.pipeline.resolve_all(prompt.media, deadline, held) if prompt.media else []
         finally:
             ingress.chats_inflight -= 1
-        backend = ingress.backend
-        call = await backend.chat_call(prompt.messages, items, sampling)
+        server = ingress.llm_server
+        call = await server.chat_call(prompt.messages, items, sampling)
         media_usage = _media_usage(items, prompt.media)
         chat_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if not stream:
             out = await engines.complete(call.body, call.routing, deadline_at, call.path, call.prompt_tokens)
-            result = backend.chat_result(out)
+            result = server.chat_result(out)
             ids = {"prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids}
             return FastJSONResponse(
                 {
@@ -167,7 +167,7 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
                         yield frames.relayed(pending.raw)
                         pending = await anext(chunks, None)
                         continue
-                    delta = backend.chat_delta(pending)
+                    delta = server.chat_delta(pending)
                     if delta.usage:
                         usage = delta.usage
                     if delta.text or delta.finish_reason:
@@ -214,15 +214,15 @@ async def completions(ingress: Ingress, request: Request) -> Response:
         raise unprocessable("the body must be a JSON object", "body")
     if "multimodal" in body:
         raise unprocessable("use /v1/chat/completions to send media", "multimodal")
-    check_fields(body, ingress.backend.name, chat=False)
+    check_fields(body, ingress.llm_server.name, chat=False)
     model = resolve_model(ingress.config, body.get("model"))
     engines = ingress.engines
     deadline = request_deadline_s(request.headers, ingress.config.max_queue_wait_s)
     deadline_at = time.monotonic() + deadline
     _refuse_past_deadline(ingress, deadline)
-    call = await ingress.backend.completion_call(body)
+    call = await ingress.llm_server.completion_call(body)
     if not body.get("stream"):
-        # the served id the client asked by, whatever the backend's server calls its model
+        # the served id the client asked by, whatever the LLM server calls its model
         return FastJSONResponse(
             {
                 **await engines.complete(call.body, call.routing, deadline_at, call.path, call.prompt_tokens),

@@ -1,5 +1,5 @@
 """Which fields a client may send to ``/v1/chat/completions`` and ``/v1/completions``, per LLM
-backend, and the bounds of the costly ones. Everything else is a 400 naming the field.
+server, and the bounds of the costly ones. Everything else is a 400 naming the field.
 
 Why an allowlist: the completions body used to pass through to the server as it came, so a client
 could set fields only epd itself may set (``kv_transfer`` made an engine export its prompt's KV,
@@ -78,28 +78,28 @@ MAX_SCHEMA_CHARS = 64 * 1024  # a structured output's schema / grammar, as JSON
 
 
 @functools.cache  # read on every chat (``chat_api._sampling``): four sets, built once
-def allowed_fields(backend: str, chat: bool) -> frozenset[str]:
+def allowed_fields(server: str, chat: bool) -> frozenset[str]:
     fields = _COMMON | (_CHAT_ONLY if chat else frozenset({"prompt"}))
-    return fields | _VLLM_EXTRA if backend == "vllm" else fields
+    return fields | _VLLM_EXTRA if server == "vllm" else fields
 
 
-def check_fields(body: Mapping[str, Any], backend: str, chat: bool) -> None:
-    """400 naming the first field a client may not send to this backend's route; 422 naming one
-    whose value asks for more than the bounds (or for what this backend does not do)."""
-    allowed = allowed_fields(backend, chat)
+def check_fields(body: Mapping[str, Any], server: str, chat: bool) -> None:
+    """400 naming the first field a client may not send to this server's route; 422 naming one
+    whose value asks for more than the bounds (or for what this server does not do)."""
+    allowed = allowed_fields(server, chat)
     for name in body:
         if name in INTERNAL:
             raise bad_request(f"'{name}' is set by epd, never by a client", name)
         if name not in allowed:
             raise bad_request(
-                f"'{name}' is not a field of this endpoint (with the {backend} LLM backend); "
+                f"'{name}' is not a field of this endpoint (with the {server} LLM server); "
                 f"accepted: {', '.join(sorted(allowed))}",
                 name,
             )
-    _check_bounds(body, backend)
+    _check_bounds(body, server)
 
 
-def _check_bounds(body: Mapping[str, Any], backend: str) -> None:
+def _check_bounds(body: Mapping[str, Any], server: str) -> None:
     for name in ("n", "best_of"):
         value = body.get(name)
         if value is not None and value != 1 and not (isinstance(value, int) and 1 <= value <= MAX_N):
@@ -111,13 +111,13 @@ def _check_bounds(body: Mapping[str, Any], backend: str) -> None:
     ids = body.get("stop_token_ids")
     if isinstance(ids, list) and len(ids) > MAX_STOP_IDS:
         raise unprocessable(f"at most {MAX_STOP_IDS} stop_token_ids", "stop_token_ids")
-    if body.get("echo") and backend != "vllm":
+    if body.get("echo") and server != "vllm":
         raise unprocessable("echo is not supported by epd's engine", "echo")
     for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
         value = body.get(name)
         if value is None or value is False or (type(value) is int and value == 0):
             continue  # not asked for
-        if backend != "vllm":
+        if server != "vllm":
             raise unprocessable("logprobs are not supported by epd's engine", name)
         if value is True and name == "logprobs":
             continue  # a chat's switch; its count is top_logprobs

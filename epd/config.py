@@ -24,7 +24,7 @@ class IngressConfig:
     llm_router: RouterConfig = field(default_factory=RouterConfig)
     # Who answers chats: epd's engine ("epd", `epd llm`), or vLLM servers ("vllm": started with
     # --enable-mm-embeds; epd hands them the embeddings as image_embeds / video_embeds parts)
-    llm_backend: Literal["epd", "vllm"] = "epd"
+    llm_server: Literal["epd", "vllm"] = "epd"
     # vLLM only: hand the embeddings over as files in this folder, which vLLM reads with its
     # ECExampleConnector (--ec-transfer-config, ec_consumer; epd passes it to the vLLM it starts);
     # the requests then carry only grids and uuids. None: the bytes go inline (the default).

@@ -1,7 +1,7 @@
 """The encoder ring: MediaKeys routed over encoder workers by consistent hashing, with failover
 and single-flight.
 
-A ``BackendPool`` with the ``HashRingPolicy`` (``epd.backend_pool``), and what is the encoder's
+A ``ServerPool`` with the ``HashRingPolicy`` (``epd.server_pool``), and what is the encoder's
 own:
 
 - What an error means (``encoder_verdict``): a call that fails with a retryable error
@@ -29,17 +29,17 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from epd.backend_pool import (
-    BackendPool,
+from epd.server_pool import (
     HashRingPolicy,
     Liveness,
-    NoBackendAvailable,
+    NoServerAvailable,
     PoolConfig,
     RingPick,
+    ServerPool,
     Verdict,
 )
-from epd.backend_pool.attempts import FAILED, FATAL, UNREACHABLE, refused
-from epd.backend_pool.ring import DEFAULT_VNODES
+from epd.server_pool.attempts import FAILED, FATAL, UNREACHABLE, refused
+from epd.server_pool.ring import DEFAULT_VNODES
 
 T = TypeVar("T")
 
@@ -130,7 +130,7 @@ class EncoderRouter:
         at once when a call cannot connect to it (the health loop puts it back)."""
         self.ring = HashRingPolicy({}, vnodes)
         self.liveness = Liveness([], label="encoder worker", fall_after=fall_after, rise_after=rise_after)
-        self.pool: BackendPool[str, RingPick] = BackendPool(
+        self.pool: ServerPool[str, RingPick] = ServerPool(
             self.liveness,
             self.ring,
             functools.partial(
@@ -179,7 +179,7 @@ class EncoderRouter:
         """The worker that owns ``key`` now."""
         order = self.ring_order(key)
         if not order:
-            raise NoBackendAvailable("the encoder router has no workers configured")
+            raise NoServerAvailable("the encoder router has no workers configured")
         return order[0]
 
     def ring_order(self, key: str) -> list[str]:

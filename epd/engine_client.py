@@ -1,5 +1,5 @@
 """HTTP client the ingress uses to talk to an LLM server's OpenAI-compatible endpoints (our engine's
-``/v1/completions``; a backend's client may call another path, e.g. vLLM's ``/v1/chat/completions``).
+``/v1/completions``; a server kind's client may call another path, e.g. vLLM's ``/v1/chat/completions``).
 
 The engine's own errors (4xx) pass through with their message; an unreachable or crashed engine
 becomes a 503 with Retry-After so that clients retry once the supervisor has restarted it.
@@ -22,7 +22,7 @@ import aiohttp
 import msgspec
 from aiohttp.http_exceptions import HttpProcessingError
 
-from epd.backend_pool.refusals import MAX_WAIT_S
+from epd.server_pool.refusals import MAX_WAIT_S
 from epd_common.admission import DEADLINE_HEADER
 from epd_common.errors import APIError
 
@@ -65,12 +65,12 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
 
-    large_bodies = False  # a backend whose requests carry tensors serializes them off the loop
+    large_bodies = False  # a server kind whose requests carry tensors serializes them off the loop
     # how answers to clients name this server (its URL is internal: logs only); the pool numbers them
     label = "the LLM server"
 
     def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The body as this server takes it (a backend's client names its served model here)."""
+        """The body as this server takes it (a server kind's client names its served model here)."""
         return body
 
     async def complete(
@@ -162,7 +162,7 @@ class EngineClient:
         return APIError(status, str(err.get("message")), type=str(err.get("type") or "upstream_error"))
 
     def raise_for_status(self, resp: aiohttp.ClientResponse, payload: dict[str, Any]) -> None:
-        """A non-200 answer as the APIError the client gets (a backend's client may map its
+        """A non-200 answer as the APIError the client gets (a server kind's client may map its
         server's statuses otherwise)."""
         _raise_for_engine_status(resp, payload)
 

@@ -11,7 +11,7 @@ With engines of split roles (``epd llm --role prefill|decode``) a request goes t
     decode engine (chosen by load)      ── kv_transfer import + first token ──▶ the answer, streamed
     (no prefill engine reachable, or its export failed: the decode engine computes the prompt)
 
-Each router's engines are a ``BackendPool`` (``epd.backend_pool``) with the router as its policy;
+Each router's engines are a ``ServerPool`` (``epd.server_pool``) with the router as its policy;
 one ``Liveness`` covers every engine (an engine of role "both" is in both pools). A dispatch ends
 however the request ends (done, an error, the client gone): its ``finish`` runs in a ``finally``.
 An engine that cannot be reached before it answered anything is taken out of the routing set and
@@ -36,24 +36,24 @@ from typing import Any, NamedTuple, TypeVar
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from epd.backend_pool import (
-    AllAttemptsFailed,
-    AttemptFailure,
-    BackendPool,
-    Liveness,
-    NoBackendAvailable,
-    Outcome,
-    PoolConfig,
-    RefusalClock,
-    Verdict,
-)
-from epd.backend_pool.attempts import FATAL, UNREACHABLE, refused
 from epd.engine_client import EngineClient
-from epd.llm_backends.cache_keys import prompt_cache_keys
 from epd.llm_routing.llm_router import LLMRouter
 from epd.llm_routing.load_counters import Dispatch
 from epd.llm_routing.page_naming import RoutingPrompt
 from epd.llm_routing.policy import RouterConfig
+from epd.llm_servers.cache_keys import prompt_cache_keys
+from epd.server_pool import (
+    AllAttemptsFailed,
+    AttemptFailure,
+    Liveness,
+    NoServerAvailable,
+    Outcome,
+    PoolConfig,
+    RefusalClock,
+    ServerPool,
+    Verdict,
+)
+from epd.server_pool.attempts import FATAL, UNREACHABLE, refused
 from epd_common.admission import seconds_left
 from epd_common.errors import APIError
 from llm_core.prompts.tokenizer import Tokenizer
@@ -145,7 +145,7 @@ class _Lane(NamedTuple):
     """One router and the pool of its engines (the prefill or only one; the decode one)."""
 
     router: LLMRouter
-    pool: BackendPool[RouteRequest, Dispatch]
+    pool: ServerPool[RouteRequest, Dispatch]
 
 
 class _Opened(NamedTuple):
@@ -172,7 +172,7 @@ class EnginePool:
         make_client: Callable[[aiohttp.ClientSession, str, float], EngineClient] | None = None,
     ) -> None:
         """``roles[i]``: "prefill", "decode" or "both" (default) for ``urls[i]``; ``make_client``:
-        the backend's client of one server (default: our engine's)."""
+        the server kind's client of one server (default: our engine's)."""
         roles = tuple(roles) or ("both",) * len(urls)
         if len(roles) != len(urls) or any(r not in ("prefill", "decode", "both") for r in roles):
             raise ValueError(f"one role of prefill/decode/both per engine url, got {roles} for {list(urls)}")
@@ -207,7 +207,7 @@ class EnginePool:
 
     def _lane(self, urls: list[str], config: RouterConfig) -> _Lane:
         router = LLMRouter(urls, config, liveness=self.liveness)
-        pool: BackendPool[RouteRequest, Dispatch] = BackendPool(
+        pool: ServerPool[RouteRequest, Dispatch] = ServerPool(
             self.liveness,
             _Routed(router, self.metrics),
             _engine_verdict,
@@ -479,7 +479,7 @@ class EnginePool:
         otherwise, a 503 when no engine is up at all."""
         try:
             return await lane.pool.call(request, attempt)
-        except NoBackendAvailable as exc:
+        except NoServerAvailable as exc:
             raise APIError(503, str(exc), type="engine_unavailable", retry_after_s=2.0) from exc
         except AllAttemptsFailed as exc:
             refusals = [a.error for a in exc.refusals if isinstance(a.error, APIError)]
@@ -568,7 +568,7 @@ def _route_request(
     max_tokens: int | None,
     prompt_tokens: int | None,
 ) -> RouteRequest:
-    """``prompt_tokens``: the prompt's size when ``keys`` do not give it (a backend that routes by
+    """``prompt_tokens``: the prompt's size when ``keys`` do not give it (a server kind that routes by
     load only sends none)."""
     if max_tokens is None:
         want = body.get("max_tokens")

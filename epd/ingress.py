@@ -19,11 +19,11 @@ from epd.config import IngressConfig
 from epd.encoder_client import EncoderClient
 from epd.encoder_router import EncoderRouter, WorkerSpec
 from epd.engine_pool import EnginePool
-from epd.llm_backends.base import BackendMismatch, LLMBackend
-from epd.llm_backends.epd_engine import EpdEngineBackend
-from epd.llm_backends.vllm_backend import ModelInfo, VLLMBackend
-from epd.llm_backends.vllm_ec import ECFolder
-from epd.llm_backends.vllm_routing import parse_kv_events
+from epd.llm_servers.base import LLMServer, ServerMismatch
+from epd.llm_servers.epd_engine import EpdEngineServer
+from epd.llm_servers.vllm_ec import ECFolder
+from epd.llm_servers.vllm_routing import parse_kv_events
+from epd.llm_servers.vllm_server import ModelInfo, VLLMServer
 from epd.media_pipeline import AudioKeying, MediaPipeline
 from epd.metrics import IngressMetrics
 from epd.prompt_format import PromptFormat
@@ -74,8 +74,8 @@ class Ingress:
         self.prompt_format = PromptFormat.load(config.llm_model_dir, self.tokenizer)
         self.chats_inflight = 0
         self.store: GuardedStore | None = None
-        self.backend: LLMBackend = EpdEngineBackend(self.prompt_format)
-        # LLM servers that passed the backend's check since they were last down (vLLM: the model,
+        self.llm_server: LLMServer = EpdEngineServer(self.prompt_format)
+        # LLM servers that passed the server kind's check since they were last down (vLLM: the model,
         # its width, embeddings input); only these are routed to
         self._checked: set[str] = set()
         self._check_errors: dict[str, str] = {}
@@ -91,11 +91,11 @@ class Ingress:
         self._fetcher = Fetcher(self.config.fetch)
         await self._fetcher.__aenter__()
         if self.config.llm_urls:
-            self.backend = self._make_backend()
+            self.llm_server = self._make_llm_server()
             router = self.config.llm_router
-            if router.policy not in self.backend.routing_policies:
-                # a backend whose servers' caches the router cannot see: least-load instead
-                log.info("LLM routing: %s over %s servers", "least_load", self.backend.name)
+            if router.policy not in self.llm_server.routing_policies:
+                # a server kind whose caches the router cannot see: least-load instead
+                log.info("LLM routing: %s over %s servers", "least_load", self.llm_server.name)
                 router = dataclasses.replace(router, policy="least_load")
             self._engines = EnginePool(
                 self._session,
@@ -105,10 +105,10 @@ class Ingress:
                 self.metrics.registry,
                 timeout_s=self.config.request_timeout_s,
                 roles=self.config.llm_roles,
-                make_client=self.backend.client,
+                make_client=self.llm_server.client,
             )
             self._engines.start()
-            if self.backend.checks_servers:
+            if self.llm_server.checks_servers:
                 await self._check_servers(self.config.llm_urls, at_start=True)
         self.fingerprint = await self._encoder_fingerprint()
         self.store = build_store(self.config.store)
@@ -144,7 +144,7 @@ class Ingress:
                 await self._health_task
         if self._engines is not None:
             self._engines.close()
-            await self.backend.close()
+            await self.llm_server.close()
         if self.store is not None:
             self.store.close()
         if self._fetcher is not None:
@@ -153,19 +153,19 @@ class Ingress:
             await self._session.close()
         self.cache.close()
 
-    def _make_backend(self) -> LLMBackend:
-        """The configured backend; the prompt format keeps only the modalities it hands on."""
-        if self.config.llm_backend == "epd":
-            return EpdEngineBackend(self.prompt_format)
+    def _make_llm_server(self) -> LLMServer:
+        """The configured kind of LLM server; the prompt format keeps only the modalities it hands on."""
+        if self.config.llm_server == "epd":
+            return EpdEngineServer(self.prompt_format)
         if self.config.llm_model_dir is None:
-            raise ValueError("--llm-backend vllm needs the checkpoint directory (--model DIR)")
+            raise ValueError("--llm-server vllm needs the checkpoint directory (--model DIR)")
         model = ModelInfo.of(self.config.llm_model_dir)
         # the family's profile says which media vLLM takes as embeddings, and why not the others
         self.prompt_format = self.prompt_format.only(
-            model.profile.embeds, VLLMBackend.name, model.profile.refused_because
+            model.profile.embeds, VLLMServer.name, model.profile.refused_because
         )
         cfg = self.config
-        return VLLMBackend(
+        return VLLMServer(
             self.prompt_format,
             model,
             self.cache,
@@ -178,20 +178,22 @@ class Ingress:
 
     async def _check_servers(self, urls: Sequence[str], at_start: bool = False) -> None:
         """Ask each server what it serves, and route to it only once it passed (``_checked``).
-        At start a mismatch stops the start-up (``BackendMismatch``); later (a server that was
+        At start a mismatch stops the start-up (``ServerMismatch``); later (a server that was
         down at start, or came back: it may be another model now) it keeps the server out of
         routing, with an error logged once per message."""
         engines = self.engines
         for url in urls:
             try:
                 try:  # its own bound: a hung server must not hold the others' checks
-                    await asyncio.wait_for(self.backend.check_server(engines.clients[url]), CHECK_TIMEOUT_S)
+                    await asyncio.wait_for(
+                        self.llm_server.check_server(engines.clients[url]), CHECK_TIMEOUT_S
+                    )
                 except TimeoutError as exc:
                     raise ConnectionError(
                         f"it did not answer the check within {CHECK_TIMEOUT_S:g} s"
                     ) from exc
-            except (ConnectionError, APIError, BackendMismatch) as exc:
-                if at_start and isinstance(exc, BackendMismatch):
+            except (ConnectionError, APIError, ServerMismatch) as exc:
+                if at_start and isinstance(exc, ServerMismatch):
                     raise
                 if self._check_errors.get(url) != str(exc):
                     self._check_errors[url] = str(exc)
@@ -203,9 +205,9 @@ class Ingress:
             engines.mark(url, True)
 
     def llm_server_up(self, url: str) -> None:
-        """The supervisor restarted ``url``'s server: into routing now, or (a backend that checks
+        """The supervisor restarted ``url``'s server: into routing now, or (a server kind that checks
         its servers) once the next health round has checked it again."""
-        if self.backend.checks_servers:
+        if self.llm_server.checks_servers:
             self._checked.discard(url)
         else:
             self.engines.mark(url, True)
@@ -268,7 +270,7 @@ class Ingress:
         self.metrics.encoders_up.set(len(self.router.live_workers))
         if self._engines is not None:
             await self._engines.poll()
-            if self.backend.checks_servers:
+            if self.llm_server.checks_servers:
                 self._recheck_servers()
             healths = [self._engines.healths[u] for u, up in self._engines.up.items() if up]
             if healths:

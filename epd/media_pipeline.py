@@ -42,12 +42,12 @@ from dataclasses import dataclass, field
 from encoder.caches.embed_cache import CacheFull, EmbedCache
 from encoder.caches.embedding_tier import EmbeddingTier
 from encoder.caches.media_key import media_key_async
-from epd.backend_pool import AllAttemptsFailed, NoBackendAvailable
 from epd.encoder_client import EncoderClient, WorkerCacheFull
 from epd.encoder_router import EncoderRouter, WorkerUnavailable
 from epd.media_lease import LEASE_MARGIN_S, MediaLease, cache_full
 from epd.media_request import MediaSource
 from epd.metrics import IngressMetrics
+from epd.server_pool import AllAttemptsFailed, NoServerAvailable
 from epd_common.admission import (
     Lateness,
     ServiceRate,
@@ -339,7 +339,7 @@ class MediaPipeline:
                 f"no encoder worker could take {src.name}: {exc}",
                 retry_after_s=2.0 if retry is None else retry,
             ) from exc
-        except NoBackendAvailable as exc:
+        except NoServerAvailable as exc:
             raise overloaded(f"no encoder worker could take {src.name}: {exc}", retry_after_s=2.0) from exc
         except (WorkerCacheFull, CacheFull) as exc:  # the worker's put, or this node's copy of it
             raise _no_room(held, src.name, exc.needed_bytes, exc) from exc

@@ -1,6 +1,6 @@
 """Which cores the E stage and a local LLM server run on, so they do not fight for the same ones.
 
-``epd serve --llm-backend vllm`` starts vLLM beside epd's ingress and encoder workers. Left to the
+``epd serve --llm-server vllm`` starts vLLM beside epd's ingress and encoder workers. Left to the
 scheduler, vLLM's inference threads (which spin while a request is in flight) and the encoders'
 torch threads share every core, and each slows the other down. The split gives each its own:
 

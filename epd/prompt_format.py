@@ -77,9 +77,9 @@ class PromptFormat:
         self.unserved = unserved
         self.unserved_why: dict[str, str] = {}  # modality -> why it is not served (default: no encoder)
 
-    def only(self, modalities: frozenset[str], backend: str, because: str = "") -> PromptFormat:
-        """This format for an LLM backend that hands only ``modalities`` to its server: a part of
-        another modality the model takes gets 415 naming the backend and ``because`` (and a video is
+    def only(self, modalities: frozenset[str], server: str, because: str = "") -> PromptFormat:
+        """This format for an LLM server that hands only ``modalities`` to its server: a part of
+        another modality the model takes gets 415 naming the server kind and ``because`` (and a video is
         laid out without its sound track when audio is dropped)."""
         dropped = (self.supported - {"text"}) - modalities
         if not dropped:
@@ -90,7 +90,7 @@ class PromptFormat:
         out.unserved = self.unserved | dropped
         out.unserved_why = {
             **self.unserved_why,
-            **{m: f"the {backend} LLM backend does not take {m} input{why}" for m in dropped},
+            **{m: f"the {server} LLM server does not take {m} input{why}" for m in dropped},
         }
         out.serves_audio = self.serves_audio and "audio" not in dropped
         return out

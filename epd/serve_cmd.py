@@ -29,8 +29,8 @@ from encoder.serving.worker import WorkerConfig, plan_workers
 from epd.config import IngressConfig
 from epd.config_cli import add_dataclass_args, dataclass_from_args, dataclass_to_argv
 from epd.encoder_cmd import worker_child
-from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMLaunchError, launch_args
-from epd.llm_backends.vllm_routing import KVEventsAt, local_kv_events, remove_local
+from epd.llm_servers.vllm_launch import VLLMLaunch, VLLMLaunchError, launch_args
+from epd.llm_servers.vllm_routing import KVEventsAt, local_kv_events, remove_local
 from epd.model_check import ModelDirError, check_model_dir
 from epd.placement import CpuSplit, cpu_list, pinned_argv, plan_split
 from epd.served_model import add_deprecated_name_flags, names_from_args
@@ -64,7 +64,7 @@ class ServeConfig:
     start_llm: bool = True
     log_level: str = "info"
     model_dir: str | None = None  # --model: one checkpoint directory for every role
-    # --llm-backend vllm without --llm-url: the local vLLM server this serve starts and supervises
+    # --llm-server vllm without --llm-url: the local vLLM server this serve starts and supervises
     vllm_python: str | None = None
     vllm_args: tuple[str, ...] = ()
     vllm_kv_cache_gib: float = 2.0
@@ -106,6 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     llm = parser.add_argument_group("LLM engine")
     add_dataclass_args(llm, LLMServerConfig, prefix="llm_", skip=_LLM_DERIVED)
     add_deprecated_name_flags(parser)
+    parser.add_argument(
+        "--llm-backend",
+        dest="llm_server",
+        choices=("epd", "vllm"),
+        default=None,
+        help="deprecated (removed in the next release): use --llm-server",
+    )
     parser.add_argument(
         "--encoder-workers", type=int, default=1, help="local CPU encoder workers; default: 1"
     )
@@ -165,7 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "override it per role (default: auto, the checkpoint's)",
     )
     parser.add_argument("--no-llm", dest="start_llm", action="store_false", help="serve /v1/encode only")
-    vllm = parser.add_argument_group("vLLM backend (--llm-backend vllm)")
+    vllm = parser.add_argument_group("vLLM server (--llm-server vllm)")
     vllm.add_argument(
         "--vllm-python",
         metavar="PY",
@@ -286,7 +293,7 @@ class Plan:
 def vllm_child(
     cfg: ServeConfig, port: int, kv_events: KVEventsAt | None = None, cpus: tuple[int, ...] = ()
 ) -> ChildSpec:
-    """The local vLLM server of ``--llm-backend vllm`` as a supervised child (restarted if it dies),
+    """The local vLLM server of ``--llm-server vllm`` as a supervised child (restarted if it dies),
     publishing its KV events at ``kv_events`` (fixed ports: a restarted server publishes where the
     router listens), on ``cpus`` when given (``epd.placement``)."""
     assert cfg.llm.model_path is not None
@@ -315,7 +322,7 @@ def vllm_child(
 
 def local_vllm(cfg: ServeConfig) -> bool:
     """Whether this serve starts a vLLM server of its own."""
-    return cfg.start_llm and cfg.ingress.llm_backend == "vllm" and not cfg.remote_llms
+    return cfg.start_llm and cfg.ingress.llm_server == "vllm" and not cfg.remote_llms
 
 
 def cpu_split(cfg: ServeConfig) -> CpuSplit | None:
@@ -354,12 +361,12 @@ def plan(cfg: ServeConfig, split: CpuSplit | None = None) -> Plan:
     encoder_children = {c.name: w.url for c, w in zip(children, workers, strict=True)}
     llm_children: dict[str, str] = {}
     roles: list[str] = []
-    if cfg.start_llm and ing.llm_backend == "vllm":
+    if cfg.start_llm and ing.llm_server == "vllm":
         if cfg.llm_prefill_instances or cfg.llm_decode_instances:
-            raise SystemExit("epd serve: --llm-backend vllm runs no epd engines (no prefill/decode split)")
+            raise SystemExit("epd serve: --llm-server vllm runs no epd engines (no prefill/decode split)")
         if local_vllm(cfg):  # one local vLLM server on the same checkpoint, supervised
             if not cfg.llm.model_path:
-                raise SystemExit("epd serve: --llm-backend vllm needs --model DIR (or --llm-url URL)")
+                raise SystemExit("epd serve: --llm-server vllm needs --model DIR (or --llm-url URL)")
             events = local_kv_events()  # unix sockets: vLLM binds them, only this machine reaches them
             child = vllm_child(cfg, free_port("127.0.0.1"), events, split.llm if split else ())
             ing = dataclasses.replace(ing, vllm_kv_events=(f"{events.endpoint},{events.replay}",))

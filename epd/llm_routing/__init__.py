@@ -11,13 +11,13 @@ policy.py                RouterConfig and the choice: affinity cost with a balan
                          round robin, least load
 llm_router.py            LLMRouter: the engines, their health, route(), stats()
 
-The router is the policy of the LLM engines' backend pool (``epd.backend_pool``, through
+The router is the policy of the LLM engines' server pool (``epd.server_pool``, through
 ``epd.engine_pool``): liveness, refusals and failover are the pool's; which engines are up it
-reads from the pool's ``Liveness``. Beside ``epd.backend_pool`` it takes only the definitions of
+reads from the pool's ``Liveness``. Beside ``epd.server_pool`` it takes only the definitions of
 page names, the hit rule and the KV events (``epd_common.messages``); never a client, the ingress
 or the engine.
 
-May import: epd.backend_pool, epd_common.messages; never: epd.engine_client, epd.engine_pool,
+May import: epd.server_pool, epd_common.messages; never: epd.engine_client, epd.engine_pool,
 epd.ingress, llm_core, encoder.
 """
 

@@ -16,7 +16,7 @@ distinct naming and page size among the engines; an index of events is read only
 own events showed it names pages the same way. The engine never reuses the last prompt token's KV (it must compute
 that token to sample), so hits are looked up for ``num_prompt_tokens - 1`` tokens.
 
-Which engines are live is a ``Liveness`` of the backend pool (``epd.backend_pool``), shared with
+Which engines are live is a ``Liveness`` of the server pool (``epd.server_pool``), shared with
 the ``EnginePool`` (and, with split roles, with the other role's router, for an engine that serves
 both); the router reads it and ``set_live`` marks it.
 
@@ -36,12 +36,12 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
-from epd.backend_pool.liveness import Liveness
 from epd.llm_routing.kv_event_subscriber import KVEventSubscriber, SubscriberCounters
 from epd.llm_routing.load_counters import Dispatch, EngineLoad, LoadSnapshot
 from epd.llm_routing.page_index import ApproxPageIndex, EnginePageIndex
 from epd.llm_routing.page_naming import PageNaming, RoutingPrompt, as_routing_prompt, naming_for
 from epd.llm_routing.policy import Candidate, RouterConfig, choose_affinity, choose_least_load
+from epd.server_pool.liveness import Liveness
 from epd_common.messages.kv_events import BlockStored, KVEventBatch
 
 log = logging.getLogger("epd.llm_routing")
@@ -458,7 +458,7 @@ class LLMRouter:
         the request ends, however it ends. ``prompt``: its ids and media spans as the servers
         see them (plain ids: a prompt without media, or cache keys with media runs as pseudo-ids;
         ``page_naming``); ``among``: the engines to choose from
-        (default: the live ones; the backend pool passes its candidates: live, not tried yet)."""
+        (default: the live ones; the server pool passes its candidates: live, not tried yet)."""
         if among is None:
             live = [e for e in self._engines.values() if self.is_live(e.url)]
         else:

@@ -17,7 +17,7 @@ profile, one per row of the registry (``registry.Architecture.vllm``).
     refused_because -                         why a video or audio part is refused (415) before
                                               anything reaches vLLM
 
-``launch_args`` go to the vLLM server ``epd serve --llm-backend vllm`` starts (before the user's
+``launch_args`` go to the vLLM server ``epd serve --llm-server vllm`` starts (before the user's
 ``--vllm-arg``, which override them); ``served_as`` names the architecture checks accept beside
 config.json's; ``embeds`` is what the vLLM backend hands on.
 """

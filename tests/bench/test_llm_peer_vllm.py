@@ -11,7 +11,7 @@ import pytest
 
 from bench import llm_peer
 from bench.llm_peer import VLLM, StreamTally, vllm_mimo_config, vllm_view
-from epd.llm_backends.vllm_launch import peer_python
+from epd.llm_servers.vllm_launch import peer_python
 from llm_core.models.config import DecoderConfig
 
 

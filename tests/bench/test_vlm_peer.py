@@ -12,7 +12,7 @@ import pytest
 
 from bench.loadgen import LoadResult, Outcome
 from bench.vlm_peer import SIDES, WORKLOADS, Answer, Phase, aggregate, main, summarize
-from epd.llm_backends.vllm_launch import peer_python
+from epd.llm_servers.vllm_launch import peer_python
 
 
 def _phase(side: str, workload: str, latencies: list[float], repeat: int = 0) -> Phase:

@@ -102,10 +102,10 @@ def forge_cached_embedding(
 
 @contextlib.contextmanager
 def serving_with_local_vllm(model_dir: Path, *extra: str) -> Iterator[ServeProcess]:
-    """``epd serve --model DIR --llm-backend vllm`` with the local vLLM it starts itself (1 GiB of
+    """``epd serve --model DIR --llm-server vllm`` with the local vLLM it starts itself (1 GiB of
     KV, float32) and ``extra`` flags; on leaving, epd stops and its vLLM processes with it."""
     server = start_serve(
-        ["--model", str(model_dir), "--llm-backend", "vllm", "--vllm-kv-cache-gib", "1",
+        ["--model", str(model_dir), "--llm-server", "vllm", "--vllm-kv-cache-gib", "1",
          "--vllm-dtype", "float32", *extra],
         timeout_s=600,
     )  # fmt: skip

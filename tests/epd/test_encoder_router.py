@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from epd.backend_pool import AllAttemptsFailed, NoBackendAvailable
 from epd.encoder_router import EncoderRouter, WorkerSpec, WorkerUnavailable
+from epd.server_pool import AllAttemptsFailed, NoServerAvailable
 
 URLS = [f"http://enc{i}:8001" for i in range(5)]
 KEYS = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(20000)]
@@ -79,7 +79,7 @@ def test_duplicate_and_invalid_specs_are_rejected() -> None:
         EncoderRouter([WorkerSpec(URLS[0]), WorkerSpec(URLS[0])])
     with pytest.raises(ValueError, match="weight"):
         WorkerSpec(URLS[0], 0)
-    with pytest.raises(NoBackendAvailable):
+    with pytest.raises(NoServerAvailable):
         EncoderRouter([]).pick(KEYS[0])
 
 

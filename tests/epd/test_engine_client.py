@@ -1,5 +1,5 @@
 """What an upstream's refusal can make the ingress believe (epd/engine_client.py,
-epd/backend_pool/refusals.py): a Retry-After is bounded, a nan or a date is 1 s, and a refusal
+epd/server_pool/refusals.py): a Retry-After is bounded, a nan or a date is 1 s, and a refusal
 ends when a health poll finds the queue empty."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from epd.backend_pool.refusals import MAX_WAIT_S, RefusalClock
 from epd.engine_client import EngineClient
+from epd.server_pool.refusals import MAX_WAIT_S, RefusalClock
 from epd_common.errors import APIError
 from tests.epd.upstream import upstream
 
@@ -99,7 +99,7 @@ def test_a_4xx_error_event_keeps_its_status() -> None:
 def test_an_unreachable_server_is_named_by_label_not_address() -> None:
     """Client-facing errors name the server as the pool numbers it; its host and port go to the
     log only."""
-    from epd.llm_backends.vllm_launch import free_port
+    from epd.llm_servers.vllm_launch import free_port
 
     async def run() -> APIError:
         async with aiohttp.ClientSession() as session:

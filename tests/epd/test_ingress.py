@@ -67,7 +67,7 @@ def test_the_vllm_backend_narrows_the_prompt_format_to_what_it_hands_on(mimo_v2_
             IngressConfig(
                 encoder_urls=("http://127.0.0.1:9",),
                 llm_model_dir=str(mimo_v2_dir),
-                llm_backend=backend,  # type: ignore[arg-type]
+                llm_server=backend,  # type: ignore[arg-type]
                 cache_namespace=namespace,
             )
         )

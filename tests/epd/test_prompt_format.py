@@ -165,21 +165,21 @@ def test_mimo_with_audio_lays_out_clips_and_videos_with_sound(tmp_path: Path) ->
 
 
 def test_a_backend_without_audio_refuses_audio_parts_by_name(tmp_path: Path) -> None:
-    """The vLLM backend hands images and videos only: for a checkpoint that serves audio, an audio
+    """vLLM servers are handed images and videos only: for a checkpoint that serves audio, an audio
     part is a 415 naming the backend and the part, and videos are laid out without their track
     (no track is fetched); images and videos still pass."""
-    from epd.llm_backends.epd_engine import EpdEngineBackend
-    from epd.llm_backends.vllm_backend import VLLMBackend
+    from epd.llm_servers.epd_engine import EpdEngineServer
+    from epd.llm_servers.vllm_server import VLLMServer
 
     root = mimo_with_audio(tmp_path / "mimo", tokenizer_dir=True)
     fmt = PromptFormat.load(root, load_tokenizer(root))
-    assert fmt.only(EpdEngineBackend.modalities, EpdEngineBackend.name) is fmt
-    narrowed = fmt.only(VLLMBackend.modalities, VLLMBackend.name)
+    assert fmt.only(EpdEngineServer.modalities, EpdEngineServer.name) is fmt
+    narrowed = fmt.only(VLLMServer.modalities, VLLMServer.name)
     assert fmt.serves_audio and not narrowed.serves_audio
     with pytest.raises(UnservedModality) as ei:
         narrowed.check_parts(user({"type": "text", "text": "hear"}, {"type": "audio", "index": 0}))
     assert ei.value.param == "messages[0].content[1]"
-    assert "vllm LLM backend does not take audio" in str(ei.value)
+    assert "vllm LLM server does not take audio" in str(ei.value)
     narrowed.check_parts(user({"type": "video", "index": 0}, {"type": "image", "index": 1}))
     fmt.check_parts(user({"type": "audio", "index": 0}))  # the original is unchanged
 
@@ -197,12 +197,12 @@ def test_epd_backend_sends_a_video_and_its_track_in_pad_order(tmp_path: Path) ->
     give each run its own item's pseudo-id."""
     import asyncio
 
-    from epd.llm_backends.epd_engine import EpdEngineBackend
+    from epd.llm_servers.epd_engine import EpdEngineServer
     from epd.media_pipeline import EncodedItem
     from epd_common.messages.cache_keys import build_cache_keys, media_pseudo_id
 
     root = mimo_with_audio(tmp_path / "mimo", tokenizer_dir=True)
-    backend = EpdEngineBackend(PromptFormat.load(root, load_tokenizer(root)))
+    backend = EpdEngineServer(PromptFormat.load(root, load_tokenizer(root)))
     refs = [
         ref("audio", 5, "clip"),
         ref("video", 4, "vid", grid_thw=((2, 2, 4),), grid_t_timestamps=(0.0, 2.0)),

@@ -1,4 +1,4 @@
-"""`epd serve` flags that set more than one role: --dtype."""
+"""`epd serve` flags that set more than one role (--dtype), and a former flag name."""
 
 from __future__ import annotations
 
@@ -39,3 +39,9 @@ def test_an_unknown_dtype_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -
         _config("--dtype", "fp64")
     assert e.value.code == 2
     assert "unknown dtype 'fp64'" in capsys.readouterr().err
+
+
+def test_the_former_llm_backend_flag_still_picks_the_llm_server() -> None:
+    for flag in ("--llm-server", "--llm-backend"):
+        cfg = _config(flag, "vllm", "--llm-url", "http://h:1")
+        assert cfg.ingress.llm_server == "vllm"

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from epd.chat_api import ChatFrames, _passed_through
 from epd.engine_client import StreamedChunk
-from epd.llm_backends.epd_engine import EpdEngineBackend
+from epd.llm_servers.epd_engine import EpdEngineServer
 from epd_common.errors import APIError
 from tests.epd.upstream import upstream
 
@@ -133,7 +133,7 @@ class _Format:
 
 def test_the_chat_template_and_tokenizer_run_off_the_event_loop() -> None:
     fmt = _Format()
-    backend = EpdEngineBackend(fmt)  # type: ignore[arg-type]
+    backend = EpdEngineServer(fmt)  # type: ignore[arg-type]
 
     async def calls() -> threading.Thread:
         chat = await backend.chat_call(

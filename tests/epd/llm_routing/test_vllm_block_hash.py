@@ -12,9 +12,9 @@ import subprocess
 
 import pytest
 
-from epd.llm_backends.vllm_launch import peer_python
 from epd.llm_routing.page_naming import RoutingPrompt
 from epd.llm_routing.vllm_block_hash import VLLMBlockNaming, full_block_hashes, media_ranges
+from epd.llm_servers.vllm_launch import peer_python
 from epd_common.messages.cache_keys import MediaSpan
 from epd_common.messages.kv_events import BlockRemoved, BlockStored, decode_batch, external_hash
 

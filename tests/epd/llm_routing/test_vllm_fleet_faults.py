@@ -1,5 +1,5 @@
 """Affinity routing over two real vLLM servers (the CPU build `make vllm-peer` installs; skipped
-without it) behind one ``epd serve --llm-backend vllm``, and the faults a fleet meets:
+without it) behind one ``epd serve --llm-server vllm``, and the faults a fleet meets:
 
 - server A publishes its KV events; server B was started without them: B is routed by load (its
   row says so, a warning is logged), A by its prefix cache, and what the router predicts on A is
@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMServer, free_port, peer_python
-from epd.llm_backends.vllm_routing import KVEventsAt, local_kv_events, remove_local
+from epd.llm_servers.vllm_launch import VLLMLaunch, VLLMProcess, free_port, peer_python
+from epd.llm_servers.vllm_routing import KVEventsAt, local_kv_events, remove_local
 from tests.epd.conftest import ServeProcess, http_json, start_serve, stop_serve
 
 pytestmark = [
@@ -47,15 +47,15 @@ def _launch(qwen_dir: Path, events: KVEventsAt | None, core: int) -> VLLMLaunch:
 def fleet(qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     logs = tmp_path_factory.mktemp("vllm-fleet")
     events = local_kv_events()
-    a = VLLMServer(_launch(qwen_dir, events, 0), logs / "a.log", ready_timeout_s=420.0).start()
+    a = VLLMProcess(_launch(qwen_dir, events, 0), logs / "a.log", ready_timeout_s=420.0).start()
     try:
-        b = VLLMServer(_launch(qwen_dir, None, 1), logs / "b.log", ready_timeout_s=420.0).start()
+        b = VLLMProcess(_launch(qwen_dir, None, 1), logs / "b.log", ready_timeout_s=420.0).start()
         try:
             epd = start_serve(
                 [
                     "--model",
                     str(qwen_dir),
-                    "--llm-backend",
+                    "--llm-server",
                     "vllm",
                     "--vllm-block-size",
                     str(BLOCK),

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from epd.cli import build_parser
-from epd.llm_backends.vllm_backend import ModelInfo, VLLMBackend
-from epd.llm_backends.vllm_embeds import EmbeddingGeometry
-from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMLaunchError, launch_profile
+from epd.llm_servers.vllm_embeds import EmbeddingGeometry
+from epd.llm_servers.vllm_launch import VLLMLaunch, VLLMLaunchError, launch_profile
+from epd.llm_servers.vllm_server import ModelInfo, VLLMServer
 from epd.media_pipeline import EncodedItem
 from epd.prompt_format import PromptFormat
 from epd.serve_cmd import config_from_args, vllm_child
@@ -64,7 +64,7 @@ def test_the_config_module_must_be_there(mimo_v2_vllm_dir: Path, tmp_path: Path)
     (bare / "configuration_mimo_v2.py").unlink()
     with pytest.raises(VLLMLaunchError, match=r"configuration_mimo_v2\.py"):
         launch_profile(bare)
-    args = ["serve", "--model", str(bare), "--llm-backend", "vllm", "--vllm-python", sys.executable]
+    args = ["serve", "--model", str(bare), "--llm-server", "vllm", "--vllm-python", sys.executable]
     cfg = config_from_args(build_parser(only="serve").parse_args(args))
     with pytest.raises(SystemExit, match=r"configuration_mimo_v2\.py"):
         vllm_child(cfg, 8123)
@@ -87,17 +87,17 @@ def _messages(kind: str) -> list[dict[str, object]]:
 def test_videos_and_audio_are_refused_before_anything_is_sent(mimo_v2_vllm_dir: Path) -> None:
     info = ModelInfo.of(mimo_v2_vllm_dir)
     fmt = PromptFormat.load(mimo_v2_vllm_dir, load_tokenizer(mimo_v2_vllm_dir))
-    only = fmt.only(info.profile.embeds, VLLMBackend.name, info.profile.refused_because)
+    only = fmt.only(info.profile.embeds, VLLMServer.name, info.profile.refused_because)
     only.check_parts(_messages("image"))
     for kind in ("video", "audio"):
         with pytest.raises(UnservedModality) as exc:
             only.check_parts(_messages(kind))
         assert exc.value.param == "messages[0].content[0]"
-        assert f"vllm LLM backend does not take {kind} input" in str(exc.value)
+        assert f"vllm LLM server does not take {kind} input" in str(exc.value)
         assert "vLLM 0.32 takes no embeddings for video or audio" in str(exc.value)
 
     # and the backend itself refuses such an item if one got past the ingress
-    backend = VLLMBackend(only, info, cache=None, route="chat")
+    backend = VLLMServer(only, info, cache=None, route="chat")
     ref = EmbeddingRef(key="k" * 64, dtype="float32", shape=(4, 128), grid_thw=((2, 2, 4),), modality="video")
     with pytest.raises(APIError) as err:
         asyncio.run(backend.chat_call([], [EncodedItem("messages[0].content[0]", ref, False)], {}))

@@ -1,9 +1,9 @@
-"""The language-model backends a chat is answered by, behind one interface.
+"""The language-model servers a chat is answered by, behind one interface.
 
     ingress: parts checked, media resolved to EmbeddingRefs (encoders, caches, store)
-       ──▶ LLMBackend.chat_call(messages, items, sampling)  ─▶ ChatCall (path, body, routing keys)
-       ──▶ EnginePool: routing, failover, refusals, Retry-After (same for every backend)
-       ◀── each server's answer ─▶ LLMBackend.chat_result / chat_delta ─▶ ChatResult / ChatDelta
+       ──▶ LLMServer.chat_call(messages, items, sampling)  ─▶ ChatCall (path, body, routing keys)
+       ──▶ EnginePool: routing, failover, refusals, Retry-After (same for every server kind)
+       ◀── each server's answer ─▶ LLMServer.chat_result / chat_delta ─▶ ChatResult / ChatDelta
 
 - ``epd_engine``: epd's own engine (``epd llm``): the ingress renders prompt ids with the checkpoint's
   chat template and hands EmbeddingRefs; the engine reads the embeddings from the node cache.

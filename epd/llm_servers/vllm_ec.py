@@ -49,8 +49,8 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from encoder.caches.cache_types import InvalidKey, check_key
-from epd.llm_backends.vllm_embeds import EmbeddingGeometry, EmbeddingMismatch, expected_rows, metadata_part
-from epd.llm_backends.vllm_launch import ec_transfer_config
+from epd.llm_servers.vllm_embeds import EmbeddingGeometry, EmbeddingMismatch, expected_rows, metadata_part
+from epd.llm_servers.vllm_launch import ec_transfer_config
 from epd_common.messages.embedding_ref import EmbeddingRef
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ECFolder", "ec_transfer_config", "metadata_keys", "metadata_part", "read_header"]
 
-log = logging.getLogger("epd.llm_backends.vllm_ec")
+log = logging.getLogger("epd.llm_servers.vllm_ec")
 
 FILE = "encoder_cache.safetensors"
 TENSOR = "ec_cache"

@@ -1,10 +1,10 @@
-"""The keys the ingress routes a prompt on (epd/llm_backends/cache_keys.py) for audio media."""
+"""The keys the ingress routes a prompt on (epd/llm_servers/cache_keys.py) for audio media."""
 
 from __future__ import annotations
 
 from tokenizers import AddedToken
 
-from epd.llm_backends.cache_keys import prompt_cache_keys
+from epd.llm_servers.cache_keys import prompt_cache_keys
 from epd_common.messages.cache_keys import media_pseudo_id
 from llm_core.prompts.tokenizer import AUDIO_PAD, Tokenizer, build_default_tokenizer
 

@@ -1,4 +1,4 @@
-"""The attempt loop over a pool of backends, with the routing policy plugged in.
+"""The attempt loop over a pool of servers, with the routing policy plugged in.
 
 One call::
 
@@ -8,7 +8,7 @@ One call::
     passed by when its counted-down refusal is past the deadline (``pass_by_refused``)
     fn(pick) ──ok──▶ the result
              ──error──▶ classify: FATAL raises; REFUSED counts the wait down; UNREACHABLE takes
-                        the backend out; then the next candidate, up to ``max_attempts``
+                        the server out; then the next candidate, up to ``max_attempts``
     none left ──▶ AllAttemptsFailed (each attempt and its verdict; the shortest wait a refusal named)
 
 The members of a pool may be a subset of its ``Liveness``: with split roles the prefill and the
@@ -22,25 +22,25 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from epd.backend_pool.attempts import (
+from epd.server_pool.attempts import (
     AllAttemptsFailed,
     AttemptFailure,
-    NoBackendAvailable,
+    NoServerAvailable,
     Outcome,
     PassedBy,
     Verdict,
     refused,
 )
-from epd.backend_pool.liveness import Liveness
-from epd.backend_pool.refusals import RefusalClock
+from epd.server_pool.liveness import Liveness
+from epd.server_pool.refusals import RefusalClock
 
-log = logging.getLogger("epd.backend_pool")
+log = logging.getLogger("epd.server_pool")
 
 T = TypeVar("T")
 
 
 class Picked(Protocol):
-    """What a policy chose: at least the backend's url (an LLM dispatch carries its load too)."""
+    """What a policy chose: at least the server's url (an LLM dispatch carries its load too)."""
 
     @property
     def url(self) -> str: ...
@@ -58,20 +58,20 @@ class RoutingPolicy(Protocol[R_contra, P_co]):
     def choose(self, request: R_contra, candidates: Sequence[str]) -> P_co: ...
 
 
-# classify an attempt's exception (each kind of backend knows its client's errors)
+# classify an attempt's exception (each kind of server knows its client's errors)
 Classifier = Callable[[BaseException], Verdict]
-# (a failed attempt, whether the call moves on to another backend): metrics
+# (a failed attempt, whether the call moves on to another server): metrics
 FailureHook = Callable[[AttemptFailure, bool], None]
 
 
 @dataclass(frozen=True)
 class PoolConfig:
-    label: str  # what logs and errors call a backend: "encoder worker", "LLM engine"
-    max_attempts: int | None = None  # backends one call tries at most (None: every candidate)
-    # every backend down when a call starts: try them all anyway (better a likely failure than a
+    label: str  # what logs and errors call a server: "encoder worker", "LLM engine"
+    max_attempts: int | None = None  # servers one call tries at most (None: every candidate)
+    # every server down when a call starts: try them all anyway (better a likely failure than a
     # certain one) instead of failing at once
     all_down_tries_all: bool = False
-    # pass a backend by, unsent, while its counted-down refusal is past the call's deadline
+    # pass a server by, unsent, while its counted-down refusal is past the call's deadline
     pass_by_refused: bool = False
 
     def __post_init__(self) -> None:
@@ -79,8 +79,8 @@ class PoolConfig:
             raise ValueError(f"PoolConfig.max_attempts must be >= 1, got {self.max_attempts}")
 
 
-class BackendPool(Generic[R, P]):
-    """Routes calls over backends with failover. Use from one event loop."""
+class ServerPool(Generic[R, P]):
+    """Routes calls over servers with failover. Use from one event loop."""
 
     def __init__(
         self,
@@ -93,8 +93,8 @@ class BackendPool(Generic[R, P]):
         refusals: RefusalClock | None = None,
         on_failure: FailureHook | None = None,
     ) -> None:
-        """``members``: the backends of ``liveness`` this pool routes over (default: all of them,
-        as they are at each call); ``refusals``: shared with other pools over the same backends."""
+        """``members``: the servers of ``liveness`` this pool routes over (default: all of them,
+        as they are at each call); ``refusals``: shared with other pools over the same servers."""
         if members is not None and any(m not in liveness for m in members):
             raise ValueError(f"pool members {list(members)} are not all in {liveness.members}")
         self.liveness = liveness
@@ -134,18 +134,18 @@ class BackendPool(Generic[R, P]):
         deadline_s: float | None = None,
         what: str = "",
     ) -> T:
-        """Run ``fn`` on the backend the policy picks for ``request``, failing over to the next
+        """Run ``fn`` on the server the policy picks for ``request``, failing over to the next
         pick as the classifier allows. ``deadline_s``: what is left of the request's deadline
         (with ``pass_by_refused``); ``what``: the request, for the error message."""
         members = self.members
         if not members:
-            raise NoBackendAvailable(f"no {self.config.label}s are configured")
+            raise NoServerAvailable(f"no {self.config.label}s are configured")
         all_down = self.all_down()
         tried: list[str] = []
         failures: list[AttemptFailure] = []
         candidates = self.candidates(tried, all_down)
         if not candidates:
-            raise NoBackendAvailable(f"all {len(members)} {self.config.label}s are down: {members}")
+            raise NoServerAvailable(f"all {len(members)} {self.config.label}s are down: {members}")
         while candidates and not self._spent(tried):
             pick = self.policy.choose(request, candidates)
             url = pick.url

@@ -1,4 +1,4 @@
-"""What every language-model backend gives the chat path: typed calls, results and deltas."""
+"""What every language-model server gives the chat path: typed calls, results and deltas."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from epd.media_pipeline import EncodedItem
 
 
 class ChatCall(NamedTuple):
-    """One request as a server of the backend takes it."""
+    """One request as a server of this kind takes it."""
 
     path: str  # the server's endpoint, e.g. "/v1/completions"
     body: dict[str, Any]
     # the prompt's ids and media spans as the server sees them, which the router names pages
-    # from (``epd.llm_routing.page_naming``); empty when the backend routes by load only
+    # from (``epd.llm_routing.page_naming``); empty when the server kind routes by load only
     routing: RoutingPrompt
     prompt_tokens: int | None = None  # the prompt's size for load counting, when routing is empty
     # the server streams OpenAI chat chunks, which the chat route relays as bytes (only the usage
@@ -44,14 +44,14 @@ class ChatDelta(NamedTuple):
     usage: dict[str, Any] | None = None
 
 
-class LLMBackend(Protocol):
+class LLMServer(Protocol):
     """How chats and completions reach one kind of language-model server."""
 
     name: str
     # The media modalities it hands to its server (the ingress drops the model's others: a part of
-    # one gets 415 naming the backend)
+    # one gets 415 naming the server kind)
     modalities: frozenset[str]
-    # policies the router may use over this backend's servers (affinity needs KV events or the
+    # policies the router may use over this server kind's servers (affinity needs KV events or the
     # engine's own page geometry)
     routing_policies: tuple[str, ...]
     # whether servers must pass ``check_server`` before anything is routed to them (and again each
@@ -63,24 +63,24 @@ class LLMBackend(Protocol):
         ...
 
     async def check_server(self, client: EngineClient) -> None:
-        """Refuse (``BackendMismatch`` naming the field) a server this deployment cannot use."""
+        """Refuse (``ServerMismatch`` naming the field) a server this deployment cannot use."""
         ...
 
     async def chat_call(
         self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem], sampling: dict[str, Any]
     ) -> ChatCall:
         """``messages``: parts ``{"type": "text", "text"}`` or ``{"type": "image" | "video", "index"}``
-        (``items[index]`` resolved); raises APIError for what this backend cannot send. Rendering
+        (``items[index]`` resolved); raises APIError for what this server kind cannot send. Rendering
         the prompt (chat template, tokenizer) happens off the event loop."""
         ...
 
     async def completion_call(self, body: dict[str, Any]) -> ChatCall:
-        """A ``/v1/completions`` body as this backend's server takes it (tokenizing, if any, off
+        """A ``/v1/completions`` body as this server kind's server takes it (tokenizing, if any, off
         the event loop)."""
         ...
 
     async def close(self) -> None:
-        """Release what the backend opened (HTTP sessions)."""
+        """Release what the server kind opened (HTTP sessions)."""
         ...
 
     def chat_result(self, out: dict[str, Any]) -> ChatResult: ...
@@ -88,6 +88,6 @@ class LLMBackend(Protocol):
     def chat_delta(self, chunk: dict[str, Any]) -> ChatDelta: ...
 
 
-class BackendMismatch(RuntimeError):
+class ServerMismatch(RuntimeError):
     """A server does not serve what this deployment's encoders produce (architecture, hidden size,
     embeddings input turned off): start-up stops with this message."""

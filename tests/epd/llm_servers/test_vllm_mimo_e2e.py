@@ -1,4 +1,4 @@
-"""``epd serve --llm-backend vllm`` on MiMo-V2.5 with a real vLLM (the CPU build `make vllm-peer`
+"""``epd serve --llm-server vllm`` on MiMo-V2.5 with a real vLLM (the CPU build `make vllm-peer`
 installs; skipped without it): the tiny checkpoint in the form vLLM runs (``tests.fixtures.
 mimo_v2_vllm``: BF16, V padded to the head dim, the release's windowed tower with sinks), served by
 the vLLM epd starts itself with the family's launch profile (``--trust-remote-code``, every
@@ -27,13 +27,13 @@ import pytest
 import torch
 
 from encoder.caches.embed_cache import EmbedCache
-from epd.llm_backends.vllm_backend import ModelInfo, VLLMBackend
-from epd.llm_backends.vllm_embeds import EmbeddingGeometry
-from epd.llm_backends.vllm_launch import peer_python
+from epd.llm_servers.vllm_embeds import EmbeddingGeometry
+from epd.llm_servers.vllm_launch import peer_python
+from epd.llm_servers.vllm_server import ModelInfo, VLLMServer
 from epd.prompt_format import PromptFormat
 from llm_core.prompts.tokenizer import load_tokenizer
 from tests.epd.conftest import ServeProcess, forge_cached_embedding, http_json, serving_with_local_vllm
-from tests.epd.llm_backends.test_vllm_e2e import SupervisedVLLM
+from tests.epd.llm_servers.test_vllm_e2e import SupervisedVLLM
 from tests.epd.test_e2e_mimo_v2 import _data_uri, _png
 from tests.fixtures import mimo_v2 as fx
 from tests.fixtures.mimo_v2_reference import reference_model
@@ -181,7 +181,7 @@ def test_videos_and_audio_are_415_before_anything_is_sent(
     )
     assert status == 415, reply
     message = reply["error"]["message"]
-    assert f"vllm LLM backend does not take {kind} input" in message and "vLLM 0.32" in message, message
+    assert f"vllm LLM server does not take {kind} input" in message and "vLLM 0.32" in message, message
     assert reply["error"]["param"] == "messages[0].content[0]"
     assert _routed(epd) == before and vllm.alive and vllm.healthy()
 
@@ -237,7 +237,7 @@ def test_the_start_up_check_passes_under_either_name(
 
     async def check() -> None:
         async with aiohttp.ClientSession() as session:
-            backend = VLLMBackend(fmt, info, cache=None)
+            backend = VLLMServer(fmt, info, cache=None)
             await backend.check_server(backend.client(session, vllm.url, 30.0))  # one-row embedding too
 
     asyncio.run(check())

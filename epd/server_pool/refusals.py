@@ -1,15 +1,15 @@
-"""Each backend's last refusal for load, counted down.
+"""Each server's last refusal for load, counted down.
 
-A backend that refused named its expected wait (Retry-After). While nothing is added its queue
+A server that refused named its expected wait (Retry-After). While nothing is added its queue
 drains at about that pace, so the wait it would give a new request is the named wait less the
 time since::
 
     wait_s(url) = max(named - (now - refused_at), 0)
 
-A pool may pass a backend by while that is past a request's deadline: the refusal then costs the
-backend nothing. A named wait is bounded (``MAX_WAIT_S``; a wait that is not a finite number counts
-as 1 s): one answer of ``Retry-After: 86400`` must not shut a backend out for a day. A health poll
-that finds the backend's queue empty clears its refusal (``clear``).
+A pool may pass a server by while that is past a request's deadline: the refusal then costs the
+server nothing. A named wait is bounded (``MAX_WAIT_S``; a wait that is not a finite number counts
+as 1 s): one answer of ``Retry-After: 86400`` must not shut a server out for a day. A health poll
+that finds the server's queue empty clears its refusal (``clear``).
 """
 
 from __future__ import annotations

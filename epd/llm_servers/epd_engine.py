@@ -1,4 +1,4 @@
-"""epd's own engine (``epd llm``) as a backend: the ingress renders the prompt ids with the
+"""epd's own engine (``epd llm``) as an LLM server: the ingress renders the prompt ids with the
 checkpoint's chat template and sends EmbeddingRefs; the engine reads the embeddings itself.
 
 The chat template and the tokenizer run off the event loop (``render``).
@@ -13,16 +13,16 @@ from typing import Any
 import aiohttp
 
 from epd.engine_client import EngineClient
-from epd.llm_backends.base import ChatCall, ChatDelta, ChatResult
-from epd.llm_backends.cache_keys import routing_prompt
-from epd.llm_backends.render import RenderPool, render_chat
+from epd.llm_servers.base import ChatCall, ChatDelta, ChatResult
+from epd.llm_servers.cache_keys import routing_prompt
+from epd.llm_servers.render import RenderPool, render_chat
 from epd.media_pipeline import EncodedItem
 from epd.prompt_format import PromptFormat
 
 COMPLETIONS = "/v1/completions"
 
 
-class EpdEngineBackend:
+class EpdEngineServer:
     name = "epd"
     modalities: frozenset[str] = frozenset({"image", "video", "audio"})
     routing_policies: tuple[str, ...] = ("affinity", "round_robin", "least_load")

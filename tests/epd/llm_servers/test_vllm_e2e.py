@@ -1,4 +1,4 @@
-"""``epd serve --llm-backend vllm`` with a real vLLM server (the CPU build `make vllm-peer`
+"""``epd serve --llm-server vllm`` with a real vLLM server (the CPU build `make vllm-peer`
 installs; skipped without it): the tiny random Qwen2.5-VL (``tests.fixtures.qwen2_5_vl``) served by
 the vLLM that epd starts and supervises itself (``--enable-mm-embeds``), epd's encoders in front.
 
@@ -26,10 +26,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from epd.llm_backends.base import BackendMismatch
-from epd.llm_backends.vllm_backend import ModelInfo, VLLMBackend
-from epd.llm_backends.vllm_embeds import EmbeddingGeometry
-from epd.llm_backends.vllm_launch import free_port, peer_python
+from epd.llm_servers.base import ServerMismatch
+from epd.llm_servers.vllm_embeds import EmbeddingGeometry
+from epd.llm_servers.vllm_launch import free_port, peer_python
+from epd.llm_servers.vllm_server import ModelInfo, VLLMServer
 from epd.prompt_format import PromptFormat
 from tests.epd.conftest import (
     ServeProcess,
@@ -58,7 +58,7 @@ NEW_TOKENS = 24
 
 @dataclass(frozen=True)
 class SupervisedVLLM:
-    """The vLLM server ``epd serve --llm-backend vllm`` started (and supervises) on loopback."""
+    """The vLLM server ``epd serve --llm-server vllm`` started (and supervises) on loopback."""
 
     url: str
 
@@ -418,10 +418,10 @@ def test_a_server_of_another_model_is_refused(
 
     async def check() -> None:
         async with aiohttp.ClientSession() as session:
-            backend = VLLMBackend(fmt, info, cache=None)
+            backend = VLLMServer(fmt, info, cache=None)
             await backend.check_server(backend.client(session, vllm.url, 30.0))
 
-    with pytest.raises(BackendMismatch, match=field):
+    with pytest.raises(ServerMismatch, match=field):
         asyncio.run(check())
     assert vllm.alive and vllm.healthy()
 
@@ -433,7 +433,7 @@ def test_the_matching_server_passes_the_check(qwen_dir: Path, vllm: SupervisedVL
 
     async def check() -> str | None:
         async with aiohttp.ClientSession() as session:
-            backend = VLLMBackend(fmt, ModelInfo.of(qwen_dir), cache=None)
+            backend = VLLMServer(fmt, ModelInfo.of(qwen_dir), cache=None)
             client = backend.client(session, vllm.url, 30.0)
             await backend.check_server(client)  # includes a one-row embedding request
             return getattr(client, "model_id", None)
@@ -445,7 +445,7 @@ def test_a_dead_server_is_out_of_the_set(qwen_dir: Path, vllm: SupervisedVLLM) -
     """Two servers given, one never up: every chat is answered by the live one."""
     dead = f"http://127.0.0.1:{free_port()}"
     server = start_serve(
-        ["--model", str(qwen_dir), "--llm-backend", "vllm", "--llm-url", dead, "--llm-url", vllm.url]
+        ["--model", str(qwen_dir), "--llm-server", "vllm", "--llm-url", dead, "--llm-url", vllm.url]
     )
     try:
         messages = [

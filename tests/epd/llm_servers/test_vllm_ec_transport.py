@@ -1,4 +1,4 @@
-"""The encoder-cache transport to vLLM (epd/llm_backends/vllm_ec.py, ``--vllm-ec-path``): embeddings
+"""The encoder-cache transport to vLLM (epd/llm_servers/vllm_ec.py, ``--vllm-ec-path``): embeddings
 as ``DIR/<MediaKey>/encoder_cache.safetensors`` for vLLM's ``ECExampleConnector``, the request only
 grids and uuids. The folder's writes, checks and size bound without vLLM; then one real vLLM (the CPU
 build, ``vllm``-marked) started as an encoder-cache consumer: the greedy ids equal the inline path's.
@@ -21,11 +21,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from epd.config import IngressConfig
-from epd.llm_backends.base import BackendMismatch
-from epd.llm_backends.vllm_backend import ModelInfo, VLLMBackend, VLLMClient
-from epd.llm_backends.vllm_ec import ECFolder, metadata_keys, metadata_part, read_header
-from epd.llm_backends.vllm_embeds import EmbeddingGeometry
-from epd.llm_backends.vllm_launch import VLLMLaunch, VLLMServer, free_port, peer_python
+from epd.llm_servers.base import ServerMismatch
+from epd.llm_servers.vllm_ec import ECFolder, metadata_keys, metadata_part, read_header
+from epd.llm_servers.vllm_embeds import EmbeddingGeometry
+from epd.llm_servers.vllm_launch import VLLMLaunch, VLLMProcess, free_port, peer_python
+from epd.llm_servers.vllm_server import ModelInfo, VLLMClient, VLLMServer
 from epd.media_pipeline import EncodedItem
 from epd_common.errors import APIError
 from epd_common.messages.embedding_ref import EmbeddingRef
@@ -117,7 +117,7 @@ def test_the_metadata_part_and_a_vanished_file_never_reaches_vllm(tmp_path: Path
 def test_chat_call_writes_checks_and_falls_back_inline(tmp_path: Path) -> None:
     cache = FakeCache({"good": torch.randn(6, 8), "short": torch.randn(5, 8)})
     info = ModelInfo("Qwen2_5_VLForConditionalGeneration", GEO)
-    backend = VLLMBackend(None, info, cache, ec=ECFolder(tmp_path))  # type: ignore[arg-type]
+    backend = VLLMServer(None, info, cache, ec=ECFolder(tmp_path))  # type: ignore[arg-type]
     # the chat route looks for spelled specials in the text: the embedded tokenizer is enough here
     backend.prompt_format = SimpleNamespace(tokenizer=Tokenizer(build_default_tokenizer()))  # type: ignore[assignment]
     good = ref("good")
@@ -158,13 +158,13 @@ def test_flags_and_launch() -> None:
 
 # -- against a real vLLM -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def ec_vllm(qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VLLMServer, Path]]:
+def ec_vllm(qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VLLMProcess, Path]]:
     ec = (
         Path("/dev/shm" if os.path.isdir("/dev/shm") else tmp_path_factory.mktemp("ec"))
         / f"epd-ec-{os.getpid()}"
     )
     launch = VLLMLaunch(str(qwen_dir), free_port(), kv_cache_gib=1, ec_path=str(ec))
-    server = VLLMServer(launch, tmp_path_factory.mktemp("vllm_ec") / "vllm.log", ready_timeout_s=600)
+    server = VLLMProcess(launch, tmp_path_factory.mktemp("vllm_ec") / "vllm.log", ready_timeout_s=600)
     ECFolder(ec)  # the folder exists before vLLM starts
     with server:
         yield server, ec
@@ -177,7 +177,7 @@ def ec_vllm(qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.mark.vllm
 @pytest.mark.skipif(peer_python() is None, reason="vLLM peer not installed (make vllm-peer)")
-def test_ids_equal_the_inline_path(ec_vllm: tuple[VLLMServer, Path], qwen_dir: Path, tmp_path: Path) -> None:
+def test_ids_equal_the_inline_path(ec_vllm: tuple[VLLMProcess, Path], qwen_dir: Path, tmp_path: Path) -> None:
     """One vLLM, an encoder-cache consumer of ``ec``: an image and a video (2 s per temporal patch)
     inline, then by file (written), then by file again (in place, not read from the cache)."""
     server, ec = ec_vllm
@@ -209,10 +209,10 @@ def test_ids_equal_the_inline_path(ec_vllm: tuple[VLLMServer, Path], qwen_dir: P
 
     async def run() -> tuple[list[list[int]], str]:
         async with aiohttp.ClientSession() as session:
-            inline = VLLMBackend(fmt, info, FakeCache({"aimg": image, "avid": video}))  # type: ignore[arg-type]
+            inline = VLLMServer(fmt, info, FakeCache({"aimg": image, "avid": video}))  # type: ignore[arg-type]
             cache = FakeCache({"bimg": image, "bvid": video})
-            via_ec = VLLMBackend(fmt, info, cache, ec=ECFolder(ec))  # type: ignore[arg-type]
-            wrong = VLLMBackend(fmt, info, None, ec=ECFolder(tmp_path / "not-read"))
+            via_ec = VLLMServer(fmt, info, cache, ec=ECFolder(ec))  # type: ignore[arg-type]
+            wrong = VLLMServer(fmt, info, None, ec=ECFolder(tmp_path / "not-read"))
             ids = []
             for backend, prefix in [(inline, "a"), (via_ec, "b"), (via_ec, "b")]:
                 client = backend.client(session, server.url, 60.0)
@@ -221,7 +221,7 @@ def test_ids_equal_the_inline_path(ec_vllm: tuple[VLLMServer, Path], qwen_dir: P
                 body = {**call.body, "return_token_ids": True}
                 ids.append((await client.complete(body, path=call.path))["choices"][0]["token_ids"])
             assert cache.gets == 2  # the second call found both files in place
-            with pytest.raises(BackendMismatch, match="does not read the encoder-cache folder") as err:
+            with pytest.raises(ServerMismatch, match="does not read the encoder-cache folder") as err:
                 await wrong.check_server(wrong.client(session, server.url, 60.0))
             return ids, str(err.value)
 
@@ -237,7 +237,7 @@ def test_serve_starts_vllm_as_a_consumer_of_the_folder(qwen_dir: Path) -> None:
     from epd.cli import build_parser
     from epd.serve_cmd import config_from_args, plan
 
-    argv = ["serve", "--model", str(qwen_dir), "--llm-backend", "vllm", "--vllm-python", "py"]
+    argv = ["serve", "--model", str(qwen_dir), "--llm-server", "vllm", "--vllm-python", "py"]
     args = build_parser(only="serve").parse_args(
         [*argv, "--vllm-ec-path", "/dev/shm/ec", "--vllm-ec-max-bytes", "1024"]
     )

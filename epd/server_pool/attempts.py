@@ -1,13 +1,13 @@
-"""What one failed attempt on a backend means, and the errors a pool call ends with.
+"""What one failed attempt on a server means, and the errors a pool call ends with.
 
-A classifier (one per kind of backend: it knows its client's errors) turns an exception into a
+A classifier (one per kind of server: it knows its client's errors) turns an exception into a
 ``Verdict``::
 
-    FATAL        the request's own fault (bad media, a 4xx): raised at once, no other backend
-    FAILED       worth another backend (a 5xx, a timeout); the backend stays in the routing set
-    UNREACHABLE  worth another backend, and the backend leaves the routing set until it is
+    FATAL        the request's own fault (bad media, a 4xx): raised at once, no other server
+    FAILED       worth another server (a 5xx, a timeout); the server stays in the routing set
+    UNREACHABLE  worth another server, and the server leaves the routing set until it is
                  marked up (a health check, the supervisor)
-    REFUSED      too busy, come back in ``retry_after_s``: worth another backend, and the wait
+    REFUSED      too busy, come back in ``retry_after_s``: worth another server, and the wait
                  is counted down (``RefusalClock``)
 """
 
@@ -26,7 +26,7 @@ class Outcome(enum.Enum):
 
 class Verdict(NamedTuple):
     outcome: Outcome
-    retry_after_s: float | None = None  # REFUSED: the wait the backend named
+    retry_after_s: float | None = None  # REFUSED: the wait the server named
 
 
 FATAL = Verdict(Outcome.FATAL)
@@ -45,7 +45,7 @@ class AttemptFailure(NamedTuple):
 
 
 class PassedBy(Exception):
-    """The backend was not sent the request: its last refusal, counted down, is still past the
+    """The server was not sent the request: its last refusal, counted down, is still past the
     request's deadline."""
 
     status = 503
@@ -58,19 +58,19 @@ class PassedBy(Exception):
         )
 
 
-class NoBackendAvailable(Exception):
-    """The pool has no backend to try at all (none configured, or every one down): 503."""
+class NoServerAvailable(Exception):
+    """The pool has no server to try at all (none configured, or every one down): 503."""
 
     status = 503
 
 
 class AllAttemptsFailed(Exception):
-    """Every backend tried for one request failed with a verdict worth another backend."""
+    """Every server tried for one request failed with a verdict worth another server."""
 
     status = 503
 
     def __init__(self, label: str, what: str, attempts: list[AttemptFailure]) -> None:
-        """``label``: what a backend is called; ``what``: the request, for the message."""
+        """``label``: what a server is called; ``what``: the request, for the message."""
         self.attempts = attempts
         tried = "; ".join(f"{a.url}: {a.error!r}" for a in attempts)
         about = f" for {what}" if what else ""
@@ -78,11 +78,11 @@ class AllAttemptsFailed(Exception):
 
     @property
     def refusals(self) -> list[AttemptFailure]:
-        """The attempts refused for load (a passed-by backend included)."""
+        """The attempts refused for load (a passed-by server included)."""
         return [a for a in self.attempts if a.verdict.outcome is Outcome.REFUSED]
 
     @property
     def retry_after_s(self) -> float | None:
-        """The shortest wait a refusing backend named (None: none refused for load)."""
+        """The shortest wait a refusing server named (None: none refused for load)."""
         waits = [a.verdict.retry_after_s for a in self.refusals if a.verdict.retry_after_s is not None]
         return min(waits) if waits else None

@@ -1,5 +1,5 @@
-"""vLLM's answers as the chat path's typed results (epd/llm_backends/vllm_backend.py), the model
-facts read from config.json, and the local vLLM argv (epd/llm_backends/vllm_launch.py)."""
+"""vLLM's answers as the chat path's typed results (epd/llm_servers/vllm_server.py), the model
+facts read from config.json, and the local vLLM argv (epd/llm_servers/vllm_launch.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from epd.llm_backends.vllm_backend import ModelInfo, VLLMBackend
-from epd.llm_backends.vllm_launch import API_SERVER_MODULE, VLLMLaunch, find_vllm, launch_args
+from epd.llm_servers.vllm_launch import API_SERVER_MODULE, VLLMLaunch, find_vllm, launch_args
+from epd.llm_servers.vllm_server import ModelInfo, VLLMServer
 
 
-def backend() -> VLLMBackend:
-    return VLLMBackend.__new__(VLLMBackend)  # the parsers use no state
+def backend() -> VLLMServer:
+    return VLLMServer.__new__(VLLMServer)  # the parsers use no state
 
 
 def test_whole_answer() -> None:

@@ -1,4 +1,4 @@
-"""vLLM as the language-model backend: epd encodes, vLLM generates.
+"""vLLM as the language-model server: epd encodes, vLLM generates.
 
 The chat goes to each server's ``/v1/chat/completions`` as chat messages (vLLM renders its own
 chat template): text parts unchanged, each media item an ``image_embeds`` / ``video_embeds`` part
@@ -35,11 +35,12 @@ import torch
 
 from encoder.caches.embed_cache import EmbedCache
 from epd.engine_client import EngineClient
-from epd.llm_backends import vllm_tokens
-from epd.llm_backends.base import BackendMismatch, ChatCall, ChatDelta, ChatResult
-from epd.llm_backends.render import RenderPool, render_chat
-from epd.llm_backends.vllm_ec import ECFolder, ec_transfer_config, metadata_keys, metadata_part
-from epd.llm_backends.vllm_embeds import (
+from epd.llm_routing.page_naming import RoutingPrompt
+from epd.llm_servers import vllm_tokens
+from epd.llm_servers.base import ChatCall, ChatDelta, ChatResult, ServerMismatch
+from epd.llm_servers.render import RenderPool, render_chat
+from epd.llm_servers.vllm_ec import ECFolder, ec_transfer_config, metadata_keys, metadata_part
+from epd.llm_servers.vllm_embeds import (
     EmbeddingGeometry,
     EmbeddingMismatch,
     check_embedding,
@@ -47,9 +48,8 @@ from epd.llm_backends.vllm_embeds import (
     embeds_part,
     tensor_b64,
 )
-from epd.llm_backends.vllm_routing import KVEventsAt, routing_health
-from epd.llm_backends.vllm_tokens import CHAT_ONLY, GENERATE, generate_body, image_item
-from epd.llm_routing.page_naming import RoutingPrompt
+from epd.llm_servers.vllm_routing import KVEventsAt, routing_health
+from epd.llm_servers.vllm_tokens import CHAT_ONLY, GENERATE, generate_body, image_item
 from epd.media_pipeline import EncodedItem
 from epd.prompt_format import PromptFormat
 from epd_common.checkpoint.config_json import read_config_json
@@ -61,7 +61,7 @@ from llm_core.prompts.request_text import mask_chat
 from llm_core.request import MultimodalInput
 from llm_core.serving.embedding_source import EmbeddingSource
 
-log = logging.getLogger("epd.llm_backends.vllm")
+log = logging.getLogger("epd.llm_servers.vllm")
 
 CHAT = "/v1/chat/completions"
 ROUTES = ("auto", "chat", "tokens")
@@ -145,7 +145,7 @@ class VLLMClient(EngineClient):
         super().raise_for_status(resp, payload)
 
 
-class VLLMBackend:
+class VLLMServer:
     name = "vllm"
     # the media handed on as embeddings: the family's profile's (the default's, images and videos;
     # images for MiMo-V2.5), set per instance; audio is not wired (nor a video's sound track)
@@ -201,7 +201,7 @@ class VLLMBackend:
 
     # -- start-up ------------------------------------------------------------------------------
     async def check_server(self, client: EngineClient) -> None:
-        """Raise ``BackendMismatch`` naming the field when the server at ``client`` cannot take
+        """Raise ``ServerMismatch`` naming the field when the server at ``client`` cannot take
         this deployment's embeddings; ``ConnectionError`` when it does not answer."""
         assert isinstance(client, VLLMClient)
         models = await client.get_json("/v1/models")
@@ -228,12 +228,12 @@ class VLLMBackend:
                 )
             return
         if not self.model.same_architecture(arch):
-            raise BackendMismatch(
+            raise ServerMismatch(
                 f"vLLM at {client.base_url} serves architecture {arch} ({root}); the encoders serve "
                 f"{self.model.architecture}"
             )
         if hidden != self.model.geometry.hidden:
-            raise BackendMismatch(
+            raise ServerMismatch(
                 f"vLLM at {client.base_url} serves hidden_size {hidden} ({root}); the encoders' "
                 f"embeddings are {self.model.geometry.hidden} wide"
             )
@@ -257,11 +257,11 @@ class VLLMBackend:
             await client.complete(self._probe_body(), path=CHAT)
         except APIError as exc:
             if "enable-mm-embeds" in exc.message:
-                raise BackendMismatch(
+                raise ServerMismatch(
                     f"vLLM at {client.base_url} was started without --enable-mm-embeds: it refuses "
                     f"precomputed embeddings ({exc.message})"
                 ) from exc
-            raise BackendMismatch(f"vLLM at {client.base_url} refused an embedding: {exc.message}") from exc
+            raise ServerMismatch(f"vLLM at {client.base_url} refused an embedding: {exc.message}") from exc
 
     async def _probe_tokens(self, client: VLLMClient) -> None:
         """Whether the server serves the token route (``--enable-scale-out``): one token of one
@@ -275,7 +275,7 @@ class VLLMBackend:
         except APIError as exc:
             client.token_route = False
             if self.route == "tokens":
-                raise BackendMismatch(
+                raise ServerMismatch(
                     f"vLLM at {client.base_url} does not serve the token route {GENERATE} ({exc.message}): "
                     "start it with --enable-scale-out, or use --vllm-route chat"
                 ) from exc
@@ -297,7 +297,7 @@ class VLLMBackend:
             with contextlib.suppress(OSError):
                 probe.rmdir()
         if not seen:
-            raise BackendMismatch(
+            raise ServerMismatch(
                 f"vLLM at {client.base_url} does not read the encoder-cache folder {self.ec.root} "
                 "(--vllm-ec-path) under the parts' uuid: start it with --ec-transfer-config "
                 f"'{ec_transfer_config(self.ec.root)}' (that folder, as its host sees it) and "
@@ -330,14 +330,14 @@ class VLLMBackend:
         return ChatCall(CHAT, {"messages": out_messages, **sampling}, routing, estimate, relay=True)
 
     def _refuse_unsent_modalities(self, items: Sequence[EncodedItem]) -> None:
-        """The ingress drops the modalities this backend does not hand on (``PromptFormat.only``);
+        """The ingress drops the modalities this server kind does not hand on (``PromptFormat.only``);
         an item of one that got here anyway is refused, never sent."""
         for item in items:
             if item.ref.modality not in self.modalities:
                 why = f": {self.model.profile.refused_because}" if self.model.profile.refused_because else ""
                 raise APIError(
                     415,
-                    f"{item.name}: the {self.name} LLM backend does not take {item.ref.modality} input{why}",
+                    f"{item.name}: the {self.name} LLM server does not take {item.ref.modality} input{why}",
                     type="unsupported_media_type",
                     param=item.name,
                 )

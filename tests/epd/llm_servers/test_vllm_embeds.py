@@ -1,4 +1,4 @@
-"""The embedding checks before a part goes to vLLM (epd/llm_backends/vllm_embeds.py): rows against
+"""The embedding checks before a part goes to vLLM (epd/llm_servers/vllm_embeds.py): rows against
 the grid and the spatial merge, width against the hidden size, rank and dtype; the part's layout."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import io
 import pytest
 import torch
 
-from epd.llm_backends.vllm_embeds import (
+from epd.llm_servers.vllm_embeds import (
     EmbeddingGeometry,
     EmbeddingMismatch,
     check_embedding,

@@ -1,4 +1,4 @@
-"""What ``epd serve --llm-backend vllm`` starts: no epd engine; one supervised local vLLM on the same
+"""What ``epd serve --llm-server vllm`` starts: no epd engine; one supervised local vLLM on the same
 checkpoint without --llm-url, none with it (epd/serve_cmd.py)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from epd import serve_cmd
 from epd.cli import build_parser
-from epd.llm_backends.vllm_routing import KVEventsAt, local_kv_events, remove_local
+from epd.llm_servers.vllm_routing import KVEventsAt, local_kv_events, remove_local
 from epd.placement import CpuSplit, plan_split
 from epd.serve_cmd import ServeConfig, config_from_args, cpu_split, plan
 
@@ -43,7 +43,7 @@ def test_local_vllm_child(qwen_dir: Path) -> None:
     cfg = serve_config(
         "--model",
         str(qwen_dir),
-        "--llm-backend",
+        "--llm-server",
         "vllm",
         "--vllm-python",
         sys.executable,
@@ -56,7 +56,7 @@ def test_local_vllm_child(qwen_dir: Path) -> None:
     assert child.argv[:3] == (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
     assert child.argv[child.argv.index("--model") + 1] == str(qwen_dir)
     assert child.argv[-2:] == ("--max-num-seqs", "8")
-    assert p.ingress.llm_backend == "vllm"
+    assert p.ingress.llm_server == "vllm"
     assert p.ingress.llm_urls == (child.health_url.removesuffix("/health"),)
     assert p.llm_children == {"vllm": p.ingress.llm_urls[0]}  # the supervisor marks it down and up
     # what the router needs of it: block hashes it can recompute, cached tokens, its KV events
@@ -69,7 +69,7 @@ def test_local_vllm_child(qwen_dir: Path) -> None:
 
 
 def test_the_local_vllm_runs_on_its_own_cores(qwen_dir: Path) -> None:
-    cfg = serve_config("--model", str(qwen_dir), "--llm-backend", "vllm", "--vllm-python", sys.executable)
+    cfg = serve_config("--model", str(qwen_dir), "--llm-server", "vllm", "--vllm-python", sys.executable)
     split = CpuSplit((1,), (0,))
     child = next(c for c in plan(cfg, split).children if c.name == "vllm")
     assert child.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
@@ -77,12 +77,12 @@ def test_the_local_vllm_runs_on_its_own_cores(qwen_dir: Path) -> None:
         assert child.argv[1:3] == ("-c", "1") and child.argv[3] == sys.executable
     assert cpu_split(cfg) == plan_split("auto", os.sched_getaffinity(0))
     assert (
-        cpu_split(serve_config("--model", str(qwen_dir), "--llm-backend", "vllm", "--cpu-split", "off"))
+        cpu_split(serve_config("--model", str(qwen_dir), "--llm-server", "vllm", "--cpu-split", "off"))
         is None
     )
     # epd's own engines, or vLLM servers elsewhere: nothing to place
     assert (
-        cpu_split(serve_config("--model", str(qwen_dir), "--llm-backend", "vllm", "--llm-url", "http://a:1"))
+        cpu_split(serve_config("--model", str(qwen_dir), "--llm-server", "vllm", "--llm-url", "http://a:1"))
         is None
     )
 
@@ -91,7 +91,7 @@ def test_remote_vllm_servers_start_nothing(qwen_dir: Path) -> None:
     cfg = serve_config(
         "--model",
         str(qwen_dir),
-        "--llm-backend",
+        "--llm-server",
         "vllm",
         "--llm-url",
         "http://a:8000",
@@ -107,7 +107,7 @@ def test_no_split_roles_with_vllm(qwen_dir: Path) -> None:
     cfg = serve_config(
         "--model",
         str(qwen_dir),
-        "--llm-backend",
+        "--llm-server",
         "vllm",
         "--llm-prefill-instances",
         "1",

@@ -1,5 +1,5 @@
-"""How a vLLM server is found and started on loopback: the argv ``epd serve --llm-backend vllm``
-supervises, and ``VLLMServer`` (start, wait until it answers, always stop) for tests and benchmarks.
+"""How a vLLM server is found and started on loopback: the argv ``epd serve --llm-server vllm``
+supervises, and ``VLLMProcess`` (start, wait until it answers, always stop) for tests and benchmarks.
 
 Which vLLM: ``--vllm-python PY`` (an interpreter that imports vllm), else the project's peer venv
 (``make vllm-peer``: ``$EPD_PEERS_DIR/vllm-venv``, default ``.peers/vllm-venv`` in the checkout),
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from epd.llm_backends.vllm_routing import HASH_ALGO, KVEventsAt, kv_events_config
+from epd.llm_servers.vllm_routing import HASH_ALGO, KVEventsAt, kv_events_config
 from epd_common.checkpoint.config_json import read_config_json
 from epd_common.checkpoint.errors import CheckpointError
 from epd_common.checkpoint.registry import vllm_profile
@@ -196,7 +196,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-class VLLMServer:
+class VLLMProcess:
     """A vLLM server in its own process group: ``start`` waits until ``/health`` answers 200 (or
     raises with the tail of its log), ``stop`` signals the group and waits; a ``with`` always stops."""
 
@@ -210,7 +210,7 @@ class VLLMServer:
     def url(self) -> str:
         return self.launch.url
 
-    def start(self) -> VLLMServer:
+    def start(self) -> VLLMProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -268,7 +268,7 @@ class VLLMServer:
         except OSError:
             return "(no log)"
 
-    def __enter__(self) -> VLLMServer:
+    def __enter__(self) -> VLLMProcess:
         return self.start()
 
     def __exit__(

@@ -1,4 +1,4 @@
-"""vLLM's token route as epd writes it (epd/llm_backends/vllm_tokens.py): the request body from the
+"""vLLM's token route as epd writes it (epd/llm_servers/vllm_tokens.py): the request body from the
 rendered prompt, and an image item that vLLM's own decoder reads back (its interpreter, from the
 CPU build `make vllm-peer` installs) as the tensors epd encoded."""
 
@@ -10,9 +10,9 @@ import subprocess
 import pytest
 import torch
 
-from epd.llm_backends.vllm_launch import peer_python
-from epd.llm_backends.vllm_tokens import generate_body, image_item, sampling_params
 from epd.llm_routing.page_naming import RoutingPrompt
+from epd.llm_servers.vllm_launch import peer_python
+from epd.llm_servers.vllm_tokens import generate_body, image_item, sampling_params
 from epd_common.messages.cache_keys import MediaSpan
 from epd_common.messages.embedding_ref import EmbeddingRef
 

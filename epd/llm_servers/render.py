@@ -1,4 +1,4 @@
-"""Rendering a chat into prompt ids off the event loop, for the backends that need the ids (epd's
+"""Rendering a chat into prompt ids off the event loop, for the LLM servers that need the ids (epd's
 engine takes them; a vLLM server is routed on them).
 
 The chat template and the tokenizer run on a small thread pool: a long conversation takes
@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from epd.llm_backends.cache_keys import routing_prompt
 from epd.llm_routing.page_naming import RoutingPrompt
+from epd.llm_servers.cache_keys import routing_prompt
 from epd.media_pipeline import EncodedItem
 from epd.prompt_format import ChatTemplateError, PromptFormat, prompt_media
 from epd_common.errors import bad_request
@@ -43,7 +43,7 @@ def render_chat(
 
 
 class RenderPool:
-    """The rendering threads of one backend."""
+    """The rendering threads of one LLM server."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="epd-prompt")

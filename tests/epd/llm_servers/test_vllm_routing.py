@@ -1,4 +1,4 @@
-"""What the router is told of each vLLM server (epd/llm_backends/vllm_routing.py)."""
+"""What the router is told of each vLLM server (epd/llm_servers/vllm_routing.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import stat
 
 import pytest
 
-from epd.llm_backends.vllm_routing import (
+from epd.llm_routing.vllm_block_hash import SCHEME
+from epd.llm_servers.vllm_routing import (
     KVEventsAt,
     kv_events_config,
     local_kv_events,
@@ -16,7 +17,6 @@ from epd.llm_backends.vllm_routing import (
     remove_local,
     routing_health,
 )
-from epd.llm_routing.vllm_block_hash import SCHEME
 
 
 def test_kv_events_pair_with_the_urls_in_order() -> None:

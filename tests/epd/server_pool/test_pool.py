@@ -1,4 +1,4 @@
-"""The backend pool on its own: liveness, the refusal countdown and failover, with a policy that
+"""The server pool on its own: liveness, the refusal countdown and failover, with a policy that
 takes the candidates in order and a classifier over plain exceptions."""
 
 from __future__ import annotations
@@ -9,19 +9,19 @@ from typing import NamedTuple
 
 import pytest
 
-from epd.backend_pool import (
+from epd.server_pool import (
     AllAttemptsFailed,
     AttemptFailure,
-    BackendPool,
     Liveness,
-    NoBackendAvailable,
+    NoServerAvailable,
     Outcome,
     PassedBy,
     PoolConfig,
     RefusalClock,
+    ServerPool,
     Verdict,
 )
-from epd.backend_pool.attempts import FAILED, FATAL, UNREACHABLE, refused
+from epd.server_pool.attempts import FAILED, FATAL, UNREACHABLE, refused
 
 URLS = ["http://a", "http://b", "http://c"]
 
@@ -71,13 +71,13 @@ class Clock:
 
 def make_pool(
     config: PoolConfig | None = None, liveness: Liveness | None = None, **kw: object
-) -> BackendPool[str, Pick]:
-    live = liveness or Liveness(URLS, label="backend")
-    return BackendPool(live, InOrder(), classify, config or PoolConfig("backend"), **kw)  # type: ignore[arg-type]
+) -> ServerPool[str, Pick]:
+    live = liveness or Liveness(URLS, label="server")
+    return ServerPool(live, InOrder(), classify, config or PoolConfig("server"), **kw)  # type: ignore[arg-type]
 
 
 def run_with(
-    pool: BackendPool[str, Pick], errors: dict[str, Exception], deadline_s: float | None = None
+    pool: ServerPool[str, Pick], errors: dict[str, Exception], deadline_s: float | None = None
 ) -> tuple[str, list[str]]:
     tried: list[str] = []
 
@@ -90,8 +90,8 @@ def run_with(
     return asyncio.run(pool.call("req", fn, deadline_s)), tried
 
 
-def test_health_checks_flip_a_backend_after_enough_results_in_a_row() -> None:
-    live = Liveness(URLS, label="backend", fall_after=2, rise_after=2)
+def test_health_checks_flip_a_server_after_enough_results_in_a_row() -> None:
+    live = Liveness(URLS, label="server", fall_after=2, rise_after=2)
     live.report(URLS[0], False)
     assert live.is_up(URLS[0])
     live.report(URLS[0], False)
@@ -106,7 +106,7 @@ def test_health_checks_flip_a_backend_after_enough_results_in_a_row() -> None:
 
 
 def test_a_listener_hears_every_mark() -> None:
-    live = Liveness(URLS, label="backend", initially_up=False)
+    live = Liveness(URLS, label="server", initially_up=False)
     heard: list[tuple[str, bool]] = []
     live.subscribe(lambda url, up: heard.append((url, up)))
     live.set(URLS[1], False)
@@ -128,7 +128,7 @@ def test_the_refusal_countdown() -> None:
     assert refusals.wait_s(URLS[0]) == 0.0
 
 
-def test_failover_takes_an_unreachable_backend_out_and_keeps_a_failing_one() -> None:
+def test_failover_takes_an_unreachable_server_out_and_keeps_a_failing_one() -> None:
     pool = make_pool()
     out, tried = run_with(pool, {URLS[0]: Gone(), URLS[1]: Flaky()})
     assert (out, tried) == (URLS[2], URLS)
@@ -142,31 +142,29 @@ def test_a_fatal_error_is_raised_at_once() -> None:
     assert pool.live_members == URLS
 
 
-def test_every_backend_refusing_names_the_shortest_wait_and_the_waits_count_down() -> None:
+def test_every_server_refusing_names_the_shortest_wait_and_the_waits_count_down() -> None:
     clock = Clock()
     pool = make_pool(refusals=RefusalClock(clock))
     with pytest.raises(AllAttemptsFailed) as info:
         run_with(pool, {URLS[0]: Busy(7.0), URLS[1]: Busy(3.0), URLS[2]: Busy(12.0)})
     assert info.value.retry_after_s == 3.0
     assert [a.verdict.outcome for a in info.value.attempts] == [Outcome.REFUSED] * 3
-    assert pool.live_members == URLS  # a refusal for load takes no backend out
+    assert pool.live_members == URLS  # a refusal for load takes no server out
     clock.now += 1.0
     assert pool.expected_wait_s() == pytest.approx(2.0)
 
 
-def test_a_refused_backend_is_passed_by_only_when_the_pool_is_so_configured() -> None:
+def test_a_refused_server_is_passed_by_only_when_the_pool_is_so_configured() -> None:
     for pass_by, sent in ((True, [URLS[1]]), (False, URLS[:2])):
-        pool = make_pool(PoolConfig("backend", pass_by_refused=pass_by))
+        pool = make_pool(PoolConfig("server", pass_by_refused=pass_by))
         pool.refusals.note(URLS[0], 20.0)
         out, tried = run_with(pool, {URLS[0]: Busy(20.0)}, deadline_s=5.0)
         assert (out, tried) == (URLS[1], sent)
 
 
-def test_a_passed_by_backend_counts_as_a_refusal_and_keeps_its_countdown() -> None:
+def test_a_passed_by_server_counts_as_a_refusal_and_keeps_its_countdown() -> None:
     clock = Clock()
-    pool = make_pool(
-        PoolConfig("backend", pass_by_refused=True, max_attempts=1), refusals=RefusalClock(clock)
-    )
+    pool = make_pool(PoolConfig("server", pass_by_refused=True, max_attempts=1), refusals=RefusalClock(clock))
     pool.refusals.note(URLS[0], 20.0)
     clock.now += 5.0
     with pytest.raises(AllAttemptsFailed) as info:
@@ -178,18 +176,18 @@ def test_a_passed_by_backend_counts_as_a_refusal_and_keeps_its_countdown() -> No
 
 def test_all_down_fails_at_once_or_tries_all_as_configured() -> None:
     for tries_all in (False, True):
-        pool = make_pool(PoolConfig("backend", all_down_tries_all=tries_all))
+        pool = make_pool(PoolConfig("server", all_down_tries_all=tries_all))
         for u in URLS:
             pool.liveness.set(u, False)
         if tries_all:
             assert run_with(pool, {}) == (URLS[0], [URLS[0]])
         else:
-            with pytest.raises(NoBackendAvailable, match="all 3 backends are down"):
+            with pytest.raises(NoServerAvailable, match="all 3 servers are down"):
                 run_with(pool, {})
 
 
-def test_max_attempts_caps_the_backends_one_call_tries() -> None:
-    pool = make_pool(PoolConfig("backend", max_attempts=2))
+def test_max_attempts_caps_the_servers_one_call_tries() -> None:
+    pool = make_pool(PoolConfig("server", max_attempts=2))
     with pytest.raises(AllAttemptsFailed) as info:
         run_with(pool, {u: Flaky() for u in URLS})
     assert [a.url for a in info.value.attempts] == URLS[:2]
@@ -214,7 +212,7 @@ def test_the_failure_hook_says_whether_the_call_moves_on() -> None:
 def test_pools_over_parts_of_one_liveness_see_each_others_marks() -> None:
     """Split roles: the prefill pool (a, b) and the decode pool (b, c) share b's state, and a
     pool's failover counts only its own members."""
-    live = Liveness(URLS, label="backend")
+    live = Liveness(URLS, label="server")
     moved: list[bool] = []
     first = make_pool(liveness=live, members=URLS[:2], on_failure=lambda f, on: moved.append(on))
     second = make_pool(liveness=live, members=URLS[1:])

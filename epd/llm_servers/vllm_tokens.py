@@ -30,8 +30,8 @@ import msgspec
 import numpy as np
 import torch
 
-from epd.llm_backends.base import ChatDelta, ChatResult
 from epd.llm_routing.page_naming import RoutingPrompt
+from epd.llm_servers.base import ChatDelta, ChatResult
 from epd_common.messages.embedding_ref import EmbeddingRef
 
 GENERATE = "/inference/v1/generate"

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from epd.llm_backends.vllm_launch import VLLMServer, free_port, peer_python
+from epd.llm_servers.vllm_launch import VLLMProcess, free_port, peer_python
 from tests.epd.conftest import http_json
 from tests.fixtures import mimo_v2 as fx
 from tests.fixtures.mimo_v2_vllm import write_tiny_mimo_v2_vllm
@@ -51,14 +51,14 @@ def ec_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def vllm(
     full_tower_dir: Path, ec_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VLLMServer]:
+) -> Iterator[VLLMProcess]:
     launch = raw_tower_launch(full_tower_dir, free_port(), ec_dir)
     log = tmp_path_factory.mktemp("vllm_log") / "vllm.log"
-    with VLLMServer(launch, log, ready_timeout_s=290.0) as server:
+    with VLLMProcess(launch, log, ready_timeout_s=290.0) as server:
         yield server
 
 
-def _chat(vllm: VLLMServer, body: dict[str, Any]) -> dict[str, Any]:
+def _chat(vllm: VLLMProcess, body: dict[str, Any]) -> dict[str, Any]:
     status, reply = http_json("POST", f"{vllm.url}/v1/chat/completions", body)
     assert status == 200, reply
     return dict(reply)
@@ -66,7 +66,7 @@ def _chat(vllm: VLLMServer, body: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("width", "height", "seed"), [(150, 90, 7), (64, 128, 8)])
 def test_its_own_rows_sent_by_hand_give_its_raw_image_ids(
-    vllm: VLLMServer, full_tower_dir: Path, ec_dir: Path, width: int, height: int, seed: int
+    vllm: VLLMProcess, full_tower_dir: Path, ec_dir: Path, width: int, height: int, seed: int
 ) -> None:
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 

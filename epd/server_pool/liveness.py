@@ -1,8 +1,8 @@
-"""Which backends are in the routing set.
+"""Which servers are in the routing set.
 
 A mark (a call that could not connect, the supervisor restarting a process, a server failing the
-backend's check) flips a backend at once. Health checks flip it after ``fall_after`` failures or
-``rise_after`` passes in a row, so one lost probe need not move a backend's keys.
+server's check) flips a server at once. Health checks flip it after ``fall_after`` failures or
+``rise_after`` passes in a row, so one lost probe need not move a server's keys.
 
 Use from one thread (the event loop).
 """
@@ -13,14 +13,14 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-log = logging.getLogger("epd.backend_pool")
+log = logging.getLogger("epd.server_pool")
 
 # (url, up) after every mark and health report, changed or not: a gauge may be set from it
 Listener = Callable[[str, bool], None]
 
 
 class Liveness:
-    """Up or down per backend url, in the order the backends were listed."""
+    """Up or down per server url, in the order the servers were listed."""
 
     def __init__(
         self,
@@ -31,8 +31,8 @@ class Liveness:
         rise_after: int = 1,
         initially_up: bool = True,
     ) -> None:
-        """``label``: what the logs call a backend ("encoder worker"); ``initially_up``: the state
-        of a backend nothing has been heard from yet."""
+        """``label``: what the logs call a server ("encoder worker"); ``initially_up``: the state
+        of a server nothing has been heard from yet."""
         if fall_after < 1 or rise_after < 1:
             raise ValueError(f"fall_after and rise_after must be >= 1, got {fall_after}, {rise_after}")
         self.label = label
@@ -47,7 +47,7 @@ class Liveness:
 
     # -- membership ----------------------------------------------------------------------------
     def set_members(self, urls: Sequence[str]) -> None:
-        """Replace the backends: a new one starts as ``initially_up``; a kept one keeps its state."""
+        """Replace the servers: a new one starts as ``initially_up``; a kept one keeps its state."""
         if len(set(urls)) != len(urls):
             raise ValueError(f"a {self.label} is listed twice: {list(urls)}")
         self._up = {u: self._up.get(u, self.initially_up) for u in urls}
@@ -111,7 +111,7 @@ class Liveness:
     async def check_all(
         self, check: Callable[[str], Awaitable[bool]], timeout_s: float | None = 2.0
     ) -> dict[str, bool]:
-        """Run ``check`` on every backend at once (an error or a timeout is a failure) and feed
+        """Run ``check`` on every server at once (an error or a timeout is a failure) and feed
         the results. ``timeout_s``: None when ``check`` bounds its own time."""
         urls = list(self._up)
 
