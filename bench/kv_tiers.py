@@ -53,6 +53,7 @@ from llm_core.kv_transfer.layer_plan import LayerPlan
 from llm_core.serving.engine import LLMEngine
 from llm_core.serving.sampling import SamplingParams
 from llm_core.serving.server_config import EngineConfig
+from llm_core.tools.default_llm import ensure_default_checkpoint
 
 ANSWER_TOKENS = 4
 QUESTION_TOKENS = 16
@@ -94,7 +95,7 @@ def _engine(
         max_num_batched_tokens=chunk,
         host_kv_bytes=8 * length * (full_per_token + swa_per_token) if host else 0,
     )
-    engine = LLMEngine.from_checkpoint(None, cfg, dtype=dtype)
+    engine = LLMEngine.from_checkpoint(ensure_default_checkpoint(), cfg, dtype=dtype)
     if store_url is not None:
         # the shared tier as ``epd serve --store`` builds it (GuardedStore over a RedisStore); a
         # longer per-call timeout than the default since a 16-page batch of 32K-token KV is large
@@ -119,7 +120,7 @@ def run_length(
     out: dict[str, Any] = {"length": length}
     answers: dict[str, list[list[int]]] = {}
     probe = LLMEngine.from_checkpoint(
-        None, EngineConfig(kv_memory_bytes=1 << 20, max_model_len=512), dtype=dtype
+        ensure_default_checkpoint(), EngineConfig(kv_memory_bytes=1 << 20, max_model_len=512), dtype=dtype
     )
     sized = KVLayout(**{**probe.kv.layout.__dict__, "dtype_bytes": dtype.itemsize})
     probe.stop()

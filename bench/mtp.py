@@ -3,7 +3,7 @@ acceptance length for k = 0 (no speculation), 1, 2, 3 draft steps at batch 1, 8 
 
 Each (k, batch) runs greedy requests of random byte prompts (64-256 tokens, ``--max-tokens``
 output tokens, ignore_eos), ``batch`` at a time and at least ``MIN_REQUESTS`` in all, through an
-in-process engine of the embedded default model (``LLMEngine.from_checkpoint(None)``; its heads
+in-process engine of the embedded default model (``llm_core.tools.default_llm``; its heads
 come with the checkpoint, distilled when it was built). Every request's ids are checked against
 k = 0's (speculation never changes greedy output). Tokens/s is output tokens over the wall time
 of the requests, after one warm-up request per engine; the engines of every k run side by side and each repeat runs them all on the
@@ -30,6 +30,7 @@ from llm_core.models.decoder import DecoderForCausalLM
 from llm_core.serving.engine import LLMEngine
 from llm_core.serving.sampling import SamplingParams
 from llm_core.serving.server_config import EngineConfig
+from llm_core.tools.default_llm import ensure_default_checkpoint
 
 # Requests per (k, batch, repeat) at least: batch 1 runs this many one after another.
 MIN_REQUESTS = 8
@@ -110,7 +111,7 @@ def run(ks: list[int], batches: list[int], max_tokens: int, seed: int, repeats: 
             cfg = EngineConfig(
                 kv_memory_bytes=256 << 20, max_num_seqs=max(batches), max_model_len=1024, speculative_steps=k
             )
-            engine = engines[k] = LLMEngine.from_checkpoint(None, cfg)
+            engine = engines[k] = LLMEngine.from_checkpoint(ensure_default_checkpoint(), cfg)
             engine.start()
             _run_batch(engine, _prompts(1, seed + 999), 8)  # warm-up: first-call costs off the clock
         rates: dict[tuple[int, int], list[float]] = {(k, b): [] for k in ks for b in batches}

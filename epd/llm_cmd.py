@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 from epd.config_cli import add_dataclass_args, add_model_dir_argument, dataclass_from_args, model_path_from
 from epd_common.messages.embedding_reader import EmbeddingReader
@@ -20,8 +21,16 @@ def run(args: argparse.Namespace) -> int:
 
     config = dataclass_from_args(LLMServerConfig, args)
     config = dataclasses.replace(config, model_path=model_path_from("llm", args.model_dir, config.model_path))
-    serve_llm(config, open_embedding_cache)
+    serve_llm(config, open_embedding_cache, config.model_dir or default_llm_dir())
     return 0
+
+
+def default_llm_dir() -> Path:
+    """The embedded default's checkpoint, written on first use (weights, distilled MTP heads,
+    tokenizer: ``llm_core.tools.default_llm``, tens of seconds once)."""
+    from llm_core.tools.default_llm import ensure_default_checkpoint
+
+    return ensure_default_checkpoint()
 
 
 def open_embedding_cache(namespace: str) -> EmbeddingReader | None:

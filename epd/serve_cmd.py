@@ -29,6 +29,7 @@ from encoder.serving.worker import WorkerConfig, plan_workers
 from epd.config import IngressConfig
 from epd.config_cli import add_dataclass_args, dataclass_from_args, dataclass_to_argv
 from epd.encoder_cmd import worker_child
+from epd.llm_cmd import default_llm_dir
 from epd.llm_servers.vllm_launch import VLLMLaunch, VLLMLaunchError, launch_args
 from epd.llm_servers.vllm_routing import KVEventsAt, local_kv_events, remove_local
 from epd.model_check import ModelDirError, check_model_dir
@@ -451,6 +452,10 @@ async def serve(cfg: ServeConfig) -> int:
             if p.local_redis_port is not None:
                 redis = LocalRedis(port=p.local_redis_port, maxmemory_bytes=p.ingress.store.max_bytes)
                 redis.start()
+            if p.llm_children and cfg.ingress.llm_server == "epd" and cfg.llm.model_path is None:
+                # the embedded default's files, written once here rather than by each engine child
+                # at once (its MTP heads are distilled: tens of seconds on a first start)
+                await asyncio.to_thread(default_llm_dir)
             await sup.start()
         except (ChildFailed, StoreError) as exc:
             print(f"epd serve: {exc}", file=sys.stderr)

@@ -29,12 +29,7 @@ NAME = re.compile(r"^[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*$")
 
 # Imports that break their package's rule and are still to be removed, each with why it stays; the
 # test fails when one of them no longer occurs (then it goes from here).
-PENDING = {
-    ("llm_core/models/checkpoint.py", "llm_core.tools.mtp_distill"): (
-        "the embedded default's MTP heads are distilled by the checkpoint loader until `epd serve`"
-        " runs that as a tools step (#41 step 4)"
-    ),
-}
+PENDING: dict[tuple[str, str], str] = {}
 
 
 class Rule(NamedTuple):

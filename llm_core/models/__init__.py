@@ -9,8 +9,8 @@ row there; an unknown architecture fails with the list of supported ones.
 
 Beside ``epd_common`` (the checkpoint reader, the registry, the settings) it uses ``llm_core``'s
 ``backends`` (the kernels chosen once, handed over by ``after_load``), ``kernels``, ``prompts`` and
-the request record (``positions``). One exception is left until the embedded default's MTP heads
-become a tools step (#41 step 4): ``checkpoint`` runs ``llm_core.tools.mtp_distill``.
+the request record (``positions``). The loader only reads: the embedded default's files (its
+weights and distilled MTP heads) are written by a tools step, ``llm_core.tools.default_llm``.
 
 May import: epd_common, llm_core.backends, llm_core.kernels, llm_core.prompts, llm_core.request;
 never: llm_core.caches, llm_core.serving, llm_core.tools.

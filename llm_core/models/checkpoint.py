@@ -28,18 +28,15 @@ Loading is strict: any missing or unexpected tensor, or a shape mismatch, raises
 naming the tensor; so does a truncated or corrupt shard (naming the file and the first tensor whose
 bytes are cut off). The router (``mlp.gate.*``) stays fp32 whatever ``dtype`` is asked for.
 
-The embedded default (``load_llm(None)``) is generated once from a fixed seed with the agreed small
-config, plus ``DEFAULT_MTP_LAYERS`` MTP heads distilled from it (``llm_core.tools.mtp_distill``; its
-report is saved beside the weights as ``mtp_distill.json``), and stored under
-``default_model_dir()/llm-<hash of the recipe>``; it is written to a temporary directory and
-renamed into place so concurrent first starts never see a half-written checkpoint.
+The embedded default's config (``default_llm_config``) and seed live here; its files (the weights,
+the distilled MTP heads, the tokenizer) are written by a tools step, ``llm_core.tools.default_llm``,
+which ``epd serve`` and ``epd llm`` run when no model is given. The loader only reads.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -50,10 +47,8 @@ from torch import Tensor, nn
 
 from epd_common.checkpoint.config_json import CONFIG_FILE, read_config_json
 from epd_common.checkpoint.errors import CheckpointError
-from epd_common.checkpoint.generated import write_once
 from epd_common.checkpoint.registry import language_architecture
 from epd_common.checkpoint.shards import read_tensors, shard_map
-from epd_common.settings import default_checkpoint_dir, epd_home
 from llm_core.models import UnknownArchitecture, family_for, mimo_v2_flash
 from llm_core.models.config import ConfigError, DecoderConfig
 from llm_core.models.decoder import DecoderForCausalLM
@@ -61,18 +56,8 @@ from llm_core.models.family import TensorFormatError, tensor_converter_of
 from llm_core.models.moe import TopKRouter
 from llm_core.models.mtp import MTP_PREFIX, MTPFormatError, MTPHeads, num_layers_in, split_mtp_state
 from llm_core.models.positions import LinearPositions, PositionScheme
-from llm_core.models.random_init import init_random_weights
-from llm_core.tools.mtp_distill import DistillRecipe, distill_mtp_heads
 
-DEFAULT_SEED = 20260101
-# Bump when the default's generation (init_random_weights, the tokenizer, the heads' distillation)
-# changes: the directory name hashes this together with the config, seed and distillation recipe.
-# 2: the default gained DEFAULT_MTP_LAYERS distilled MTP heads.
-DEFAULT_RECIPE_VERSION = 2
-# The embedded default's MTP heads (MiMo-V2-Flash ships 3) and how they are distilled.
-DEFAULT_MTP_LAYERS = 3
-DEFAULT_DISTILL = DistillRecipe()
-DISTILL_REPORT = "mtp_distill.json"
+DEFAULT_SEED = 20260101  # the embedded default's weights (``llm_core.tools.default_llm``)
 MTP_LAYERS_KEY = "num_nextn_predict_layers"  # config.json's head count
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -108,11 +93,6 @@ def default_llm_config() -> DecoderConfig:
         max_position_embeddings=32768,
         eos_token_id=256,
     )
-
-
-def default_model_dir() -> Path:
-    """Root for embedded default checkpoints (``$EPD_HOME`` or ~/.cache/epd)."""
-    return epd_home()
 
 
 # ---- reading tensors -------------------------------------------------------------------------------
@@ -226,10 +206,10 @@ def load_state_dict_strict(model: nn.Module, state: dict[str, Tensor], prefix: s
 
 
 def load_llm(
-    path: str | Path | None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> LoadedLLM:
-    """Load a checkpoint directory, or the embedded default when ``path`` is None (created on first use)."""
-    model_dir = ensure_default_checkpoint() if path is None else Path(path)
+    """Load a checkpoint directory (the embedded default's: ``llm_core.tools.default_llm``)."""
+    model_dir = Path(path)
     if not model_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {model_dir} does not exist")
     raw = read_config_json(model_dir)
@@ -326,62 +306,3 @@ def write_checkpoint(model: DecoderForCausalLM, out_dir: Path, mtp: MTPHeads | N
     if mtp is not None:
         hf[MTP_LAYERS_KEY] = mtp.num_layers
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-
-
-def _default_recipe() -> tuple[Any, ...]:
-    """Everything the embedded default's files depend on (hashed into its directory name)."""
-    return (default_llm_config(), DEFAULT_SEED, DEFAULT_RECIPE_VERSION, DEFAULT_MTP_LAYERS, DEFAULT_DISTILL)
-
-
-# The default's distilled heads (state dict) and report, once per process: distilling takes tens of
-# seconds and gives the same weights every time, so a second root (tests) copies them.
-_default_heads: dict[str, tuple[dict[str, Tensor], dict[str, Any]]] = {}
-_default_heads_lock = threading.Lock()
-
-
-def _distilled_default_heads(model_dir: Path) -> tuple[MTPHeads, dict[str, Any]]:
-    """The default's MTP heads, distilled from the target as ``load_llm`` serves it (fused weights,
-    eval) from ``model_dir``, and the distillation report as JSON."""
-    key = repr(_default_recipe())
-    heads = MTPHeads(default_llm_config(), DEFAULT_MTP_LAYERS)
-    with _default_heads_lock:  # concurrent first starts in one process distil once
-        cached = _default_heads.get(key)
-        if cached is None:
-            target = load_llm(model_dir).model
-            report = distill_mtp_heads(target, heads, DEFAULT_SEED, DEFAULT_DISTILL).to_json()
-            cached = _default_heads[key] = ({k: v.clone() for k, v in heads.state_dict().items()}, report)
-    heads.load_state_dict(cached[0])
-    return heads.eval().requires_grad_(False), cached[1]
-
-
-def ensure_default_checkpoint(root: Path | None = None) -> Path:
-    """Create the embedded default checkpoint under ``root/llm-<recipe hash>`` once; return it.
-
-    The target's weights come from ``init_random_weights`` with ``DEFAULT_SEED``; its
-    ``DEFAULT_MTP_LAYERS`` heads are then distilled from it (``mtp_distill.distill_mtp_heads``, tens
-    of seconds on a CPU) and written beside it, with the distillation's report as
-    ``mtp_distill.json``. The directory name hashes the config, seed, recipe version and
-    distillation recipe, so changing the default never loads a checkpoint an older release
-    generated."""
-    target = default_checkpoint_dir(root or default_model_dir(), "llm", _default_recipe())
-    return write_once(
-        target,
-        _write_default,
-        complete=lambda d: (d / CONFIG_FILE).is_file() and (d / "model.safetensors").is_file(),
-    )
-
-
-def _write_default(out_dir: Path) -> None:
-    """The embedded default's files (see ``ensure_default_checkpoint``) into ``out_dir``."""
-    model = DecoderForCausalLM(default_llm_config())
-    init_random_weights(model, DEFAULT_SEED)
-    write_checkpoint(model, out_dir)  # the target alone: loaded back to distill the heads from
-    heads, report = _distilled_default_heads(out_dir)
-    write_checkpoint(model, out_dir, mtp=heads)
-    (out_dir / DISTILL_REPORT).write_text(json.dumps(report, indent=2) + "\n")
-    try:
-        from llm_core.prompts.tokenizer import save_default_tokenizer
-    except ImportError:
-        pass
-    else:
-        save_default_tokenizer(out_dir)

@@ -607,13 +607,14 @@ class LLMEngine:
     @classmethod
     def from_checkpoint(
         cls,
-        model_path: str | Path | None,
+        model_path: str | Path,
         config: EngineConfig | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         kv_events: KVEventPublisher | None = None,
     ) -> LLMEngine:
-        """Load a checkpoint (None: the embedded default) with its tokenizer and build an engine."""
+        """Load a checkpoint directory (the embedded default's: ``llm_core.tools.default_llm``)
+        with its tokenizer and build an engine."""
         from llm_core.models.checkpoint import load_llm
         from llm_core.prompts.tokenizer import load_tokenizer
 

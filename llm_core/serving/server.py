@@ -28,6 +28,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -360,16 +361,23 @@ def create_app(
     )
 
 
-def build_app(config: LLMServerConfig, open_cache: ReaderOpener | None = None) -> Starlette:
-    """Load the checkpoint named by ``config`` and wire engine, embedding source and app.
-    ``open_cache``: opens this node's embedding cache (the encoder's; None: ref URLs only)."""
+def build_app(
+    config: LLMServerConfig, open_cache: ReaderOpener | None = None, model_dir: Path | None = None
+) -> Starlette:
+    """Load the checkpoint and wire engine, embedding source and app. ``open_cache``: opens this
+    node's embedding cache (the encoder's; None: ref URLs only); ``model_dir``: the checkpoint
+    (default: ``config``'s; with neither, ValueError: the embedded default is written by a tools
+    step, ``llm_core.tools.default_llm``, which ``epd llm`` runs)."""
+    model_dir = model_dir or config.model_dir
+    if model_dir is None:
+        raise ValueError(
+            "no checkpoint directory: epd llm writes the embedded default (llm_core.tools.default_llm)"
+        )
     device = config.resolve_device()
     events = None
     if config.kv_events_endpoint:
         events = KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint)
-    engine = LLMEngine.from_checkpoint(
-        config.model_path, config.engine, device, config.torch_dtype, kv_events=events
-    )
+    engine = LLMEngine.from_checkpoint(model_dir, config.engine, device, config.torch_dtype, kv_events=events)
     engine.handoff = KVHandoff(config.kv_transport, config.cache_namespace, engine.kv, host=config.host)
     store = build_store(config.store)
     if store is not None and engine.attach_kv_store(store, config.store.ttl_s) is None:
@@ -383,12 +391,14 @@ def build_app(config: LLMServerConfig, open_cache: ReaderOpener | None = None) -
     return create_app(engine, config, embeddings)
 
 
-def serve_llm(config: LLMServerConfig, open_cache: ReaderOpener | None = None) -> None:
+def serve_llm(
+    config: LLMServerConfig, open_cache: ReaderOpener | None = None, model_dir: Path | None = None
+) -> None:
     """Run the engine process until interrupted (``epd llm``, which passes the encoder's cache
-    as ``open_cache``)."""
+    as ``open_cache`` and the checkpoint as ``model_dir``: see ``build_app``)."""
     import torch
 
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)  # the process's own: the engine thread reads it
-    app = build_app(config, open_cache)
+    app = build_app(config, open_cache, model_dir)
     serve_internal(app, uds=config.uds, host=config.host, port=config.port, log_level=config.log_level)

@@ -1,9 +1,9 @@
 """Offline work over the models that is not a model and not serving: ``mtp_distill`` trains
-multi-token-prediction heads for a target that has none (how the embedded default gets its heads).
+multi-token-prediction heads for a target that has none; ``default_llm`` writes the embedded
+default checkpoint once (its weights, heads distilled by ``mtp_distill``, the tokenizer).
 
-The product needs it at run time in one place: ``llm_core.models.checkpoint`` distills the
-embedded default's heads the first time that checkpoint is built (``epd serve`` with no model
-given).
+The product runs ``default_llm`` in one place: ``epd serve`` (before it starts its engines) and
+``epd llm`` when no model is given. The loader and the engine only read checkpoints.
 
 May import: llm_core.models, llm_core.caches, llm_core.kernels, epd_common; never: llm_core.serving.
 """

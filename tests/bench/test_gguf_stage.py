@@ -11,8 +11,9 @@ import pytest
 
 from bench.gguf_stage import StageError, release_config, stage_checkpoint
 from bench.llm_peer import ensure_checkpoint, small_config
-from llm_core.models.checkpoint import DEFAULT_SEED, default_llm_config, ensure_default_checkpoint
+from llm_core.models.checkpoint import DEFAULT_SEED, default_llm_config
 from llm_core.models.config import DecoderConfig
+from llm_core.tools.default_llm import ensure_default_checkpoint
 
 
 def _even_rotary() -> DecoderConfig:

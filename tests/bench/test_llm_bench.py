@@ -16,7 +16,7 @@ import torch
 from bench.common import usable_cores
 from bench.llm import NO_BASELINE, TARGETS, make_prompts, regular_token_bound, tiny_qwen_dir
 from llm_core.models import supported
-from llm_core.models.checkpoint import ensure_default_checkpoint
+from llm_core.tools.default_llm import ensure_default_checkpoint
 
 
 def _quick(tmp_path: Path, *extra: str) -> dict[str, Any]:

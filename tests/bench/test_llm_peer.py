@@ -19,7 +19,7 @@ from bench.llm_peer import (
     serve_ours,
 )
 from bench.peers import Peers, PeersMissing
-from llm_core.models.checkpoint import ensure_default_checkpoint
+from llm_core.tools.default_llm import ensure_default_checkpoint
 
 
 def test_a_chunk_of_two_tokens_gives_its_gap_then_zero() -> None:

@@ -145,9 +145,10 @@ def test_stats_shows_an_engines_kv_tiers(root: Path, capsys: pytest.CaptureFixtu
     from llm_core.serving.sampling import SamplingParams
     from llm_core.serving.server import create_app
     from llm_core.serving.server_config import EngineConfig
+    from llm_core.tools.default_llm import ensure_default_checkpoint
 
     cfg = EngineConfig(kv_memory_bytes=6 << 20, max_model_len=512, host_kv_bytes=32 << 20)
-    engine = LLMEngine.from_checkpoint(None, cfg)
+    engine = LLMEngine.from_checkpoint(ensure_default_checkpoint(), cfg)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"

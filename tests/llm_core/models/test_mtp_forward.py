@@ -27,10 +27,11 @@ from llm_core.backends.selector import select_backends
 from llm_core.caches.kv_pool import DualKVCache, KVLayout
 from llm_core.kernels import cpu_attention
 from llm_core.kernels.attention_batch import AttentionBatch, build_attention_batch
-from llm_core.models.checkpoint import LoadedLLM, default_llm_config, init_random_weights, load_llm
+from llm_core.models.checkpoint import LoadedLLM, default_llm_config, load_llm
 from llm_core.models.config import DecoderConfig
 from llm_core.models.decoder import DecoderForCausalLM
 from llm_core.models.mtp import MTPHeads
+from llm_core.models.random_init import init_random_weights
 from tests.fixtures import mimo_v2 as fx
 from tests.llm_core.models.test_decoder import PAGE, free_lists
 

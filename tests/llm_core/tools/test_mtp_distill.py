@@ -16,19 +16,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llm_core.models.checkpoint import (
-    DEFAULT_MTP_LAYERS,
     DEFAULT_SEED,
-    DISTILL_REPORT,
     CheckpointError,
     LoadedLLM,
     default_llm_config,
-    ensure_default_checkpoint,
-    init_random_weights,
     load_llm,
     write_checkpoint,
 )
 from llm_core.models.decoder import DecoderForCausalLM
 from llm_core.models.mtp import MTPHeads
+from llm_core.models.random_init import init_random_weights
+from llm_core.tools.default_llm import DEFAULT_MTP_LAYERS, DISTILL_REPORT, ensure_default_checkpoint
 from llm_core.tools.mtp_distill import (
     DistillRecipe,
     acceptance_lengths,
@@ -97,7 +95,7 @@ def test_default_report_shows_trained_acceptance(default_dir: Path) -> None:
 def test_loaded_heads_draft_on_new_prompts(
     default: LoadedLLM, fresh_data: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 ) -> None:
-    """The heads as load_llm(None) gives them, on prompts they were not trained on."""
+    """The default's heads as loaded from its checkpoint, on prompts they were not trained on."""
     ids, h0, _ = fresh_data
     assert default.mtp is not None
     trained, _ = acceptance_lengths(default.model, default.mtp, ids, h0, PROMPT_LEN)
