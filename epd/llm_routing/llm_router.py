@@ -509,11 +509,13 @@ class LLMRouter:
         self, i: int, e: _Engine, hashes_for: Callable[[_Engine], list[int]] | None, limit: int
     ) -> Candidate:
         hit = self._hit(e, hashes_for, limit) if hashes_for is not None else 0
-        prefill, decode = e.load.prefill_tokens, e.load.decode_tokens
+        prefill, decode, held = e.load.prefill_tokens, e.load.decode_tokens, e.load.held_tokens
         if self.config.count_external_load:
             prefill += e.load.external_prefill_tokens
             decode += e.load.external_decode_tokens
-        return Candidate(i, hit, prefill, decode)
+            # the engine's own counts: a waiting request's whole prompt, a decoding one's tokens
+            held += e.load.external_prefill_tokens + e.load.external_decode_tokens
+        return Candidate(i, hit, prefill, decode, held)
 
     # -- metrics ------------------------------------------------------------------------------
     def record_actual(self, dispatch: Dispatch, cached_tokens: int) -> None:

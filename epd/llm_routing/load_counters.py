@@ -7,6 +7,11 @@ A dispatch counts in one of two phases::
           (prompt tokens not           (prompt + output tokens so far: the KV the request
            predicted cached)            holds and every decode step reads)
 
+Beside the phases, ``held_tokens`` (prompt + output so far, from the route on) is the KV the
+request holds or is about to hold: the balance guard's measure (``policy.balanced``), because a
+request waiting for its prefill on a busy engine is work there even when its prompt is mostly
+cached, and counting only its uncached part makes the busiest engine look the lightest.
+
 Decode tokens are the tokens the request holds now, not ``prompt + max_tokens``: clients set
 ``max_tokens`` as a bound, often tens of times the answer they get, and charging that bound would
 make an engine look busy for requests that end in a second. The caller reports output tokens as
@@ -80,6 +85,11 @@ class Dispatch:
         """Tokens the request holds while decoding (0 before the first token)."""
         return self.prompt_tokens + self.output_tokens if self.decode_started else 0
 
+    @property
+    def held_tokens(self) -> int:
+        """Tokens the request holds, or will once prefilled (from the route on)."""
+        return self.prompt_tokens + self.output_tokens
+
     def first_token(self) -> None:
         """The prefill is done: the request moves from prefill to decode load (idempotent)."""
         if not self.decode_started and not self.finished:
@@ -120,6 +130,7 @@ class LoadSnapshot(NamedTuple):
     external_prefill_tokens: int  # what the engine reported beyond the router's own (other ingresses)
     external_decode_tokens: int
     corrected: int  # lost decrements dropped by ``reconcile`` so far
+    held_tokens: int  # prompt + output tokens of every dispatch, either phase
 
 
 class EngineLoad:
@@ -132,6 +143,7 @@ class EngineLoad:
         self._keys = itertools.count()
         self.prefill_tokens = 0
         self.decode_tokens = 0
+        self.held_tokens = 0
         self.external_prefill_tokens = 0
         self.external_decode_tokens = 0
         self.corrected = 0
@@ -160,20 +172,24 @@ class EngineLoad:
         )
         self._inflight[d._key] = d
         self.prefill_tokens += d.prefill_tokens
+        self.held_tokens += d.held_tokens
         return d
 
     def _change(self, d: Dispatch, *, decode_started: bool, output_tokens: int) -> None:
         self.prefill_tokens -= d.prefill_tokens
         self.decode_tokens -= d.decode_tokens
+        self.held_tokens -= d.held_tokens
         d.decode_started = decode_started
         d.output_tokens = output_tokens
         self.prefill_tokens += d.prefill_tokens
         self.decode_tokens += d.decode_tokens
+        self.held_tokens += d.held_tokens
 
     def _remove(self, d: Dispatch) -> None:
         del self._inflight[d._key]
         self.prefill_tokens -= d.prefill_tokens
         self.decode_tokens -= d.decode_tokens
+        self.held_tokens -= d.held_tokens
         d.finished = True
 
     def reconcile(self, held_request_ids: Collection[str], grace_s: float) -> int:
@@ -203,4 +219,5 @@ class EngineLoad:
             self.external_prefill_tokens,
             self.external_decode_tokens,
             self.corrected,
+            self.held_tokens,
         )

@@ -19,16 +19,18 @@ class Clock:
 def test_a_dispatch_moves_from_prefill_to_decode_and_ends_once() -> None:
     load = EngineLoad("http://e0", Clock())
     d = load.dispatch("r1", prompt_tokens=100, predicted_cached_tokens=64, max_tokens=8)
-    assert (load.prefill_tokens, load.decode_tokens, load.inflight) == (36, 0, 1)
+    # waiting: 36 tokens to compute, its whole prompt held (the balance guard's measure)
+    assert (load.prefill_tokens, load.decode_tokens, load.held_tokens, load.inflight) == (36, 0, 100, 1)
     d.first_token()
-    assert (load.prefill_tokens, load.decode_tokens) == (0, 100)
+    assert (load.prefill_tokens, load.decode_tokens, load.held_tokens) == (0, 100, 100)
     d.add_output_tokens(3)
     d.add_output_tokens(20)  # never past max_tokens
-    assert (load.decode_tokens, d.output_tokens) == (108, 8)
+    assert (load.decode_tokens, load.held_tokens, d.output_tokens) == (108, 108, 8)
     d.finish()
     d.finish()
     d.add_output_tokens(1)  # late chunks after the end change nothing
-    assert (load.prefill_tokens, load.decode_tokens, load.inflight) == (0, 0, 0)
+    assert (load.prefill_tokens, load.decode_tokens, load.held_tokens, load.inflight) == (0, 0, 0, 0)
+    assert load.snapshot().held_tokens == 0
     assert d.finished
 
 
