@@ -80,6 +80,7 @@ from llm_core.prompts.tokenizer import TOKENIZER_FILE, load_tokenizer
 from llm_core.serving.engine import LLMEngine
 from llm_core.serving.sampling import SamplingParams
 from llm_core.serving.server_config import EngineConfig
+from llm_core.tools.default_llm import ensure_default_checkpoint
 
 # The project's goal for output tokens/s with 32 concurrent requests, as a ratio to transformers'
 # batched generate, by the checkpoint's architecture (config.json "architectures").
@@ -353,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     # `epd llm` runs with this allocator setting (every epd process does); it applies to both paths.
     freed_memory_kept = keep_freed_memory()
 
-    loaded = load_llm(tiny_qwen_dir() if args.tiny_qwen else args.model)
+    loaded = load_llm(tiny_qwen_dir() if args.tiny_qwen else args.model or ensure_default_checkpoint())
     architecture = loaded.architecture
     if architecture in NO_BASELINE:
         raise SystemExit(f"bench.llm: {architecture} has no baseline here: {NO_BASELINE[architecture]}")

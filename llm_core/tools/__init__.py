@@ -5,5 +5,6 @@ default checkpoint once (its weights, heads distilled by ``mtp_distill``, the to
 The product runs ``default_llm`` in one place: ``epd serve`` (before it starts its engines) and
 ``epd llm`` when no model is given. The loader and the engine only read checkpoints.
 
-May import: llm_core.models, llm_core.caches, llm_core.kernels, epd_common; never: llm_core.serving.
+May import: llm_core.models, llm_core.caches, llm_core.kernels, llm_core.prompts, epd_common; never:
+llm_core.serving.
 """

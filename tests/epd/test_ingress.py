@@ -73,7 +73,7 @@ def test_the_vllm_backend_narrows_the_prompt_format_to_what_it_hands_on(mimo_v2_
         )
         try:
             assert ing.prompt_format.serves_audio
-            made = ing._make_backend()
+            made = ing._make_llm_server()
             assert ing.prompt_format.serves_audio is hears
             assert made.prompt_format is ing.prompt_format  # type: ignore[attr-defined]
         finally:
