@@ -56,6 +56,8 @@ from epd.server_pool import (
 from epd.server_pool.attempts import FATAL, UNREACHABLE, refused
 from epd_common.admission import seconds_left
 from epd_common.errors import APIError
+from epd_common.messages.completion_request import KVTransfer
+from epd_common.messages.completion_response import KVTransferReport, kv_transfer_report
 from llm_core.prompts.tokenizer import Tokenizer
 
 log = logging.getLogger("epd.engine_pool")
@@ -368,7 +370,7 @@ class EnginePool:
         is to be sent. With no prefill engine reachable, the decode engine gets the plain body."""
         want = body.get("max_tokens")
         pre_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        pre_body.update(max_tokens=1, return_token_ids=True, kv_transfer={"export": True})
+        pre_body.update(max_tokens=1, return_token_ids=True, kv_transfer=KVTransfer(export=True))
         try:
             out, url = await self._complete_on(
                 self.lane, pre_body, keys, max_tokens=1, deadline_at=deadline_at
@@ -387,12 +389,13 @@ class EnginePool:
                 choice.pop("prompt_token_ids", None)
             out.pop("kv_transfer", None)
             return _Prefilled(out, body, None, out.get("usage"))
-        export = out.get("kv_transfer") or {}
+        export = kv_transfer_report(out.get("kv_transfer"))
         decode_body = dict(body)
-        if isinstance(export.get("handle"), dict):
-            decode_body["kv_transfer"] = {"import": export["handle"], "first_token": first[0]}
+        if export is not None and export.handle is not None:
+            decode_body["kv_transfer"] = KVTransfer(handle=export.handle, first_token=first[0])
         else:
-            self.metrics.kv_fallbacks.labels(reason=str(export.get("error", "no_export"))).inc()
+            reason = export.error if export is not None and export.error else "no_export"
+            self.metrics.kv_fallbacks.labels(reason=reason).inc()
         return _Prefilled(None, decode_body, url, out.get("usage"))
 
     async def _complete_on(
@@ -415,7 +418,8 @@ class EnginePool:
                 out = await client.complete(body, dispatch.request_id, seconds_left(deadline_at), path)
             finally:
                 dispatch.finish()
-            self._record(lane.router, dispatch, out.get("usage") or {}, out.get("kv_transfer"), pre, started)
+            transfer = kv_transfer_report(out.get("kv_transfer"))
+            self._record(lane.router, dispatch, out.get("usage") or {}, transfer, pre, started)
             if pre is not None:
                 out.pop("kv_transfer", None)
             return out, dispatch.url
@@ -450,12 +454,12 @@ class EnginePool:
         request = _route_request(body, keys, None, prompt_tokens)
         dispatch, chunks, chunk, started = await self._call(lane, request, open_stream)
         usage: dict[str, Any] = {}
-        transfer: Any = None
+        transfer: KVTransferReport | None = None
         try:
             if chunk is not None:
                 dispatch.first_token()
                 self.metrics.ttft.labels(engine=dispatch.url).observe(time.perf_counter() - started)
-                transfer = chunk.pop("kv_transfer", None)
+                transfer = kv_transfer_report(chunk.pop("kv_transfer", None))
             while chunk is not None:
                 if getattr(chunk, "opaque", False):
                     n = 1  # a relayed token chunk (undecoded): one token, as vLLM streams them
@@ -498,7 +502,7 @@ class EnginePool:
         router: LLMRouter,
         dispatch: Dispatch,
         usage: dict[str, Any],
-        transfer: Any,
+        transfer: KVTransferReport | None,
         pre: _Prefilled | None,
         started: float,
     ) -> None:
@@ -509,14 +513,14 @@ class EnginePool:
             self.metrics.predicted.labels(engine=dispatch.url).inc(dispatch.predicted_cached_tokens)
             self.metrics.actual.labels(engine=dispatch.url).inc(cached)
         moved = ""
-        if pre is not None and isinstance(transfer, dict):
-            if transfer.get("imported"):
-                self.metrics.kv_bytes.inc(int(transfer.get("bytes", 0)))
-                self.metrics.kv_seconds.observe(float(transfer.get("seconds", 0.0)))
-                moved = f", KV from {pre.prefill_url}: {transfer.get('bytes')} bytes in {transfer.get('seconds', 0):.4f} s"
+        if pre is not None and transfer is not None:
+            if transfer.imported:
+                self.metrics.kv_bytes.inc(transfer.bytes)
+                self.metrics.kv_seconds.observe(transfer.seconds)
+                moved = f", KV from {pre.prefill_url}: {transfer.bytes} bytes in {transfer.seconds:.4f} s"
             else:
-                self.metrics.kv_fallbacks.labels(reason=str(transfer.get("reason"))).inc()
-                moved = f", KV import failed ({transfer.get('reason')}): prompt recomputed"
+                self.metrics.kv_fallbacks.labels(reason=str(transfer.reason)).inc()
+                moved = f", KV import failed ({transfer.reason}): prompt recomputed"
         log.info(
             "request %s: engine %s, prompt %d tokens, cached predicted %d / actual %s%s, %.3f s",
             dispatch.request_id,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
+from epd_common.messages.completion_request import KVHandle
+
 TEXT_COMPLETION = "text_completion"
 
 
@@ -43,9 +45,30 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
-# The KV hand-off's report (``llm_core.serving.kv_handoff``): an export's handle and sizes, or
-# whether an import was taken in.
-KVTransferInfo = dict[str, object]
+class KVTransferReport(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What happened to the prompt's KV (``llm_core.serving.kv_handoff``; the ingress's P/D
+    hand-off, ``epd.engine_pool``, reads it): a prefill engine's export, its ``handle`` and sizes
+    or the ``error`` that stopped it; or a decode engine's import, ``imported`` and, when the
+    prompt was recomputed instead, the ``reason``."""
+
+    handle: KVHandle | None = None
+    error: str | None = None
+    imported: bool | None = None
+    reason: str | None = None
+    bytes: int = 0  # moved over the transport
+    kv_bytes: int = 0  # of KV in them
+    seconds: float = 0.0
+
+
+def kv_transfer_report(value: object) -> KVTransferReport | None:
+    """An answer's ``kv_transfer`` as decoded JSON -> the report; None when absent or not one (a
+    hand-off that cannot be read is one that did not happen: the prompt is recomputed)."""
+    if value is None:
+        return None
+    try:
+        return msgspec.convert(value, KVTransferReport)
+    except msgspec.ValidationError:
+        return None
 
 
 class CompletionChunk(msgspec.Struct, kw_only=True):
@@ -57,7 +80,7 @@ class CompletionChunk(msgspec.Struct, kw_only=True):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | msgspec.UnsetType = msgspec.UNSET
-    kv_transfer: KVTransferInfo | msgspec.UnsetType = msgspec.UNSET
+    kv_transfer: KVTransferReport | msgspec.UnsetType = msgspec.UNSET
 
 
 _ENCODER = msgspec.json.Encoder()

@@ -38,6 +38,7 @@ import torch
 
 from epd_common.admission import admission_bound_s, bound_text
 from epd_common.messages.cache_keys import MediaRows, MediaSpanError, media_spans
+from epd_common.messages.completion_response import KVTransferReport
 from epd_common.messages.kv_events import AllBlocksCleared, KVEventBatch
 from epd_common.store.store import Store
 from llm_core.caches.host_tier import HostKVTier
@@ -454,7 +455,7 @@ class LLMEngine:
         self._handoff = handoff
         self.scheduler.connectors = [handoff] if handoff is not None else []
 
-    def pop_export(self, request_id: str) -> dict[str, object] | None:
+    def pop_export(self, request_id: str) -> KVTransferReport | None:
         """The KV export of a finished ``kv_export`` request (None if it produced none)."""
         return self._handoff.pop_export(request_id) if self._handoff is not None else None
 

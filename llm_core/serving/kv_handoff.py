@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence as Seq
 from typing import Any, NamedTuple
 
+from epd_common.messages.completion_response import KVTransferReport
 from llm_core.caches.kv_connector import KVConnector
 from llm_core.caches.kv_pool import DualKVCache, KVLayout
 from llm_core.kv_transfer.kv_import import KVImport
@@ -35,7 +36,7 @@ log = logging.getLogger("epd.kv_handoff")
 
 class ImportResult(NamedTuple):
     kv_import: KVImport | None  # None: the decode engine recomputes the prompt
-    info: dict[str, Any]  # what the response reports: imported, bytes, seconds, reason
+    info: KVTransferReport  # what the response reports: imported, bytes, seconds, reason
 
 
 class KVHandoff(KVConnector):
@@ -71,7 +72,7 @@ class KVHandoff(KVConnector):
         self.imported = 0
         self.fallbacks: dict[str, int] = {}
         # The exports of finished prefills, by request id, until the server takes them.
-        self.exports: dict[str, dict[str, Any]] = {}
+        self.exports: dict[str, KVTransferReport] = {}
 
     def transport(self) -> KVTransport:
         with self._lock:
@@ -100,13 +101,13 @@ class KVHandoff(KVConnector):
             if s.kv_export and not s.output_ids and s.num_computed_tokens + n == s.num_prompt_tokens:
                 self.exports[str(s.seq_id)] = self.export(s, rows)
 
-    def pop_export(self, request_id: str) -> dict[str, Any] | None:
+    def pop_export(self, request_id: str) -> KVTransferReport | None:
         """The KV export of a finished ``kv_export`` request (None if it produced none)."""
         return self.exports.pop(request_id, None)
 
-    def export(self, seq: Sequence, rows: list[list[int]]) -> dict[str, Any]:
+    def export(self, seq: Sequence, rows: list[list[int]]) -> KVTransferReport:
         """The plan of ``seq``'s prompt (every prompt token computed, its pages ``rows`` not yet
-        released) put on the transport: ``{"handle", "bytes", "kv_bytes", "seconds"}``, or ``{"error": reason}``."""
+        released) put on the transport: its handle and sizes, or the error's reason."""
         t0 = time.perf_counter()
         plan = LayerPlan(self.layout, self.kv.page_size, seq.num_prompt_tokens)
         try:
@@ -114,14 +115,11 @@ class KVHandoff(KVConnector):
             handle = self.transport().export(buf.numpy().data, ttl_s=self.ttl_s)
         except KVTransferError as e:
             log.warning("KV export of %s failed (%s): %s", seq.seq_id, e.reason, e)
-            return {"error": e.reason}
+            return KVTransferReport(error=e.reason)
         self.exported += 1
-        return {
-            "handle": handle,
-            "bytes": int(buf.numel()),
-            "kv_bytes": plan.nbytes,
-            "seconds": time.perf_counter() - t0,
-        }
+        return KVTransferReport(
+            handle=handle, bytes=int(buf.numel()), kv_bytes=plan.nbytes, seconds=time.perf_counter() - t0
+        )
 
     # -- decode side (off the event loop) -----------------------------------------------------
     async def fetch(self, handle: Any, first_token: Any, prompt_ids: list[int]) -> ImportResult:
@@ -141,12 +139,12 @@ class KVHandoff(KVConnector):
             self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
             log.warning("KV import failed (%s), recomputing the prompt: %s", reason, e)
             return ImportResult(
-                None, {"imported": False, "reason": reason, "seconds": time.perf_counter() - t0}
+                None, KVTransferReport(imported=False, reason=reason, seconds=time.perf_counter() - t0)
             )
         seconds = time.perf_counter() - t0
         self.imported += 1
         nbytes = len(memoryview(data).cast("B"))
-        info = {"imported": True, "bytes": nbytes, "kv_bytes": payload.plan.nbytes, "seconds": seconds}
+        info = KVTransferReport(imported=True, bytes=nbytes, kv_bytes=payload.plan.nbytes, seconds=seconds)
         return ImportResult(KVImport(payload, first_token, nbytes, seconds), info)
 
     def stats(self) -> dict[str, Any]:

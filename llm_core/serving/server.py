@@ -42,7 +42,7 @@ from epd_common.active_paths import report
 from epd_common.admission import request_deadline_s
 from epd_common.errors import APIError, bad_request, error_body, error_response, overloaded
 from epd_common.messages.completion_request import KVTransfer
-from epd_common.messages.completion_response import SSE_DONE, encode, sse_event, usage
+from epd_common.messages.completion_response import SSE_DONE, KVTransferReport, encode, sse_event, usage
 from epd_common.messages.embedding_reader import ReaderOpener
 from epd_common.runtime import freeze_startup_objects, serve_internal
 from epd_common.store_config import build_store
@@ -174,7 +174,7 @@ def create_app(
 
     async def submit(
         req: CompletionRequest, deadline_s: float | None = None
-    ) -> tuple[RequestStream, dict[str, Any] | None]:
+    ) -> tuple[RequestStream, KVTransferReport | None]:
         """Queue the request; with ``kv_transfer`` ``{"export": true}`` its prompt's KV is handed
         over after the prefill, with ``{"import": handle, "first_token": id}`` it is taken in (or,
         when that fails, recomputed: the returned info says which)."""
@@ -225,7 +225,7 @@ def create_app(
         return await _collect(req, stream, request, info)
 
     async def _collect(
-        req: CompletionRequest, stream: RequestStream, request: Request, info: dict[str, Any] | None
+        req: CompletionRequest, stream: RequestStream, request: Request, info: KVTransferReport | None
     ) -> Response:
         """Wait for the whole completion; abort it if the client goes away meanwhile."""
         text: list[str] = []
@@ -262,7 +262,7 @@ def create_app(
         return Response(encode(body), media_type="application/json")
 
     async def _events(
-        req: CompletionRequest, stream: RequestStream, info: dict[str, Any] | None
+        req: CompletionRequest, stream: RequestStream, info: KVTransferReport | None
     ) -> AsyncIterator[bytes]:
         first = True
         n_out = 0

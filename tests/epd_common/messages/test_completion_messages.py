@@ -8,11 +8,13 @@ import json
 import msgspec
 import pytest
 
-from epd_common.messages.completion_request import RequestBodyError, decode_completion_request
+from epd_common.messages.completion_request import KVTransfer, RequestBodyError, decode_completion_request
 from epd_common.messages.completion_response import (
     CompletionChoice,
     CompletionChunk,
+    KVTransferReport,
     encode,
+    kv_transfer_report,
     sse_event,
     usage,
 )
@@ -101,3 +103,22 @@ def test_chunks_encode_as_before() -> None:
         "total_tokens": 5,
         "prompt_tokens_details": {"cached_tokens": 1},
     }
+
+
+def test_the_kv_hand_off_report_reads_back_what_the_engine_writes() -> None:
+    """The engine writes the report on its answer, the ingress's P/D hand-off reads it back from
+    the decoded JSON; one Struct both sides import, so the wire shape is written once."""
+    export = KVTransferReport(handle={"transport": "shm", "name": "x"}, bytes=96, kv_bytes=64, seconds=0.5)
+    wire = json.loads(msgspec.json.encode(export))
+    assert wire == {"handle": {"transport": "shm", "name": "x"}, "bytes": 96, "kv_bytes": 64, "seconds": 0.5}
+    assert kv_transfer_report(wire) == export
+    failed = KVTransferReport(imported=False, reason="checksum")
+    assert json.loads(msgspec.json.encode(failed)) == {"imported": False, "reason": "checksum"}
+    # absent, or not a report: no hand-off (the prompt is recomputed), never an exception
+    assert kv_transfer_report(None) is None
+    assert kv_transfer_report({"bytes": "many"}) is None and kv_transfer_report([1]) is None
+    # the request side: an import as the decode engine decodes it
+    body = decode_completion_request(
+        msgspec.json.encode({"prompt": [1], "kv_transfer": KVTransfer(handle=export.handle, first_token=7)})
+    )
+    assert body.kv_transfer == KVTransfer(handle=export.handle, first_token=7)

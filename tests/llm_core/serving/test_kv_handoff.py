@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from epd_common.messages.completion_response import KVTransferReport
 from llm_core.kv_transfer.transport import KVTransferError
 from llm_core.prompts.tokenizer import load_tokenizer
 from llm_core.request import MultimodalInput
@@ -54,11 +55,11 @@ async def run(
 
 async def prefill_then_decode(
     a: LLMEngine, b: LLMEngine, prompt: list[int], n: int, mm: Any = (), corrupt: bool = False
-) -> tuple[list[int], dict[str, Any], dict[str, Any]]:
+) -> tuple[list[int], KVTransferReport, KVTransferReport]:
     rid, first = await run(a, prompt, greedy(1), mm, kv_export=True)
     export = a.pop_export(rid)
-    assert export is not None and "handle" in export, export
-    handle = dict(export["handle"])
+    assert export is not None and export.handle is not None, export
+    handle = dict(export.handle)
     if corrupt:
         handle["xxh3"] = f"{(int(handle['xxh3'], 16) ^ 1):016x}"
     assert b.handoff is not None
@@ -94,9 +95,9 @@ def test_split_equals_one_engine_and_moves_the_plan(loaded: Any, namespace: str,
         for e in (one, a, b):
             e.stop()
     assert ids == expected
-    assert info["imported"] is True
-    assert export["kv_bytes"] == info["kv_bytes"] == plan_bytes(loaded.config, length)
-    assert export["bytes"] == info["bytes"] > export["kv_bytes"]  # plus the header
+    assert info.imported is True
+    assert export.kv_bytes == info.kv_bytes == plan_bytes(loaded.config, length)
+    assert export.bytes == info.bytes > export.kv_bytes  # plus the header
 
 
 def test_bytes_beat_moving_every_layer_on_long_prompts(loaded: Any, namespace: str) -> None:
@@ -123,7 +124,7 @@ def test_split_with_media_and_a_prefix_hit_on_the_prefill_engine(loaded: Any, na
         _, expected = asyncio.run(run(one, prompt, greedy(10), mm))
         for _ in range(3):  # the repeats hit A's prefix cache (the first one heals its window)
             ids, _, info = asyncio.run(prefill_then_decode(a, b, prompt, 10, mm))
-            assert ids == expected and info["imported"] is True
+            assert ids == expected and info.imported is True
         assert a.stats().cached_prompt_tokens_total > 0
     finally:
         for e in (one, a, b):
@@ -164,7 +165,7 @@ def test_a_failed_transfer_is_recomputed_with_the_same_ids(loaded: Any, namespac
     finally:
         for e in (one, a, b):
             e.stop()
-    assert info == {"imported": False, "reason": "checksum", "seconds": info["seconds"]}
+    assert info == KVTransferReport(imported=False, reason="checksum", seconds=info.seconds)
     assert ids == expected
 
 
@@ -180,8 +181,8 @@ def test_split_over_mooncake_equals_one_engine(loaded: Any, namespace: str, leng
     finally:
         for e in (one, a, b):
             e.stop()
-    assert export["handle"]["transport"] == "mooncake" and info["imported"] is True
-    assert info["kv_bytes"] == plan_bytes(loaded.config, length)
+    assert (export.handle or {})["transport"] == "mooncake" and info.imported is True
+    assert info.kv_bytes == plan_bytes(loaded.config, length)
     assert ids == expected
 
 
@@ -190,12 +191,12 @@ def test_a_receiver_slower_than_the_exports_ttl_recomputes(loaded: Any, namespac
     one = make_engine(loaded, namespace)
     a, b = make_engine(loaded, namespace, ttl_s=0.2), make_engine(loaded, namespace)
 
-    async def slow() -> tuple[list[int], dict[str, Any]]:
+    async def slow() -> tuple[list[int], KVTransferReport]:
         rid, first = await run(a, prompt, greedy(1), kv_export=True)
         export = a.pop_export(rid)
         assert export is not None and b.handoff is not None
         await asyncio.sleep(2.5)  # past the ttl and a reaper pass: the exporter dropped it
-        got = await b.handoff.fetch(export["handle"], first[0], prompt)
+        got = await b.handoff.fetch(export.handle, first[0], prompt)
         _, ids = await run(b, prompt, greedy(8), kv_import=got.kv_import)
         return ids, got.info
 
@@ -205,7 +206,7 @@ def test_a_receiver_slower_than_the_exports_ttl_recomputes(loaded: Any, namespac
     finally:
         for e in (one, a, b):
             e.stop()
-    assert info["imported"] is False and info["reason"] == "missing", info
+    assert info.imported is False and info.reason == "missing", info
     assert ids == expected
 
 
@@ -215,10 +216,10 @@ def test_a_payload_for_another_prompt_is_refused(loaded: Any, namespace: str) ->
         rid, first = asyncio.run(run(a, prompt_of(20, 1), greedy(1), kv_export=True))
         export = a.pop_export(rid)
         assert export is not None and b.handoff is not None
-        got = asyncio.run(b.handoff.fetch(export["handle"], first[0], prompt_of(21, 1)))
+        got = asyncio.run(b.handoff.fetch(export.handle, first[0], prompt_of(21, 1)))
     finally:
         a.stop()
         b.stop()
-    assert got.kv_import is None and got.info["reason"] == "payload"
+    assert got.kv_import is None and got.info.reason == "payload"
     with pytest.raises(KVTransferError):
         raise KVTransferError("missing", "the error type is importable for callers")
