@@ -43,13 +43,17 @@ static void linear_serial(const float *x, Py_ssize_t ldx, const float *w, const 
     blas_threads_local(before);
 }
 
-/* A float32 copy of n bf16 weights, in this thread's scratch (grown as needed, kept for the
- * thread's next call: a product of many rows widens its weight once, then runs the same sgemm as a
- * float32 weight of the same values, so the results are the same bits). NULL when out of memory.
- * The scratch holds the largest weight this thread widened (pool threads: one expert's). */
-static float *widen_bf16(const void *w, Py_ssize_t n) {
+/* Columns of a bf16 weight widened at a time: the scratch holds K x WIDEN_COLUMNS floats (a real
+ * MiMo expert's down projection, K = 2048: 4 MiB per thread), not the whole weight. */
+#define WIDEN_COLUMNS 512
+
+/* A float32 copy of columns [j0, j0 + nb) of a bf16 weight [K, N] (row stride N) as a [K, nb]
+ * block, in this thread's scratch (grown as needed up to K x WIDEN_COLUMNS, kept for the thread's
+ * next call). Exact: a bf16 value is a float's top half. NULL when out of memory. */
+static float *widen_bf16_columns(const void *w, Py_ssize_t K, Py_ssize_t N, Py_ssize_t j0, Py_ssize_t nb) {
     static __thread float *buf = NULL;
     static __thread Py_ssize_t cap = 0;
+    const Py_ssize_t n = K * nb;
     if (n > cap) {
         float *grown = aligned_alloc(64, (size_t)((n + 15) / 16 * 16) * sizeof(float));
         if (grown == NULL) return NULL;
@@ -58,18 +62,46 @@ static float *widen_bf16(const void *w, Py_ssize_t n) {
     }
     const uint16_t *h = w;
     uint32_t *out = (uint32_t *)buf;
-    for (Py_ssize_t i = 0; i < n; i++) out[i] = (uint32_t)h[i] << 16; /* exact: bf16 is a float's top half */
+    for (Py_ssize_t k = 0; k < K; k++) {
+        const uint16_t *row = h + k * N + j0;
+        uint32_t *dst = out + k * nb;
+        for (Py_ssize_t j = 0; j < nb; j++) dst[j] = (uint32_t)row[j] << 16;
+    }
     return buf;
 }
 
-/* linear (or linear_serial, serial != 0) of a weight stored float32 or bf16 (widened first);
- * NULL or a static error message. */
+/* y [M, N] = x @ w for a bf16 w [K, N]: a block of WIDEN_COLUMNS columns widened at a time, each
+ * one sgemm into its columns of y (leading dimension N). Every output element still sums its K
+ * products in one call, so the result has the bits of one sgemm over a float32 twin of w (tested
+ * against it). NULL or a static error message. */
+static const char *linear_bf16(const float *x, Py_ssize_t ldx, const void *w, const float *bias, float *y,
+                               Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int serial) {
+    const int before = serial ? blas_threads_local(1) : 0;
+    const char *err = NULL;
+    for (Py_ssize_t j0 = 0; j0 < N && err == NULL; j0 += WIDEN_COLUMNS) {
+        const Py_ssize_t nb = N - j0 < WIDEN_COLUMNS ? N - j0 : WIDEN_COLUMNS;
+        const float *wf = widen_bf16_columns(w, K, N, j0, nb);
+        if (wf == NULL) {
+            err = "linear: out of memory widening a bf16 weight";
+            break;
+        }
+        const int m = (int)nb, n = (int)M, k = (int)K, lda = (int)nb, ldb = (int)ldx, ldc = (int)N;
+        const float one = 1.0f, beta = bias != NULL ? 1.0f : 0.0f;
+        if (bias != NULL)
+            for (Py_ssize_t r = 0; r < M; r++) memcpy(y + r * N + j0, bias + j0, (size_t)nb * sizeof(float));
+        sgemm("N", "N", &m, &n, &k, &one, wf, &lda, x, &ldb, &beta, y + j0, &ldc);
+    }
+    if (serial) blas_threads_local(before);
+    return err;
+}
+
+/* linear (or linear_serial, serial != 0) of a weight stored float32 or bf16 (widened a block of
+ * columns at a time: linear_bf16); NULL or a static error message. */
 static const char *linear_any(const float *x, Py_ssize_t ldx, const void *w, int bf16, const float *bias, float *y,
                               Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int serial) {
-    const float *wf = bf16 ? widen_bf16(w, K * N) : w;
-    if (wf == NULL) return "linear: out of memory widening a bf16 weight";
-    if (serial) linear_serial(x, ldx, wf, bias, y, M, K, N);
-    else linear(x, ldx, wf, bias, y, M, K, N);
+    if (bf16) return linear_bf16(x, ldx, w, bias, y, M, K, N, serial);
+    if (serial) linear_serial(x, ldx, w, bias, y, M, K, N);
+    else linear(x, ldx, w, bias, y, M, K, N);
     return NULL;
 }
 

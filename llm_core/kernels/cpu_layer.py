@@ -25,7 +25,8 @@ Activations, sums, norms and router run in float32. The projection and expert we
 stored in float32 or bfloat16 (``STORAGE_DTYPES``), and so may the KV pools: a bf16 value is widened
 to float32 as it is read (exact), so bf16 weights give the bits of float32 weights holding the same
 values; new keys and values are rounded to bf16 as ``.to(torch.bfloat16)`` rounds. A prefill-sized
-product widens its bf16 weight into a per-thread scratch first and then runs the same sgemm. CPU
+product widens its bf16 weight into a per-thread scratch 512 columns at a time, each block one
+sgemm into its columns of the output (every output still sums its products in one call). CPU
 only, projection weights input-major (``weight_layout``). ``AVAILABLE`` is False when the
 extension was not built or torch's sgemm could not be bound; ``backends.selector`` then chooses no
 layer backend and the model runs its modules. ``backends.layer.CpuLayer`` is the caller.

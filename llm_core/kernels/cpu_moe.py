@@ -12,7 +12,8 @@ once per call (fetching the next routed expert's meanwhile) and fuses the rest; 
 many rows (a prefill chunk's; on an Intel CPU any) goes through torch's BLAS on one thread instead
 (``BLAS``; ``c_kernel.expert_blas_min_rows``), ~3x faster at 256 rows. x fp32; the expert weights
 fp32 or bf16 (widened as read: the bits of fp32 weights of the same values; a bf16 expert takes
-BLAS from ``bf16_blas_min_rows``, after widening its weight into a per-thread scratch);
+BLAS from ``bf16_blas_min_rows``, its weight widened into a per-thread scratch 512 columns at a
+time);
 ``AVAILABLE`` is False when the extension was not built, and ``backends.selector`` chooses the
 torch MoE backend.
 """

@@ -166,6 +166,31 @@ def test_rows_per_expert_from_one_to_thousands_against_float64(
         assert torch.equal(out, same)
 
 
+def test_bf16_weights_wider_than_a_widened_block_give_the_float32_bits() -> None:
+    """Products of many rows widen a bf16 weight 512 columns at a time (the scratch stays bounded):
+    widths across a block boundary (gate_up 600 = 512 + 88 columns, down 530) still give the
+    bits of one sgemm over float32 weights of the same values, and the float64 answer."""
+    hidden, inter, rows = 530, 300, [40, 0, 17, 0]
+    g = torch.Generator().manual_seed(11)
+    gu = (torch.randn(len(rows), hidden, 2 * inter, generator=g) * 0.05).to(torch.bfloat16)
+    dn = (torch.randn(len(rows), inter, hidden, generator=g) * 0.05).to(torch.bfloat16)
+    experts = torch.tensor([[e] for e, n in enumerate(rows) for _ in range(n)], dtype=torch.int64)
+    x = torch.randn(len(experts), hidden, generator=g)
+    weights = torch.rand(len(experts), 1, generator=g) + 0.5
+    before = cpu_moe.blas_min_rows(), cpu_moe.bf16_blas_min_rows()
+    cpu_moe.set_blas_min_rows(16, 16)  # both experts through BLAS in either dtype
+    try:
+        out = cpu_moe.moe_experts_cpu(x, experts, weights, gu.transpose(1, 2), dn.transpose(1, 2))
+        same = cpu_moe.moe_experts_cpu(
+            x, experts, weights, gu.float().transpose(1, 2), dn.float().transpose(1, 2)
+        )
+    finally:
+        cpu_moe.set_blas_min_rows(*before)
+    assert torch.equal(out, same)
+    want = float64_reference(x, experts, weights, gu, dn)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_both_products_agree_to_float32_rounding() -> None:
     """A mixed batch (experts below and above 16 rows) through the small-M product, BLAS and the
     threshold chosen at import: float32 rounding apart."""
