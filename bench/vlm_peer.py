@@ -500,16 +500,18 @@ ROLE_MARKERS = (
 )
 
 
-def pin_frontend(root: int, cpus: Sequence[int]) -> None:
+def pin_frontend(root: int, cpus: Sequence[int], api_cpus: Sequence[int] | None = None) -> None:
     """Every thread of vLLM's processes under ``root`` but its workers (whose inference threads
-    carry their own binding) onto ``cpus``."""
+    carry their own binding) onto ``cpus``; the API server itself (``root``) onto ``api_cpus``
+    when given."""
     for pid in [root, *_children(root)]:
         with contextlib.suppress(OSError):
             if b"Worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 continue
+            on = api_cpus if pid == root and api_cpus else cpus
             for tid in os.listdir(f"/proc/{pid}/task"):
                 with contextlib.suppress(OSError):
-                    os.sched_setaffinity(int(tid), cpus)
+                    os.sched_setaffinity(int(tid), on)
 
 
 def _children(pid: int) -> list[int]:
@@ -560,6 +562,7 @@ class Side:
     # ``epd serve --cpu-split`` places a local vLLM; None: every core (vLLM alone)
     vllm_pid: int | None = None
     vllm_cpus: tuple[int, ...] | None = None
+    api_cpus: tuple[int, ...] | None = None  # vLLM's API server apart from its engine core (None: with it)
 
     def cpu(self) -> dict[str, float]:
         return process_cpu(self.roots)
@@ -568,7 +571,9 @@ class Side:
         """Move vLLM's API server and engine core threads to this side's cores (its worker's
         inference threads stay where ``VLLM_CPU_OMP_THREADS_BIND`` bound them)."""
         if self.vllm_pid is not None:
-            pin_frontend(self.vllm_pid, self.vllm_cpus or tuple(sorted(os.sched_getaffinity(0))))
+            pin_frontend(
+                self.vllm_pid, self.vllm_cpus or tuple(sorted(os.sched_getaffinity(0))), self.api_cpus
+            )
 
     def learn_model(self) -> None:
         """The model id its /v1/models names first (vLLM needs it in every request)."""
@@ -867,10 +872,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--vllm-frontend-cpus",
-        choices=("llm", "epd", "all"),
+        choices=("llm", "epd", "all", "api-epd"),
         default="llm",
         help="with epd in front: vLLM's API server and engine core on the inference threads' cores, "
-        "on epd's, or anywhere (its worker's inference threads stay bound)",
+        "on epd's, or anywhere; api-epd: the API server on epd's cores, the engine core on vLLM's "
+        "(its worker's inference threads stay bound)",
     )
     g.add_argument("--vllm-api-servers", type=int, default=d.api_servers, help="--api-server-count")
     g.add_argument("--vllm-mm-cache-gb", type=float, default=d.mm_cache_gb, help="--mm-processor-cache-gb")
@@ -927,13 +933,13 @@ def epd_cpus(spec: str, settings: VLLMSettings) -> tuple[int, ...]:
 
 
 def frontend_cpus(spec: str, epd: tuple[int, ...]) -> tuple[int, ...] | None:
-    """Where vLLM's API server and engine core run while epd is in front (``--vllm-frontend-cpus``):
+    """Where vLLM's engine core (and API server) run while epd is in front (``--vllm-frontend-cpus``):
     ``llm`` the cores epd leaves (beside the inference threads), ``epd`` epd's own cores, ``all``
-    every core (None)."""
+    every core (None); ``api-epd`` as ``llm``, the API server moved to epd's cores (``Side.api_cpus``)."""
     usable = tuple(sorted(os.sched_getaffinity(0)))
     if spec == "epd":
         return epd or None
-    if spec == "llm":
+    if spec in ("llm", "api-epd"):
         return tuple(c for c in usable if c not in epd) or None
     return None
 
@@ -1010,6 +1016,7 @@ class Servers:
                         [(front.pid, "epd ingress"), vllm_root],
                         vllm_pid=self.vllm.proc.pid,
                         vllm_cpus=theirs,
+                        api_cpus=mine if self.args.vllm_frontend_cpus == "api-epd" else None,
                     )
                 )
             else:
