@@ -59,14 +59,14 @@ TINY_MIMO_CONFIG: dict[str, Any] = {
 TINY_MIMO_SEED = 1234
 
 
-def build_tiny_mimo(out_dir: Path, tokenizer: bool = True) -> Path:
+def build_tiny_mimo(out_dir: Path, tokenizer: bool = True, **overrides: Any) -> Path:
     """Write the tiny random checkpoint (config.json + model.safetensors) into ``out_dir``, with the
     byte-level tokenizer as its ``tokenizer.json`` (its 263 ids fit the 512 embedding rows) unless
-    ``tokenizer`` is False."""
+    ``tokenizer`` is False; ``overrides`` change ``TINY_MIMO_CONFIG``'s fields."""
     from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
 
     torch.manual_seed(TINY_MIMO_SEED)
-    config = MiMoV2FlashConfig(**TINY_MIMO_CONFIG)
+    config = MiMoV2FlashConfig(**{**TINY_MIMO_CONFIG, **overrides})
     model = MiMoV2FlashForCausalLM(config).eval()
     gen = torch.Generator().manual_seed(TINY_MIMO_SEED + 1)
     with torch.no_grad():

@@ -22,7 +22,8 @@ from llm_core.kernels.attention_batch import AttentionBatch, build_attention_bat
 from llm_core.models.checkpoint import LoadedLLM, load_llm
 from llm_core.models.config import DecoderConfig
 from llm_core.models.decoder import DecoderForCausalLM
-from llm_core.models.moe import SparseMoE
+from llm_core.models.moe import DenseMLP, SparseMoE
+from tests.llm_core.conftest import build_tiny_mimo
 from tests.llm_core.models.test_decoder import (
     PAGE,
     PagedSeq,
@@ -245,10 +246,14 @@ def test_errors_are_value_errors(loaded: LoadedLLM) -> None:
 
 @pytest.fixture(scope="module")
 def bf16_pair(tiny_mimo_dir: Path) -> tuple[DecoderForCausalLM, DecoderForCausalLM]:
-    """The tiny checkpoint loaded in bf16, and a float32 twin holding exactly its values (every
-    weight rounded to bf16, then widened), re-packed by ``after_load``."""
-    bf16 = load_llm(tiny_mimo_dir, dtype=torch.bfloat16).model
-    twin = load_llm(tiny_mimo_dir).model
+    return bf16_and_twin(tiny_mimo_dir)
+
+
+def bf16_and_twin(model_dir: Path) -> tuple[DecoderForCausalLM, DecoderForCausalLM]:
+    """The checkpoint loaded in bf16, and a float32 twin holding exactly its values (every weight
+    rounded to bf16, then widened), re-packed by ``after_load``."""
+    bf16 = load_llm(model_dir, dtype=torch.bfloat16).model
+    twin = load_llm(model_dir).model
     state = twin.state_dict()
     with torch.no_grad():
         for name, t in bf16.state_dict().items():
@@ -291,6 +296,23 @@ def test_bf16_weights_give_the_bits_of_their_float32_values(
         got, want = run_kernel(bf16, i, batch, i, kv_a), run_kernel(twin, i, batch, i, kv_b)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"layer {i}"
         assert torch.equal(kv_a.layer(i).k, kv_b.layer(i).k) and torch.equal(kv_a.layer(i).v, kv_b.layer(i).v)
+
+
+def test_bf16_projections_wider_than_a_widened_block_give_the_float32_bits(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A prefill's projections widen a bf16 weight 512 columns at a time and run BLAS with its own
+    threads on each block: a dense MLP of 640 gate/up columns (512 + 128) still gives the float32
+    twin's bits, layer by layer."""
+    wide = build_tiny_mimo(tmp_path_factory.mktemp("wide_mimo"), tokenizer=False, intermediate_size=320)
+    bf16, twin = bf16_and_twin(wide)
+    assert any(isinstance(layer.mlp, DenseMLP) for layer in bf16.model.decoder_layers())
+    batch = prefill_then_decode_batch([40, 33], [40, 33])
+    assert batch.num_tokens > cpu_layer.PACKED_MAX_ROWS  # every projection through BLAS
+    for i in range(len(bf16.model.layers)):
+        kv_a, kv_b = zeroed_kv(bf16.config, 16), zeroed_kv(bf16.config, 16)
+        got, want = run_kernel(bf16, i, batch, i, kv_a), run_kernel(twin, i, batch, i, kv_b)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"layer {i}"
 
 
 @pytest.mark.parametrize("news", [[40, 33], [1, 1]])
