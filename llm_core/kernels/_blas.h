@@ -18,29 +18,21 @@ typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, c
 static sgemm_fn sgemm = NULL;
 /* MKL's per-thread thread count (MKL_Set_Num_Threads_Local; returns the previous, 0 = the global
  * one), or NULL where torch's BLAS is not MKL: what lets several threads of our own pool each run
- * a product on one core (linear_serial) instead of each starting a BLAS thread team. */
+ * a product on one core (linear_any's serial) instead of each starting a BLAS thread team. */
 typedef int (*blas_threads_fn)(int);
 static blas_threads_fn blas_threads_local = NULL;
 
-/* y [M, N] (row stride N) = x [M, K] (row stride ldx) @ w [K, N] (+ bias [N]), as torch's linear
- * does it for an input-major weight: the bias copied into y, then one column-major sgemm call
- * computing y^T = w^T x^T with beta 1 (0 without bias). sgemm must be bound. */
-static void linear(const float *x, Py_ssize_t ldx, const float *w, const float *bias, float *y, Py_ssize_t M,
-                   Py_ssize_t K, Py_ssize_t N) {
-    const int m = (int)N, n = (int)M, k = (int)K, lda = (int)N, ldb = (int)ldx, ldc = (int)N;
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ w [K, N] (row stride ldw) (+ bias [N]),
+ * as torch's linear does it for an input-major weight: the bias copied into y, then one
+ * column-major sgemm call computing y^T = w^T x^T with beta 1 (0 without bias). The strides let a
+ * block of columns of a wider product be one call (linear_bf16). sgemm must be bound. */
+static void linear(const float *x, Py_ssize_t ldx, const float *w, Py_ssize_t ldw, const float *bias, float *y,
+                   Py_ssize_t ldy, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N) {
+    const int m = (int)N, n = (int)M, k = (int)K, lda = (int)ldw, ldb = (int)ldx, ldc = (int)ldy;
     const float one = 1.0f, beta = bias != NULL ? 1.0f : 0.0f;
     if (bias != NULL)
-        for (Py_ssize_t r = 0; r < M; r++) memcpy(y + r * N, bias, (size_t)N * sizeof(float));
+        for (Py_ssize_t r = 0; r < M; r++) memcpy(y + r * ldy, bias, (size_t)N * sizeof(float));
     sgemm("N", "N", &m, &n, &k, &one, w, &lda, x, &ldb, &beta, y, &ldc);
-}
-
-/* linear on the calling thread alone (BLAS's own threads not used): for products that run in
- * parallel over our pool's threads. Needs blas_threads_local. */
-static void linear_serial(const float *x, Py_ssize_t ldx, const float *w, const float *bias, float *y, Py_ssize_t M,
-                          Py_ssize_t K, Py_ssize_t N) {
-    const int before = blas_threads_local(1);
-    linear(x, ldx, w, bias, y, M, K, N);
-    blas_threads_local(before);
 }
 
 /* Columns of a bf16 weight widened at a time: the scratch holds K x WIDEN_COLUMNS floats (a real
@@ -71,38 +63,31 @@ static float *widen_bf16_columns(const void *w, Py_ssize_t K, Py_ssize_t N, Py_s
 }
 
 /* y [M, N] = x @ w for a bf16 w [K, N]: a block of WIDEN_COLUMNS columns widened at a time, each
- * one sgemm into its columns of y (leading dimension N). Every output element still sums its K
- * products in one call, so the result has the bits of one sgemm over a float32 twin of w (tested
- * against it). NULL or a static error message. */
+ * one linear into its columns of y. Every output element still sums its K products in one call,
+ * so the result has the bits of one sgemm over a float32 twin of w (tested against it). NULL or a
+ * static error message. */
 static const char *linear_bf16(const float *x, Py_ssize_t ldx, const void *w, const float *bias, float *y,
-                               Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int serial) {
-    const int before = serial ? blas_threads_local(1) : 0;
-    const char *err = NULL;
-    for (Py_ssize_t j0 = 0; j0 < N && err == NULL; j0 += WIDEN_COLUMNS) {
+                               Py_ssize_t M, Py_ssize_t K, Py_ssize_t N) {
+    for (Py_ssize_t j0 = 0; j0 < N; j0 += WIDEN_COLUMNS) {
         const Py_ssize_t nb = N - j0 < WIDEN_COLUMNS ? N - j0 : WIDEN_COLUMNS;
         const float *wf = widen_bf16_columns(w, K, N, j0, nb);
-        if (wf == NULL) {
-            err = "linear: out of memory widening a bf16 weight";
-            break;
-        }
-        const int m = (int)nb, n = (int)M, k = (int)K, lda = (int)nb, ldb = (int)ldx, ldc = (int)N;
-        const float one = 1.0f, beta = bias != NULL ? 1.0f : 0.0f;
-        if (bias != NULL)
-            for (Py_ssize_t r = 0; r < M; r++) memcpy(y + r * N + j0, bias + j0, (size_t)nb * sizeof(float));
-        sgemm("N", "N", &m, &n, &k, &one, wf, &lda, x, &ldb, &beta, y + j0, &ldc);
+        if (wf == NULL) return "linear: out of memory widening a bf16 weight";
+        linear(x, ldx, wf, nb, bias != NULL ? bias + j0 : NULL, y + j0, N, M, K, nb);
     }
-    if (serial) blas_threads_local(before);
-    return err;
+    return NULL;
 }
 
-/* linear (or linear_serial, serial != 0) of a weight stored float32 or bf16 (widened a block of
- * columns at a time: linear_bf16); NULL or a static error message. */
+/* linear of a weight stored float32 or bf16 (widened a block of columns at a time: linear_bf16);
+ * serial != 0: on the calling thread alone (BLAS's own threads not used), for products that run in
+ * parallel over our pool's threads (needs blas_threads_local). NULL or a static error message. */
 static const char *linear_any(const float *x, Py_ssize_t ldx, const void *w, int bf16, const float *bias, float *y,
                               Py_ssize_t M, Py_ssize_t K, Py_ssize_t N, int serial) {
-    if (bf16) return linear_bf16(x, ldx, w, bias, y, M, K, N, serial);
-    if (serial) linear_serial(x, ldx, w, bias, y, M, K, N);
-    else linear(x, ldx, w, bias, y, M, K, N);
-    return NULL;
+    const int before = serial ? blas_threads_local(1) : 0;
+    const char *err = NULL;
+    if (bf16) err = linear_bf16(x, ldx, w, bias, y, M, K, N);
+    else linear(x, ldx, w, N, bias, y, N, M, K, N);
+    if (serial) blas_threads_local(before);
+    return err;
 }
 
 /* bind_sgemm(path): take sgemm_ from the already loaded shared library at path (libtorch_cpu). */

@@ -15,7 +15,7 @@
 #include "_blas.h"
 #include "_gemm.h"
 
-/* An expert with at least this many rows multiplies through BLAS on one thread (linear_serial:
+/* An expert with at least this many rows multiplies through BLAS on one thread (linear_any, serial:
  * sgemm and MKL's per-thread count bound, _blas.h), fewer through the small-M product, which
  * streams the weights once without a packed copy. Experts run in parallel over our pool either
  * way (MKL's own thread team, alternating with the pool 176 times a decode step, collapsed a
