@@ -55,7 +55,7 @@ class EpdEngineServer:
     async def close(self) -> None:
         self._render.close()
 
-    def chat_result(self, out: dict[str, Any]) -> ChatResult:
+    def chat_result(self, out: dict[str, Any], call: ChatCall) -> ChatResult:
         choice = out["choices"][0]
         return ChatResult(
             text=choice.get("text", ""),
@@ -65,7 +65,7 @@ class EpdEngineServer:
             token_ids=choice.get("token_ids"),
         )
 
-    def chat_delta(self, chunk: dict[str, Any]) -> ChatDelta:
+    def chat_delta(self, chunk: dict[str, Any], call: ChatCall) -> ChatDelta:
         text, finish = "", None
         for choice in chunk.get("choices", []):
             text += choice.get("text") or ""

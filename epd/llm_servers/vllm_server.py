@@ -49,7 +49,14 @@ from epd.llm_servers.vllm_embeds import (
     tensor_b64,
 )
 from epd.llm_servers.vllm_routing import KVEventsAt, routing_health
-from epd.llm_servers.vllm_tokens import CHAT_ONLY, GENERATE, generate_body, image_item
+from epd.llm_servers.vllm_tokens import (
+    CHAT_ONLY,
+    GENERATE,
+    AnswerText,
+    epd_decodes,
+    generate_body,
+    image_item,
+)
 from epd.media_pipeline import EncodedItem
 from epd.prompt_format import PromptFormat
 from epd_common.checkpoint.config_json import read_config_json
@@ -361,7 +368,11 @@ class VLLMServer:
         if len(routing.media) != len(refs):
             # the pads did not pair with the images (the template's own doing): never sent unpaired
             raise bad_request("the chat's images do not line up with its rendered prompt", "messages")
-        return ChatCall(GENERATE, generate_body(routing, refs, encoded, sampling), routing)
+        if not epd_decodes(sampling):
+            return ChatCall(GENERATE, generate_body(routing, refs, encoded, sampling), routing)
+        decoder = AnswerText(self.prompt_format.tokenizer, routing.token_ids, sampling)
+        body = generate_body(routing, refs, encoded, sampling, ids_only=True)
+        return ChatCall(GENERATE, body, routing, decoder=decoder)
 
     def _refuse_spelled_specials(self, messages: Sequence[Mapping[str, Any]]) -> None:
         """The chat route hands vLLM the text, which its template and tokenizer read with special
@@ -482,9 +493,9 @@ class VLLMServer:
         self._render.close()
         await self.source.close()  # its session for remote refs; the node cache is the ingress's
 
-    def chat_result(self, out: dict[str, Any]) -> ChatResult:
+    def chat_result(self, out: dict[str, Any], call: ChatCall) -> ChatResult:
         if "output_mode" in out:  # the token route's answer
-            return vllm_tokens.result(out)
+            return vllm_tokens.result(out, call.decoder)
         choice = out["choices"][0]
         return ChatResult(
             text=(choice.get("message") or {}).get("content") or "",
@@ -494,9 +505,9 @@ class VLLMServer:
             token_ids=choice.get("token_ids"),
         )
 
-    def chat_delta(self, chunk: dict[str, Any]) -> ChatDelta:
+    def chat_delta(self, chunk: dict[str, Any], call: ChatCall) -> ChatDelta:
         if "output_mode" in chunk:  # the token route's chunk
-            return vllm_tokens.delta(chunk)
+            return vllm_tokens.delta(chunk, call.decoder)
         text, finish = "", None
         for choice in chunk.get("choices", []):
             text += (choice.get("delta") or {}).get("content") or ""

@@ -141,16 +141,23 @@ def epd_chat(server: ServeProcess, messages: list[dict[str, Any]], **extra: Any)
     return _post(f"{server.url}/v1/chat/completions", {**body, "return_token_ids": True})
 
 
-def vllm_raw_ids(vllm: SupervisedVLLM, qwen_dir: Path, messages: list[dict[str, Any]]) -> list[int]:
-    """vLLM given the raw images itself (data: URIs), no epd in between."""
+def vllm_raw_choice(
+    vllm: SupervisedVLLM, qwen_dir: Path, messages: list[dict[str, Any]], **extra: Any
+) -> dict[str, Any]:
+    """vLLM given the raw images itself (data: URIs), no epd in between: its answer's choice."""
     body = {
         "model": str(qwen_dir),
         "messages": openai_messages(messages),
         "max_tokens": NEW_TOKENS,
         "temperature": 0,
         "return_token_ids": True,
+        **extra,
     }
-    return list(_post(f"{vllm.url}/v1/chat/completions", body)["choices"][0]["token_ids"])
+    return _post(f"{vllm.url}/v1/chat/completions", body)["choices"][0]  # type: ignore[no-any-return]
+
+
+def vllm_raw_ids(vllm: SupervisedVLLM, qwen_dir: Path, messages: list[dict[str, Any]]) -> list[int]:
+    return list(vllm_raw_choice(vllm, qwen_dir, messages)["token_ids"])
 
 
 def slow_video(media_dir: Path) -> list[dict[str, Any]]:
@@ -184,6 +191,27 @@ def test_images_equal_vllm_raw_and_generate(
     again = epd_chat(epd, history)
     assert all(m["cache_hit"] for m in again["media"]) and again["usage"]["cached_media"] > 0
     assert again["choices"][0]["token_ids"] == reference_generate(qwen_dir, history, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("stop", [None, ["zq"]])
+def test_the_answer_text_is_vllms_own(
+    epd: ServeProcess, vllm: SupervisedVLLM, qwen_dir: Path, media_dir: Path, stop: list[str] | None
+) -> None:
+    """Without stop strings vLLM answers epd ids and epd writes the text; with them vLLM writes
+    it. Either way the text is the one vLLM's own chat route writes for the same chat, byte for
+    byte (the random model's answers are arbitrary ids: split characters, specials, rare bytes)."""
+    extra = {"stop": stop} if stop else {}
+    text = [{"role": "user", "content": [{"type": "text", "text": f"Tell story {i}."}]} for i in range(4)]
+    for messages in ([m] for m in text):
+        mine = epd_chat(epd, messages, **extra)["choices"][0]
+        theirs = vllm_raw_choice(vllm, qwen_dir, messages, **extra)
+        assert mine["token_ids"] == theirs["token_ids"]
+        assert mine["message"]["content"] == theirs["message"]["content"]
+    image = scenario_messages("one_image", media_dir)
+    assert (
+        epd_chat(epd, image, **extra)["choices"][0]["message"]["content"]
+        == (vllm_raw_choice(vllm, qwen_dir, image, **extra)["message"]["content"])
+    )
 
 
 def test_videos_equal_vllm_raw(

@@ -9,8 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from epd.llm_routing.page_naming import RoutingPrompt
+from epd.llm_servers.base import ChatCall
 from epd.llm_servers.vllm_launch import API_SERVER_MODULE, VLLMLaunch, find_vllm, launch_args
 from epd.llm_servers.vllm_server import ModelInfo, VLLMServer
+
+CHAT_CALL = ChatCall("/v1/chat/completions", {}, RoutingPrompt([]), relay=True)
 
 
 def backend() -> VLLMServer:
@@ -25,7 +29,7 @@ def test_whole_answer() -> None:
         "usage": {"prompt_tokens": 9, "completion_tokens": 2, "prompt_tokens_details": None},
         "prompt_token_ids": [1, 2, 3],
     }
-    r = backend().chat_result(out)
+    r = backend().chat_result(out, CHAT_CALL)
     assert (r.text, r.finish_reason, r.token_ids, r.prompt_token_ids) == ("hi", "stop", [5, 6], [1, 2, 3])
     assert r.usage == {"prompt_tokens": 9, "completion_tokens": 2}  # vLLM's nulls dropped
 
@@ -33,14 +37,14 @@ def test_whole_answer() -> None:
 def test_stream_chunks() -> None:
     b = backend()
     first = b.chat_delta(
-        {"choices": [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+        {"choices": [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}, CHAT_CALL
     )
     assert first.text == "" and first.finish_reason is None and first.usage is None
-    mid = b.chat_delta({"choices": [{"delta": {"content": " world"}, "finish_reason": None}]})
+    mid = b.chat_delta({"choices": [{"delta": {"content": " world"}, "finish_reason": None}]}, CHAT_CALL)
     assert mid.text == " world"
-    end = b.chat_delta({"choices": [{"delta": {}, "finish_reason": "length"}]})
+    end = b.chat_delta({"choices": [{"delta": {}, "finish_reason": "length"}]}, CHAT_CALL)
     assert end.finish_reason == "length"
-    usage = b.chat_delta({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
+    usage = b.chat_delta({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}, CHAT_CALL)
     assert usage.usage == {"prompt_tokens": 3, "completion_tokens": 1}
 
 
