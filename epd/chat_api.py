@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from epd.client_fields import allowed_fields, check_fields
+from epd.engine_body import with_usage
 from epd.engine_client import StreamedChunk
 from epd.http import read_json
 from epd.ingress import Ingress
@@ -145,7 +146,7 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
         # Validate the engine accepts the request before the 200 status line goes out.
         relay = call.relay  # the server's chunks are chat chunks already: bytes through
         chunks = engines.stream(
-            {**call.body, "stream_options": {"include_usage": True}},
+            with_usage(call.body),
             call.routing,
             deadline_at,
             call.path,

@@ -22,6 +22,7 @@ import aiohttp
 import msgspec
 from aiohttp.http_exceptions import HttpProcessingError
 
+from epd.engine_body import EngineBody, streamed
 from epd.server_pool.refusals import MAX_WAIT_S
 from epd_common.admission import DEADLINE_HEADER
 from epd_common.errors import APIError
@@ -69,13 +70,13 @@ class EngineClient:
     # how answers to clients name this server (its URL is internal: logs only); the pool numbers them
     label = "the LLM server"
 
-    def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
+    def prepare(self, body: EngineBody) -> EngineBody:
         """The body as this server takes it (a server kind's client names its served model here)."""
         return body
 
     async def complete(
         self,
-        body: dict[str, Any],
+        body: EngineBody,
         request_id: str | None = None,
         deadline_s: float | None = None,
         path: str = "/v1/completions",
@@ -85,7 +86,7 @@ class EngineClient:
         ``deadline_s`` as ``X-Request-Timeout``: the engine admits against it."""
         try:
             async with await self._post(
-                path, {**self.prepare(body), "stream": False}, request_id, deadline_s
+                path, self.prepare(streamed(body, False)), request_id, deadline_s
             ) as resp:
                 payload = await _read_json(resp)
                 self.raise_for_status(resp, payload)
@@ -98,7 +99,7 @@ class EngineClient:
 
     async def stream(
         self,
-        body: dict[str, Any],
+        body: EngineBody,
         request_id: str | None = None,
         deadline_s: float | None = None,
         path: str = "/v1/completions",
@@ -112,7 +113,7 @@ class EngineClient:
         """
         try:
             async with await self._post(
-                path, {**self.prepare(body), "stream": True}, request_id, deadline_s
+                path, self.prepare(streamed(body, True)), request_id, deadline_s
             ) as resp:
                 if resp.status != 200:
                     self.raise_for_status(resp, await _read_json(resp))
@@ -167,7 +168,7 @@ class EngineClient:
         _raise_for_engine_status(resp, payload)
 
     async def _post(
-        self, path: str, body: dict[str, Any], request_id: str | None, deadline_s: float | None
+        self, path: str, body: EngineBody, request_id: str | None, deadline_s: float | None
     ) -> aiohttp.ClientResponse:
         """POST ``body``; once more on a fresh connection when a pooled one turns out closed by the
         server before it answered (a server whose keep-alive is shorter than the pool's: vLLM's
@@ -200,7 +201,7 @@ class EngineClient:
         return await self.get_json("/health", timeout_s)
 
 
-def _dumps(body: dict[str, Any]) -> bytes:
+def _dumps(body: EngineBody) -> bytes:
     """The request's JSON (msgspec: a body may hold message Structs, e.g. EmbeddingRefs)."""
     return msgspec.json.encode(body)
 

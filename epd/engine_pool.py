@@ -34,8 +34,11 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import aiohttp
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from epd.engine_body import EngineBody, includes_usage
+from epd.engine_body import max_tokens as body_max_tokens
 from epd.engine_client import EngineClient
 from epd.llm_routing.llm_router import LLMRouter
 from epd.llm_routing.load_counters import Dispatch
@@ -56,7 +59,7 @@ from epd.server_pool import (
 from epd.server_pool.attempts import FATAL, UNREACHABLE, refused
 from epd_common.admission import seconds_left
 from epd_common.errors import APIError
-from epd_common.messages.completion_request import KVTransfer
+from epd_common.messages.completion_request import CompletionRequestBody, KVTransfer
 from epd_common.messages.completion_response import KVTransferReport, kv_transfer_report
 from llm_core.prompts.tokenizer import Tokenizer
 
@@ -310,7 +313,7 @@ class EnginePool:
 
     async def complete(
         self,
-        body: dict[str, Any],
+        body: EngineBody,
         keys: RoutingPrompt | Sequence[int],
         deadline_at: float | None = None,
         path: str = COMPLETIONS,
@@ -323,7 +326,7 @@ class EnginePool:
                 self.lane, body, keys, deadline_at=deadline_at, path=path, prompt_tokens=prompt_tokens
             )
             return out
-        pre = await self._prefill(body, keys, deadline_at)
+        pre = await self._prefill(_split_body(body), keys, deadline_at)
         if pre.done is not None:
             return pre.done
         out, _ = await self._complete_on(
@@ -333,7 +336,7 @@ class EnginePool:
 
     async def stream(
         self,
-        body: dict[str, Any],
+        body: EngineBody,
         keys: RoutingPrompt | Sequence[int],
         deadline_at: float | None = None,
         path: str = COMPLETIONS,
@@ -355,7 +358,7 @@ class EnginePool:
             async for chunk in chunks:
                 yield chunk
             return
-        pre = await self._prefill(body, keys, deadline_at)
+        pre = await self._prefill(_split_body(body), keys, deadline_at)
         if pre.done is not None:
             for chunk in _as_chunks(pre.done, body):
                 yield chunk
@@ -364,13 +367,19 @@ class EnginePool:
             yield _with_prefill_usage(chunk, pre) if chunk.get("usage") else chunk
 
     async def _prefill(
-        self, body: dict[str, Any], keys: RoutingPrompt | Sequence[int], deadline_at: float | None
+        self, body: CompletionRequestBody, keys: RoutingPrompt | Sequence[int], deadline_at: float | None
     ) -> _Prefilled:
         """Run the prompt on a prefill engine (one token, KV exported); what the decode engine
         is to be sent. With no prefill engine reachable, the decode engine gets the plain body."""
-        want = body.get("max_tokens")
-        pre_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        pre_body.update(max_tokens=1, return_token_ids=True, kv_transfer=KVTransfer(export=True))
+        want = body.max_tokens
+        pre_body = msgspec.structs.replace(
+            body,
+            stream=None,
+            stream_options=None,
+            max_tokens=1,
+            return_token_ids=True,
+            kv_transfer=KVTransfer(export=True),
+        )
         try:
             out, url = await self._complete_on(
                 self.lane, pre_body, keys, max_tokens=1, deadline_at=deadline_at
@@ -380,19 +389,20 @@ class EnginePool:
                 raise  # the prompt itself was refused: the decode engine would refuse it too
             log.warning("no prefill engine answered (%s); the decode engine computes the prompt", exc.message)
             self.metrics.kv_fallbacks.labels(reason="prefill_unavailable").inc()
-            return _Prefilled(None, dict(body), None, None)
+            return _Prefilled(None, body, None, None)
         choice = out["choices"][0]
         first = list(choice.get("token_ids") or [])
         if choice.get("finish_reason") == "stop" or want == 1 or not first:
-            if not body.get("return_token_ids"):
+            if not body.return_token_ids:
                 choice.pop("token_ids", None)
                 choice.pop("prompt_token_ids", None)
             out.pop("kv_transfer", None)
             return _Prefilled(out, body, None, out.get("usage"))
         export = kv_transfer_report(out.get("kv_transfer"))
-        decode_body = dict(body)
+        decode_body = body
         if export is not None and export.handle is not None:
-            decode_body["kv_transfer"] = KVTransfer(handle=export.handle, first_token=first[0])
+            handoff = KVTransfer(handle=export.handle, first_token=first[0])
+            decode_body = msgspec.structs.replace(body, kv_transfer=handoff)
         else:
             reason = export.error if export is not None and export.error else "no_export"
             self.metrics.kv_fallbacks.labels(reason=reason).inc()
@@ -401,7 +411,7 @@ class EnginePool:
     async def _complete_on(
         self,
         lane: _Lane,
-        body: dict[str, Any],
+        body: EngineBody,
         keys: RoutingPrompt | Sequence[int],
         pre: _Prefilled | None = None,
         max_tokens: int | None = None,
@@ -429,7 +439,7 @@ class EnginePool:
     async def _stream_on(
         self,
         lane: _Lane,
-        body: dict[str, Any],
+        body: EngineBody,
         keys: RoutingPrompt | Sequence[int],
         pre: _Prefilled | None = None,
         deadline_at: float | None = None,
@@ -535,7 +545,7 @@ class EnginePool:
 
 class _Prefilled(NamedTuple):
     done: dict[str, Any] | None  # the whole answer already (the first token ended it)
-    decode_body: dict[str, Any]  # what the decode engine is sent
+    decode_body: CompletionRequestBody  # what the decode engine is sent
     prefill_url: str | None
     prefill_usage: dict[str, Any] | None
 
@@ -548,11 +558,18 @@ def _with_prefill_usage(out: dict[str, Any], pre: _Prefilled) -> dict[str, Any]:
     return out
 
 
-def _as_chunks(out: dict[str, Any], body: dict[str, Any]) -> list[dict[str, Any]]:
+def _split_body(body: EngineBody) -> CompletionRequestBody:
+    """The body of a split request: the P/D hand-off runs between epd's own engines only."""
+    if not isinstance(body, CompletionRequestBody):
+        raise TypeError(f"the prefill/decode split takes epd's engine request, not {type(body).__name__}")
+    return body
+
+
+def _as_chunks(out: dict[str, Any], body: EngineBody) -> list[dict[str, Any]]:
     """A finished completion as the stream a client asked for: one chunk, then the usage."""
     chunk = {k: v for k, v in out.items() if k != "usage"}
     chunks = [chunk]
-    if (body.get("stream_options") or {}).get("include_usage") and out.get("usage"):
+    if includes_usage(body) and out.get("usage"):
         chunks.append({**chunk, "choices": [], "usage": out["usage"]})
     return chunks
 
@@ -567,7 +584,7 @@ def _output_tokens(choice: dict[str, Any]) -> int:
 
 
 def _route_request(
-    body: dict[str, Any],
+    body: EngineBody,
     keys: RoutingPrompt | Sequence[int],
     max_tokens: int | None,
     prompt_tokens: int | None,
@@ -575,8 +592,8 @@ def _route_request(
     """``prompt_tokens``: the prompt's size when ``keys`` do not give it (a server kind that routes by
     load only sends none)."""
     if max_tokens is None:
-        want = body.get("max_tokens")
-        max_tokens = int(want) if isinstance(want, int) else 16
+        want = body_max_tokens(body)
+        max_tokens = 16 if want is None else want
     size = len(keys.token_ids) if isinstance(keys, RoutingPrompt) else len(keys)
     return RouteRequest(keys, prompt_tokens or size or 1, max_tokens)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Required, TypedDict
 
 from epd_common.errors import APIError, bad_request, unprocessable
 
@@ -122,6 +122,24 @@ def decode_base64(text: str, param: str) -> bytes:
     return out
 
 
+class ContentPart(TypedDict, total=False):
+    """One part of a parsed message: ``{"type": "text", "text"}``, or ``{"type": modality, "index"}``
+    with ``index`` into ``ChatPrompt.media`` (a video with its track also ``audio_index``; an audio
+    part of a chat parsed without audio has no index)."""
+
+    type: Required[str]
+    text: str
+    index: int
+    audio_index: int
+
+
+class ChatMessage(TypedDict):
+    """One parsed message: its role and its content as a list of parts."""
+
+    role: str
+    content: list[ContentPart]
+
+
 @dataclass(frozen=True)
 class ChatPrompt:
     """Chat messages with media parts replaced by markers, plus the media in order of appearance.
@@ -132,7 +150,7 @@ class ChatPrompt:
     parts of a chat parsed without audio stay ``{"type": "audio"}``, indexing nothing.
     """
 
-    messages: list[dict[str, Any]]
+    messages: list[ChatMessage]
     media: list[MediaSource]
 
 
@@ -150,7 +168,7 @@ def chat_prompt(messages: Any, max_items: int, audio: bool = False) -> ChatPromp
     stay unparsed markers for the model's part check to refuse (415 or 400)."""
     if not isinstance(messages, list) or not messages:
         raise unprocessable("'messages' must be a non-empty list", "messages")
-    out: list[dict[str, Any]] = []
+    out: list[ChatMessage] = []
     media: list[MediaSource] = []
     for m_idx, msg in enumerate(messages):
         where = f"messages[{m_idx}]"
@@ -167,14 +185,14 @@ def chat_prompt(messages: Any, max_items: int, audio: bool = False) -> ChatPromp
     return ChatPrompt(messages=out, media=media)
 
 
-def _content_parts(content: Any, where: str, media: list[MediaSource], audio: bool) -> list[dict[str, Any]]:
+def _content_parts(content: Any, where: str, media: list[MediaSource], audio: bool) -> list[ContentPart]:
     if content is None:
         return []
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
         raise unprocessable(f"{where} must be a string or a list of parts", where)
-    parts: list[dict[str, Any]] = []
+    parts: list[ContentPart] = []
     for p_idx, part in enumerate(content):
         pwhere = f"{where}[{p_idx}]"
         if not isinstance(part, dict):

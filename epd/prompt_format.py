@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from epd.media_request import ChatMessage
 from epd_common.checkpoint.config_json import read_config_json
 from epd_common.checkpoint.errors import CheckpointError
 from epd_common.messages.embedding_ref import EmbeddingRef
@@ -116,12 +117,12 @@ class PromptFormat:
             audio,
         )
 
-    def check_parts(self, messages: Sequence[Mapping[str, Any]]) -> None:
+    def check_parts(self, messages: Sequence[ChatMessage]) -> None:
         """A 4xx (``ChatTemplateError`` with ``param`` ``messages[i].content[j]``) for a part the
         model cannot take; call before any media is fetched."""
         check_message_parts(messages, self.supported, self.unserved, self.unserved_why)
 
-    def prompt_ids(self, messages: Sequence[Mapping[str, Any]], media: Sequence[MediaItem]) -> list[int]:
+    def prompt_ids(self, messages: Sequence[ChatMessage], media: Sequence[MediaItem]) -> list[int]:
         """Prompt ids of ``messages`` (content parts ``{"type": "text", "text"}`` or
         ``{"type": "image" | "video" | "audio"}``), the i-th media part being ``media[i]``. The
         messages' text never becomes special ids (``request_text``); the template's specials do."""
@@ -166,7 +167,7 @@ def media_item(ref: EmbeddingRef, track: EmbeddingRef | None = None) -> MediaIte
 
 
 def prompt_media(
-    messages: Sequence[Mapping[str, Any]], refs: Sequence[EmbeddingRef]
+    messages: Sequence[ChatMessage], refs: Sequence[EmbeddingRef]
 ) -> tuple[list[MediaItem], list[EmbeddingRef]]:
     """The media of a parsed chat (``epd.media_request.chat_prompt``: parts index ``refs``, a video
     with its track also by ``audio_index``), in part order: one MediaItem per part, and the refs the

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 import aiohttp
 
+from epd.engine_body import EngineBody
 from epd.engine_client import EngineClient
 from epd.llm_routing.page_naming import RoutingPrompt
 from epd.media_pipeline import EncodedItem
+from epd.media_request import ChatMessage
 
 
 class IdsToText(Protocol):
@@ -22,7 +24,7 @@ class ChatCall(NamedTuple):
     """One request as a server of this kind takes it."""
 
     path: str  # the server's endpoint, e.g. "/v1/completions"
-    body: dict[str, Any]
+    body: EngineBody  # epd's engine request Struct, or the server kind's own JSON
     # the prompt's ids and media spans as the server sees them, which the router names pages
     # from (``epd.llm_routing.page_naming``); empty when the server kind routes by load only
     routing: RoutingPrompt
@@ -76,7 +78,7 @@ class LLMServer(Protocol):
         ...
 
     async def chat_call(
-        self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem], sampling: dict[str, Any]
+        self, messages: Sequence[ChatMessage], items: Sequence[EncodedItem], sampling: dict[str, Any]
     ) -> ChatCall:
         """``messages``: parts ``{"type": "text", "text"}`` or ``{"type": "image" | "video", "index"}``
         (``items[index]`` resolved); raises APIError for what this server kind cannot send. Rendering

@@ -8,13 +8,14 @@ milliseconds to render, which every stream on the loop would wait.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from epd.llm_routing.page_naming import RoutingPrompt
 from epd.llm_servers.cache_keys import routing_prompt
 from epd.media_pipeline import EncodedItem
+from epd.media_request import ChatMessage
 from epd.prompt_format import ChatTemplateError, PromptFormat, prompt_media
 from epd_common.errors import bad_request
 from epd_common.messages.embedding_ref import EmbeddingRef
@@ -27,7 +28,7 @@ T = TypeVar("T")
 
 
 def render_chat(
-    prompt_format: PromptFormat, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem]
+    prompt_format: PromptFormat, messages: Sequence[ChatMessage], items: Sequence[EncodedItem]
 ) -> tuple[RoutingPrompt, list[EmbeddingRef]]:
     """A chat's prompt ids with its media spans, and the refs in the order their rows take the
     prompt's pads (call on a rendering thread)."""

@@ -34,6 +34,7 @@ import aiohttp
 import torch
 
 from encoder.caches.embed_cache import EmbedCache
+from epd.engine_body import EngineBody
 from epd.engine_client import EngineClient
 from epd.llm_routing.page_naming import RoutingPrompt
 from epd.llm_servers import vllm_tokens
@@ -58,6 +59,7 @@ from epd.llm_servers.vllm_tokens import (
     image_item,
 )
 from epd.media_pipeline import EncodedItem
+from epd.media_request import ChatMessage
 from epd.prompt_format import PromptFormat
 from epd_common.checkpoint.config_json import read_config_json
 from epd_common.checkpoint.errors import CheckpointError
@@ -129,7 +131,9 @@ class VLLMClient(EngineClient):
         body = await super().health(timeout_s)
         return None if body is None else {**body, **self.routing_health}
 
-    def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
+    def prepare(self, body: EngineBody) -> EngineBody:
+        if not isinstance(body, dict):  # vLLM takes its own JSON, never epd's engine Struct
+            raise TypeError(f"a vLLM server is sent a dict body, not {type(body).__name__}")
         if self.ec is not None and (keys := metadata_keys(body)) and not self.ec.mark_used(keys):
             # vLLM's engine would die on it: fail this request instead (a retry writes it again)
             raise APIError(
@@ -313,7 +317,7 @@ class VLLMServer:
 
     # -- requests ------------------------------------------------------------------------------
     async def chat_call(
-        self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem], sampling: dict[str, Any]
+        self, messages: Sequence[ChatMessage], items: Sequence[EncodedItem], sampling: dict[str, Any]
     ) -> ChatCall:
         self._refuse_unsent_modalities(items)
         if self.token_route and self._fits_token_route(items, sampling):
@@ -355,7 +359,7 @@ class VLLMServer:
         return all(it.ref.modality == "image" for it in items) and not CHAT_ONLY.intersection(sampling)
 
     async def _token_call(
-        self, messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem], sampling: dict[str, Any]
+        self, messages: Sequence[ChatMessage], items: Sequence[EncodedItem], sampling: dict[str, Any]
     ) -> ChatCall:
         """The chat rendered and tokenized here (request text as text), each image's checked
         embedding as an item of vLLM's token route (``vllm_tokens``)."""
@@ -374,7 +378,7 @@ class VLLMServer:
         body = generate_body(routing, refs, encoded, sampling, ids_only=True)
         return ChatCall(GENERATE, body, routing, decoder=decoder)
 
-    def _refuse_spelled_specials(self, messages: Sequence[Mapping[str, Any]]) -> None:
+    def _refuse_spelled_specials(self, messages: Sequence[ChatMessage]) -> None:
         """The chat route hands vLLM the text, which its template and tokenizer read with special
         tokens live: a user spelling ``<|im_end|>`` would close their turn there. Where the token
         route does not serve a chat, such text is refused, never sent."""
@@ -515,7 +519,7 @@ class VLLMServer:
         return ChatDelta(text, finish, _usage(chunk.get("usage")) or None)
 
 
-def _prompt_estimate(messages: Sequence[Mapping[str, Any]], items: Sequence[EncodedItem]) -> int:
+def _prompt_estimate(messages: Sequence[ChatMessage], items: Sequence[EncodedItem]) -> int:
     """The prompt's tokens for the router's load counts (least-load or round robin over vLLM need
     no prefix keys): every media row, and ~4 characters a text token; vLLM renders the real ids."""
     chars = sum(len(p.get("text", "")) for m in messages for p in m["content"] if p.get("type") == "text")

@@ -13,6 +13,7 @@ ranges, n == 1, the prompt's shape) the engine checks after decoding. Unknown fi
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import msgspec
 
@@ -41,8 +42,9 @@ class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool | None = None
 
 
-class CompletionRequestBody(msgspec.Struct, frozen=True, kw_only=True):
-    """The body as decoded; UNSET: the field was absent (where absent and null differ)."""
+class CompletionRequestBody(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The body as decoded, or as the ingress builds it; UNSET: the field was absent (where absent
+    and null differ). Encoded, a field at its default is left out."""
 
     prompt: Prompt | msgspec.UnsetType = msgspec.UNSET
     multimodal: list[EmbeddingRef] | None = None
@@ -93,6 +95,17 @@ def decode_completion_request(raw: bytes) -> CompletionRequestBody:
         raise RequestBodyError(message, param) from e
     except msgspec.DecodeError as e:
         raise RequestBodyError(f"the body is not valid JSON: {e}", None) from e
+
+
+def completion_request(fields: Mapping[str, object]) -> CompletionRequestBody:
+    """The body from fields already decoded (the ingress's, or a client's JSON object);
+    ``RequestBodyError`` naming the field that is wrong. Fields the Struct does not name are
+    dropped, as the engine ignores them."""
+    try:
+        return msgspec.convert(fields, CompletionRequestBody)
+    except msgspec.ValidationError as e:
+        message, param = _describe(str(e))
+        raise RequestBodyError(message, param) from e
 
 
 def _describe(error: str) -> tuple[str, str | None]:

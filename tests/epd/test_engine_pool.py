@@ -14,10 +14,12 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from epd.engine_body import EngineBody
 from epd.engine_client import EngineClient, engine_unavailable
 from epd.engine_pool import EnginePool
 from epd.llm_routing.policy import RouterConfig
 from epd_common.errors import APIError
+from epd_common.messages.completion_request import completion_request
 from llm_core.models.checkpoint import LoadedLLM, load_llm
 from llm_core.prompts.tokenizer import Tokenizer, load_tokenizer
 from llm_core.serving.engine import LLMEngine
@@ -119,7 +121,7 @@ class _FakeEngine(EngineClient):
         self.calls = 0
 
     async def complete(
-        self, body: dict[str, Any], request_id: str | None = None, deadline_s: float | None = None,
+        self, body: EngineBody, request_id: str | None = None, deadline_s: float | None = None,
         path: str = "/v1/completions",
     ) -> dict[str, Any]:  # fmt: skip
         self.calls += 1
@@ -128,7 +130,7 @@ class _FakeEngine(EngineClient):
         return {"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}], "usage": {}}
 
     async def stream(
-        self, body: dict[str, Any], request_id: str | None = None, deadline_s: float | None = None,
+        self, body: EngineBody, request_id: str | None = None, deadline_s: float | None = None,
         path: str = "/v1/completions", relay: bool = False,
     ) -> AsyncGenerator[dict[str, Any], None]:  # fmt: skip
         """Three chunks; ``down`` before the first; ``fail_after`` chunks then an unreachable error."""
@@ -158,7 +160,7 @@ def test_an_unreachable_prefill_engine_is_not_failed_over_to_a_decode_engine() -
             prefill = pool.clients[urls[0]]
             assert isinstance(prefill, _FakeEngine)
             prefill.down = True
-            out = await pool.complete(dict(BODY), [5, 6, 7, 8])
+            out = await pool.complete(completion_request(BODY), [5, 6, 7, 8])  # split: the Struct
             assert out["choices"][0]["text"] == "ok"
             return pool
 

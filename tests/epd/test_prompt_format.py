@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from epd.prompt_format import PromptFormat, UnservedModality, media_item, prompt_media
+from epd_common.messages.completion_request import CompletionRequestBody
 from epd_common.messages.embedding_ref import EmbeddingRef
 from llm_core.prompts.media_expansion import MediaItem
 from llm_core.prompts.tokenizer import load_tokenizer
@@ -223,9 +224,11 @@ def test_epd_backend_sends_a_video_and_its_track_in_pad_order(tmp_path: Path) ->
         finally:
             await backend.close()
         routing = chat.routing  # ids + media spans; the cache keys are what epd's engine matches
+        body = chat.body
+        assert isinstance(body, CompletionRequestBody) and isinstance(body.prompt, list)
         return (
-            chat.body["prompt"],
-            chat.body["multimodal"],
+            cast(list[int], body.prompt),
+            list(body.multimodal or []),
             build_cache_keys(list(routing.token_ids), routing.media),
         )
 

@@ -17,6 +17,7 @@ from epd.chat_api import ChatFrames, _passed_through
 from epd.engine_client import StreamedChunk
 from epd.llm_servers.epd_engine import EpdEngineServer
 from epd_common.errors import APIError
+from epd_common.messages.completion_request import CompletionRequestBody
 from tests.epd.upstream import upstream
 
 TOKEN = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m", "choices": [{"text": "é"}]}
@@ -139,7 +140,8 @@ def test_the_chat_template_and_tokenizer_run_off_the_event_loop() -> None:
         chat = await backend.chat_call(
             [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], [], {}
         )
-        assert chat.body["prompt"] == [1, 2, 3] and list(chat.routing.token_ids) == [1, 2, 3]
+        assert isinstance(chat.body, CompletionRequestBody)  # the Struct the engine decodes
+        assert chat.body.prompt == [1, 2, 3] and list(chat.routing.token_ids) == [1, 2, 3]
         completion = await backend.completion_call({"prompt": "ab"})  # tokenized for its cache keys
         assert list(completion.routing.token_ids) == [97, 98]
         await backend.close()
