@@ -120,7 +120,7 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
         created = int(time.time())
         if not stream:
             out = await engines.complete(call.body, call.routing, deadline_at, call.path, call.prompt_tokens)
-            result = server.chat_result(out, call)
+            result = server.chat_result(out)
             ids = {"prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids}
             return FastJSONResponse(
                 {
@@ -168,7 +168,7 @@ async def chat_completions(ingress: Ingress, request: Request) -> Response:
                         yield frames.relayed(pending.raw)
                         pending = await anext(chunks, None)
                         continue
-                    delta = server.chat_delta(pending, call)
+                    delta = server.chat_delta(pending)
                     if delta.usage:
                         usage = delta.usage
                     if delta.text or delta.finish_reason:

@@ -14,12 +14,6 @@ from epd.media_pipeline import EncodedItem
 from epd.media_request import ChatMessage
 
 
-class IdsToText(Protocol):
-    """One answer's ids to text, step by step (a stream's steps, or the whole answer at once)."""
-
-    def add(self, ids: Sequence[int], finish_reason: str | None) -> str: ...
-
-
 class ChatCall(NamedTuple):
     """One request as a server of this kind takes it."""
 
@@ -32,9 +26,6 @@ class ChatCall(NamedTuple):
     # the server streams OpenAI chat chunks, which the chat route relays as bytes (only the usage
     # chunk is decoded); else each chunk goes through ``chat_delta``
     relay: bool = False
-    # the server answers ids and this call's decoder writes the text (vLLM's token route); None:
-    # the server writes the text
-    decoder: IdsToText | None = None
 
 
 class ChatResult(NamedTuple):
@@ -94,13 +85,9 @@ class LLMServer(Protocol):
         """Release what the server kind opened (HTTP sessions)."""
         ...
 
-    def chat_result(self, out: dict[str, Any], call: ChatCall) -> ChatResult:
-        """``call``'s whole answer."""
-        ...
+    def chat_result(self, out: dict[str, Any]) -> ChatResult: ...
 
-    def chat_delta(self, chunk: dict[str, Any], call: ChatCall) -> ChatDelta:
-        """One chunk of ``call``'s streamed answer."""
-        ...
+    def chat_delta(self, chunk: dict[str, Any]) -> ChatDelta: ...
 
 
 class ServerMismatch(RuntimeError):

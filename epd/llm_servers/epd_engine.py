@@ -60,7 +60,7 @@ class EpdEngineServer:
     async def close(self) -> None:
         self._render.close()
 
-    def chat_result(self, out: dict[str, Any], call: ChatCall) -> ChatResult:
+    def chat_result(self, out: dict[str, Any]) -> ChatResult:
         answer = _answer(out)
         choice = answer.choices[0]
         return ChatResult(
@@ -71,7 +71,7 @@ class EpdEngineServer:
             token_ids=_ids(choice.token_ids),
         )
 
-    def chat_delta(self, chunk: dict[str, Any], call: ChatCall) -> ChatDelta:
+    def chat_delta(self, chunk: dict[str, Any]) -> ChatDelta:
         answer = _answer(chunk)
         text, finish = "", None
         for choice in answer.choices:

@@ -50,14 +50,7 @@ from epd.llm_servers.vllm_embeds import (
     tensor_b64,
 )
 from epd.llm_servers.vllm_routing import KVEventsAt, routing_health
-from epd.llm_servers.vllm_tokens import (
-    CHAT_ONLY,
-    GENERATE,
-    AnswerText,
-    epd_decodes,
-    generate_body,
-    image_item,
-)
+from epd.llm_servers.vllm_tokens import CHAT_ONLY, GENERATE, generate_body, image_item
 from epd.media_pipeline import EncodedItem
 from epd.media_request import ChatMessage
 from epd.prompt_format import PromptFormat
@@ -372,11 +365,7 @@ class VLLMServer:
         if len(routing.media) != len(refs):
             # the pads did not pair with the images (the template's own doing): never sent unpaired
             raise bad_request("the chat's images do not line up with its rendered prompt", "messages")
-        if not epd_decodes(sampling):
-            return ChatCall(GENERATE, generate_body(routing, refs, encoded, sampling), routing)
-        decoder = AnswerText(self.prompt_format.tokenizer, routing.token_ids, sampling)
-        body = generate_body(routing, refs, encoded, sampling, ids_only=True)
-        return ChatCall(GENERATE, body, routing, decoder=decoder)
+        return ChatCall(GENERATE, generate_body(routing, refs, encoded, sampling), routing)
 
     def _refuse_spelled_specials(self, messages: Sequence[ChatMessage]) -> None:
         """The chat route hands vLLM the text, which its template and tokenizer read with special
@@ -497,9 +486,9 @@ class VLLMServer:
         self._render.close()
         await self.source.close()  # its session for remote refs; the node cache is the ingress's
 
-    def chat_result(self, out: dict[str, Any], call: ChatCall) -> ChatResult:
+    def chat_result(self, out: dict[str, Any]) -> ChatResult:
         if "output_mode" in out:  # the token route's answer
-            return vllm_tokens.result(out, call.decoder)
+            return vllm_tokens.result(out)
         choice = out["choices"][0]
         return ChatResult(
             text=(choice.get("message") or {}).get("content") or "",
@@ -509,9 +498,9 @@ class VLLMServer:
             token_ids=choice.get("token_ids"),
         )
 
-    def chat_delta(self, chunk: dict[str, Any], call: ChatCall) -> ChatDelta:
+    def chat_delta(self, chunk: dict[str, Any]) -> ChatDelta:
         if "output_mode" in chunk:  # the token route's chunk
-            return vllm_tokens.delta(chunk, call.decoder)
+            return vllm_tokens.delta(chunk)
         text, finish = "", None
         for choice in chunk.get("choices", []):
             text += (choice.get("delta") or {}).get("content") or ""

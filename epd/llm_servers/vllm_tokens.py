@@ -10,20 +10,14 @@ no template and tokenizes nothing, and the ids the router names blocks from are 
      "features": {"mm_hashes": {"image": [MediaKey]},                    the block-hash identifiers
                   "mm_placeholders": {"image": [{"offset", "length"}]},  each item's pad run
                   "kwargs_data": {"image": [base64 msgpack item]}},      its embedding and grid
-     "output_mode": "tokens" | "text", "stream": ..., "stream_options": ...}
+     "output_mode": "text", "stream": ..., "stream_options": ...}
 
 An item is vLLM's ``MultiModalKwargsItem`` as its msgpack encoder writes it (``vllm/v1/serial_utils``):
 each field ``{"data": [dtype, shape, Ext(3, little-endian bytes)], "field": [kind, options]}``;
 Qwen2.5-VL's image is ``image_embeds`` (flat, [rows, hidden]) and ``image_grid_thw`` (batched, kept
 on CPU). Videos keep the chat route (their item needs ``second_per_grid_ts``, not wired here).
-The answer has ``choices[0].token_ids``; a stream's chunks carry each step's ids.
-
-Who detokenizes: epd, where it decodes as vLLM would (``epd_decodes``): vLLM answers ids
-(``output_mode: "tokens"``, ``detokenize: false``) and ``AnswerText`` turns them into text on the
-ingress, with the tokenizers DecodeStream primed with the prompt, the stop token left out: vLLM's
-own detokenizer's rules. That takes the per-token decoding off vLLM's API server, the one process
-every request of the server passes. Stop strings (matched on vLLM's text), logprobs (decoded token
-strings) and special tokens spaced apart keep ``output_mode: "text"``.
+The answer has ``choices[0].text`` (``output_mode: "text"``) and ``token_ids``; a stream's chunks
+carry the text delta of each step.
 """
 
 from __future__ import annotations
@@ -37,9 +31,8 @@ import numpy as np
 import torch
 
 from epd.llm_routing.page_naming import RoutingPrompt
-from epd.llm_servers.base import ChatDelta, ChatResult, IdsToText
+from epd.llm_servers.base import ChatDelta, ChatResult
 from epd_common.messages.embedding_ref import EmbeddingRef
-from llm_core.prompts.tokenizer import Tokenizer
 
 GENERATE = "/inference/v1/generate"
 _TENSOR_EXT = 3  # vLLM's msgpack extension code of a raw tensor
@@ -94,21 +87,10 @@ def image_item(embedding: torch.Tensor, grid_thw: Sequence[int]) -> str:
     return base64.b64encode(msgspec.msgpack.encode(item)).decode("ascii")
 
 
-def epd_decodes(sampling: Mapping[str, Any]) -> bool:
-    """Whether epd can turn the answer's ids into the text vLLM would send: not when stop strings
-    cut that text, logprobs carry decoded tokens, or kept special tokens are spaced as vLLM's slow
-    path does."""
-    if sampling.get("stop") or "top_logprobs" in sampling:
-        return False
-    return bool(
-        sampling.get("skip_special_tokens", True) or sampling.get("spaces_between_special_tokens", True)
-    )
-
-
-def sampling_params(sampling: Mapping[str, Any], detokenize: bool = True) -> dict[str, Any]:
-    """A chat's sampling fields in vLLM's names; ``detokenize``: vLLM writes the text."""
+def sampling_params(sampling: Mapping[str, Any]) -> dict[str, Any]:
+    """A chat's sampling fields in vLLM's names; text is detokenized for ``output_mode: "text"``."""
     out = {SAMPLING_NAMES[k]: v for k, v in sampling.items() if k in SAMPLING_NAMES}
-    return {**out, "detokenize": detokenize}
+    return {**out, "detokenize": True}
 
 
 def generate_body(
@@ -116,16 +98,14 @@ def generate_body(
     refs: Sequence[EmbeddingRef],
     items: Mapping[str, str],
     sampling: Mapping[str, Any],
-    ids_only: bool = False,
 ) -> dict[str, Any]:
     """The request: ``routing``'s ids and spans (one span per image), ``items[key]`` each image's
-    encoded item (``image_item``), in the order the refs take the prompt's pads. ``ids_only``: vLLM
-    answers ids, which epd decodes (``AnswerText``)."""
+    encoded item (``image_item``), in the order the refs take the prompt's pads."""
     spans = sorted(routing.media, key=lambda s: s.start)
     body: dict[str, Any] = {
         "token_ids": list(routing.token_ids),
-        "sampling_params": sampling_params(sampling, detokenize=not ids_only),
-        "output_mode": "tokens" if ids_only else "text",
+        "sampling_params": sampling_params(sampling),
+        "output_mode": "text",
     }
     if sampling.get("return_token_ids"):
         body["return_token_ids"] = True
@@ -139,35 +119,11 @@ def generate_body(
     return body
 
 
-class AnswerText:
-    """One answer's text from the ids vLLM sends (``output_mode: "tokens"``), by vLLM's own
-    detokenizer's rules: each id decoded after the prompt (``Tokenizer.primed_decoder``), and the
-    id that ended a ``"stop"`` answer (eos or a stop token id; stop strings never come here) left
-    out unless ``include_stop_str_in_output``. Cost: ~1 us an id, on the event loop."""
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], sampling: Mapping[str, Any]) -> None:
-        self._decoder = tokenizer.primed_decoder(prompt_ids, bool(sampling.get("skip_special_tokens", True)))
-        self._keep_stop = bool(sampling.get("include_stop_str_in_output"))
-
-    def add(self, ids: Sequence[int], finish_reason: str | None) -> str:
-        """The text ``ids`` (the next step's, or the whole answer's) add."""
-        if finish_reason == "stop" and not self._keep_stop:
-            ids = ids[:-1]
-        return "".join([self._decoder.add(i) for i in ids])
-
-
-def _text(choice: Mapping[str, Any], answer: IdsToText | None) -> str:
-    if answer is None or "text" in choice:
-        return choice.get("text") or ""
-    return answer.add(choice.get("token_ids") or [], choice.get("finish_reason"))
-
-
-def result(out: dict[str, Any], answer: IdsToText | None) -> ChatResult:
-    """The answer; ``answer``: the call's decoder when vLLM was asked for ids."""
+def result(out: dict[str, Any]) -> ChatResult:
     choice = out["choices"][0]
     usage = out.get("usage") or {}
     return ChatResult(
-        text=_text(choice, answer),
+        text=choice.get("text") or "",
         finish_reason=choice.get("finish_reason"),
         usage={k: v for k, v in usage.items() if v is not None},
         prompt_token_ids=out.get("prompt_token_ids"),
@@ -175,10 +131,10 @@ def result(out: dict[str, Any], answer: IdsToText | None) -> ChatResult:
     )
 
 
-def delta(chunk: dict[str, Any], answer: IdsToText | None) -> ChatDelta:
+def delta(chunk: dict[str, Any]) -> ChatDelta:
     text, finish = "", None
     for choice in chunk.get("choices") or []:
-        text += _text(choice, answer)
+        text += choice.get("text") or ""
         finish = choice.get("finish_reason") or finish
     usage = chunk.get("usage")
     return ChatDelta(text, finish, {k: v for k, v in usage.items() if v is not None} if usage else None)

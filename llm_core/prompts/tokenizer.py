@@ -29,7 +29,6 @@ from typing import Any
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers.decoders import DecodeStream
 
 from epd_common.checkpoint.config_json import CONFIG_FILE, read_json_object
 from epd_common.checkpoint.errors import CheckpointError
@@ -261,10 +260,6 @@ class Tokenizer:
         """A fresh streaming decoder for one sequence's output ids."""
         return IncrementalDetokenizer(self)
 
-    def primed_decoder(self, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> PrimedDecoder:
-        """A streaming decoder whose ids read as the continuation of ``prompt_ids`` (vLLM's rule)."""
-        return PrimedDecoder(self._tok, prompt_ids, skip_special_tokens)
-
 
 @dataclass
 class IncrementalDetokenizer:
@@ -317,33 +312,6 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text += delta
         return delta
-
-
-class PrimedDecoder:
-    """Output ids to text one id at a time, each id's text as it reads after the prompt: the
-    ``tokenizers`` DecodeStream primed with the prompt's ids, which is how vLLM's own detokenizer
-    decodes with a fast tokenizer. An answer decoded here therefore reads as vLLM would have written
-    it (the leading space a Metaspace tokenizer gives a continuation included; ``IncrementalDetokenizer``
-    decodes an output on its own). A piece that is not yet whole UTF-8 waits for the next id and is
-    never flushed, as in vLLM. An id the stream cannot take adds nothing; a stream broken by
-    non-monotonic UTF-8 restarts unprimed: both as vLLM recovers."""
-
-    def __init__(self, tok: HFTokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool) -> None:
-        self._tok = tok
-        self._skip = skip_special_tokens
-        self._stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=skip_special_tokens)
-
-    def add(self, token_id: int) -> str:
-        """The text ``token_id`` adds (empty while a character is incomplete)."""
-        try:
-            return self._stream.step(self._tok, token_id) or ""
-        except (OverflowError, TypeError):  # an id outside what the stream can take
-            return ""
-        except Exception as exc:
-            if not str(exc).startswith("Invalid prefix encountered"):
-                raise
-            self._stream = DecodeStream(skip_special_tokens=self._skip)
-            return self._stream.step(self._tok, token_id) or ""
 
 
 def _not_first(tok: HFTokenizer) -> HFTokenizer:

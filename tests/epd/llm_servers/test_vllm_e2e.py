@@ -197,9 +197,9 @@ def test_images_equal_vllm_raw_and_generate(
 def test_the_answer_text_is_vllms_own(
     epd: ServeProcess, vllm: SupervisedVLLM, qwen_dir: Path, media_dir: Path, stop: list[str] | None
 ) -> None:
-    """Without stop strings vLLM answers epd ids and epd writes the text; with them vLLM writes
-    it. Either way the text is the one vLLM's own chat route writes for the same chat, byte for
-    byte (the random model's answers are arbitrary ids: split characters, specials, rare bytes)."""
+    """Through epd (the token route: ids in, text out) the answer's text is the one vLLM's own chat
+    route writes for the same chat, byte for byte, with and without stop strings (the random
+    model's answers are arbitrary ids: split characters, specials, rare bytes)."""
     extra = {"stop": stop} if stop else {}
     text = [{"role": "user", "content": [{"type": "text", "text": f"Tell story {i}."}]} for i in range(4)]
     for messages in ([m] for m in text):

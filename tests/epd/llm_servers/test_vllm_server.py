@@ -9,12 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from epd.llm_routing.page_naming import RoutingPrompt
-from epd.llm_servers.base import ChatCall
 from epd.llm_servers.vllm_launch import API_SERVER_MODULE, VLLMLaunch, find_vllm, launch_args
 from epd.llm_servers.vllm_server import ModelInfo, VLLMServer
-
-CHAT_CALL = ChatCall("/v1/chat/completions", {}, RoutingPrompt([]), relay=True)
 
 
 def backend() -> VLLMServer:
@@ -29,7 +25,7 @@ def test_whole_answer() -> None:
         "usage": {"prompt_tokens": 9, "completion_tokens": 2, "prompt_tokens_details": None},
         "prompt_token_ids": [1, 2, 3],
     }
-    r = backend().chat_result(out, CHAT_CALL)
+    r = backend().chat_result(out)
     assert (r.text, r.finish_reason, r.token_ids, r.prompt_token_ids) == ("hi", "stop", [5, 6], [1, 2, 3])
     assert r.usage == {"prompt_tokens": 9, "completion_tokens": 2}  # vLLM's nulls dropped
 
@@ -37,14 +33,14 @@ def test_whole_answer() -> None:
 def test_stream_chunks() -> None:
     b = backend()
     first = b.chat_delta(
-        {"choices": [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}, CHAT_CALL
+        {"choices": [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
     )
     assert first.text == "" and first.finish_reason is None and first.usage is None
-    mid = b.chat_delta({"choices": [{"delta": {"content": " world"}, "finish_reason": None}]}, CHAT_CALL)
+    mid = b.chat_delta({"choices": [{"delta": {"content": " world"}, "finish_reason": None}]})
     assert mid.text == " world"
-    end = b.chat_delta({"choices": [{"delta": {}, "finish_reason": "length"}]}, CHAT_CALL)
+    end = b.chat_delta({"choices": [{"delta": {}, "finish_reason": "length"}]})
     assert end.finish_reason == "length"
-    usage = b.chat_delta({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}, CHAT_CALL)
+    usage = b.chat_delta({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
     assert usage.usage == {"prompt_tokens": 3, "completion_tokens": 1}
 
 

@@ -6,25 +6,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-from typing import Any
 
 import pytest
 import torch
 
 from epd.llm_routing.page_naming import RoutingPrompt
 from epd.llm_servers.vllm_launch import peer_python
-from epd.llm_servers.vllm_tokens import (
-    AnswerText,
-    delta,
-    epd_decodes,
-    generate_body,
-    image_item,
-    result,
-    sampling_params,
-)
+from epd.llm_servers.vllm_tokens import generate_body, image_item, sampling_params
 from epd_common.messages.cache_keys import MediaSpan
 from epd_common.messages.embedding_ref import EmbeddingRef
-from llm_core.prompts.tokenizer import Tokenizer, build_default_tokenizer
 
 
 def _ref(key: str, rows: int) -> EmbeddingRef:
@@ -46,58 +36,6 @@ def test_the_body_names_each_image_by_its_key_at_its_pads() -> None:
     }
     assert "features" not in generate_body(RoutingPrompt([1, 2]), [], {}, {})
     assert sampling_params({"stop": ["x"], "n": 1}) == {"stop": ["x"], "detokenize": True}
-
-
-def test_epd_decodes_what_it_can_decode_as_vllm_would() -> None:
-    """vLLM keeps the text for stop strings, logprobs and specials spaced apart; else ids only."""
-    assert epd_decodes({"max_tokens": 4, "stop": [], "include_stop_str_in_output": True})
-    assert epd_decodes({"skip_special_tokens": False})
-    assert not epd_decodes({"stop": ["x"]}) and not epd_decodes({"top_logprobs": 0})
-    assert not epd_decodes({"skip_special_tokens": False, "spaces_between_special_tokens": False})
-    body = generate_body(RoutingPrompt([1, 2]), [], {}, {"max_tokens": 4}, ids_only=True)
-    assert body["output_mode"] == "tokens" and body["sampling_params"] == {
-        "max_tokens": 4,
-        "detokenize": False,
-    }
-
-
-TOK = Tokenizer(build_default_tokenizer())
-
-
-@pytest.mark.parametrize(
-    ("finish", "keep_stop", "text"), [("stop", False, "ok"), ("stop", True, "ok!"), ("length", False, "ok!")]
-)
-def test_answer_text_leaves_out_the_stop_token_as_vllm_does(finish: str, keep_stop: bool, text: str) -> None:
-    """The id that ended a "stop" answer (eos or a stop token id) is not text, unless
-    include_stop_str_in_output; a "length" answer's last id is."""
-    ids = TOK.encode("ok!")
-    sampling = {"include_stop_str_in_output": keep_stop}
-    whole = result(
-        {"output_mode": "tokens", "choices": [{"token_ids": ids, "finish_reason": finish}]},
-        AnswerText(TOK, TOK.encode("Q: "), sampling),
-    )
-    assert whole.text == text and whole.token_ids == ids and whole.finish_reason == finish
-    answer = AnswerText(TOK, TOK.encode("Q: "), sampling)
-    steps: list[dict[str, Any]] = [{"choices": [{"token_ids": [i], "finish_reason": None}]} for i in ids[:-1]]
-    steps.append(
-        {
-            "choices": [{"token_ids": ids[-1:], "finish_reason": finish}],
-            "usage": {"completion_tokens": 3, "x": None},
-        }
-    )
-    deltas = [delta({"output_mode": "tokens", **s}, answer) for s in steps]
-    assert "".join(d.text for d in deltas) == text
-    assert deltas[-1].finish_reason == finish and deltas[-1].usage == {"completion_tokens": 3}
-
-
-def test_answer_text_holds_a_split_character_until_it_is_whole() -> None:
-    answer = AnswerText(TOK, [], {})
-    euro = list("€".encode())
-    assert [answer.add([i], None) for i in euro] == ["", "", "€"]
-    assert (
-        result({"choices": [{"text": "as vLLM wrote it", "token_ids": [1]}]}, answer).text
-        == "as vLLM wrote it"
-    )
 
 
 _DECODE = r"""

@@ -171,29 +171,6 @@ def test_incremental_detokenize_invalid_bytes_and_specials() -> None:
     assert det.text == "€\ufffda\ufffd"
 
 
-@settings(max_examples=200, deadline=None)
-@given(PLAIN_TEXT, PLAIN_TEXT)
-def test_primed_decoder_reads_the_answer_after_its_prompt(prompt: str, answer: str) -> None:
-    """Each id's text is what it adds after the prompt; a character split over ids comes out once,
-    whole. Pieces of an answer that ends mid-character stay unsaid (nothing is flushed)."""
-    dec = TOK.primed_decoder(TOK.encode(prompt))
-    pieces = [dec.add(i) for i in TOK.encode(answer)]
-    assert "".join(pieces) == answer
-    if "\ufffd" not in answer:
-        assert all("\ufffd" not in p for p in pieces)
-    cut = TOK.primed_decoder(TOK.encode(prompt))
-    assert [cut.add(i) for i in list("é".encode())[:1]] == [""]
-
-
-def test_primed_decoder_skips_specials_and_ids_it_cannot_take() -> None:
-    dec = TOK.primed_decoder(TOK.encode("hi "))
-    assert [dec.add(i) for i in (0xE2, 0x82, 0xAC, 256, 300, 10**6, -1, ord("b"))] == ["", "", "€"] + [
-        ""
-    ] * 4 + ["b"]
-    kept = TOK.primed_decoder([], skip_special_tokens=False)
-    assert kept.add(256) == SPECIAL_TOKENS[0]
-
-
 def test_text_only_tokenizer_has_no_media_ids() -> None:
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models
