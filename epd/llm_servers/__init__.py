@@ -15,10 +15,10 @@
 Beside ``epd_common`` it takes the cache reader from ``encoder.caches``, the tokenizer and the
 request text from ``llm_core.prompts``, ``MultimodalInput`` from ``llm_core.request``, the
 embedding source from ``llm_core.serving``, and the ``epd`` modules below the chat API (the config,
-the engine client, the router, the media pipeline, the prompt format); never the chat API or the
-ingress.
+the engine client and the bodies it sends, the router, the parsed chat messages, the media
+pipeline, the prompt format); never the chat API or the ingress.
 
 May import: epd_common, encoder.caches, llm_core.prompts, llm_core.request,
-llm_core.serving.embedding_source, epd.config, epd.engine_client, epd.llm_routing,
-epd.media_pipeline, epd.prompt_format; never: epd.chat_api, epd.ingress.
+llm_core.serving.embedding_source, epd.config, epd.engine_body, epd.engine_client, epd.llm_routing,
+epd.media_pipeline, epd.media_request, epd.prompt_format; never: epd.chat_api, epd.ingress.
 """

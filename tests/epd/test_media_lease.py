@@ -40,6 +40,14 @@ from encoder.caches.media_key import media_key
 from epd.config import IngressConfig
 from epd.ingress_app import build_app
 from epd_common.errors import CACHE_FULL, ENTRY_BYTES_HEADER, APIError, error_body
+from epd_common.messages.completion_response import (
+    SSE_DONE,
+    CompletionChoice,
+    CompletionChunk,
+    encode,
+    sse_event,
+    usage,
+)
 from epd_common.messages.embedding_ref import EmbeddingRef
 from epd_common.messages.encode_reply import EncodeReply
 from llm_core.serving.embedding_source import EmbeddingSource
@@ -139,12 +147,17 @@ def _engine(node: list[Node], engine_cache: EmbedCache) -> Starlette:
             return JSONResponse(
                 error_body(e.status, e.type, e.message, e.param), status_code=e.status, headers=headers
             )
-        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1, "total_tokens": 1}
-        choice = {"index": 0, "text": "a picture", "finish_reason": "stop"}
+        # the engine's own answer schema (what the ingress decodes)
+        answer = CompletionChunk(
+            id="cmpl-0",
+            created=0,
+            model="m",
+            choices=[CompletionChoice(text="a picture", finish_reason="stop")],
+            usage=usage(len(body["prompt"]), 1),
+        )
         if body.get("stream"):
-            chunk = msgspec.json.encode({"choices": [choice], "usage": usage})
-            return Response(b"data: " + chunk + b"\n\ndata: [DONE]\n\n", media_type="text/event-stream")
-        return JSONResponse({"choices": [choice], "usage": usage})
+            return Response(sse_event(answer) + SSE_DONE, media_type="text/event-stream")
+        return Response(encode(answer), media_type="application/json")
 
     return Starlette(
         routes=[Route("/health", health), Route("/v1/completions", completions, methods=["POST"])]
