@@ -92,8 +92,8 @@ class Profiler:
         model.forward = self.forward
         self.logits = _Timed(runner._logits)
         runner._logits = self.logits  # type: ignore[method-assign]
-        self.sampler = _Timed(runner.sampler)
-        runner.sampler = self.sampler  # type: ignore[assignment]
+        self.sampler = _Timed(runner.sampling.sampler)
+        runner.sampling.sampler = self.sampler  # type: ignore[assignment]
         self.layer = cpu_layer
         self.layer.profile(True)
 

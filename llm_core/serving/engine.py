@@ -154,7 +154,7 @@ class LLMEngine:
         if k:
             assert mtp is not None
             mtp.after_load(model.backends)  # the target's backends (serving only: never trained here)
-            self.runner.speculator = Speculator(mtp, model, self.kv, k, self.runner.draw_draft)  # type: ignore[arg-type]
+            self.runner.speculator = Speculator(mtp, model, self.kv, k, self.runner.sampling)  # type: ignore[arg-type]
             self.scheduler.drafts = self.runner.speculator.states  # the drafts, by request id
         # Guards the scheduler and ``_requests`` between the event loop (add) and the step thread
         # (schedule/update). Never held during the forward, so adds do not wait for a step.

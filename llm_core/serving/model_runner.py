@@ -9,9 +9,10 @@
         -> Sampler -> token id, or None for sequences whose prefill chunk did not reach the end
 
 The runner reads sequences and never changes their progress (the scheduler does that in
-``update``). It owns the per-request sampling generators, keyed by ``seq_id``, so that a seeded
-request keeps one random stream across steps, chunks and preemptions. It knows nothing of HTTP,
-tokenization or queues.
+``update``). It samples through ``SequenceSampling`` (each seeded request keeps one random stream
+across steps, chunks and preemptions). With speculation it packs each sequence's drafts after its
+last known token and hands the forward's rows to the speculator in one call
+(``Speculator.verify_and_propose``). It knows nothing of HTTP, tokenization or queues.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from llm_core.models.positions import LinearPositions, PositionScheme
 from llm_core.request import Sampled, Sequence
 from llm_core.serving.kv_copy import CopyPlan, LayeredCopy, copy_sequentially
 from llm_core.serving.page_tables import DecodePageTables, TokenPositions, build_page_tables, token_positions
-from llm_core.serving.sampling import Sampler, SamplingParams, filtered_probs, params_of
+from llm_core.serving.sampling import Sampler
 from llm_core.serving.scheduler_output import SchedulerOutput
-from llm_core.serving.speculative import Speculator, accept_greedy, accept_sampled
+from llm_core.serving.sequence_sampling import SequenceSampling
+from llm_core.serving.speculative import Speculator, TargetRows
 
 # Logits projections of at most this many multiply-adds (rows x hidden x vocab; 2M for 32 rows of
 # the tiny Qwen2.5-VL) run on one torch thread (``ModelRunner._logits``): ~0.1 ms on one core.
@@ -90,10 +92,9 @@ class ModelRunner:
         self.position_scheme: PositionScheme = positions or LinearPositions()
         self.kv = kv
         self.page_size = kv.page_size
-        self.sampler = sampler
         self.device = torch.device(device)
+        self.sampling = SequenceSampling(sampler, self.device)
         self._cpu = self.device.type == "cpu"
-        self._generators: dict[int | str, torch.Generator | None] = {}
         self._aranges: dict[tuple[int, torch.dtype], Tensor] = {}
         self._decode_tables = DecodePageTables()  # kept across decode steps (rows patched)
         self.kv_copy_overlap = kv_copy_overlap
@@ -299,101 +300,25 @@ class ModelRunner:
         inp = self.prepare(seqs, num_new_tokens, page_rows)
         hidden = self.model(inp.input_ids, inp.positions, inp.batch, self.kv, inp.input_embeds)  # [T, hidden]
         if self.speculator is not None:
-            return self._sample_and_draft(seqs, num_new_tokens, page_rows, inp, hidden)
+            logits = hidden[:0]
+            tokens: list[int] = []
+            if inp.sample_seqs:
+                logits = self._logits(hidden.index_select(0, inp.sample_rows))  # [S, vocab]
+                tokens = self.sampling.sample(logits, seqs, inp.sample_seqs)
+            target = TargetRows(hidden, logits, inp.sample_seqs, tokens)
+            return self.speculator.verify_and_propose(seqs, num_new_tokens, page_rows, target)
         out: list[Sampled] = [None] * len(seqs)
         if not inp.sample_seqs:
             return out
         # Every row samples (a decode step): the rows in order, no gather needed.
         every_row = len(inp.sample_seqs) == hidden.shape[0]
         logits = self._logits(hidden if every_row else hidden.index_select(0, inp.sample_rows))  # [S, vocab]
-        params, gens = self._params_and_generators(seqs, inp.sample_seqs, logits.device)
-        tokens: list[int] = self.sampler(logits, params, gens).tolist()
+        tokens = self.sampling.sample(logits, seqs, inp.sample_seqs)
         if len(tokens) == len(seqs):  # every sequence sampled, in order
             return list(tokens)
         for b, t in zip(inp.sample_seqs, tokens, strict=True):
             out[b] = t
         return out
-
-    def _sample_and_draft(
-        self,
-        seqs: Seq[Sequence],
-        num_new_tokens: Seq[int],
-        page_rows: list[list[list[int]]],
-        inp: StepInputs,
-        hidden: Tensor,
-    ) -> list[Sampled]:
-        """``execute``'s sampling with speculation: a verifying sequence's k + 1 rows give its
-        accepted tokens (a list), the others one token or None; then the MTP heads extend and
-        propose (``speculative.Speculator.extend``)."""
-        assert self.speculator is not None
-        out: list[Sampled] = [None] * len(seqs)
-        by_seq: dict[int, list[int]] = {}
-        rows_of: dict[int, list[int]] = {}  # batch index -> its rows in ``logits``
-        logits = hidden[:0]
-        if inp.sample_seqs:
-            logits = self._logits(hidden.index_select(0, inp.sample_rows))  # [S, vocab]
-            params, gens = self._params_and_generators(seqs, inp.sample_seqs, logits.device)
-            for i, (b, t) in enumerate(
-                zip(inp.sample_seqs, self.sampler(logits, params, gens).tolist(), strict=True)
-            ):
-                by_seq.setdefault(b, []).append(t)
-                rows_of.setdefault(b, []).append(i)
-        new_tokens: list[list[int]] = []
-        valid: list[Tensor] = []
-        row0 = 0
-        for b, (s, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
-            toks = by_seq.get(b, [])
-            drafts = s.num_computed_tokens + n - s.num_tokens  # > 0: this chunk verifies drafts
-            if drafts > 0:
-                p = params_of(s.sampling)
-                st = self.speculator.states.of(s.seq_id)
-                if p.greedy:
-                    toks = accept_greedy(st.draft_ids[:drafts], toks)
-                else:  # [k + 1, V] the target's filtered distributions at the verified positions
-                    target = filtered_probs(logits[rows_of[b]], [p] * (drafts + 1))
-                    q = torch.stack(st.draft_probs[:drafts])
-                    toks = accept_sampled(st.draft_ids[:drafts], q, target, self._generator(s))
-                self.speculator.count_verified(drafts, len(toks))
-                out[b] = toks
-            elif toks:
-                out[b] = toks[0]
-            new_tokens.append(toks)
-            # rows whose tokens are now known: all of a chunk, the accepted part of a verify
-            valid.append(hidden[row0 : row0 + (len(toks) if drafts > 0 else n)])
-            row0 += n
-        self.speculator.extend(seqs, page_rows, [s.num_computed_tokens for s in seqs], new_tokens, valid)
-        return out
-
-    def _own_generator(self, s: Sequence, p: SamplingParams, device: torch.device) -> torch.Generator | None:
-        """The sequence's generator, made at its first sampled token (None: unseeded, the sampler's
-        shared one); kept across steps, chunks and preemptions."""
-        try:
-            return self._generators[s.seq_id]
-        except KeyError:
-            return self._generators.setdefault(s.seq_id, p.make_generator(device))
-
-    def _generator(self, s: Sequence) -> torch.Generator:
-        """What ``s`` draws from: its own generator (seeded requests) or the sampler's shared one."""
-        return self.sampler.generator_of(self._own_generator(s, params_of(s.sampling), self.device))
-
-    def draw_draft(self, s: Sequence, logits: Tensor) -> tuple[int, Tensor]:
-        """A sampled sequence's draft from the heads' logits [V]: drawn from its filtered
-        distribution q [V] (kept: the verify step's rejection sampling needs it)."""
-        p = params_of(s.sampling)
-        q = filtered_probs(logits[None], [p])[0]
-        return int(torch.multinomial(q, 1, generator=self._generator(s))), q
-
-    def _params_and_generators(
-        self, seqs: Seq[Sequence], sample_seqs: list[int], device: torch.device
-    ) -> tuple[list[SamplingParams], list[torch.Generator | None]]:
-        params: list[SamplingParams] = []
-        gens: list[torch.Generator | None] = []
-        for b in sample_seqs:
-            s = seqs[b]
-            p = params_of(s.sampling)
-            params.append(p)
-            gens.append(self._own_generator(s, p, device))
-        return params, gens
 
     def _execute_with_copies(self, step: SchedulerOutput, plan: CopyPlan) -> list[Sampled]:
         """``execute`` of a step in which some chunks copy KV (``kv_copy.py``): their copies, then
@@ -442,7 +367,7 @@ class ModelRunner:
 
     def release(self, seq_id: int | str) -> None:
         """Forget a finished or aborted sequence's generator, positions and drafts."""
-        self._generators.pop(seq_id, None)
+        self.sampling.release(seq_id)
         self.position_scheme.release(seq_id)
         if self.speculator is not None:
             self.speculator.states.release(seq_id)

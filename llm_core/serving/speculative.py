@@ -19,11 +19,15 @@ prefix hit is backed off to the previous hit point (``KVManager.match_prefix``),
 cached MTP KV of a prefix's last positions was computed from tokens past it. Sequences that sample
 (temperature > 0) draw their drafts from the heads' filtered distribution and verify them by
 rejection sampling (``accept_sampled``): their output is distributed exactly as without drafts.
+
+The runner makes one call a step, ``verify_and_propose``, with what the target's forward gave
+(``TargetRows``); drafts are read back from ``states`` (the scheduler cuts them to what a step
+verifies, the runner packs them). Sampled requests draw and verify through the runner's
+``SequenceSampling``, so one generator per request serves target and drafts alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import NamedTuple, Protocol
 
@@ -36,10 +40,11 @@ from llm_core.caches.kv_pool import DualKVCache
 from llm_core.kernels.attention_batch import AttentionBatch
 from llm_core.models.decoder import RopeTables
 from llm_core.models.mtp import MTPHeads
-from llm_core.request import Sequence
+from llm_core.request import Sampled, Sequence
 from llm_core.serving.draft_state import DraftState, DraftStates
 from llm_core.serving.page_tables import build_page_tables, token_positions
-from llm_core.serving.sampling import params_of
+from llm_core.serving.sampling import filtered_probs, params_of
+from llm_core.serving.sequence_sampling import SequenceSampling
 
 
 class TargetModel(Protocol):
@@ -106,8 +111,20 @@ class _Rows(NamedTuple):
     drafting: bool
 
 
+class TargetRows(NamedTuple):
+    """What one step's target forward gave: every new token's hidden state, and the logits and
+    sampled token of each row that samples (a chunk reaching its last known token: that token's
+    row, then one per draft it verifies)."""
+
+    hidden: Tensor  # [T, hidden], the step's tokens packed in batch order
+    logits: Tensor  # [S, V]
+    rows_seq: list[int]  # [S] the batch index of each sampled row
+    tokens: list[int]  # [S] the target's token at each row (its sampler's draw)
+
+
 class Speculator:
-    """Runs the MTP heads after each step (``extend``) and counts acceptance."""
+    """Verifies last step's drafts and proposes the next ones (``verify_and_propose``), and counts
+    acceptance."""
 
     def __init__(
         self,
@@ -115,12 +132,12 @@ class Speculator:
         target: TargetModel,
         kv: DualKVCache,
         num_steps: int,
-        draw: Callable[[Sequence, Tensor], tuple[int, Tensor]] | None = None,
+        sampling: SequenceSampling,
     ) -> None:
-        """``draw(seq, logits [V]) -> (token, q [V])``: how a sampled sequence draws a draft (its
-        own filtering and generator, ``ModelRunner``); greedy sequences take the argmax."""
+        """``sampling``: the runner's, whose per-request generators draw a sampled request's drafts
+        and accept or reject them; greedy requests take the argmax."""
         assert 1 <= num_steps <= len(heads.heads()), (num_steps, len(heads.heads()))
-        self.draw = draw
+        self.sampling = sampling
         self.heads = heads
         self.target = target
         self.kv = kv
@@ -133,10 +150,58 @@ class Speculator:
     def counters(self) -> SpecCounters:
         return SpecCounters(self._proposed, self._accepted, self._verify_steps)
 
-    def count_verified(self, num_drafts: int, num_new: int) -> None:
+    def _count_verified(self, num_drafts: int, num_new: int) -> None:
         self._proposed += num_drafts
         self._accepted += num_new - 1
         self._verify_steps += 1
+
+    @torch.inference_mode()
+    def verify_and_propose(
+        self,
+        seqs: Seq[Sequence],
+        num_new_tokens: Seq[int],
+        page_rows: Seq[list[list[int]]],
+        target: TargetRows,
+    ) -> list[Sampled]:
+        """One step's tokens: a sequence whose chunk verified drafts gets the tokens it accepted (a
+        list: the drafts up to the first the target refuses, then the target's own), the others
+        the target's token, or None mid-prefill. Then the heads extend their KV over the rows now
+        known and propose each sequence's next drafts (``extend``)."""
+        by_seq: dict[int, list[int]] = {}
+        rows_of: dict[int, list[int]] = {}  # batch index -> its rows in ``target.logits``
+        for i, (b, t) in enumerate(zip(target.rows_seq, target.tokens, strict=True)):
+            by_seq.setdefault(b, []).append(t)
+            rows_of.setdefault(b, []).append(i)
+        out: list[Sampled] = [None] * len(seqs)
+        new_tokens: list[list[int]] = []
+        valid: list[Tensor] = []
+        row0 = 0
+        for b, (s, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
+            toks = by_seq.get(b, [])
+            drafts = s.num_computed_tokens + n - s.num_tokens  # > 0: this chunk verifies drafts
+            if drafts > 0:
+                toks = self._accept(s, drafts, toks, target.logits[rows_of[b]])
+                self._count_verified(drafts, len(toks))
+                out[b] = toks
+            elif toks:
+                out[b] = toks[0]
+            new_tokens.append(toks)
+            # rows whose tokens are now known: all of a chunk, the accepted part of a verify
+            valid.append(target.hidden[row0 : row0 + (len(toks) if drafts > 0 else n)])
+            row0 += n
+        self.extend(seqs, page_rows, [s.num_computed_tokens for s in seqs], new_tokens, valid)
+        return out
+
+    def _accept(self, s: Sequence, drafts: int, target: list[int], logits: Tensor) -> list[int]:
+        """The tokens ``s``'s verify chunk yields: ``target`` [drafts + 1] the target's draws and
+        ``logits`` [drafts + 1, V] its logits at the positions of [last, d_1 .. d_drafts]."""
+        p = params_of(s.sampling)
+        st = self.states.of(s.seq_id)
+        if p.greedy:
+            return accept_greedy(st.draft_ids[:drafts], target)
+        probs = filtered_probs(logits, [p] * (drafts + 1))  # [drafts + 1, V] the target's distributions
+        q = torch.stack(st.draft_probs[:drafts])
+        return accept_sampled(st.draft_ids[:drafts], q, probs, self.sampling.generator(s))
 
     @torch.inference_mode()
     def extend(
@@ -213,8 +278,7 @@ class Speculator:
                     continue
                 d = drafts[b]
                 if not params_of(r.seq.sampling).greedy:
-                    assert self.draw is not None, "a sampled sequence drafts through ``draw``"
-                    d, q = self.draw(r.seq, logits[b])
+                    d, q = self.sampling.draw(r.seq, logits[b])
                     r.state.draft_probs.append(q)
                 r.tokens.append(d)  # the next layer's input at the frontier
                 r.state.draft_ids.append(d)

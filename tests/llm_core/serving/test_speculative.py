@@ -70,7 +70,7 @@ def engine(
     )
     if oracle is not None and e.runner.speculator is not None:
         spec = e.runner.speculator
-        e.runner.speculator = OracleSpeculator(spec.heads, spec.target, spec.kv, spec.k)
+        e.runner.speculator = OracleSpeculator(spec.heads, spec.target, spec.kv, spec.k, spec.sampling)
         e.runner.speculator.reference = oracle  # type: ignore[attr-defined]
         e.scheduler.drafts = e.runner.speculator.states  # the drafts the scheduler cuts are the new one's
     e.start()
@@ -306,7 +306,7 @@ def test_random_workloads_with_rejections_keep_the_ids_and_the_kv_books(
     e = engine(loaded, k, **kw)
     spec = e.runner.speculator
     assert spec is not None
-    rd = RandomDrafts(spec.heads, spec.target, spec.kv, spec.k, spec.draw)
+    rd = RandomDrafts(spec.heads, spec.target, spec.kv, spec.k, spec.sampling)
     rd.reference = {tuple(p): w for p, w in zip(prompts, want, strict=True)}
     rd.rng, rd.miss = random.Random(seed), miss
     e.runner.speculator = rd
