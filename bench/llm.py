@@ -197,10 +197,11 @@ class PhaseTimes:
         ("rope tables", "runner.model", "rope_tables"),
         ("layers", "runner.model", "_forward_kernel"),
         ("logits", "runner", "_logits"),
-        ("sampler", "runner", "sampler"),
+        ("sampler", "runner.sampling", "sampler"),
         ("update", "scheduler", "update"),
         ("publish", "", "_publish"),
     )
+    OPTIONAL = frozenset({"rope tables", "layers"})  # what some models' forwards do not have
 
     def __init__(self, engine: LLMEngine) -> None:
         self.totals: dict[str, float] = {name: 0.0 for name, _, _ in self.PHASES}
@@ -213,6 +214,8 @@ class PhaseTimes:
                 owner = getattr(owner, part)
             if hasattr(owner, attr):
                 setattr(owner, attr, self._timed(name, getattr(owner, attr)))
+            elif name not in self.OPTIONAL:  # a renamed method must not time as zero unnoticed
+                raise AttributeError(f"--phases: {owner_path or 'engine'} has no {attr} ({name})")
 
     def _timed(self, name: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:

@@ -560,8 +560,9 @@ def _with_prefill_usage(out: dict[str, Any], pre: _Prefilled) -> dict[str, Any]:
 
 def _split_body(body: EngineBody) -> CompletionRequestBody:
     """The body of a split request: the P/D hand-off runs between epd's own engines only."""
-    if not isinstance(body, CompletionRequestBody):
-        raise TypeError(f"the prefill/decode split takes epd's engine request, not {type(body).__name__}")
+    assert isinstance(body, CompletionRequestBody), (
+        f"a split request is epd's engine's, not a {type(body).__name__}"
+    )
     return body
 
 

@@ -85,11 +85,13 @@ def _parse_stop(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def _check_unsupported(body: CompletionRequestBody) -> None:
-    if body.n != 1:
+    """What the engine does not do is refused; asking for the default is not (``n`` null is 1, a
+    chat's ``logprobs: false`` asks for none)."""
+    if body.n not in (None, 1):
         raise bad_request(f"only n=1 is supported, got {body.n}", "n")
     if body.echo:
         raise bad_request("echo is not supported", "echo")
-    if body.logprobs is not None:
+    if body.logprobs is not None and body.logprobs is not False:
         raise bad_request("logprobs are not supported", "logprobs")
     if body.best_of not in (None, 1):
         raise bad_request("best_of is not supported", "best_of")

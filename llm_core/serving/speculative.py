@@ -180,7 +180,7 @@ class Speculator:
             toks = by_seq.get(b, [])
             drafts = s.num_computed_tokens + n - s.num_tokens  # > 0: this chunk verifies drafts
             if drafts > 0:
-                toks = self._accept(s, drafts, toks, target.logits[rows_of[b]])
+                toks = self._accept(s, drafts, toks, target.logits, rows_of[b])
                 self._count_verified(drafts, len(toks))
                 out[b] = toks
             elif toks:
@@ -192,14 +192,17 @@ class Speculator:
         self.extend(seqs, page_rows, [s.num_computed_tokens for s in seqs], new_tokens, valid)
         return out
 
-    def _accept(self, s: Sequence, drafts: int, target: list[int], logits: Tensor) -> list[int]:
-        """The tokens ``s``'s verify chunk yields: ``target`` [drafts + 1] the target's draws and
-        ``logits`` [drafts + 1, V] its logits at the positions of [last, d_1 .. d_drafts]."""
+    def _accept(
+        self, s: Sequence, drafts: int, target: list[int], logits: Tensor, rows: list[int]
+    ) -> list[int]:
+        """The tokens ``s``'s verify chunk yields: ``target`` [drafts + 1] the target's draws, and
+        ``logits[rows]`` [drafts + 1, V] its logits at the positions of [last, d_1 .. d_drafts]
+        (gathered for a sampled sequence only: a greedy one compares ids)."""
         p = params_of(s.sampling)
         st = self.states.of(s.seq_id)
         if p.greedy:
             return accept_greedy(st.draft_ids[:drafts], target)
-        probs = filtered_probs(logits, [p] * (drafts + 1))  # [drafts + 1, V] the target's distributions
+        probs = filtered_probs(logits[rows], [p] * (drafts + 1))  # [drafts + 1, V] the target's distributions
         q = torch.stack(st.draft_probs[:drafts])
         return accept_sampled(st.draft_ids[:drafts], q, probs, self.sampling.generator(s))
 

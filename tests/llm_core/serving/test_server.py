@@ -130,6 +130,7 @@ def test_stream_starts_at_the_first_token_even_when_its_text_is_held_back(client
         ({"prompt": "x", "stop": [1]}, "stop"),
         ({"prompt": "x", "stream": "yes"}, "stream"),
         ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "logprobs": 1}, "logprobs"),
         ({"prompt": "x", "multimodal": [{"key": "k"}]}, "multimodal[0]"),
         ({"prompt": "x", "multimodal": "k"}, "multimodal"),
     ],
@@ -139,6 +140,13 @@ def test_bad_requests_name_the_field(client: TestClient, body: dict[str, Any], p
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"]
+
+
+@pytest.mark.parametrize("field", [{"n": None}, {"logprobs": False}, {"logprobs": None}, {"best_of": 1}])
+def test_asking_for_the_default_is_not_refused(client: TestClient, field: dict[str, Any]) -> None:
+    """``n`` null is one choice and a chat's ``logprobs: false`` asks for none: served, not a 400."""
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, **field})
+    assert r.status_code == 200, r.text
 
 
 def test_body_must_be_json_object(client: TestClient) -> None:
