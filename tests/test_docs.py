@@ -25,6 +25,7 @@ FOREIGN_FLAGS = {
     "--depth", "--frame-sizes", "--minutes", "--peer", "--pipeline-bound", "--quick", "--repeats", "--rounds",
     "--sessions", "--epd-cpus", "--images", "--engines", "--policies", "--workloads", "--open-requests",
     "--tiny-qwen", "--chunks", "--vllm-bind", "--lengths", "--text-requests", "--vllm-frontend-cpus",
+    "--benches",  # scripts/compare_benches.py
     # vLLM
     "--ec-transfer-config", "--enable-mm-embeds", "--max-num-seqs", "--mm-processor-kwargs",
     "--tensor-parallel-size", "--block-size", "--enable-prompt-tokens-details", "--enable-scale-out",
