@@ -299,23 +299,19 @@ class ModelRunner:
         """``execute`` of chunks that all compute (no copies)."""
         inp = self.prepare(seqs, num_new_tokens, page_rows)
         hidden = self.model(inp.input_ids, inp.positions, inp.batch, self.kv, inp.input_embeds)  # [T, hidden]
+        logits, tokens = hidden[:0], []
+        if inp.sample_seqs:
+            # Every row samples (a decode step): the rows in order, no gather needed.
+            every_row = len(inp.sample_seqs) == hidden.shape[0]
+            rows = hidden if every_row else hidden.index_select(0, inp.sample_rows)
+            logits = self._logits(rows)  # [S, vocab]
+            tokens = self.sampling.sample(logits, seqs, inp.sample_seqs)
         if self.speculator is not None:
-            logits = hidden[:0]
-            tokens: list[int] = []
-            if inp.sample_seqs:
-                logits = self._logits(hidden.index_select(0, inp.sample_rows))  # [S, vocab]
-                tokens = self.sampling.sample(logits, seqs, inp.sample_seqs)
             target = TargetRows(hidden, logits, inp.sample_seqs, tokens)
             return self.speculator.verify_and_propose(seqs, num_new_tokens, page_rows, target)
-        out: list[Sampled] = [None] * len(seqs)
-        if not inp.sample_seqs:
-            return out
-        # Every row samples (a decode step): the rows in order, no gather needed.
-        every_row = len(inp.sample_seqs) == hidden.shape[0]
-        logits = self._logits(hidden if every_row else hidden.index_select(0, inp.sample_rows))  # [S, vocab]
-        tokens = self.sampling.sample(logits, seqs, inp.sample_seqs)
         if len(tokens) == len(seqs):  # every sequence sampled, in order
             return list(tokens)
+        out: list[Sampled] = [None] * len(seqs)
         for b, t in zip(inp.sample_seqs, tokens, strict=True):
             out[b] = t
         return out
