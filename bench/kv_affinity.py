@@ -24,7 +24,7 @@ round robin's, which would need room for every live session, evict (8 live sessi
 engines by default: round robin would need nearly twice the pool). The SWA pool is sized not to bind: a
 window for every cached branch point of those sessions, one per sequence in flight and a prefill
 batch; so the figures measure where the histories are, not the window pool. Hence the explicit
-``--llm-engine-swa-fraction``: at the default's bytes the engine's own split (made for
+``--llm-engine-window-fraction``: at the default's bytes the engine's own split (made for
 8192-token sequences) gives 1227 full pages, room for every session round robin sends, and 149
 SWA pages, little beyond the 128 of one 2048-token prefill batch.
 
@@ -374,7 +374,7 @@ def run_policy(
         "--llm-engine-kv-memory-bytes", str(kv_bytes), "--log-level", "warning",
     ]  # fmt: skip
     if swa_fraction is not None:
-        cmd += ["--llm-engine-swa-fraction", repr(swa_fraction)]
+        cmd += ["--llm-engine-window-fraction", repr(swa_fraction)]
     with ServiceProcess(
         f"epd serve ({policy})", cmd, base, log_dir / f"serve-{policy}.log", ready_timeout_s=300
     ):

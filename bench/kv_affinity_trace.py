@@ -27,7 +27,8 @@ from typing import Any, NamedTuple
 import torch
 
 from bench.cache_ingress import photo_jpeg
-from llm_core.caches.kv_pool import KVCacheConfig, KVLayout, plan_pools, swa_pages_per_sequence
+from llm_core.caches.kv_groups import window_pages
+from llm_core.caches.kv_pool import KVCacheConfig, KVLayout, plan_group_pools
 from llm_core.models.checkpoint import default_llm_config
 from llm_core.serving.server_config import EngineConfig
 
@@ -200,7 +201,7 @@ def system_tokens(trace: Trace) -> int:
 
 class KVBudget(NamedTuple):
     kv_memory_bytes: int  # --llm-engine-kv-memory-bytes
-    swa_fraction: float  # --llm-engine-swa-fraction
+    swa_fraction: float  # --llm-engine-window-fraction
     full_pages: int
     swa_pages: int
     page_size: int
@@ -208,10 +209,16 @@ class KVBudget(NamedTuple):
     round_robin_tokens: int  # full KV an engine needs to keep every live session
 
 
+def _window(layout: KVLayout) -> int:
+    """The default model's one window (its KV groups: full attention, then one window)."""
+    (window,) = [g.spec.sliding_window for g in layout.groups if g.spec.sliding_window is not None]
+    return window
+
+
 def kv_budget(trace: Trace, concurrency: int, engines: int, max_tokens: int) -> KVBudget:
     """Per-engine KV bytes and SWA share of the default model (fp32) for ``trace`` played
     ``concurrency`` sessions at a time over ``engines`` (the module docstring says why); the split
-    is checked against the engine's own ``plan_pools``."""
+    is checked against the engine's own ``plan_group_pools``."""
     ec = EngineConfig()
     ps = ec.page_size
     layout = KVLayout.from_model_config(default_llm_config(), torch.float32)
@@ -220,17 +227,20 @@ def kv_budget(trace: Trace, concurrency: int, engines: int, max_tokens: int) -> 
     shared = system_tokens(trace)
     peak = max(session_peak_tokens(trace, s, max_tokens) for s in trace.sessions) - shared
     full_pages = math.ceil(shared / ps) + rooms * (math.ceil(peak / ps) + 1)
-    window = swa_pages_per_sequence(layout.sliding_window, ps)
+    window = window_pages(_window(layout), ps)
     # a window per cached branch point (a session's last turn and the one it heals) and the system
     # prompt's, one per sequence in flight, and one prefill batch beyond the window
     swa_pages = window * (2 * rooms + 1 + live) + math.ceil(ec.max_num_batched_tokens / ps)
-    full_page, swa_page = ps * layout.full_bytes_per_token, ps * layout.swa_bytes_per_token
-    # half a page of slack on each side, so float rounding in plan_pools cannot lose a page
+    full_page, swa_page = (
+        ps * layout.bytes_per_token(sliding=False),
+        ps * layout.bytes_per_token(sliding=True),
+    )
+    # half a page of slack on each side, so float rounding in plan_group_pools cannot lose a page
     swa_bytes, full_bytes = swa_pages * swa_page + swa_page // 2, full_pages * full_page + full_page // 2
     total = swa_bytes + full_bytes
     fraction = swa_bytes / total
-    plan = plan_pools(layout, KVCacheConfig(total, ps, fraction))
-    assert (plan.num_full_pages, plan.num_swa_pages) == (full_pages, swa_pages), (plan, full_pages, swa_pages)
+    plan = plan_group_pools(layout.groups, KVCacheConfig(total, ps, fraction))
+    assert plan == (full_pages, swa_pages), (plan, full_pages, swa_pages)
     return KVBudget(
         total,
         fraction,

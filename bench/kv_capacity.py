@@ -16,9 +16,9 @@ as it goes:
 - shared: one block pool both groups draw from (``kv_blocks``: what the engine allocates by
   default), with no split to tune;
 - dual pool: a pool per group, the budget split so both run out together at exactly the
-  benchmark's context length (``plan_pools`` with ``balance_context_len``: the best a fixed split
+  benchmark's context length (``plan_group_pools`` with ``balance_context_len``: the best a fixed split
   can do, known in advance here and never in service);
-- uniform: the same manager with ``swa_aware=False`` and pools split by bytes per token, i.e.
+- uniform: the same manager with ``window_aware=False`` and pools split by bytes per token, i.e.
   every layer keeps every token (what an SWA-unaware engine allocates).
 
 Sequences are admitted until the next one no longer fits; the count divided by the budget is the
@@ -35,8 +35,9 @@ from typing import NamedTuple
 from bench.common import add_common_args, format_machine, machine_info, print_table, write_json
 from llm_core.caches.kv_blocks import GroupBlocks, plan_block_layout
 from llm_core.caches.kv_group_manager import FullAttentionManager, SlidingWindowManager
+from llm_core.caches.kv_groups import window_pages
 from llm_core.caches.kv_manager import KVManager
-from llm_core.caches.kv_pool import KVCacheConfig, KVLayout, plan_pools, swa_pages_per_sequence
+from llm_core.caches.kv_pool import KVCacheConfig, KVLayout, plan_group_pools
 from llm_core.caches.page_pool import PagePool
 from llm_core.request import Sequence
 
@@ -48,13 +49,12 @@ MIXED = (2048, 8192, 32768)  # context lengths of the mixed rows, in turn
 
 def pro_layout(swa_kv_heads: int = 8) -> KVLayout:
     full_layers = set(range(0, 70, 7))  # 10 full layers; their positions do not change sizing
-    return KVLayout(
-        layer_is_swa=tuple(i not in full_layers for i in range(70)),
+    return KVLayout.hybrid(
+        [None if i in full_layers else WINDOW for i in range(70)],
         full_kv_heads=4,
-        swa_kv_heads=swa_kv_heads,
+        window_kv_heads=swa_kv_heads,
         head_dim=192,
         v_head_dim=128,
-        sliding_window=WINDOW,
         dtype_bytes=2,
     )
 
@@ -76,7 +76,7 @@ def metadata_kv(
     token, i.e. every layer keeps every token, as an SWA-unaware engine allocates.
     """
     if shared:
-        blocks_layout = plan_block_layout(layout.groups(), PAGE)
+        blocks_layout = plan_block_layout(layout.groups, PAGE)
         blocks = PagePool(blocks_layout.num_blocks(budget, layout.dtype_bytes), PAGE, "blocks")
         full_k, swa_k = blocks_layout.blocks_per_page
         return KVManager(
@@ -88,19 +88,21 @@ def metadata_kv(
         )
     if swa_aware:
         cfg = KVCacheConfig(
-            budget, PAGE, balance_context_len=balance_context_len, swa_headroom_tokens=swa_headroom_tokens
+            budget, PAGE, balance_context_len=balance_context_len, window_headroom_tokens=swa_headroom_tokens
         )
     else:
-        frac = layout.swa_bytes_per_token / (layout.full_bytes_per_token + layout.swa_bytes_per_token)
-        cfg = KVCacheConfig(budget, PAGE, swa_fraction=frac)
-    plan = plan_pools(layout, cfg)
+        frac = layout.bytes_per_token(sliding=True) / (
+            layout.bytes_per_token(sliding=False) + layout.bytes_per_token(sliding=True)
+        )
+        cfg = KVCacheConfig(budget, PAGE, window_fraction=frac)
+    num_full, num_window = plan_group_pools(layout.groups, cfg)
     return KVManager(
         [
-            FullAttentionManager(PagePool(plan.num_full_pages, PAGE, "full")),
-            SlidingWindowManager(PagePool(plan.num_swa_pages, PAGE, "swa"), WINDOW),
+            FullAttentionManager(PagePool(num_full, PAGE, "full")),
+            SlidingWindowManager(PagePool(num_window, PAGE, "swa"), WINDOW),
         ],
         enable_prefix_cache=enable_prefix_cache,
-        swa_aware=swa_aware,
+        window_aware=swa_aware,
     )
 
 
@@ -207,9 +209,9 @@ def estimate(layout: KVLayout, context: int, swa_aware: bool) -> float:
     """Closed-form bytes per held sequence, for the table's sanity column."""
     tokens = math.ceil((context + 1) / PAGE) * PAGE
     if not swa_aware:
-        return tokens * (layout.full_bytes_per_token + layout.swa_bytes_per_token)
-    swa = swa_pages_per_sequence(WINDOW, PAGE) * PAGE
-    return tokens * layout.full_bytes_per_token + swa * layout.swa_bytes_per_token
+        return tokens * (layout.bytes_per_token(sliding=False) + layout.bytes_per_token(sliding=True))
+    swa = window_pages(WINDOW, PAGE) * PAGE
+    return tokens * layout.bytes_per_token(sliding=False) + swa * layout.bytes_per_token(sliding=True)
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
@@ -249,8 +251,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                     "shared_ratio": shared_ratios[name][ctx],
                     "ratio": ratios[name][ctx],
                     "closed_form_ratio": est,
-                    "full_bytes_per_token": layout.full_bytes_per_token,
-                    "swa_bytes_per_token": layout.swa_bytes_per_token,
+                    "full_bytes_per_token": layout.bytes_per_token(sliding=False),
+                    "swa_bytes_per_token": layout.bytes_per_token(sliding=True),
                 }
             )
         # Mixed lengths, the split tuned as the engine tunes it (for 8K: ``min(max_model_len,

@@ -82,15 +82,19 @@ def _engine(
     store_url: str | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> LLMEngine:
-    full_per_token, swa_per_token = layout.full_bytes_per_token, layout.swa_bytes_per_token
+    full_per_token, swa_per_token = (
+        layout.bytes_per_token(sliding=False),
+        layout.bytes_per_token(sliding=True),
+    )
     chunk = 2048
     # One history and a bit in the full pool, not two; the SWA pool holds a few windows plus a
     # prefill chunk (what the SWA layers need at any time), so it never decides the comparison.
     full_bytes = int(1.5 * (length + 64)) * full_per_token
-    swa_bytes = 4 * (layout.sliding_window + chunk + 64) * swa_per_token
+    window = max(g.spec.sliding_window or 0 for g in layout.groups)
+    swa_bytes = 4 * (window + chunk + 64) * swa_per_token
     cfg = EngineConfig(
         kv_memory_bytes=full_bytes + swa_bytes,
-        swa_fraction=swa_bytes / (full_bytes + swa_bytes),
+        window_fraction=swa_bytes / (full_bytes + swa_bytes),
         max_model_len=length + 256,
         max_num_batched_tokens=chunk,
         host_kv_bytes=8 * length * (full_per_token + swa_per_token) if host else 0,
@@ -122,7 +126,7 @@ def run_length(
     probe = LLMEngine.from_checkpoint(
         ensure_default_checkpoint(), EngineConfig(kv_memory_bytes=1 << 20, max_model_len=512), dtype=dtype
     )
-    sized = KVLayout(**{**probe.kv.layout.__dict__, "dtype_bytes": dtype.itemsize})
+    sized = probe.kv.layout.with_dtype_bytes(dtype.itemsize)
     probe.stop()
     for mode in MODES:
         store_url = redis_url if mode == "redis" else None

@@ -218,7 +218,7 @@ def vllm_mimo_config(cfg: Any) -> dict[str, Any]:
     ``sliding_window_size``, ``layernorm_epsilon``, one ``partial_rotary_factor``), which our engine
     reads too but with another window convention (see ``vllm_view``). Refuses what vLLM's model
     cannot compute: sinks in full layers, a routed scaling factor, different rotary widths."""
-    from llm_core.models.config import SWA
+    from llm_core.models.config import SLIDING
 
     unsupported = {
         "full_attention_sinks": cfg.full_attention_sinks,  # vLLM adds sinks to SWA layers only
@@ -253,7 +253,7 @@ def vllm_mimo_config(cfg: Any) -> dict[str, Any]:
         # tokens only, which our loader reads as one more
         "sliding_window": cfg.sliding_window,
         "sliding_window_size": cfg.sliding_window,
-        "hybrid_layer_pattern": [int(t == SWA) for t in cfg.layer_types],
+        "hybrid_layer_pattern": [int(t == SLIDING) for t in cfg.layer_types],
         "moe_layer_freq": [int(t == "sparse") for t in cfg.mlp_layer_types],
         "attention_value_scale": cfg.attention_value_scale,
         "attention_bias": cfg.attention_bias,
@@ -641,9 +641,10 @@ def llama_kv_per_sequence(
 
 def ours_kv_per_sequence(model_dir: Path, context: int, dtype: str | None = None) -> dict[str, Any]:
     """What our pools hold for one sequence at ``context`` tokens: every full layer every token, each
-    SWA layer the pages its window spans (``swa_pages_per_sequence``), in the engine's KV dtype
+    SWA layer the pages its window spans (``window_pages``), in the engine's KV dtype
     (``dtype``, e.g. "bfloat16", overrides the checkpoint's as ``epd llm --dtype`` does)."""
-    from llm_core.caches.kv_pool import KVLayout, swa_pages_per_sequence
+    from llm_core.caches.kv_groups import window_pages
+    from llm_core.caches.kv_pool import KVLayout
     from llm_core.models.config import DecoderConfig
     from llm_core.serving.server_config import EngineConfig, LLMServerConfig
 
@@ -651,9 +652,9 @@ def ours_kv_per_sequence(model_dir: Path, context: int, dtype: str | None = None
     kv_dtype = LLMServerConfig(model_path=str(model_dir), dtype=dtype or "auto").torch_dtype
     layout = KVLayout.from_model_config(cfg, kv_dtype)
     page = EngineConfig().page_size
-    full = layout.full_bytes_per_token * context
-    swa_tokens = min(context, swa_pages_per_sequence(cfg.sliding_window, page) * page)
-    swa = layout.swa_bytes_per_token * swa_tokens
+    full = layout.bytes_per_token(sliding=False) * context
+    swa_tokens = min(context, window_pages(cfg.sliding_window, page) * page)
+    swa = layout.bytes_per_token(sliding=True) * swa_tokens
     return {
         "bytes": full + swa,
         "full_bytes": full,

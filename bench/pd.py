@@ -44,13 +44,13 @@ from llm_core.caches.kv_pool import KVLayout
 from llm_core.kv_transfer.layer_plan import LayerPlan
 
 PRO_LAYERS, PRO_FULL_EVERY = 70, 7  # 10 full-attention layers (which ones does not change the bytes)
-PRO_LAYOUT = KVLayout(
-    layer_is_swa=tuple(i % PRO_FULL_EVERY != 0 for i in range(PRO_LAYERS)),
+PRO_LAYOUT = KVLayout.hybrid(
+    # window 129: sliding_window_size 128 previous tokens + the query
+    [None if i % PRO_FULL_EVERY == 0 else 129 for i in range(PRO_LAYERS)],
     full_kv_heads=8,
-    swa_kv_heads=8,
+    window_kv_heads=8,
     head_dim=192,
     v_head_dim=128,
-    sliding_window=129,  # sliding_window_size 128 previous tokens + the query
     dtype_bytes=2,
 )
 PLAN_LENGTHS = (8192, 32768, 131072)

@@ -13,7 +13,7 @@ Contenders, same byte budget, same scheduler and radix cache code:
 - ``swa-aware``: the dual pool (SWA pool sized for the window of each conversation), SWA pages
   dropped as they leave the window, tombstones in the tree, hits where full KV and the window of
   SWA KV before the boundary are live;
-- ``keep-all-swa``: ``swa_aware=False``, every token keeps its SWA KV in the cache as an
+- ``keep-all-swa``: ``window_aware=False``, every token keeps its SWA KV in the cache as an
   SWA-unaware cache must, pools split by bytes per token.
 
 Reported per request: prompt tokens served from the cache (reused), and the tokens the model
@@ -140,7 +140,7 @@ def run_trace(layout: KVLayout, budget: int, trace: TraceConfig, swa_aware: bool
         "preemptions": sched.num_preemptions,
         "steps": step,
         "full_pages": kv.full_pool.num_pages,
-        "swa_pages": kv.swa_pool.num_pages,
+        "swa_pages": kv.groups[1].pool.num_pages,
         "sim_s": time.perf_counter() - t0,
     }
 

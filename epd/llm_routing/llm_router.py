@@ -93,18 +93,17 @@ def connect_address(endpoint: str, engine_url: str) -> str:
     return f"tcp://{'[' + target + ']' if ':' in target else target}:{port}"
 
 
-def health_window(health: dict[str, Any]) -> int | None:
-    """The window an engine's hits depend on, from its /health: its sliding-window KV group's
-    (``kv_groups``, ``llm_core.caches.kv_groups``); 1 (no window rule) when it has none, as for a
-    full-attention model, whose events then name group 0 only. With several window groups the
-    widest (the page index keeps one window bit per page). An engine that lists no groups gives
-    its ``sliding_window``; None when /health says neither."""
+def health_windows(health: dict[str, Any]) -> tuple[int | None, ...] | None:
+    """The windows an engine's hits depend on, from its /health: each KV group's, in group order
+    (``kv_groups``, ``llm_core.caches.kv_groups``; None for full attention), so a full-attention
+    model gives (None,). The previous release's engine, which lists no groups, gives its one
+    ``sliding_window``: (None, w). None when /health says neither (a vLLM server)."""
     groups = health.get("kv_groups")
     if isinstance(groups, list):
-        windows = [int(g["sliding_window"]) for g in groups if g.get("kind") == "sliding_window"]
-        return max(windows, default=1)
+        ordered = sorted(groups, key=lambda g: int(g.get("group", 0)))
+        return tuple(None if (w := g.get("sliding_window")) is None else int(w) for g in ordered)
     window = health.get("sliding_window")
-    return int(window) if window else None
+    return (None, int(window)) if window else None
 
 
 class EngineStats(NamedTuple):
@@ -116,7 +115,7 @@ class EngineStats(NamedTuple):
     # "mismatch: why" (routed by load: its hits are never predicted)
     naming_check: str
     page_size: int
-    sliding_window: int
+    windows: tuple[int | None, ...]  # each KV group's window (None: full attention)
     instance_id: str | None
     load: LoadSnapshot
     index_pages: int
@@ -139,17 +138,17 @@ class Geometry(NamedTuple):
     """What an engine's index is built for, from its /health."""
 
     page_size: int
-    sliding_window: int
+    windows: tuple[int | None, ...]  # each KV group's window (None: full attention), group order
     events_endpoint: str | None  # None: approximate mode
     replay_endpoint: str | None
     naming: str = "epd"  # the page naming scheme (``page_naming``)
     topic: str = "kv-events"  # the events' ZMQ topic (vLLM's default is "")
 
     def needs_new_index(self, new: Geometry) -> bool:
-        """A new page size, naming or event source needs a new index; a new window only an exact one."""
-        if self._replace(sliding_window=0) != new._replace(sliding_window=0):
+        """A new page size, naming or event source needs a new index; new windows only an exact one."""
+        if self._replace(windows=()) != new._replace(windows=()):
             return True
-        return new.events_endpoint is not None and self.sliding_window != new.sliding_window
+        return new.events_endpoint is not None and self.windows != new.windows
 
 
 @dataclass
@@ -239,7 +238,7 @@ class LLMRouter:
                 url,
                 EngineLoad(url, clock),
                 ApproxPageIndex(ps, self.config.approx_ttl_s, clock),
-                geometry=Geometry(ps, 1, None, None),
+                geometry=Geometry(ps, (None,), None, None),
             )
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -285,18 +284,18 @@ class LLMRouter:
 
     def on_health(self, url: str, health: dict[str, Any]) -> None:
         """Feed one /health body of ``url``'s engine: how it names pages (``page_size``,
-        ``sliding_window``), where it publishes (``kv_events_endpoint``,
+        its KV groups' windows), where it publishes (``kv_events_endpoint``,
         ``kv_events_replay_endpoint``; absent: approximate mode), its ``instance_id`` (a change
         clears the index) and what it holds (``request_ids`` reconciles lost decrements; its token
         counts give the external load). Never resets the load counters."""
         e = self._engine(url)
         ps = int(health.get("page_size") or e.geometry.page_size)
-        window = health_window(health) or e.geometry.sliding_window
+        windows = health_windows(health) or e.geometry.windows
         endpoint = health.get("kv_events_endpoint") or None
         replay = health.get("kv_events_replay_endpoint") or None
         geometry = Geometry(
             ps,
-            window,
+            windows,
             connect_address(str(endpoint), url) if endpoint else None,
             connect_address(str(replay), url) if replay and endpoint else None,
             str(health.get("page_naming") or "epd"),
@@ -373,7 +372,7 @@ class LLMRouter:
             self._clear(e)
 
     def _rebuild_index(self, e: _Engine, geometry: Geometry) -> None:
-        ps, window, endpoint, replay, naming, topic = geometry
+        ps, windows, endpoint, replay, naming, topic = geometry
         if e.source is not None:
             e.source.stop(0)  # its late batches go to the old index, which nobody reads any more
             e.source = None
@@ -389,7 +388,7 @@ class LLMRouter:
                     naming,
                 )
         else:
-            index = EnginePageIndex(ps, window)
+            index = EnginePageIndex(ps, windows)
             e.index = index
             e.source = self._subscriber_factory(
                 endpoint, replay, topic, self._checked_apply(e, scheme, index), index.clear
@@ -397,10 +396,10 @@ class LLMRouter:
             if self._started:
                 e.source.start()
         log.info(
-            "LLM engine %s: page size %d, window %d, %s pages, %s",
+            "LLM engine %s: page size %d, windows %s, %s pages, %s",
             e.url,
             ps,
-            window,
+            windows,
             naming,
             f"KV events from {endpoint}" if endpoint else "approximate index",
         )
@@ -536,7 +535,7 @@ class LLMRouter:
                 e.geometry.naming,
                 e.naming_check(),
                 e.page_size,
-                e.geometry.sliding_window,
+                e.geometry.windows,
                 e.instance_id,
                 e.load.snapshot(),
                 len(e.index),

@@ -1,4 +1,4 @@
-"""What an engine's prefix cache holds, as events in vLLM's KV-event schema (plus one for SWA).
+"""What an engine's prefix cache holds, as events in vLLM's KV-event schema.
 
 A batch goes out as one msgpack map (events as vLLM's ``msgspec`` structs encode them:
 ``vllm/distributed/kv_events.py``, tagged structs, defaults omitted; vLLM's own envelope is an
@@ -12,12 +12,17 @@ prefix scorer, Dynamo's KV router) can read ours::
      "kv_cache_spec_sliding_window": w}            (extra_keys only when given)
     {"type": "BlockRemoved", "block_hashes": [...], "medium": "CPU", "group_idx": g}
     {"type": "AllBlocksCleared"}
-    {"type": "SwaTombstoned", "block_hashes": [...], "medium": "CPU", "group_idx": g}   (ours)
 
-Groups: 0 = the full-attention pool's pages, 1 = the sliding-window pool's. A page whose SWA KV was
-dropped (it fell out of the window) keeps its full KV: ``SwaTombstoned`` says so, in the same style
-as ``BlockRemoved`` (a consumer that does not know it ignores an unknown tag; one that does can
-apply the radix cache's hit rule: full pages [0, b) present and SWA pages of the last window live).
+Groups are the engine's KV groups (``llm_core.caches.kv_groups``), as vLLM numbers its own: 0 is
+the full-attention group, then one per window size. A page's KV is per group: ``BlockStored`` of
+group g says g's KV of those pages is cached, ``BlockRemoved`` of g that it is gone. A window
+group's KV may go while the full-attention KV stays (the page fell out of the window): a
+``BlockRemoved`` of that group alone. A consumer applies the radix cache's hit rule
+(``hit_rule``): group 0's pages [0, b) present, and each window group's pages of its last window
+before b live.
+
+The previous release wrote a window group's removal as ``{"type": "SwaTombstoned", ...,
+"group_idx": g}``; ``decode_batch`` still reads it, as that group's ``BlockRemoved``.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-FULL_GROUP, SWA_GROUP = 0, 1
+FULL_GROUP = 0  # the full-attention group (the others are window groups)
 MEDIUM = "CPU"  # where the pages live (vLLM says "GPU" for device memory)
 
 
@@ -42,7 +47,7 @@ class BlockStored:
     lora_name: str | None = None
     extra_keys: tuple[tuple[str, ...] | None, ...] | None = None  # per page: its MediaKeys
     # The optional fields default as vLLM's do (None), so "omitted" means the same on both sides;
-    # the engine always names the group: FULL_GROUP "full_attention" or SWA_GROUP "sliding_window".
+    # the engine always names the group and its kind ("full_attention" or "sliding_window", w).
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
@@ -71,20 +76,13 @@ class AllBlocksCleared:
     REQUIRED: ClassVar[tuple[str, ...]] = ()
 
 
-@dataclass(frozen=True)
-class SwaTombstoned:
-    """The SWA KV of these pages was dropped; their full-attention KV stays cached."""
-
-    block_hashes: tuple[int, ...]
-    medium: str | None = MEDIUM
-    group_idx: int | None = SWA_GROUP  # ours: SWA pages only, and always written (REQUIRED)
-    REQUIRED: ClassVar[tuple[str, ...]] = ("block_hashes", "medium", "group_idx")
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | SwaTombstoned
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 EVENT_TYPES: dict[str, type[Any]] = {
-    cls.__name__: cls for cls in (BlockStored, BlockRemoved, AllBlocksCleared, SwaTombstoned)
+    cls.__name__: cls for cls in (BlockStored, BlockRemoved, AllBlocksCleared)
 }
+# The previous release's name for a window group's BlockRemoved (read for one release; its group
+# defaulted to 1, the one window group of the models it served).
+_LEGACY_REMOVED = "SwaTombstoned"
 
 
 @dataclass(frozen=True)
@@ -129,6 +127,8 @@ def decode_batch(payload: bytes) -> KVEventBatch:
             body = dict(zip(("ts", "events", "data_parallel_rank"), body, strict=False))
         events: list[KVEvent] = []
         for raw in body["events"]:
+            if raw.get("type") == _LEGACY_REMOVED:
+                raw = {**raw, "type": "BlockRemoved", "group_idx": raw.get("group_idx", 1)}
             cls = EVENT_TYPES.get(raw.get("type"))
             if cls is None:
                 continue

@@ -1,8 +1,8 @@
 """What the host tier hands a request: pages kept in host memory, and the copy that writes them into
 the request's pool pages (a ``KVSource``, ``caches/kv_source.py``), timed for the cost model.
 
-    HostPage      one logical page: K and V per layer ([page, heads, dim] each; None for an SWA
-                  layer whose KV was not kept), its bytes, whether the SWA layers are there
+    HostPage      one logical page: K and V per layer ([page, heads, dim] each; None for a
+                  window layer whose KV was not kept), its bytes, which groups' KV is there
     HostRestore   positions [start, end) of one sequence from a run of such pages
     FetchCostModel  measured copy bandwidth against measured prefill throughput: copy or compute
 """
@@ -15,7 +15,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from llm_core.caches.kv_pool import DualKVCache, PageRows
+from llm_core.caches.kv_pool import PagedKVCache, PageRows
 
 
 class RestoreCounters(Protocol):
@@ -30,7 +30,7 @@ class HostPage(NamedTuple):
         tuple[torch.Tensor, torch.Tensor] | None, ...
     ]  # per layer K [page, H, D], V; None: not kept
     nbytes: int
-    has_swa: bool  # the SWA layers' KV is here (the page was live in the window when spilled)
+    live: tuple[bool, ...]  # per KV group: its layers' KV is here (live in its window when spilled)
 
 
 class FetchCostModel:
@@ -76,11 +76,11 @@ class HostRestore:
     def first_token(self) -> int | None:
         return None
 
-    def write(self, kv: DualKVCache, rows: PageRows, lo: int, hi: int) -> None:
+    def write(self, kv: PagedKVCache, rows: PageRows, lo: int, hi: int) -> None:
         for i in range(kv.num_layers):
             self.write_layer(kv, i, rows, lo, hi)
 
-    def write_layer(self, kv: DualKVCache, layer: int, rows: PageRows, lo: int, hi: int) -> None:
+    def write_layer(self, kv: PagedKVCache, layer: int, rows: PageRows, lo: int, hi: int) -> None:
         t0 = time.perf_counter()
         if layer == 0:
             self._chunk_seconds = 0.0
@@ -92,7 +92,7 @@ class HostRestore:
         for j in range(lo // p, (hi - 1) // p + 1):
             kv_j = self.pages[j - first].layers[layer]  # K, V [page, H, D] of logical page j
             if kv_j is None:
-                continue  # an SWA layer below the window: never read, dropped after the copy
+                continue  # a window layer below its window: never read, dropped after the copy
             r0, r1 = max(lo, j * p) - j * p, min(hi, (j + 1) * p) - j * p
             if r1 - r0 == p:
                 whole_rows.append(row[j])

@@ -25,9 +25,9 @@ from typing import NamedTuple
 
 import torch
 
-from epd_common.messages.hit_rule import window_accepts
+from epd_common.messages.hit_rule import groups_accept
 from llm_core.caches.host_restore import FetchCostModel, HostPage, HostRestore
-from llm_core.caches.kv_pool import DualKVCache
+from llm_core.caches.kv_pool import PagedKVCache
 from llm_core.caches.kv_store_tier import KVStoreTier
 
 
@@ -45,7 +45,7 @@ class HostTierStats(NamedTuple):
 class HostKVTier:
     def __init__(
         self,
-        kv: DualKVCache,
+        kv: PagedKVCache,
         capacity_bytes: int,
         store: KVStoreTier | None = None,
         store_policy: str = "write_through",
@@ -86,10 +86,10 @@ class HostKVTier:
     def spill(self, hashes: list[int], rows: Sequence[list[int] | None]) -> None:
         """Keep these tree pages before the tree frees them: ``rows[g]``, KV group g's physical
         pages in logical order (None: a tombstone in that window group, whose layers' KV is then
-        not kept). A page counts as window-live (``HostPage.has_swa``) when every group is."""
+        not kept; ``HostPage.live`` says which groups' KV a page keeps)."""
         layer_group = self.kv.layer_group
-        live = all(row is not None for row in rows)
-        # each layer's pages in its tensors (``DualKVCache.physical``)
+        live = tuple(row is not None for row in rows)
+        # each layer's pages in its tensors (``PagedKVCache.physical``)
         physical = [
             None if (row := rows[layer_group[i]]) is None else self.kv.physical(i, row)
             for i in range(self.kv.layout.num_layers)
@@ -133,15 +133,15 @@ class HostKVTier:
             self._put(h, page)
         self.pages_from_store += len(pages)
 
-    def estimate_nbytes(self, num_pages: int, window_tokens: int) -> int:
+    def estimate_nbytes(self, num_pages: int) -> int:
         """Bytes of ``num_pages`` consecutive pages ending at a restore point, per KV group: every
-        page of a full-attention group, a window group's only for the pages of the window before
-        the end (``window_tokens``: the widest window's W-1)."""
+        page of a full-attention group, a window group's only for the pages of its window before
+        the end."""
         p, esize = self.page_size, self.kv.layer(0).k.element_size()
         total = 0
         for g in self.kv.groups:
-            spec = g.spec
-            pages = min(num_pages, -(-window_tokens // p) + 1) if spec.is_sliding else num_pages
+            spec, need = g.spec, g.spec.window_tokens
+            pages = num_pages if need is None else min(num_pages, -(-need // p) + 1)
             total += pages * p * g.num_layers * spec.kv_heads * (spec.head_dim + spec.v_head_dim) * esize
         return total
 
@@ -150,23 +150,24 @@ class HostKVTier:
         self,
         hashes: list[int],
         first_page: int,
-        window_tokens: int,
         fetched: dict[int, HostPage] | None = None,
     ) -> int:
         """The longest boundary b (in pages) > ``first_page`` with pages [first_page, b) here (or in
-        ``fetched``: a store fetch's pages, which this tier may be too small to hold at once) and
-        the SWA KV of the pages covering [b*page - window_tokens, b*page) too (the pages below
-        ``first_page`` are the tree hit's, whose window is live); ``first_page`` when none."""
+        ``fetched``: a store fetch's pages, which this tier may be too small to hold at once) and,
+        for each window group, its KV of the pages covering its W-1 tokens before b*page too (the
+        pages below ``first_page`` are the tree hit's, whose windows are live); ``first_page``
+        when none."""
         p = self.page_size
+        windows = [g for g, grp in enumerate(self.kv.groups) if grp.spec.is_sliding]
+        need = [self.kv.groups[g].spec.window_tokens or 0 for g in windows]
         best = first_page
-        run = 0  # tokens of consecutive SWA-kept pages ending at the boundary
+        runs = [0] * len(windows)  # per window group: tokens of consecutive kept pages ending at b
         for j in range(first_page, len(hashes)):
             page = self._page(hashes[j], fetched)
             if page is None:
                 break
-            run = run + p if page.has_swa else 0
-            b = (j + 1) * p
-            if window_accepts(run, b - first_page * p, window_tokens):
+            runs = [r + p if page.live[g] else 0 for r, g in zip(runs, windows, strict=True)]
+            if groups_accept(runs, (j + 1 - first_page) * p, need):
                 best = j + 1
         return best
 

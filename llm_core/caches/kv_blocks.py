@@ -3,7 +3,7 @@
 The per-group pools of ``kv_pool`` split a byte budget ahead of time, so one kind can run out
 while the other sits idle (the chat overload test: the SWA pool at 87% while the full pool was at
 5%). Here every group takes its pages from one free list of blocks of equal bytes. This module
-plans the blocks and allocates them; ``DualKVCache`` builds the slot tensors and the layers' views
+plans the blocks and allocates them; ``PagedKVCache`` builds the slot tensors and the layers' views
 on them, and ``page_map.BlockPageMap`` maps a group's tables to the views.
 
 Layout. A block is ``num_slots`` slots; slot ``t`` of every block lives in slot tensor ``t``

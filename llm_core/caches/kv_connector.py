@@ -100,13 +100,12 @@ class StoreTierConnector(KVConnector):
     (and fetching beats computing them) waits while they are fetched; a settled fetch's pages join
     the host tier, and the host connector copies them in. A request asks the store once."""
 
-    def __init__(self, host: HostKVTier, transfers: KVTransfers, page_size: int, window_tokens: int) -> None:
+    def __init__(self, host: HostKVTier, transfers: KVTransfers, page_size: int) -> None:
         assert host.store is not None
         self.host = host
         self.store = host.store
         self.transfers = transfers
         self.page_size = page_size
-        self.window_tokens = window_tokens
         self._fetched: dict[RequestId, dict[int, HostPage]] = {}
 
     def must_wait(self, seq: Sequence, hit: int) -> bool:
@@ -131,12 +130,12 @@ class StoreTierConnector(KVConnector):
         if usable <= first:
             return False
         hashes = page_hashes(seq.cache_keys[: usable * p], p)
-        start = host.extent(hashes, first, self.window_tokens) if len(host) else first
+        start = host.extent(hashes, first) if len(host) else first
         if start >= usable:
             return False
         n = usable - start
         recompute_s = n * p / host.cost.prefill_tokens_per_s
-        if not store.worth_fetching(n, host.estimate_nbytes(n, self.window_tokens), recompute_s):
+        if not store.worth_fetching(n, host.estimate_nbytes(n), recompute_s):
             return False
         self.transfers.set_fetch(
             rid, store.fetch(hashes[start:usable], deadline=now + max(recompute_s, store.min_wait_s))
@@ -156,12 +155,9 @@ class HostTierConnector(KVConnector):
     hit, the next pages are copied back when the cost model says a copy beats computing them
     (fetched pages are always copied: the fetch was already judged worth it)."""
 
-    def __init__(
-        self, host: HostKVTier, page_size: int, window_tokens: int, store: StoreTierConnector | None
-    ) -> None:
+    def __init__(self, host: HostKVTier, page_size: int, store: StoreTierConnector | None) -> None:
         self.host = host
         self.page_size = page_size
-        self.window_tokens = window_tokens
         self.store = store
 
     def copy_in(self, seq: Sequence, hit: int) -> KVSource | None:
@@ -172,7 +168,7 @@ class HostTierConnector(KVConnector):
         if usable <= first or not (len(host) or fetched):
             return None
         hashes = page_hashes(seq.cache_keys[: usable * p], p)
-        end = host.extent(hashes, first, self.window_tokens, fetched)
+        end = host.extent(hashes, first, fetched)
         if end > first and (
             fetched or host.cost.fetch_is_faster(host.nbytes(hashes, first, end, fetched), (end - first) * p)
         ):

@@ -11,14 +11,14 @@ cached prefix must keep for a hit (``epd_common.messages.hit_rule``)::
                               page boundary are freed as the sequence moves on (except pinned
                               ones); a hit at b needs the W-1 tokens before b live
 
-``swa_aware=False`` makes a sliding-window group keep everything like full attention (the
+``window_aware=False`` makes a sliding-window group keep everything like full attention (the
 baseline a cache unaware of windows would be); its hit rule then asks for the whole prefix.
 Managers know nothing of the radix tree; they free through their pool.
 """
 
 from __future__ import annotations
 
-from llm_core.caches.kv_pool import swa_pages_per_sequence
+from llm_core.caches.kv_groups import window_pages
 from llm_core.caches.page_pool import PageAllocator
 from llm_core.caches.seq_kv import NOT_RESIDENT, SeqKV
 
@@ -43,12 +43,12 @@ class FullAttentionManager:
 class SlidingWindowManager:
     """A sliding-window group of window ``window`` (keys per query, the query included)."""
 
-    def __init__(self, pool: PageAllocator, window: int, swa_aware: bool = True) -> None:
+    def __init__(self, pool: PageAllocator, window: int, window_aware: bool = True) -> None:
         assert window >= 1, window
         self.pool = pool
         self.page_size = pool.page_size
         self.window: int | None = window
-        self.swa_aware = swa_aware
+        self.window_aware = window_aware
 
     @property
     def sliding_window(self) -> int:
@@ -57,20 +57,20 @@ class SlidingWindowManager:
 
     def first_live_page(self, num_computed: int) -> int:
         """Lowest logical page any query at position >= ``num_computed`` can read."""
-        if not self.swa_aware:
+        if not self.window_aware:
             return 0
         return max(0, num_computed - self.sliding_window + 1) // self.page_size
 
     def pages_per_sequence(self, num_pages: int) -> int:
         """Pages one decoding sequence of ``num_pages`` logical pages keeps resident at its peak."""
-        if not self.swa_aware:
+        if not self.window_aware:
             return num_pages
-        return min(num_pages, swa_pages_per_sequence(self.sliding_window, self.page_size))
+        return min(num_pages, window_pages(self.sliding_window, self.page_size))
 
     def can_pin(self) -> bool:
         """Pinning holds up to one extra window per sequence; only where the pool has room to
         spare (the KV manager drops a sequence's pin when its own pages would not fit)."""
-        return self.pool.num_pages >= 4 * swa_pages_per_sequence(self.sliding_window, self.page_size)
+        return self.pool.num_pages >= 4 * window_pages(self.sliding_window, self.page_size)
 
     def pinned_pages(self, pin_ends: tuple[int, ...]) -> list[tuple[int, int]]:
         """Logical pages [lo, hi) of the windows before each pinned position (0: no pin)."""

@@ -28,7 +28,8 @@ manager keeps one group manager per group (``kv_group_manager``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, Protocol
 
@@ -181,13 +182,15 @@ def layer_specs_from_config(
     (the first one's spec; ``llm_core.models.mtp`` builds them so)."""
     n = int(cfg.num_hidden_layers)
     specs = [
-        _spec(cfg.window(i), cfg.num_kv_heads(i), cfg.head_dim, cfg.v_head_dim, dtype_bytes, cfg.has_sinks(i))
+        layer_spec(
+            cfg.window(i), cfg.num_kv_heads(i), cfg.head_dim, cfg.v_head_dim, dtype_bytes, cfg.has_sinks(i)
+        )
         for i in range(n)
     ]
     if mtp_layers:
-        swa = next((s for s in specs if s.is_sliding), None)
-        assert swa is not None, "MTP heads are sliding-window layers: the model needs one to copy"
-        specs += [swa] * mtp_layers
+        first_window = next((s for s in specs if s.is_sliding), None)
+        assert first_window is not None, "MTP heads are sliding-window layers: the model needs one to copy"
+        specs += [first_window] * mtp_layers
     return tuple(specs)
 
 
@@ -196,25 +199,23 @@ def kv_groups_from_config(cfg: _PerLayerConfig, dtype_bytes: int, mtp_layers: in
     return kv_groups(layer_specs_from_config(cfg, dtype_bytes, mtp_layers), mtp_layers)
 
 
-def layer_specs_from_types(
-    layer_is_swa: Iterable[bool],
-    *,
-    full_kv_heads: int,
-    swa_kv_heads: int,
-    head_dim: int,
-    v_head_dim: int,
-    sliding_window: int,
-    dtype_bytes: int,
-) -> tuple[KVGroupSpec, ...]:
-    """Each layer's spec from a two-kind layer plan (``kv_pool.KVLayout``: one window, one head
-    count per kind, no sinks recorded)."""
-    full = _spec(None, full_kv_heads, head_dim, v_head_dim, dtype_bytes, False)
-    swa = _spec(sliding_window, swa_kv_heads, head_dim, v_head_dim, dtype_bytes, False)
-    return tuple(swa if is_swa else full for is_swa in layer_is_swa)
-
-
-def _spec(
-    window: int | None, kv_heads: int, head_dim: int, v_head_dim: int, dtype_bytes: int, sinks: bool
+def layer_spec(
+    window: int | None, kv_heads: int, head_dim: int, v_head_dim: int, dtype_bytes: int, sinks: bool = False
 ) -> KVGroupSpec:
+    """One layer's spec: full attention when ``window`` is None, else a window of that many keys."""
     kind: GroupKind = FULL_ATTENTION if window is None else SLIDING_WINDOW
     return KVGroupSpec(kind, int(kv_heads), int(head_dim), int(v_head_dim), dtype_bytes, window, bool(sinks))
+
+
+def window_pages(window: int, page_size: int) -> int:
+    """Pages of a window group one decoding sequence keeps resident: the window before the next
+    query, plus its page.
+
+    The next query at position p reads keys [p-W+1, p]: W tokens, which touch at most
+    ceil((W-1)/page) + 1 pages when they start at the last slot of a page::
+
+        W = 20, page = 8:   p-W+1 = 8k+7, p = 8k+26
+        page:   |   k   |  k+1  |  k+2  |  k+3  |
+        keys:          [x ......................x]        -> 4 pages = ceil(19/8) + 1
+    """
+    return math.ceil((window - 1) / page_size) + 1

@@ -17,12 +17,12 @@ at position c and reads keys from c-W+1; pages below the window of the last page
 ``b = c // page * page`` are dropped (so a request resuming at ``b`` from the prefix cache still
 finds its window)::
 
-    positions  0 ......... b-W+1 ...... b .. c      (W = sliding_window, counts the query)
-    SWA pages  [ dropped  |  resident: window     ] a step computing [c, c+n) also needs [c, c+n)
+    positions     0 ......... b-W+1 ...... b .. c      (W counts the query)
+    window pages  [ dropped  |  resident: window     ] a step computing [c, c+n) also needs [c, c+n)
 
-Branch points: when a new sequence matches the tree further (full KV) than it can use (the SWA
-window before that point was dropped), it recomputes up to there anyway. It then keeps
-(*pins*) the SWA pages of the window before that point until it finishes, so its insert heals
+Branch points: when a new sequence matches the tree further (full KV) than it can use (some
+group's window before that point was dropped), it recomputes up to there anyway. It then keeps
+(*pins*) each window group's pages of its window before that point until it finishes, so its insert heals
 the tombstone and the next sequence through the same branch point gets the hit. This is what
 makes a shared system prompt hittable: the first sequence moved on past it, the second one
 pins it. A pin is dropped when the sequence's own allocation would not fit otherwise.
@@ -42,7 +42,7 @@ from typing import NamedTuple
 from llm_core.caches.host_tier import HostKVTier
 from llm_core.caches.kv_connector import HostTierConnector, KVConnector, PromptImports, StoreTierConnector
 from llm_core.caches.kv_group_manager import FullAttentionManager, GroupManager, SlidingWindowManager
-from llm_core.caches.kv_pool import DualKVCache
+from llm_core.caches.kv_pool import PagedKVCache
 from llm_core.caches.kv_transfers import KVTransfers
 from llm_core.caches.page_pool import PageAllocator, PagePool, check_blocks
 from llm_core.caches.radix_cache import InsertResult, RadixCache, RadixNode
@@ -61,19 +61,14 @@ class PageNeed(NamedTuple):
     def full(self) -> int:
         return self.per_group[0]
 
-    @property
-    def swa(self) -> int:
-        """The sliding-window group's (group 1; 0 when the model has none)."""
-        return self.per_group[1] if len(self.per_group) > 1 else 0
-
 
 class KVManager:
     """Allocation for sequences over the KV groups' pools, with an optional prefix cache.
 
     ``groups``: one manager per KV group, full attention first (``kv_groups`` order).
-    ``swa_aware=False`` keeps every window page of a sequence (a cache that must keep all SWA KV):
-    the baseline for ``bench.prefix_reuse`` and ``bench.kv_capacity``; it is applied to the
-    sliding-window managers.
+    ``window_aware=False`` keeps every window page of a sequence (a cache that must keep all of a
+    window group's KV): the baseline for ``bench.prefix_reuse`` and ``bench.kv_capacity``; it is
+    applied to the sliding-window managers.
     """
 
     def __init__(
@@ -81,7 +76,7 @@ class KVManager:
         groups: list[GroupManager],
         *,
         enable_prefix_cache: bool = True,
-        swa_aware: bool = True,
+        window_aware: bool = True,
         record_events: bool = False,
         host_tier: HostKVTier | None = None,
     ) -> None:
@@ -92,17 +87,14 @@ class KVManager:
         self.groups = groups
         self.windows: list[SlidingWindowManager] = [g for g in groups if isinstance(g, SlidingWindowManager)]
         for w in self.windows:
-            w.swa_aware = swa_aware
+            w.window_aware = window_aware
         self.page_size = groups[0].page_size
-        self.swa_aware = swa_aware
-        # What a restore from the host tier must bring of the window before its end: the widest
-        # group's (0 with no window group). The host tier keeps one liveness bit per page.
-        self.window_tokens = max((w.sliding_window - 1 for w in self.windows), default=0)
+        self.window_aware = window_aware
         self.radix: RadixCache | None = None
-        self.host_tier = host_tier if enable_prefix_cache and swa_aware else None
+        self.host_tier = host_tier if enable_prefix_cache and window_aware else None
         # Positions below the next query whose window is kept as well (speculative decoding: the
         # MTP heads' queries trail the target's by up to k + 1 positions).
-        self.swa_extra_tokens = 0
+        self.window_extra_tokens = 0
         # Speculative decoding: a prefix hit backs off to the previous hit point (see match_prefix).
         self.mtp_backoff = False
         # KV copied in (imports, host-tier restores) and store fetches, by request id.
@@ -122,7 +114,7 @@ class KVManager:
                 self.page_size,
                 [g.window for g in groups],
                 [g.pool.free for g in groups],
-                swa_aware=swa_aware,
+                window_aware=window_aware,
                 record_events=record_events,
                 on_delete=self._spill if self.host_tier is not None else None,
             )
@@ -131,21 +123,6 @@ class KVManager:
     @property
     def full_pool(self) -> PageAllocator:
         return self.groups[0].pool
-
-    @property
-    def swa_pool(self) -> PageAllocator:
-        """The sliding-window group's pool (group 1)."""
-        return self.groups[1].pool
-
-    @property
-    def sliding_window(self) -> int:
-        """The sliding-window group's window (group 1)."""
-        return self.windows[0].sliding_window
-
-    def first_live_swa_page(self, num_computed: int) -> int:
-        """Lowest logical page of the sliding-window group (group 1) any query at position >=
-        ``num_computed`` can read."""
-        return self.windows[0].first_live_page(num_computed)
 
     def pages_needed(self, seq: Sequence, n: int) -> PageNeed:
         """New pages of each group that computing the next ``n`` tokens of ``seq`` takes.
@@ -227,16 +204,17 @@ class KVManager:
         st.num_released = [g.first_live_page(hit.length) for g in self.groups]
         seq.num_computed_tokens = hit.length
         seq.num_cached_tokens = hit.length
-        if self.swa_aware and hit.key_length > hit.length and self._can_pin():
-            st.swa_pin_end = hit.key_length
+        if self.window_aware and hit.key_length > hit.length and self._can_pin():
+            st.pin_end = hit.key_length
         for connector in self.connectors:  # the first that copies KV in from the hit on
             src = connector.copy_in(seq, hit.length)
             if src is not None:
                 self.transfers.set_source(seq.seq_id, src)
-                if st.swa_pin_end and st.swa_pin_end <= src.end:
-                    # The branch point lies in the copied range, where SWA pages below the copy's
-                    # own window are never written: keeping them would cache unwritten KV as live.
-                    st.swa_pin_end = 0
+                if st.pin_end and st.pin_end <= src.end:
+                    # The branch point lies in the copied range, where window pages below the
+                    # copy's own windows are never written: keeping them would cache unwritten KV
+                    # as live.
+                    st.pin_end = 0
                 break
         self.pin_prompt_end(seq)
         return hit.length
@@ -255,9 +233,9 @@ class KVManager:
             return
         store = None
         if self.host_tier.store is not None:
-            store = StoreTierConnector(self.host_tier, self.transfers, self.page_size, self.window_tokens)
+            store = StoreTierConnector(self.host_tier, self.transfers, self.page_size)
             self.connectors.append(store)
-        self.connectors.append(HostTierConnector(self.host_tier, self.page_size, self.window_tokens, store))
+        self.connectors.append(HostTierConnector(self.host_tier, self.page_size, store))
 
     def request_finished(self, request_id: int | str) -> None:
         """The request finished or was aborted: its transfers and connectors' state go, and its
@@ -270,19 +248,19 @@ class KVManager:
             connector.request_finished(request_id)
 
     def pin_prompt_end(self, seq: Sequence, end: int | None = None) -> None:
-        """Keep the SWA window of the prompt's last page boundary until release, so the tree
+        """Keep each window group's window of the prompt's last page boundary until release, so the tree
         learns a hit there: a repeat of the prompt, or the conversation's next turn (which re-sends
         this prompt, and a reply that rarely re-tokenizes to the ids generated), resumes at the
         prompt's end instead of where the decode's moving window left off. The boundary is the
         last one a repeat can use (a hit always leaves one token to compute). ``end``: another
         boundary (an imported prompt pins the one whose window its payload holds)."""
-        if not self.swa_aware or not self._can_pin():
+        if not self.window_aware or not self._can_pin():
             return
         if end is None:
             end = (seq.num_prompt_tokens - 1) // self.page_size * self.page_size
         st = self._state(seq)
-        if end > max(seq.num_computed_tokens, st.swa_pin_end):
-            st.swa_prompt_pin = end
+        if end > max(seq.num_computed_tokens, st.pin_end):
+            st.prompt_pin = end
 
     def _can_pin(self) -> bool:
         # Pinning holds up to one extra window per sequence; only where every window group's pool
@@ -313,7 +291,7 @@ class KVManager:
         also the window pages of locked nodes that no lock needs."""
         radix = self.radix
         assert radix is not None
-        return radix.evictable_full_pages() if g == 0 else radix.evictable_swa_pages(g)
+        return radix.evictable_full_pages() if g == 0 else radix.evictable_window_pages(g)
 
     def _available(self, need: PageNeed) -> bool:
         for blocks, members in self._budgets:
@@ -352,7 +330,7 @@ class KVManager:
                     if g == 0:
                         self.radix.evict_full(count)
                     else:
-                        self.radix.evict_swa(count, g)
+                        self.radix.evict_window(count, g)
         got = [group.pool.alloc(n) for n, group in zip(need.per_group, self.groups, strict=True)]
         if any(pages is None for pages in got):  # pragma: no cover - _available() guarantees room
             for pages, group in zip(got, self.groups, strict=True):
@@ -364,7 +342,7 @@ class KVManager:
         return True
 
     def commit(self, seq: Sequence, n: int) -> None:
-        """Record that ``n`` more tokens of ``seq`` have KV; drop SWA pages that left every window."""
+        """Record that ``n`` more tokens of ``seq`` have KV; drop window pages that left their window."""
         seq.num_computed_tokens += n
         assert seq.num_computed_tokens <= self.of(seq).num_pages * self.page_size
         self.free_out_of_window(seq)
@@ -376,15 +354,15 @@ class KVManager:
         The window kept is that of ``b = c // page * page`` rather than of ``c`` itself: ``b`` is
         where a later request can resume from this sequence's cached pages, and its window
         [b-W+1, b) reaches at most one page below c's. It costs nothing at the peak: a decode step
-        still holds at most ``swa_pages_per_sequence`` pages (the next page is not needed until
+        still holds at most ``window_pages`` pages (the next page is not needed until
         c reaches it, and then b moves with it).
         """
         st = self._held.get(seq.seq_id)
         if not self.windows or st is None:
             return 0
         b = seq.num_computed_tokens // self.page_size * self.page_size
-        upto = min(b, max(0, seq.num_computed_tokens - self.swa_extra_tokens))
-        ends = (st.swa_pin_end, st.swa_prompt_pin)
+        upto = min(b, max(0, seq.num_computed_tokens - self.window_extra_tokens))
+        ends = st.pin_ends
         freed = 0
         for g, group in enumerate(self.groups):
             if isinstance(group, SlidingWindowManager):
@@ -398,10 +376,10 @@ class KVManager:
         st = self._held.get(seq.seq_id)
         if st is None or not self.windows:
             return False
-        ends = (st.swa_pin_end, st.swa_prompt_pin)
+        ends = st.pin_ends
         if not any(ends):
             return False
-        st.swa_pin_end = st.swa_prompt_pin = 0
+        st.pin_end = st.prompt_pin = 0
         dropped = False
         for g, group in enumerate(self.groups):
             if isinstance(group, SlidingWindowManager):
@@ -416,7 +394,7 @@ class KVManager:
         """
         st = self._held.pop(seq.seq_id, _EMPTY)
         nb = st.num_borrowed_pages
-        # A half-copied import holds SWA pages whose positions were never written: never cached.
+        # A half-copied import holds window pages whose positions were never written: never cached.
         cache = cache and not self.transfers.copying(seq)
         if self.radix is not None and cache:
             computed = seq.num_computed_tokens
@@ -451,7 +429,8 @@ class KVManager:
             want = self._cost(members, needs)
             if want > blocks.num_pages:
                 kinds = " and ".join(
-                    f"{needs[g]} {'full' if self.groups[g].window is None else 'SWA'}" for g in members
+                    f"{needs[g]} {'full' if (w := self.groups[g].window) is None else f'window-{w}'}"
+                    for g in members
                 )
                 unit = "pages" if blocks is self.groups[members[0]].pool else "blocks"
                 return f"needs {kinds} KV pages ({want} {unit}), the pool {blocks.name!r} holds {blocks.num_pages}"
@@ -507,7 +486,7 @@ class KVManager:
                 )
 
 
-def group_managers(kv: DualKVCache) -> list[GroupManager]:
+def group_managers(kv: PagedKVCache) -> list[GroupManager]:
     """One manager per KV group of ``kv``, over that group's pool (``kv_groups`` order)."""
     return [
         SlidingWindowManager(kv.group_pool(g), g.spec.sliding_window)

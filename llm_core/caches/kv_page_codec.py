@@ -2,12 +2,15 @@
 
     offset 0   b"EPDKVPG\\x01"                 magic and format version
            8   u32 little-endian: header length
-          12   header: JSON {model, hash, page_size, dtype, has_swa, layers, crc32}
+          12   header: JSON {model, hash, page_size, dtype, layers, crc32, has_swa}
      aligned   per kept layer in model order: K [page, heads, head_dim], then V [page, heads, v_head_dim]
 
-``layers`` lists which layers' KV the page carries (a sliding-window group's layers are absent
-when the page was outside that window when it was spilled); each layer's shapes are its KV
-group's (``kv_groups``). ``decode`` refuses bytes for another model, page size or
+``layers`` lists which layers' KV the page carries (a window group's layers are absent when the
+page was outside that window when it was spilled); each layer's shapes are its KV group's
+(``kv_groups``), and a group's KV is live on the page exactly when all its layers are listed
+(``HostPage.live``). ``has_swa`` (every layer kept) is written for readers of the previous
+release, which read liveness from it; this release reads ``layers`` only, so pages either wrote
+decode alike. ``decode`` refuses bytes for another model, page size or
 dtype, bytes stored under another page's key (``hash``), sizes that do not add up, and a body whose
 crc32 differs: a value truncated or corrupted in the store is a miss to recompute, never KV.
 """
@@ -40,7 +43,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def _layer_specs(layout: KVLayout) -> list[KVGroupSpec]:
     """Each layer's KV group spec (what its K and V of one page look like)."""
     specs: list[KVGroupSpec | None] = [None] * layout.num_layers
-    for g in layout.groups():
+    for g in layout.groups:
         for i in g.layers:
             specs[i] = g.spec
     assert all(s is not None for s in specs)
@@ -65,9 +68,9 @@ def encode(page: HostPage, page_hash: int, model: str, page_size: int) -> bytes:
         "hash": f"{page_hash:016x}",
         "page_size": page_size,
         "dtype": dtype_name(dtype),
-        "has_swa": page.has_swa,
         "layers": kept,
         "crc32": zlib.crc32(body),
+        "has_swa": all(page.live),  # for the previous release's readers
     }
     return frame_head(MAGIC, head) + body
 
@@ -81,7 +84,7 @@ def decode(
         head, off = read_head(raw, MAGIC)
         kept = [int(i) for i in head["layers"]]
         theirs = (head["model"], head["hash"], int(head["page_size"]), head["dtype"])
-        crc, has_swa = int(head["crc32"]), bool(head["has_swa"])
+        crc = int(head["crc32"])
     except (ValueError, KeyError, TypeError) as e:  # FrameError is a ValueError
         raise PageCodecError(f"not a readable stored KV page: {e}") from e
     mine = (model, f"{page_hash:016x}", page_size, dtype_name(dtype))
@@ -92,8 +95,10 @@ def decode(
     full = [i for i in range(n) if not specs[i].is_sliding]  # full attention: every page keeps it
     if sorted(set(kept)) != kept or not set(full) <= set(kept) or (kept and kept[-1] >= n):
         raise PageCodecError(f"the stored KV page's layers {kept} do not fit a {n}-layer model")
-    if has_swa and len(kept) != n:
-        raise PageCodecError("the stored KV page says it has the SWA layers' KV but lacks some")
+    has = set(kept)
+    live = tuple(all(i in has for i in g.layers) for g in layout.groups)
+    if any(not ok and any(i in has for i in g.layers) for ok, g in zip(live, layout.groups, strict=True)):
+        raise PageCodecError(f"the stored KV page keeps part of a KV group's layers ({kept})")
     esize = torch.empty((), dtype=dtype).element_size()
     sizes = [s for i in kept for s in _shapes(specs[i], page_size)]
     need = sum(a * b * c for a, b, c in sizes) * esize
@@ -112,4 +117,4 @@ def decode(
             pair.append(buf[pos : pos + nbytes].view(dtype).view(shape))
             pos += nbytes
         layers[i] = (pair[0], pair[1])
-    return HostPage(tuple(layers), need, has_swa)
+    return HostPage(tuple(layers), need, live)

@@ -1,11 +1,11 @@
 """Paged KV storage for the KV groups: the per-layer KV tensors, the pages that index them and
 their sizing.
 
-Hybrid SWA models keep two kinds of KV. Full-attention layers need every token's KV for the life
-of the sequence; sliding-window layers only ever read the last ``sliding_window`` tokens. The
-model's layers form KV groups (``kv_groups``: a frozen spec each); a page id of a group means the
-same token slots in every layer of the group, so one page table row per group serves all its
-layers (``DualKVCache.layer_group``).
+Full-attention layers need every token's KV for the life of the sequence; a sliding-window layer
+only ever reads the last W tokens of its window. The model's layers form KV groups
+(``kv_groups``: a frozen spec each, one per attention kind and window; ``KVLayout`` is the tuple
+of them); a page id of a group means the same token slots in every layer of the group, so one page
+table row per group serves all its layers (``PagedKVCache.layer_group``).
 
 By default every group takes its pages from one shared pool of equal blocks (``kv_blocks``), so
 no budget split is guessed ahead: a group uses what the others leave (the chat overload test ran
@@ -17,7 +17,7 @@ tensor, and a page map (``page_map``) turns each group's page table into the lay
     full page  1 block   two full layers' pages share a slot (scale 2): 5 slots
     SWA page   8 blocks  five SWA layers per block
 
-With ``KVCacheConfig.swa_fraction`` (a fixed split asked for), or for groups whose pages do not
+With ``KVCacheConfig.window_fraction`` (a fixed split asked for), or for groups whose pages do not
 pack evenly into one slot size, each group has a pool of its own instead, sized by
 ``plan_group_pools``; its layers' tensors are then indexed by the group's page ids directly.
 
@@ -25,7 +25,7 @@ This module knows nothing of sequences or prefix caching: the allocators (``page
 ``kv_blocks.GroupBlocks``) hand out page ids and take them back; who owns a page is the KV
 manager's business (one group manager per group, ``kv_group_manager``). The allocators have no
 tensors, so they run in a metadata-only mode too (capacity benchmarks of a 70-layer plan on a
-laptop); ``DualKVCache`` adds the tensors on top.
+laptop); ``PagedKVCache`` adds the tensors on top.
 """
 
 from __future__ import annotations
@@ -39,12 +39,20 @@ from typing import Any, NamedTuple
 import torch
 
 from llm_core.caches.kv_blocks import BlockLayout, GroupBlocks, LayoutError, plan_block_layout
-from llm_core.caches.kv_groups import KVGroup, kv_groups, layer_groups, layer_specs_from_types
+from llm_core.caches.kv_groups import (
+    KVGroup,
+    KVGroupSpec,
+    kv_groups,
+    layer_groups,
+    layer_spec,
+    layer_specs_from_config,
+    window_pages,
+)
 from llm_core.caches.layer_gate import LayerGate
 from llm_core.caches.page_map import BlockPageMap, GroupPageMap, PageMap
 from llm_core.caches.page_pool import PageAllocator, PagePool, check_blocks
 
-# A sequence's page rows, one per KV group in ``DualKVCache.groups`` order: row ``g``'s entry ``i``
+# A sequence's page rows, one per KV group in ``PagedKVCache.groups`` order: row ``g``'s entry ``i``
 # is group g's physical page of logical page i (``KVManager.rows``).
 PageRows = Sequence[list[int]]
 
@@ -66,158 +74,155 @@ def kv_dtype_name(dtype: torch.dtype) -> str | None:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What the KV cache needs to know about a model: layer types, KV shapes and the window.
+    """What the KV cache needs to know about a model: its KV groups (``kv_groups``), in group order.
 
     Kept independent of the model config class so capacity planning works for any layer plan
-    (e.g. a 70-layer model that is never instantiated). ``layer_is_swa[i]`` says whether model
-    layer ``i`` is a sliding-window layer; ``sliding_window`` counts the query token.
+    (e.g. a 70-layer model that is never instantiated, ``hybrid``). Each group's spec carries its
+    window and KV shape; ``dtype_bytes`` (every group's) is the KV's width.
     """
 
-    layer_is_swa: tuple[bool, ...]
-    full_kv_heads: int
-    swa_kv_heads: int
-    head_dim: int
-    v_head_dim: int
-    sliding_window: int
-    dtype_bytes: int = 2
+    groups: tuple[KVGroup, ...]
 
     def __post_init__(self) -> None:
-        assert self.sliding_window >= 1, self.sliding_window
-        assert self.layer_is_swa, "a model has at least one layer"
+        assert self.groups, "a model has at least one layer"
+        assert len({g.spec.dtype_bytes for g in self.groups}) == 1, "one KV width for every group"
+        layer_groups(self.groups, self.num_layers)  # every layer in exactly one group
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_is_swa)
+    @classmethod
+    def of_layers(cls, layer_specs: Sequence[KVGroupSpec], num_mtp_layers: int = 0) -> KVLayout:
+        """The layout of per-layer specs (the last ``num_mtp_layers`` are the MTP heads')."""
+        return cls(kv_groups(layer_specs, num_mtp_layers))
 
-    @property
-    def num_swa_layers(self) -> int:
-        return sum(self.layer_is_swa)
-
-    @property
-    def num_full_layers(self) -> int:
-        return self.num_layers - self.num_swa_layers
-
-    def groups(self, num_mtp_layers: int = 0) -> tuple[KVGroup, ...]:
-        """The layout's KV groups (``kv_groups``): one per layer kind present, full attention
-        first; the last ``num_mtp_layers`` layers are counted as the MTP heads'."""
-        specs = layer_specs_from_types(
-            self.layer_is_swa,
-            full_kv_heads=self.full_kv_heads,
-            swa_kv_heads=self.swa_kv_heads,
-            head_dim=self.head_dim,
-            v_head_dim=self.v_head_dim,
-            sliding_window=self.sliding_window,
-            dtype_bytes=self.dtype_bytes,
+    @classmethod
+    def hybrid(
+        cls,
+        layer_windows: Sequence[int | None],
+        *,
+        full_kv_heads: int,
+        window_kv_heads: int,
+        head_dim: int,
+        v_head_dim: int,
+        dtype_bytes: int = 2,
+    ) -> KVLayout:
+        """A plan by window per layer (None: full attention): full-attention layers with
+        ``full_kv_heads`` KV heads, windowed ones with ``window_kv_heads``, no sinks."""
+        return cls.of_layers(
+            [
+                layer_spec(
+                    w, full_kv_heads if w is None else window_kv_heads, head_dim, v_head_dim, dtype_bytes
+                )
+                for w in layer_windows
+            ]
         )
-        return kv_groups(specs, num_mtp_layers)
-
-    @property
-    def full_bytes_per_token(self) -> int:
-        """K and V bytes of one token summed over all full-attention layers."""
-        return (
-            self.num_full_layers * self.full_kv_heads * (self.head_dim + self.v_head_dim) * self.dtype_bytes
-        )
-
-    @property
-    def swa_bytes_per_token(self) -> int:
-        """K and V bytes of one token summed over all sliding-window layers."""
-        return self.num_swa_layers * self.swa_kv_heads * (self.head_dim + self.v_head_dim) * self.dtype_bytes
 
     @classmethod
     def from_model_config(
         cls, cfg: Any, dtype: torch.dtype = torch.bfloat16, *, mtp_layers: int = 0
     ) -> KVLayout:
-        """Layout of a MiMo-style config (llm_core.models.config.DecoderConfig or transformers' config).
+        """Layout of a decoder config (``llm_core.models.config.DecoderConfig``: a window, KV heads
+        and sinks per layer) or of transformers' MiMo config (``layer_types``, one
+        ``sliding_window``; windowed layers have the checkpoint's window-layer KV head count, else
+        twice the full count as in MiMo-V2-Flash; sinks not read).
 
-        Reads ``layer_types`` ("sliding_attention" / "full_attention") when present, else the
-        agreed rule (layer ``i`` is full iff ``i == 0 or (i + 1) % 6 == 0``). SWA layers have
-        ``swa_num_key_value_heads`` KV heads when the config names them, else twice the full count
-        (MiMo-V2-Flash).
-
-        ``mtp_layers``: that many SWA layers appended after the model's (indices
-        ``num_hidden_layers .. num_hidden_layers + mtp_layers - 1``), for the multi-token-prediction
-        heads' KV (``llm_core.models.mtp``); they share the SWA pool's page table.
+        ``mtp_layers``: that many windowed layers appended after the model's (indices
+        ``num_hidden_layers ..``), for the multi-token-prediction heads' KV (``llm_core.models.mtp``);
+        they join the first window's group and share its page table.
         """
         assert mtp_layers >= 0, mtp_layers
-        n = int(cfg.num_hidden_layers)
-        types = getattr(cfg, "layer_types", None)
-        if types:
-            is_swa = tuple(str(t).startswith("sliding") for t in types)
-        else:
-            is_swa = tuple(not (i == 0 or (i + 1) % 6 == 0) for i in range(n))
-        is_swa += (True,) * mtp_layers
+        width = _DTYPE_BYTES[dtype]
+        if hasattr(cfg, "window"):  # our DecoderConfig: every layer's own window, heads and sinks
+            return cls.of_layers(layer_specs_from_config(cfg, width, mtp_layers), mtp_layers)
+        n, window = int(cfg.num_hidden_layers), int(cfg.sliding_window)
+        types = getattr(cfg, "layer_types", None) or [
+            "full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)
+        ]
+        windows = [window if str(t).startswith("sliding") else None for t in types] + [window] * mtp_layers
         full_heads = int(cfg.num_key_value_heads)
-        swa_heads = getattr(cfg, "swa_num_key_value_heads", None) or 2 * full_heads
-        return cls(
-            layer_is_swa=is_swa,
-            full_kv_heads=full_heads,
-            swa_kv_heads=int(swa_heads),
-            head_dim=int(cfg.head_dim),
-            v_head_dim=int(getattr(cfg, "v_head_dim", None) or cfg.head_dim),
-            sliding_window=int(cfg.sliding_window),
-            dtype_bytes=_DTYPE_BYTES[dtype],
-        )
-
-
-def swa_pages_per_sequence(sliding_window: int, page_size: int) -> int:
-    """SWA pages one decoding sequence keeps resident: the window before the next query, plus its page.
-
-    The next query at position p reads keys [p-W+1, p]: W tokens, which touch at most
-    ceil((W-1)/page) + 1 pages when they start at the last slot of a page::
-
-        W = 20, page = 8:   p-W+1 = 8k+7, p = 8k+26
-        page:   |   k   |  k+1  |  k+2  |  k+3  |
-        keys:          [x ......................x]        -> 4 pages = ceil(19/8) + 1
-    """
-    return math.ceil((sliding_window - 1) / page_size) + 1
-
-
-class PoolPlan(NamedTuple):
-    """How a byte budget was split: pages per pool and bytes per page of each pool."""
-
-    num_full_pages: int
-    num_swa_pages: int
-    full_page_bytes: int
-    swa_page_bytes: int
+        window_heads = getattr(cfg, "swa_num_key_value_heads", None) or 2 * full_heads  # the checkpoint's key
+        head_dim = int(cfg.head_dim)
+        v_head_dim = int(getattr(cfg, "v_head_dim", None) or head_dim)
+        specs = [
+            layer_spec(w, full_heads if w is None else int(window_heads), head_dim, v_head_dim, width)
+            for w in windows
+        ]
+        return cls.of_layers(specs, mtp_layers)
 
     @property
-    def total_bytes(self) -> int:
-        return self.num_full_pages * self.full_page_bytes + self.num_swa_pages * self.swa_page_bytes
+    def num_layers(self) -> int:
+        return sum(g.num_layers for g in self.groups)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return self.groups[0].spec.dtype_bytes
+
+    def with_dtype_bytes(self, width: int) -> KVLayout:
+        """The same groups with KV ``width`` bytes wide."""
+        return KVLayout(
+            tuple(
+                dataclasses.replace(g, spec=dataclasses.replace(g.spec, dtype_bytes=width))
+                for g in self.groups
+            )
+        )
+
+    def bytes_per_token(self, sliding: bool | None = None) -> int:
+        """K and V bytes of one token summed over every layer (``sliding`` True / False: over the
+        windowed / full-attention layers only)."""
+        return sum(g.bytes_per_token for g in self.groups if sliding is None or g.spec.is_sliding == sliding)
+
+    def describe(self) -> list[dict[str, object]]:
+        """The groups as JSON-ready fields, with their layers (a P/D payload's header)."""
+        return [{**g.describe(), "layers": list(g.layers)} for g in self.groups]
+
+    @classmethod
+    def from_description(cls, groups: Sequence[dict[str, Any]]) -> KVLayout:
+        """The inverse of ``describe`` (``KeyError`` / ``TypeError`` / ``AssertionError`` when it is not one)."""
+        out = []
+        for i, d in enumerate(groups):
+            window = d["sliding_window"]
+            spec = layer_spec(
+                None if window is None else int(window),
+                int(d["kv_heads"]),
+                int(d["head_dim"]),
+                int(d["v_head_dim"]),
+                int(d["dtype_bytes"]),
+                bool(d["sinks"]),
+            )
+            out.append(KVGroup(i, spec, tuple(int(x) for x in d["layers"]), int(d["num_mtp_layers"])))
+        return cls(tuple(out))
 
 
 @dataclass(frozen=True)
 class KVCacheConfig:
     """Memory budget, and where the storage splits it ahead (a pool per group).
 
-    ``swa_fraction`` None (the default): one shared block pool (``DualKVCache.from_budget``), no
-    split. Set: a pool per group, the windows' pools taking that share of ``memory_budget_bytes``.
-    ``plan_group_pools`` (a pool per group without a fraction: groups that do not pack into
-    blocks) makes the pools run out together for sequences of ``balance_context_len`` tokens
-    (see ``balanced_swa_fraction``), after setting aside ``swa_headroom_tokens`` of SWA pool for
-    the prefill in flight: a step computing T prefill tokens holds their SWA KV on top of the
-    windows (until they leave the window), so the step's token budget is the natural value.
+    ``window_fraction`` None (the default): one shared block pool (``PagedKVCache.from_budget``),
+    no split. Set: a pool per group, the window groups' pools taking that share of
+    ``memory_budget_bytes``. ``plan_group_pools`` (a pool per group without a fraction: groups that
+    do not pack into blocks) makes the pools run out together for sequences of
+    ``balance_context_len`` tokens (``balanced_window_share``), after setting aside
+    ``window_headroom_tokens`` of window pages for the prefill in flight: a step computing T
+    prefill tokens holds their windowed KV on top of the windows (until they leave the window),
+    so the step's token budget is the natural value.
     """
 
     memory_budget_bytes: int
     page_size: int = 16
-    swa_fraction: float | None = None
+    window_fraction: float | None = None
     balance_context_len: int = 8192
-    swa_headroom_tokens: int = 0
+    window_headroom_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes <= 0 or self.page_size <= 0:
             raise ValueError(f"need a positive budget and page size, got {self}")
-        if self.swa_fraction is not None and not 0.0 < self.swa_fraction < 1.0:
-            raise ValueError(f"swa_fraction must be in (0, 1), got {self.swa_fraction}")
+        if self.window_fraction is not None and not 0.0 < self.window_fraction < 1.0:
+            raise ValueError(f"window_fraction must be in (0, 1), got {self.window_fraction}")
 
 
-def balanced_swa_fraction(layout: KVLayout, context_len: int, page_size: int) -> float:
-    """SWA share of the budget at which full and SWA pages run out together for ``context_len``.
-
-    One sequence of ``context_len`` tokens holds ceil(L/page) full pages and (between steps) the
-    window's pages in the SWA pool; the split is the ratio of their bytes.
-    """
-    groups = layout.groups()
+def balanced_window_share(groups: Sequence[KVGroup], context_len: int, page_size: int) -> float:
+    """The window groups' share of the budget at which every pool runs out together for
+    ``context_len``: one sequence of that many tokens holds ceil(L/page) pages of each
+    full-attention group and (between steps) its window's pages of each window group; the split
+    is the ratio of their bytes."""
     return _window_share(groups, _demand(groups, context_len, page_size))
 
 
@@ -225,43 +230,28 @@ def _demand(groups: Sequence[KVGroup], context_len: int, page_size: int) -> list
     """Bytes one sequence of ``context_len`` tokens holds in each group's pool between steps."""
     pages = math.ceil(context_len / page_size)
     return [
-        (pages if w is None else min(swa_pages_per_sequence(w, page_size), pages)) * g.page_bytes(page_size)
+        (pages if w is None else min(window_pages(w, page_size), pages)) * g.page_bytes(page_size)
         for g in groups
         for w in (g.spec.sliding_window,)
     ]
 
 
 def _window_share(groups: Sequence[KVGroup], demand: Sequence[int]) -> float:
-    """The windows' share of ``demand``, strictly between 0 and 1."""
-    swa = sum(d for g, d in zip(groups, demand, strict=True) if g.spec.is_sliding)
-    full = sum(demand) - swa
+    """The window groups' share of ``demand``, strictly between 0 and 1."""
+    windowed = sum(d for g, d in zip(groups, demand, strict=True) if g.spec.is_sliding)
+    full = sum(demand) - windowed
     if full == 0:
         return 1.0 - 1e-9
-    if swa == 0:
+    if windowed == 0:
         return 1e-9
-    return swa / (full + swa)
-
-
-def plan_pools(layout: KVLayout, cfg: KVCacheConfig) -> PoolPlan:
-    """Split ``cfg.memory_budget_bytes`` into whole pages of each pool (no tensors are made): the
-    layout's groups' plan (``plan_group_pools``) by layer kind."""
-    groups = layout.groups()
-    pages = {g.spec.is_sliding: n for g, n in zip(groups, plan_group_pools(groups, cfg), strict=True)}
-    # a kind without layers: pages of no bytes, as many as the other kind's
-    n_full = pages.get(False, pages.get(True, 0))
-    return PoolPlan(
-        n_full,
-        pages.get(True, n_full),
-        cfg.page_size * layout.full_bytes_per_token,
-        cfg.page_size * layout.swa_bytes_per_token,
-    )
+    return windowed / (full + windowed)
 
 
 def plan_group_pools(groups: Sequence[KVGroup], cfg: KVCacheConfig) -> tuple[int, ...]:
     """Pages of each group's pool (``groups`` order) from ``cfg.memory_budget_bytes``.
 
-    The windows (their pages summed) get ``swa_fraction`` of the budget, or else
-    ``swa_headroom_tokens`` of pages plus the share at which full and window pages run out
+    The windows (their pages summed) get ``window_fraction`` of the budget, or else
+    ``window_headroom_tokens`` of pages plus the share at which full and window pages run out
     together for ``balance_context_len`` tokens; several windows divide that in proportion to what
     such a sequence holds in each. Every full-attention group holds every logical page, so they
     share one page count from the rest."""
@@ -270,18 +260,18 @@ def plan_group_pools(groups: Sequence[KVGroup], cfg: KVCacheConfig) -> tuple[int
     page_bytes = [g.page_bytes(page) for g in groups]
     windows = [i for i, g in enumerate(groups) if g.spec.is_sliding]
     full_page = sum(b for g, b in zip(groups, page_bytes, strict=True) if not g.spec.is_sliding)
-    swa_page = sum(page_bytes[i] for i in windows)
-    if swa_page == 0 or full_page == 0:  # one layer kind only: the other's pages hold no bytes
-        swa_budget = 0 if swa_page == 0 else budget
-    elif cfg.swa_fraction is not None:
-        swa_budget = int(budget * cfg.swa_fraction)
+    window_page = sum(page_bytes[i] for i in windows)
+    if window_page == 0 or full_page == 0:  # one layer kind only: the other's pages hold no bytes
+        window_budget = 0 if window_page == 0 else budget
+    elif cfg.window_fraction is not None:
+        window_budget = int(budget * cfg.window_fraction)
     else:
-        headroom = min(math.ceil(cfg.swa_headroom_tokens / page) * swa_page, budget // 2)
-        swa_budget = headroom + int((budget - headroom) * _window_share(groups, demand))
+        headroom = min(math.ceil(cfg.window_headroom_tokens / page) * window_page, budget // 2)
+        window_budget = headroom + int((budget - headroom) * _window_share(groups, demand))
     window_demand = sum(demand[i] for i in windows)
-    n_full = (budget - swa_budget) // full_page if full_page else 0
+    n_full = (budget - window_budget) // full_page if full_page else 0
     pages = [
-        (swa_budget * demand[i] // window_demand if window_demand else 0) // page_bytes[i]
+        (window_budget * demand[i] // window_demand if window_demand else 0) // page_bytes[i]
         if g.spec.is_sliding and page_bytes[i]
         else n_full
         for i, g in enumerate(groups)
@@ -292,11 +282,9 @@ def plan_group_pools(groups: Sequence[KVGroup], cfg: KVCacheConfig) -> tuple[int
     return tuple(most if b == 0 else n for n, b in zip(pages, page_bytes, strict=True))
 
 
-def _pool_name(group: KVGroup, windows: int) -> str:
-    """ "full", "swa", or with several windows "swa128" (messages and integrity checks)."""
-    if not group.spec.is_sliding:
-        return "full"
-    return "swa" if windows == 1 else f"swa{group.spec.sliding_window}"
+def _pool_name(group: KVGroup) -> str:
+    """ "full", or "window128" (messages and integrity checks)."""
+    return "full" if group.spec.sliding_window is None else f"window{group.spec.sliding_window}"
 
 
 class LayerKV(NamedTuple):
@@ -304,13 +292,13 @@ class LayerKV(NamedTuple):
 
     k: torch.Tensor
     v: torch.Tensor
-    is_swa: bool
+    window: int | None  # its group's window (keys per query); None for full attention
     # the layer's view (``page_map``): which of the batch's page tables and slot lists it reads;
-    # with a pool per group, the index of its group in ``DualKVCache.groups`` (not otherwise)
+    # with a pool per group, the index of its group in ``PagedKVCache.groups`` (not otherwise)
     group: int
 
 
-class DualKVCache:
+class PagedKVCache:
     """The KV tensors of every layer plus the page allocator of each KV group that indexes them.
 
     Layer i: k [N_i, page, Hkv_i, head_dim], v [N_i, page, Hkv_i, v_head_dim], in its group's KV
@@ -328,42 +316,38 @@ class DualKVCache:
     def __init__(
         self,
         layout: KVLayout,
-        num_full_pages: int,
-        num_swa_pages: int,
         page_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        groups: tuple[KVGroup, ...] | None = None,
-        group_pages: Sequence[int] | None = None,
+        *,
+        group_pages: int | Sequence[int] | None = None,
         num_blocks: int | None = None,
     ) -> None:
-        """``groups``: the model's KV groups (``kv_groups_from_config``, which knows sinks, MTP
-        layers and each layer's window); default: the layout's. Each layer's tensors take its
-        group's KV shape, so a model without SWA layers has no SWA pages and one with two window
-        sizes has two window groups.
+        """Each layer's tensors take its group's KV shape (``layout.groups``), so a model without
+        window layers has no window pages and one with two window sizes has two window groups.
 
         ``num_blocks``: one shared pool of that many blocks (``kv_blocks``) from which every group
-        takes its pages. None: a pool per group, of ``group_pages[g]`` pages (default:
-        ``num_full_pages`` for full attention, ``num_swa_pages`` for each window)."""
-        self.layout = layout
+        takes its pages. Else ``group_pages``: a pool per group, of ``group_pages[g]`` pages (one
+        int: that many for every group)."""
+        # the layout at the tensors' width, so what it says of bytes is what they hold
+        self.layout = layout = layout.with_dtype_bytes(torch.empty((), dtype=dtype).element_size())
         self.page_size = page_size
-        self.groups = layout.groups() if groups is None else groups
-        for g in self.groups:
-            if any(layout.layer_is_swa[i] != g.spec.is_sliding for i in g.layers):
-                raise ValueError(f"KV group {g.group_id} mixes the layout's full and SWA layers")
+        self.groups = layout.groups
         # layer -> index of its group in ``groups`` (the KV manager's page rows are in this order)
         self.layer_group: tuple[int, ...] = layer_groups(self.groups, layout.num_layers)
-        windows = sum(g.spec.is_sliding for g in self.groups)
-        names = [_pool_name(g, windows) for g in self.groups]
+        names = [_pool_name(g) for g in self.groups]
         self.blocks: PagePool | None = None  # the shared block pool, when there is one
         self.block_layout: BlockLayout | None = None
         self.pools: tuple[PageAllocator, ...]
         self.page_map: PageMap
         if num_blocks is not None:
+            assert group_pages is None, "a shared block pool or a pool per group, not both"
             self._layers = self._shared_storage(num_blocks, names, dtype, device)
         else:
             if group_pages is None:
-                group_pages = [num_swa_pages if g.spec.is_sliding else num_full_pages for g in self.groups]
+                raise ValueError("need num_blocks (a shared pool) or group_pages (a pool per group)")
+            if isinstance(group_pages, int):
+                group_pages = [group_pages] * len(self.groups)
             if len(group_pages) != len(self.groups):
                 raise ValueError(f"{len(group_pages)} pool sizes for {len(self.groups)} KV groups")
             self._layers = self._group_storage(group_pages, names, dtype, device)
@@ -382,7 +366,7 @@ class DualKVCache:
             spec, n = self.groups[group].spec, group_pages[group]
             k = torch.zeros(n, self.page_size, spec.kv_heads, spec.head_dim, dtype=dtype, device=device)
             v = torch.zeros(n, self.page_size, spec.kv_heads, spec.v_head_dim, dtype=dtype, device=device)
-            layers.append(LayerKV(k, v, spec.is_sliding, group))
+            layers.append(LayerKV(k, v, spec.sliding_window, group))
         return layers
 
     def _shared_storage(
@@ -411,7 +395,7 @@ class DualKVCache:
             spec, n = self.groups[slot.group].spec, num_blocks * slot.scale
             k = k_slots[slot.tensor].view(n, self.page_size, spec.kv_heads, spec.head_dim)
             v = v_slots[slot.tensor].view(n, self.page_size, spec.kv_heads, spec.v_head_dim)
-            layers.append(LayerKV(k, v, spec.is_sliding, self.page_map.layer_view[i]))
+            layers.append(LayerKV(k, v, spec.sliding_window, self.page_map.layer_view[i]))
         return layers
 
     @classmethod
@@ -421,47 +405,27 @@ class DualKVCache:
         cfg: KVCacheConfig,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        groups: tuple[KVGroup, ...] | None = None,
-    ) -> DualKVCache:
-        """Pages sized from a byte budget (bytes counted at ``dtype``'s width): one shared block
-        pool, or with ``cfg.swa_fraction`` (a fixed split asked for), or groups whose pages do not
-        pack into equal blocks (``LayoutError``), a pool per group (``plan_group_pools``)."""
-        sized = KVLayout(**{**layout.__dict__, "dtype_bytes": _DTYPE_BYTES[dtype]})
-        chosen = sized.groups() if groups is None else groups
-        width = _DTYPE_BYTES[dtype]  # bytes at ``dtype``'s width, whatever the groups were derived at
-        sized_groups = [
-            dataclasses.replace(g, spec=dataclasses.replace(g.spec, dtype_bytes=width)) for g in chosen
-        ]
-        if cfg.swa_fraction is None:
+    ) -> PagedKVCache:
+        """Pages sized from a byte budget (bytes counted at ``dtype``'s width, whatever the layout
+        was derived at): one shared block pool, or with ``cfg.window_fraction`` (a fixed split
+        asked for), or groups whose pages do not pack into equal blocks (``LayoutError``), a pool
+        per group (``plan_group_pools``)."""
+        width = _DTYPE_BYTES[dtype]
+        sized = layout.with_dtype_bytes(width)
+        if cfg.window_fraction is None:
             try:
-                blocks = plan_block_layout(sized_groups, cfg.page_size)
+                blocks = plan_block_layout(sized.groups, cfg.page_size)
             except LayoutError:
                 pass
             else:
                 n = blocks.num_blocks(cfg.memory_budget_bytes, width)
-                return cls(layout, 0, 0, cfg.page_size, dtype, device, groups, num_blocks=n)
-        pages = plan_group_pools(sized_groups, cfg)
-        return cls(layout, 0, 0, cfg.page_size, dtype, device, groups, group_pages=pages)
+                return cls(layout, cfg.page_size, dtype, device, num_blocks=n)
+        pages = plan_group_pools(sized.groups, cfg)
+        return cls(layout, cfg.page_size, dtype, device, group_pages=pages)
 
     def group_pool(self, group: KVGroup) -> PageAllocator:
         """The pool that holds ``group``'s pages."""
         return self.pools[self.groups.index(group)]
-
-    @property
-    def full_pages(self) -> PageAllocator:
-        """The full-attention group's pool (group 0); LookupError for a model without one."""
-        return self._pool_of(sliding=False)
-
-    @property
-    def swa_pages(self) -> PageAllocator:
-        """The sliding-window group's pool; LookupError for a model without one."""
-        return self._pool_of(sliding=True)
-
-    def _pool_of(self, sliding: bool) -> PageAllocator:
-        for g, pool in zip(self.groups, self.pools, strict=True):
-            if g.spec.is_sliding == sliding:
-                return pool
-        raise LookupError(f"this model has no {'sliding-window' if sliding else 'full-attention'} KV group")
 
     def describe_groups(self) -> list[dict[str, object]]:
         """Each KV group's spec, layers and pages (``/health``): ``num_pages`` is the most it can

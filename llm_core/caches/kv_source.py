@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from llm_core.caches.kv_pool import DualKVCache, PageRows
+from llm_core.caches.kv_pool import PagedKVCache, PageRows
 
 
 class KVSource(Protocol):
@@ -41,12 +41,12 @@ class KVSource(Protocol):
         """The token after the prompt when the source covers all of it (None: sample it)."""
         ...
 
-    def write(self, kv: DualKVCache, rows: PageRows, lo: int, hi: int) -> None:
+    def write(self, kv: PagedKVCache, rows: PageRows, lo: int, hi: int) -> None:
         """Write positions [lo, hi) (within [start, end)) into the sequence's pages (``rows``: its
         page row per KV group): ``write_layer`` for every layer in order."""
         ...
 
-    def write_layer(self, kv: DualKVCache, layer: int, rows: PageRows, lo: int, hi: int) -> None:
+    def write_layer(self, kv: PagedKVCache, layer: int, rows: PageRows, lo: int, hi: int) -> None:
         """Write positions [lo, hi) of model layer ``layer`` only, through ``kv.layer_storage`` (never
         waits on ``kv.gate``: the copier is the one that opens it). Called once per layer of a chunk,
         in layer order; accounting per chunk (bytes, seconds) happens at the last layer."""

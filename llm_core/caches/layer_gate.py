@@ -2,7 +2,7 @@
 
 Why: KV that arrives by copy (``caches/kv_source.py``) can be written layer by layer beside the
 forward of the same step instead of in a step of its own. The forward reads layer i's KV right
-before layer i's attention (``DualKVCache.layer``), so it only has to wait for layer i, not for
+before layer i's attention (``PagedKVCache.layer``), so it only has to wait for layer i, not for
 the whole copy::
 
     copier thread   copy L0 | mark 0 | copy L1 | mark 1 | copy L2 | mark 2 ...

@@ -12,13 +12,13 @@ that another sequence reads. So keys are cut into pages, edges hold whole pages,
 keyed by their first page, and every match length is a multiple of ``page_size``.
 
 When is a prefix a hit? Resuming at position ``b`` means the query at ``b`` attends keys
-[b-W+1, b]: full layers need full KV of [0, b), SWA layers need SWA KV of [b-W+1, b). Each group
+[b-W+1, b]: full layers need full KV of [0, b), window-W layers need their KV of [b-W+1, b). Each group
 has its rule (full attention: the path is present; window W: the trailing ``W-1`` tokens, or all
 of [0, b) when shorter, are live in that group) and the hit is the longest node boundary ``b`` on
 the matched path that every group's rule accepts. With one window (MiMo)::
 
-    page:   [  0   |  1   |  2   |  3   ]        W-1 = 2 pages of SWA needed before b
-    SWA:    [ live | TOMB | live | live ]
+    page:   [  0   |  1   |  2   |  3   ]        W-1 = 2 pages of the window needed before b
+    window: [ live | TOMB | live | live ]
     b = 1 page:   window [0, 1) live          valid
     b = 2 pages:  window [0, 2) has TOMB      not valid
     b = 3 pages:  window [1, 3) has TOMB      not valid
@@ -33,8 +33,9 @@ trailing nodes that cover group g's window (its KV in use), so the window KV of 
 sequence's older prefix can still be reclaimed. A later insert of the same tokens with live
 window pages heals a tombstone.
 
-``swa_aware=False`` is the baseline a SWA-unaware cache would be: the whole SWA prefix must stay
-live for a hit, SWA eviction removes whole leaves, and no tombstone is ever made.
+``window_aware=False`` is the baseline a cache unaware of windows would be: a window group's
+whole prefix must stay live for a hit, its eviction removes whole leaves, and no tombstone is ever
+made.
 
 Events (``record_events=True``): every change of what the tree holds is recorded, in order, as a
 KV event a router can replay to know exactly what this tree would hit (``epd_common.messages.kv_events``; pages are
@@ -42,11 +43,8 @@ named by their chained content hash, ``epd_common.messages.page_hash``)::
 
     new pages                       BlockStored group 0 (full KV), + group g for each live window run
     tombstone healed                BlockStored group g
-    window trimmed / tombstoned     SwaTombstoned
+    window trimmed / tombstoned     BlockRemoved group g (its full KV stays: no group-0 event)
     node deleted                    BlockRemoved group 0 (+ group g where its window KV was live)
-
-(``SwaTombstoned`` names no group: with one window group, as every model served today, it is
-exact; ``epd_common.messages.kv_events``'s format is not this module's to change.)
 
 A split changes no page, so it emits nothing. ``drain_events`` hands them to the publisher.
 """
@@ -64,7 +62,6 @@ from epd_common.messages.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEvent,
-    SwaTombstoned,
 )
 from epd_common.messages.page_hash import page_hashes
 from llm_core.caches.radix_node import InsertResult, MatchResult, PrefixLock, RadixNode
@@ -92,7 +89,7 @@ class RadixCache:
         page_size: int,
         windows: Sequence[int | None],
         frees: Sequence[Callable[[list[int]], None]],
-        swa_aware: bool = True,
+        window_aware: bool = True,
         record_events: bool = False,
         on_delete: Callable[[RadixNode], None] | None = None,
     ) -> None:
@@ -105,7 +102,7 @@ class RadixCache:
         self.windows = tuple(windows)
         self.num_groups = len(windows)
         self.window_groups = tuple(range(1, self.num_groups))
-        self.swa_aware = swa_aware
+        self.window_aware = window_aware
         self._frees = tuple(frees)
         self._ids = itertools.count()
         self._clock = itertools.count(1)
@@ -122,10 +119,10 @@ class RadixCache:
     # ---- queries -------------------------------------------------------------------------
     def window_tokens(self, group: int) -> int:
         """Tokens of window group ``group`` that must be live right before a hit boundary (all of
-        them when SWA-unaware)."""
+        them when unaware of windows)."""
         w = self.windows[group]
         assert w is not None, f"group {group} is full attention"
-        return w - 1 if self.swa_aware else 1 << 62
+        return w - 1 if self.window_aware else 1 << 62
 
     def match_prefix(self, key: list[int], max_len: int | None = None, touch: bool = True) -> MatchResult:
         """Longest usable prefix of ``key[:max_len]`` (page-aligned). Splits a node matched in part."""
@@ -353,7 +350,7 @@ class RadixCache:
     def evictable_full_pages(self) -> int:
         return sum(len(n.key) // self.page_size for n in self._nodes.values() if n.lock_ref == 0)
 
-    def evictable_swa_pages(self, group: int = 1) -> int:
+    def evictable_window_pages(self, group: int) -> int:
         """Pages of window group ``group`` that eviction in that group alone can free."""
         return sum(
             len(row)
@@ -365,7 +362,7 @@ class RadixCache:
         """Remove least recently used unlocked leaves until ``num_pages`` full pages are freed."""
         return self._evict_leaves(num_pages, lambda n: len(n.key) // self.page_size)
 
-    def evict_swa(self, num_pages: int, group: int = 1) -> int:
+    def evict_window(self, num_pages: int, group: int) -> int:
         """Free at least ``num_pages`` pages of window group ``group``, least recently used first,
         cheapest loss first.
 
@@ -374,10 +371,10 @@ class RadixCache:
            part tombstoned in the group; its own boundary stays a hit.
         2. Tombstone: a live node whose window KV is unlocked loses it (its full KV stays
            cached); an unlocked leaf goes entirely instead (a tombstone leaf can never end a hit).
-        SWA-unaware mode only removes whole leaves.
+        Window-unaware mode only removes whole leaves.
         """
         self.version += 1
-        if not self.swa_aware:
+        if not self.window_aware:
             return self._evict_leaves(num_pages, lambda n: len(n.pages[group] or ()))
         live = sorted(
             (n for n in self._nodes.values() if n.pages[group] is not None and n.window_lock_ref[group] == 0),
@@ -396,7 +393,7 @@ class RadixCache:
                 freed += len(top_row)
                 self._frees[group](top_row)
                 top.pages[group] = None
-                self._tombstoned(top)
+                self._tombstoned(top, group)
         for nd in live:
             if freed >= num_pages:
                 break
@@ -409,7 +406,7 @@ class RadixCache:
                 continue
             self._frees[group](row)
             nd.pages[group] = None
-            self._tombstoned(nd)
+            self._tombstoned(nd, group)
         return freed
 
     def _evict_leaves(self, num_pages: int, gain: Callable[[RadixNode], int]) -> int:
@@ -484,9 +481,9 @@ class RadixCache:
                 self._stored_event(nd.page_hashes, _last_hash(parent), tokens[nd.start_depth :], group)
             )
 
-    def _tombstoned(self, nd: RadixNode) -> None:
+    def _tombstoned(self, nd: RadixNode, group: int) -> None:
         if self.record_events:
-            self._events.append(SwaTombstoned(tuple(nd.page_hashes)))
+            self._events.append(BlockRemoved(tuple(nd.page_hashes), group_idx=group))
 
     # ---- introspection -------------------------------------------------------------------
     @property
@@ -498,9 +495,6 @@ class RadixCache:
 
     def full_pages_held(self) -> list[int]:
         return self.pages_held(0)
-
-    def swa_pages_held(self) -> list[int]:
-        return self.pages_held(1)
 
     def num_tombstones(self) -> int:
         return sum(1 for n in self._nodes.values() if n.is_tombstone)

@@ -6,8 +6,7 @@ None once the node is a *tombstone* in that group (its window KV was evicted, th
 Depths are in tokens from the root; they never change for a node's end, even when the node is
 split (the upper half becomes a new parent). See radix_cache.py for the tree.
 
-``full_pages`` / ``swa_pages`` name group 0's row and the first sliding-window group's (group 1):
-what a model with one window (MiMo) and the two-table attention interface read.
+``full_pages`` names group 0's row (the key's pages: every cached page has them).
 """
 
 from __future__ import annotations
@@ -60,15 +59,6 @@ class RadixNode:
         return pages
 
     @property
-    def swa_pages(self) -> list[int] | None:
-        """The first sliding-window group's row (None: tombstone)."""
-        return self.pages[1]
-
-    @property
-    def swa_lock_ref(self) -> int:
-        return self.window_lock_ref[1]
-
-    @property
     def start_depth(self) -> int:
         return self.end_depth - len(self.key)
 
@@ -102,10 +92,6 @@ class MatchResult(NamedTuple):
     def full_pages(self) -> list[int]:
         return self.pages[0]
 
-    @property
-    def swa_pages(self) -> list[int]:
-        return self.pages[1]
-
 
 class PrefixLock(NamedTuple):
     """Handle of a lock: the hit's last node and, per group, where its window lock starts (a node
@@ -125,7 +111,3 @@ class InsertResult(NamedTuple):
     @property
     def full_to_free(self) -> list[int]:
         return self.to_free[0]
-
-    @property
-    def swa_to_free(self) -> list[int]:
-        return self.to_free[1]

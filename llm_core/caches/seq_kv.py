@@ -32,8 +32,10 @@ class SeqKV:
     # per group: leading logical pages already dropped from its window (NOT_RESIDENT unless
     # pinned; always 0 for full attention)
     num_released: list[int] = field(default_factory=list)
-    swa_pin_end: int = 0  # keep the SWA window before this position until release (heals a branch point)
-    swa_prompt_pin: int = 0  # likewise for the prompt's last page boundary (a next turn resumes there)
+    # Positions whose windows every window group keeps until release (0: none): a branch point's
+    # (heals it in the tree) and the prompt's last page boundary (a next turn resumes there).
+    pin_end: int = 0
+    prompt_pin: int = 0
     prefix_lock: PrefixLock | None = None  # held while the sequence uses a prefix-cache hit
 
     @property
@@ -42,25 +44,5 @@ class SeqKV:
         return len(self.pages[0]) if self.pages else 0
 
     @property
-    def full_pages(self) -> list[int]:
-        """Group 0's row (full attention)."""
-        return self.pages[0] if self.pages else []
-
-    @property
-    def swa_pages(self) -> list[int]:
-        """The sliding-window group's row (group 1); [] when the model has none."""
-        return self.pages[1] if len(self.pages) > 1 else []
-
-    @property
-    def num_swa_released(self) -> int:
-        return self.num_released[1] if len(self.num_released) > 1 else 0
-
-    def full_slot(self, pos: int, page_size: int) -> int:
-        """Position ``pos``'s slot in the full-attention group's pages."""
-        return self.full_pages[pos // page_size] * page_size + pos % page_size
-
-    def swa_slot(self, pos: int, page_size: int) -> int:
-        """Position ``pos``'s slot in the sliding-window group's pages (it must be resident)."""
-        page = self.swa_pages[pos // page_size]
-        assert page != NOT_RESIDENT, f"SWA page of position {pos} is not resident"
-        return page * page_size + pos % page_size
+    def pin_ends(self) -> tuple[int, int]:
+        return (self.pin_end, self.prompt_pin)

@@ -74,13 +74,13 @@ class LayerKVLike(Protocol):
     @property
     def v(self) -> Tensor: ...
     @property
-    def is_swa(self) -> bool: ...
+    def window(self) -> int | None: ...  # its group's keys per query; None for full attention
     @property
     def group(self) -> int: ...  # the layer's view: which of the batch's tables and slots it reads
 
 
 class PagedKV(Protocol):
-    """What the model needs from the KV cache (``llm_core.caches.kv_pool.DualKVCache`` provides it)."""
+    """What the model needs from the KV cache (``llm_core.caches.kv_pool.PagedKVCache`` provides it)."""
 
     def layer(self, i: int) -> LayerKVLike: ...
 

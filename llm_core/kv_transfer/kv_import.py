@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from llm_core.caches.kv_pool import DualKVCache, PageRows
+from llm_core.caches.kv_pool import PagedKVCache, PageRows
 from llm_core.kv_transfer.payload import Payload, write_layer_positions, write_positions
 
 
@@ -23,8 +23,8 @@ class KVImport(NamedTuple):
     def end(self) -> int:
         return self.payload.plan.num_tokens
 
-    def write(self, kv: DualKVCache, rows: PageRows, lo: int, hi: int) -> None:
+    def write(self, kv: PagedKVCache, rows: PageRows, lo: int, hi: int) -> None:
         write_positions(self.payload, kv, rows, lo, hi)
 
-    def write_layer(self, kv: DualKVCache, layer: int, rows: PageRows, lo: int, hi: int) -> None:
+    def write_layer(self, kv: PagedKVCache, layer: int, rows: PageRows, lo: int, hi: int) -> None:
         write_layer_positions(self.payload, kv, layer, rows, lo, hi)

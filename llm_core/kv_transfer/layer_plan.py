@@ -44,7 +44,7 @@ class LayerPlan:
     @cached_property
     def groups(self) -> tuple[KVGroup, ...]:
         """The layout's KV groups (full attention first, then each window)."""
-        return self.layout.groups()
+        return self.layout.groups
 
     @cached_property
     def layer_group(self) -> tuple[int, ...]:

@@ -2,26 +2,29 @@
 
     offset 0   b"EPDKV\\x01\\0\\0"              magic and format version
            8   u32 little-endian: header length
-          12   header: JSON of the plan (layout, page size, tokens, dtype)
+          12   header: JSON of the plan (layout: the KV groups, page size, tokens, dtype)
      aligned   per layer in model order: K [pages, page, heads, head_dim], then V [..., v_head_dim]
-               (only ``plan.pages_of(layer)``: every page of a full layer, the window's of a SWA one)
+               (only ``plan.pages_of(layer)``: every page of a full layer, its window's of a windowed one)
 
 The payload carries no checksum of its own: the transport adds one over the whole buffer and
 checks it before the payload is parsed. ``read`` still validates the header against the reader's
 own model and every size against the buffer, so a payload from another model, dtype or page size
 is refused (``PayloadError``: the decode engine recomputes) instead of being written into KV.
+
+The layout is the list of KV groups (``KVLayout.describe``: each group's window, KV shape and
+layers). The previous release wrote a two-kind map (``layer_is_swa``, one window); ``read`` still
+takes it, for one release.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from llm_core.caches.kv_frame import frame_head, read_head
-from llm_core.caches.kv_pool import KV_DTYPES, DualKVCache, KVLayout, PageRows, kv_dtype_name
+from llm_core.caches.kv_pool import KV_DTYPES, KVLayout, PagedKVCache, PageRows, kv_dtype_name
 from llm_core.kv_transfer.layer_plan import LayerPlan
 
 MAGIC = b"EPDKV\x01\x00\x00"
@@ -40,22 +43,46 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _blocks(plan: LayerPlan) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Per layer: the K and V shapes of its block [pages, page, heads, dim]."""
-    lay = plan.layout
     out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    for i in range(lay.num_layers):
-        n, h = len(plan.pages_of(i)), plan.heads_of(i)
-        out.append(((n, plan.page_size, h, lay.head_dim), (n, plan.page_size, h, lay.v_head_dim)))
+    for i in range(plan.layout.num_layers):
+        n, spec = len(plan.pages_of(i)), plan.group_of(i).spec
+        h = spec.kv_heads
+        out.append(((n, plan.page_size, h, spec.head_dim), (n, plan.page_size, h, spec.v_head_dim)))
     return out
+
+
+def _layout_of(head: Any) -> KVLayout:
+    """The header's layout: a list of groups, or the previous release's two-kind map."""
+    if isinstance(head, list):
+        return KVLayout.from_description(head)
+    window = int(head["sliding_window"])
+    return KVLayout.hybrid(
+        [window if windowed else None for windowed in head["layer_is_swa"]],
+        full_kv_heads=int(head["full_kv_heads"]),
+        window_kv_heads=int(head["swa_kv_heads"]),
+        head_dim=int(head["head_dim"]),
+        v_head_dim=int(head["v_head_dim"]),
+        dtype_bytes=int(head["dtype_bytes"]),
+    )
+
+
+def _shape_key(layout: KVLayout) -> tuple[tuple[object, ...], ...]:
+    """What must match between the writer's and reader's layouts: each group's window, KV shape
+    and layers (not the KV width, checked as the dtype, nor sinks, which keep no KV)."""
+    return tuple(
+        (g.spec.sliding_window, g.spec.kv_heads, g.spec.head_dim, g.spec.v_head_dim, g.layers)
+        for g in layout.groups
+    )
 
 
 def _head(plan: LayerPlan, dtype: torch.dtype) -> bytes:
     """The frame before the body (``caches/kv_frame.py``): magic, header length, the plan as JSON."""
-    body = {"layout": asdict(plan.layout), "page_size": plan.page_size, "num_tokens": plan.num_tokens}
+    body = {"layout": plan.layout.describe(), "page_size": plan.page_size, "num_tokens": plan.num_tokens}
     body["dtype"] = _dtype_name(dtype)
     return frame_head(MAGIC, body)
 
 
-def pack(plan: LayerPlan, kv: DualKVCache, rows: PageRows) -> torch.Tensor:
+def pack(plan: LayerPlan, kv: PagedKVCache, rows: PageRows) -> torch.Tensor:
     """The plan's KV of one sequence (its logical-to-physical page row per KV group,
     ``KVManager.rows``) as one uint8 tensor [nbytes]."""
     dtype = kv.layer(0).k.dtype
@@ -93,16 +120,16 @@ def read(
     raw = memoryview(data).cast("B")
     try:
         head, off = read_head(raw, MAGIC)
-        theirs = KVLayout(**{**head["layout"], "layer_is_swa": tuple(head["layout"]["layer_is_swa"])})
+        theirs = _layout_of(head["layout"])
         plan = LayerPlan(theirs, int(head["page_size"]), int(head["num_tokens"]))
         their_dtype = KV_DTYPES[head["dtype"]]
     except (ValueError, KeyError, TypeError, AssertionError) as e:
         raise PayloadError(f"not a readable KV payload: {e}") from e  # FrameError is a ValueError
-    mine = KVLayout(**{**asdict(layout), "dtype_bytes": theirs.dtype_bytes})
-    if theirs != mine or their_dtype != dtype or plan.page_size != page_size:
+    if _shape_key(theirs) != _shape_key(layout) or their_dtype != dtype or plan.page_size != page_size:
         raise PayloadError(
-            f"the KV payload is for another model or format ({theirs}, {head['dtype']}, page "
-            f"{plan.page_size}); this engine has {mine}, {_dtype_name(dtype)}, page {page_size}"
+            f"the KV payload is for another model or format ({_shape_key(theirs)}, {head['dtype']}, "
+            f"page {plan.page_size}); this engine has {_shape_key(layout)}, {_dtype_name(dtype)}, "
+            f"page {page_size}"
         )
     if len(raw) != off + plan.nbytes:
         raise PayloadError(f"the KV payload has {len(raw)} bytes, its plan needs {off + plan.nbytes}")
@@ -119,7 +146,7 @@ def read(
     return Payload(plan, blocks)
 
 
-def write_positions(payload: Payload, kv: DualKVCache, rows: PageRows, start: int, end: int) -> None:
+def write_positions(payload: Payload, kv: PagedKVCache, rows: PageRows, start: int, end: int) -> None:
     """Write the payload's KV of positions [start, end) into a sequence's pages (its page row per
     KV group, allocated for those positions), every layer in order (``write_layer_positions``)."""
     for i in range(len(payload.blocks)):
@@ -128,14 +155,14 @@ def write_positions(payload: Payload, kv: DualKVCache, rows: PageRows, start: in
 
 def write_layer_positions(
     payload: Payload,
-    kv: DualKVCache,
+    kv: PagedKVCache,
     layer: int,
     rows: PageRows,
     start: int,
     end: int,
 ) -> None:
     """``write_positions`` for model layer ``layer`` only, through ``kv.layer_storage`` (a copy beside
-    the forward opens ``kv.gate`` layer by layer: its writer must not wait on it). An SWA layer takes
+    the forward opens ``kv.gate`` layer by layer: its writer must not wait on it). A windowed layer takes
     only the positions the payload has (from its first window page on); the rest of its pages are
     never read before they are dropped."""
     plan = payload.plan

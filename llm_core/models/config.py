@@ -4,14 +4,16 @@ Two on-disk spellings are accepted (both map onto the same frozen dataclass):
 
 - transformers' ``MiMoV2FlashConfig`` (``layer_types``, ``mlp_layer_types``, ``rope_parameters`` per
   layer type; SWA layers implicitly use ``2 * num_key_value_heads`` and always have sinks);
-- the original Xiaomi release (``hybrid_layer_pattern`` 0 = full / 1 = SWA, ``moe_layer_freq``,
+- the original Xiaomi release (``hybrid_layer_pattern`` 0 = full / 1 = SLIDING, ``moe_layer_freq``,
   ``swa_num_key_value_heads``, ``rope_theta`` / ``swa_rope_theta``, ``layernorm_epsilon``,
   ``sliding_window_size`` which excludes the query token, and wins over ``sliding_window``).
 
 Conventions (they matter for the KV cache and the attention kernels):
 
-- ``sliding_window`` counts the query token: a query at position p in an SWA layer attends keys at
-  positions p - W + 1 .. p (W keys including itself), plus the learned sink logit.
+- A window counts the query token: a query at position p in a windowed layer attends keys at
+  positions p - W + 1 .. p (W keys including itself), plus the learned sink logit. ``window(i)`` is
+  layer i's: ``layer_windows[i]`` when the config names one per layer (ours: a model whose layers
+  use several windows), else ``sliding_window`` for every windowed layer.
 - Layer i is full attention iff ``layer_types[i] == "full_attention"`` (by default i == 0 or
   (i + 1) % 6 == 0).
 - The rotary part of each q/k head is its first ``rotary_dim(i)`` dims (``int(head_dim * factor)``
@@ -30,7 +32,7 @@ from epd_common.checkpoint.config_json import read_config_json
 from epd_common.checkpoint.errors import CheckpointError
 
 FULL = "full_attention"
-SWA = "sliding_attention"
+SLIDING = "sliding_attention"
 
 
 class ConfigError(ValueError):
@@ -39,7 +41,7 @@ class ConfigError(ValueError):
 
 def default_layer_types(num_layers: int) -> tuple[str, ...]:
     """Full attention for layer 0 and every 6th layer ((i + 1) % 6 == 0), sliding window elsewhere."""
-    return tuple(FULL if i == 0 or (i + 1) % 6 == 0 else SWA for i in range(num_layers))
+    return tuple(FULL if i == 0 or (i + 1) % 6 == 0 else SLIDING for i in range(num_layers))
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,11 @@ class DecoderConfig:
     swa_num_key_value_heads: int  # sliding-window layers
     head_dim: int  # q and k
     v_head_dim: int  # v (and the attention output per head)
-    sliding_window: int  # keys per query in SWA layers, the query included
+    sliding_window: int  # the checkpoint's window: keys per query (query included) of windowed layers
     layer_types: tuple[str, ...] = ()  # FULL | SWA per layer; () = default pattern
+    # Keys per query of each layer (None: full attention); () = ``sliding_window`` for every
+    # windowed layer. A model whose layers use several windows names them here.
+    layer_windows: tuple[int | None, ...] = ()
     mlp_layer_types: tuple[str, ...] = ()  # "dense" | "sparse" per layer; () = dense first, then MoE
     rope_theta: float = 5_000_000.0  # full-attention layers
     swa_rope_theta: float = 10_000.0
@@ -101,7 +106,8 @@ class DecoderConfig:
         need(n > 0, f"num_hidden_layers must be positive, got {n}")
         need(len(self.layer_types) == n, f"layer_types has {len(self.layer_types)} entries for {n} layers")
         need(
-            set(self.layer_types) <= {FULL, SWA}, f"layer_types must be {FULL!r}/{SWA!r}: {self.layer_types}"
+            set(self.layer_types) <= {FULL, SLIDING},
+            f"layer_types must be {FULL!r}/{SLIDING!r}: {self.layer_types}",
         )
         need(len(self.mlp_layer_types) == n, f"mlp_layer_types has {len(self.mlp_layer_types)} entries")
         need(
@@ -109,6 +115,18 @@ class DecoderConfig:
             f"mlp_layer_types must be 'dense'/'sparse': {self.mlp_layer_types}",
         )
         need(self.sliding_window >= 1, f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.layer_windows:
+            need(
+                len(self.layer_windows) == n,
+                f"layer_windows has {len(self.layer_windows)} entries for {n} layers",
+            )
+            need(
+                all(
+                    (w is None) == (t == FULL) and (w is None or w >= 1)
+                    for w, t in zip(self.layer_windows, self.layer_types, strict=True)
+                ),
+                f"layer_windows {self.layer_windows} must be None exactly at the full-attention layers, else >= 1",
+            )
         for kv_name in ("num_key_value_heads", "swa_num_key_value_heads"):
             kv = getattr(self, kv_name)
             need(
@@ -165,6 +183,8 @@ class DecoderConfig:
 
     def window(self, i: int) -> int | None:
         """Keys per query (query included) for layer ``i``; None for full attention."""
+        if self.layer_windows:
+            return self.layer_windows[i]
         return None if self.is_full_layer(i) else self.sliding_window
 
     @property
@@ -172,7 +192,7 @@ class DecoderConfig:
         return tuple(i for i in range(self.num_hidden_layers) if self.is_full_layer(i))
 
     @property
-    def swa_layer_ids(self) -> tuple[int, ...]:
+    def window_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_hidden_layers) if not self.is_full_layer(i))
 
     @property
@@ -180,14 +200,8 @@ class DecoderConfig:
         return len(self.full_layer_ids)
 
     @property
-    def num_swa_layers(self) -> int:
-        return len(self.swa_layer_ids)
-
-    def kv_bytes_per_token(self, full: bool, dtype_bytes: int = 2) -> int:
-        """Bytes of K and V for one token over all layers of one type (pool sizing helper)."""
-        heads = self.num_key_value_heads if full else self.swa_num_key_value_heads
-        layers = self.num_full_layers if full else self.num_swa_layers
-        return layers * heads * (self.head_dim + self.v_head_dim) * dtype_bytes
+    def num_window_layers(self) -> int:
+        return len(self.window_layer_ids)
 
     # ---- loading -----------------------------------------------------------------------------
 
@@ -215,7 +229,7 @@ class DecoderConfig:
         if d.get("layer_types"):
             layer_types = tuple(str(t) for t in d["layer_types"])
         elif d.get("hybrid_layer_pattern"):
-            layer_types = tuple(SWA if int(p) else FULL for p in d["hybrid_layer_pattern"])
+            layer_types = tuple(SLIDING if int(p) else FULL for p in d["hybrid_layer_pattern"])
         else:
             layer_types = default_layer_types(n)
         mlp_layer_types: tuple[str, ...]
@@ -236,17 +250,19 @@ class DecoderConfig:
             window = int(d["sliding_window"])
         else:
             raise ConfigError("config.json has neither 'sliding_window' nor 'sliding_window_size'")
+        # ours (``to_hf_dict``): a window per layer, for models whose layers use several
+        layer_windows = tuple(None if w is None else int(w) for w in d.get("layer_windows") or ())
 
         rope = d.get("rope_parameters") or {}
         full_rope = rope.get(FULL, {}) if isinstance(rope, dict) else {}
-        swa_rope = rope.get(SWA, {}) if isinstance(rope, dict) else {}
-        for name, params in ((FULL, full_rope), (SWA, swa_rope)):
+        window_rope = rope.get(SLIDING, {}) if isinstance(rope, dict) else {}
+        for name, params in ((FULL, full_rope), (SLIDING, window_rope)):
             if params and params.get("rope_type", "default") != "default":
                 raise ConfigError(f"rope_parameters[{name!r}].rope_type={params['rope_type']!r} unsupported")
         prf = float(d.get("partial_rotary_factor") or 0.334)
 
         is_hf = "rope_parameters" in d or "layer_types" in d
-        swa_kv_default = 2 * kv if is_hf else kv
+        window_kv_default = 2 * kv if is_hf else kv
         eos = d.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
@@ -259,16 +275,17 @@ class DecoderConfig:
             num_hidden_layers=n,
             num_attention_heads=heads,
             num_key_value_heads=kv,
-            swa_num_key_value_heads=int(d.get("swa_num_key_value_heads") or swa_kv_default),
+            swa_num_key_value_heads=int(d.get("swa_num_key_value_heads") or window_kv_default),
             head_dim=head_dim,
             v_head_dim=v_head_dim,
             sliding_window=window,
             layer_types=layer_types,
+            layer_windows=layer_windows,
             mlp_layer_types=mlp_layer_types,
             rope_theta=float(full_rope.get("rope_theta", d.get("rope_theta", 5_000_000.0))),
-            swa_rope_theta=float(swa_rope.get("rope_theta", d.get("swa_rope_theta", 10_000.0))),
+            swa_rope_theta=float(window_rope.get("rope_theta", d.get("swa_rope_theta", 10_000.0))),
             partial_rotary_factor=float(full_rope.get("partial_rotary_factor", prf)),
-            swa_partial_rotary_factor=float(swa_rope.get("partial_rotary_factor", prf)),
+            swa_partial_rotary_factor=float(window_rope.get("partial_rotary_factor", prf)),
             attention_value_scale=1.0 if scale is None else float(scale),
             full_attention_sinks=bool(d.get("add_full_attention_sink_bias", False)),
             swa_attention_sinks=bool(d.get("add_swa_attention_sink_bias", True)),
@@ -314,6 +331,7 @@ class DecoderConfig:
             "v_head_dim": self.v_head_dim,
             "sliding_window": self.sliding_window,
             "layer_types": list(self.layer_types),
+            **({"layer_windows": list(self.layer_windows)} if self.layer_windows else {}),
             "mlp_layer_types": list(self.mlp_layer_types),
             "rope_parameters": {
                 FULL: {
@@ -321,7 +339,7 @@ class DecoderConfig:
                     "rope_theta": self.rope_theta,
                     "partial_rotary_factor": self.partial_rotary_factor,
                 },
-                SWA: {
+                SLIDING: {
                     "rope_type": "default",
                     "rope_theta": self.swa_rope_theta,
                     "partial_rotary_factor": self.swa_partial_rotary_factor,

@@ -93,7 +93,6 @@ class MiMoAttention(nn.Module):
     def __init__(self, config: DecoderConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.is_swa = not config.is_full_layer(layer_idx)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_kv_heads(layer_idx)
         self.head_dim = config.head_dim
@@ -203,7 +202,7 @@ class MiMoAttention(nn.Module):
         Everything between the two projections is the attention backend's (rotary, KV store,
         attention)."""
         layer_kv = kv.layer(self.layer_idx)
-        assert layer_kv.is_swa == self.is_swa, f"layer {self.layer_idx}: KV pool type mismatch"
+        assert layer_kv.window == self.window, f"layer {self.layer_idx}: its KV group's window differs"
         slots, table = batch.slots[layer_kv.group], batch.page_tables[layer_kv.group]
         cos, sin = self._cos_sin(positions, x.dtype, rope)
         out = self.backend.forward(
@@ -234,7 +233,7 @@ class MiMoDecoderLayer(nn.Module):
         self.layer_backend: LayerBackend = REFERENCE.layer
         self.packed: PackedLayer | None = None
         # What that path reads every step, as plain attributes (a submodule lookup costs ~0.3 us).
-        self._kv_layer, self._is_swa = layer_idx, self.self_attn.is_swa
+        self._kv_layer, self._window = layer_idx, self.self_attn.window
         self._rope_key = self.self_attn.rotary.key
 
     def after_load(self, backends: Backends) -> None:
@@ -273,7 +272,7 @@ class MiMoDecoderLayer(nn.Module):
         if batch is not None and self.packed is not None:
             assert kv is not None
             layer_kv = kv.layer(self._kv_layer)
-            assert layer_kv.is_swa == self._is_swa, f"layer {self._kv_layer}: KV pool type mismatch"
+            assert layer_kv.window == self._window, f"layer {self._kv_layer}: its KV group's window differs"
             key = self._rope_key
             cos, sin = (
                 rope[key]

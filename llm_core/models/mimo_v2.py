@@ -4,7 +4,7 @@ The decoder is MiMo-V2-Flash's (the shared decoder: hybrid full / sliding-window
 sinks, sigmoid-routed MoE without shared experts, dense layer 0); what differs is the checkpoint:
 
     config.json    flat (vision_config, audio_config, processor_config beside the text fields), the
-                   original spelling: hybrid_layer_pattern (0 full, 1 SWA), moe_layer_freq,
+                   original spelling: hybrid_layer_pattern (0 full, 1 SLIDING), moe_layer_freq,
                    swa_num_key_value_heads / swa_rope_theta, layernorm_epsilon; sliding_window_size
                    = previous tokens, the query comes on top (128 -> 129 keys, as sglang attends and
                    transformers' MiMoV2FlashConfig converts it), and it wins over the
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from llm_core.models.config import FULL, SWA, ConfigError, DecoderConfig
+from llm_core.models.config import FULL, SLIDING, ConfigError, DecoderConfig
 from llm_core.models.family import TensorConverter, TensorFormatError
 from llm_core.models.fp8 import SCALE_SUFFIX, BlockFP8, is_fp8, scale_name
 from llm_core.models.fused_qkv import FusedQKVLayout, SliceToWeight, split_fused_qkv
@@ -90,17 +90,17 @@ def _qkv_layouts(config: DecoderConfig) -> dict[str, FusedQKVLayout]:
     ranks = config.num_key_value_heads
     return {
         kind: FusedQKVLayout(config.num_attention_heads, kv, config.head_dim, config.v_head_dim, ranks)
-        for kind, kv in ((FULL, config.num_key_value_heads), (SWA, config.swa_num_key_value_heads))
+        for kind, kv in ((FULL, config.num_key_value_heads), (SLIDING, config.swa_num_key_value_heads))
     }
 
 
 def _layer_type(name: str, config: DecoderConfig) -> str:
-    """FULL or SWA for a ``model.layers.N.`` name (by the config) or an MTP head (always SWA)."""
+    """FULL or SWA for a ``model.layers.N.`` name (by the config) or an MTP head (always SLIDING)."""
     m = _LAYER.match(name)
     if m is None:
         raise TensorFormatError(f"tensor {name!r}: a fused qkv_proj outside a decoder layer")
     if m.group(1) == "mtp.layers":
-        return SWA
+        return SLIDING
     i = int(m.group(2))
     if i >= config.num_hidden_layers:
         raise TensorFormatError(f"unexpected tensor {name!r} (num_hidden_layers={config.num_hidden_layers})")

@@ -39,7 +39,7 @@ from epd_common.runtime import torch_threads
 from llm_core.backends.layer import DenseMlpParams, LayerBackend, PackedLayer
 from llm_core.backends.selector import Backends
 from llm_core.kernels.attention_batch import AttentionBatch, PagedKV
-from llm_core.models.config import SWA, DecoderConfig
+from llm_core.models.config import SLIDING, DecoderConfig
 from llm_core.models.decoder import REFERENCE, MiMoAttention, RMSNorm, RopeTables, block_params
 from llm_core.models.moe import DenseMLP
 
@@ -62,18 +62,26 @@ class MTPFormatError(ValueError):
 
 def head_config(config: DecoderConfig) -> DecoderConfig:
     """The config of one head's decoder layer: a single sliding-window layer with a dense MLP."""
-    return dataclasses.replace(config, num_hidden_layers=1, layer_types=(SWA,), mlp_layer_types=("dense",))
+    # the first windowed layer's window: the heads' KV joins its group (``kv_groups``)
+    first_window = next(w for i in range(config.num_hidden_layers) if (w := config.window(i)) is not None)
+    return dataclasses.replace(
+        config,
+        num_hidden_layers=1,
+        layer_types=(SLIDING,),
+        layer_windows=(first_window,),
+        mlp_layer_types=("dense",),
+    )
 
 
 class MTPAttention(MiMoAttention):
-    """A head's attention: built as layer 0 of ``head_config`` (so SWA: swa KV heads, window, sinks,
+    """A head's attention: built as layer 0 of ``head_config`` (so SLIDING: swa KV heads, window, sinks,
     SWA rotary), but reading and writing KV layer ``kv_layer`` of the cache, i.e. one of the SWA
     layers appended after the target's (``MiMoAttention.forward`` addresses ``kv.layer(layer_idx)``;
     built as index 0 it would overwrite the target's layer 0)."""
 
     def __init__(self, config: DecoderConfig, kv_layer: int) -> None:
         super().__init__(head_config(config), 0)
-        assert self.is_swa
+        assert self.window is not None
         self.layer_idx = kv_layer
 
 

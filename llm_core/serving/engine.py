@@ -42,9 +42,8 @@ from epd_common.messages.completion_response import KVTransferReport
 from epd_common.messages.kv_events import AllBlocksCleared, KVEventBatch
 from epd_common.store.store import Store
 from llm_core.caches.host_tier import HostKVTier
-from llm_core.caches.kv_groups import kv_groups_from_config
 from llm_core.caches.kv_manager import KVManager, group_managers
-from llm_core.caches.kv_pool import DualKVCache, KVCacheConfig, KVLayout
+from llm_core.caches.kv_pool import KVCacheConfig, KVLayout, PagedKVCache
 from llm_core.caches.kv_store_tier import KVStoreTier, model_kv_id
 from llm_core.kv_transfer.kv_import import KVImport
 from llm_core.models.config import DecoderConfig
@@ -547,7 +546,7 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting,
             kv_full_usage=usage[0],
             # the fullest window group; a model without one keeps every page like its full group
-            kv_swa_usage=max(usage[1:], default=usage[0]),
+            kv_window_usage=max(usage[1:], default=usage[0]),
             kv_pool_usage=pool_usage,
             generation_tokens_total=self._meter.total,
             prompt_tokens_total=self._prompt_tokens_total,
@@ -665,23 +664,22 @@ def _build_kv_and_scheduler(
     dtype: torch.dtype,
     record_events: bool = False,
     mtp_layers: int = 0,
-) -> tuple[DualKVCache, Scheduler]:
+) -> tuple[PagedKVCache, Scheduler]:
     """The KV storage sized from the byte budget (one shared block pool; a pool per group with
-    ``swa_fraction``), the KV manager over it and the scheduler.
-    ``mtp_layers``: SWA layers for the MTP heads' KV beside the model's (speculative decoding)."""
+    ``window_fraction``), the KV manager over it and the scheduler.
+    ``mtp_layers``: window layers for the MTP heads' KV beside the model's (speculative decoding)."""
     layout = KVLayout.from_model_config(cfg, dtype, mtp_layers=mtp_layers)
     kv_cfg = KVCacheConfig(
         memory_budget_bytes=ec.kv_memory_bytes,
         page_size=ec.page_size,
-        swa_fraction=ec.swa_fraction,
+        window_fraction=ec.window_fraction,
         # A pool per group only (groups that do not pack into blocks): split so that both pools
         # run out together for sequences as long as the model allows.
         balance_context_len=min(max_model_len, 8192),
-        # Room for one prefill chunk beyond the window in the SWA pool.
-        swa_headroom_tokens=min(ec.max_num_batched_tokens, max_model_len),
+        # Room for one prefill chunk beyond the windows in the window groups' pools.
+        window_headroom_tokens=min(ec.max_num_batched_tokens, max_model_len),
     )
-    groups = kv_groups_from_config(cfg, layout.dtype_bytes, mtp_layers)
-    kv = DualKVCache.from_budget(layout, kv_cfg, dtype, device, groups)
+    kv = PagedKVCache.from_budget(layout, kv_cfg, dtype, device)
     host = HostKVTier(kv, ec.host_kv_bytes) if ec.host_kv_bytes > 0 else None
     manager = KVManager(
         group_managers(kv),
@@ -690,7 +688,7 @@ def _build_kv_and_scheduler(
         host_tier=host,
     )
     # The MTP heads' queries trail the target's by up to k + 1 positions: keep their window too.
-    manager.swa_extra_tokens = mtp_layers + 1 if mtp_layers else 0
+    manager.window_extra_tokens = mtp_layers + 1 if mtp_layers else 0
     manager.mtp_backoff = mtp_layers > 0
     sched_cfg = SchedulerConfig(
         max_num_seqs=ec.max_num_seqs,

@@ -15,7 +15,7 @@ class EngineStats(NamedTuple):
     # pages in use / the most the group can hold (0..1); with the shared block pool, the share of
     # its blocks the group's pages take
     kv_full_usage: float  # the full-attention group
-    kv_swa_usage: float  # the fullest sliding-window group
+    kv_window_usage: float  # the fullest sliding-window group
     # the KV storage as a whole: blocks in use / blocks of the shared pool (with a pool per group,
     # the fullest group's usage): what runs out first
     kv_pool_usage: float

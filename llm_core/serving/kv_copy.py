@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from llm_core.caches.kv_pool import DualKVCache
+from llm_core.caches.kv_pool import PagedKVCache
 from llm_core.caches.kv_source import KVSource
 from llm_core.caches.kv_transfers import KVTransfers
 from llm_core.caches.layer_gate import LayerGate
@@ -101,7 +101,7 @@ def _tail_of(seq: Sequence, end: int) -> Sequence:
     return tail
 
 
-def copy_sequentially(kv: DualKVCache, jobs: Seq[CopyJob]) -> None:
+def copy_sequentially(kv: PagedKVCache, jobs: Seq[CopyJob]) -> None:
     """Every job's whole chunk, one after the other, on the calling thread."""
     for job in jobs:
         job.source.write(kv, job.rows, job.lo, job.hi)
@@ -119,7 +119,7 @@ class LayeredCopy:
     On CUDA the copier enqueues its copies on the stream the forward runs on (the current one at
     entry), so a kernel the forward enqueues after ``wait(i)`` runs after layer i's copies."""
 
-    def __init__(self, kv: DualKVCache, jobs: Seq[CopyJob]) -> None:
+    def __init__(self, kv: PagedKVCache, jobs: Seq[CopyJob]) -> None:
         self._kv = kv
         self._jobs = list(jobs)
         self._gate = LayerGate(kv.num_layers)

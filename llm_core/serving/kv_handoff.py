@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 from epd_common.messages.completion_response import KVTransferReport
 from llm_core.caches.kv_connector import KVConnector
-from llm_core.caches.kv_pool import DualKVCache, KVLayout
+from llm_core.caches.kv_pool import PagedKVCache
 from llm_core.kv_transfer.kv_import import KVImport
 from llm_core.kv_transfer.layer_plan import LayerPlan
 from llm_core.kv_transfer.payload import PayloadError, pack, read
@@ -49,7 +49,7 @@ class KVHandoff(KVConnector):
         self,
         transport: str,
         namespace: str,
-        kv: DualKVCache,
+        kv: PagedKVCache,
         *,
         host: str = "127.0.0.1",
         ttl_s: float = 60.0,
@@ -65,7 +65,7 @@ class KVHandoff(KVConnector):
         self.arena_bytes = arena_bytes
         k = kv.layer(0).k
         self.dtype = k.dtype
-        self.layout = KVLayout(**{**kv.layout.__dict__, "dtype_bytes": k.element_size()})
+        self.layout = kv.layout  # at the KV's width (``PagedKVCache`` sizes it)
         self._transport: KVTransport | None = None
         self._lock = threading.Lock()
         self.exported = 0

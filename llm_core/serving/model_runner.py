@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from llm_core.backends.selector import Backends
-from llm_core.caches.kv_pool import DualKVCache
+from llm_core.caches.kv_pool import PagedKVCache
 from llm_core.kernels.attention_batch import AttentionBatch
 from llm_core.models.positions import LinearPositions, PositionScheme
 from llm_core.request import Sampled, Sequence
@@ -51,7 +51,7 @@ class CausalLM(Protocol):
         input_ids: Tensor,
         positions: Tensor,
         batch: AttentionBatch,
-        kv: DualKVCache,
+        kv: PagedKVCache,
         input_embeds: Tensor | None = None,
     ) -> Tensor: ...
 
@@ -77,7 +77,7 @@ class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
-        kv: DualKVCache,
+        kv: PagedKVCache,
         sampler: Sampler,
         device: torch.device | str = "cpu",
         positions: PositionScheme | None = None,

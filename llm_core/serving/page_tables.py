@@ -129,7 +129,7 @@ def _tables_and_slots(
     """PageTables from int32 [B, P] tables (one per group) and each new token's sequence and
     position: the write slot of a token is its group page id * page_size + its offset in the page
     (``SeqKV.full_slot`` / ``swa_slot``), gathered for all tokens at once. The runner maps these
-    group tables and slots to the layers' views (``DualKVCache.page_map``)."""
+    group tables and slots to the layers' views (``PagedKVCache.page_map``)."""
     seq_of_token, positions = tokens
     pages = positions // page_size  # [T] logical page of each new token
     offsets = positions - pages * page_size

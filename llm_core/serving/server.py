@@ -73,7 +73,7 @@ class _Metrics:
         self.waiting = Gauge("epd_llm_waiting_requests", "Requests waiting for admission", registry=r)
         self.kv_usage = Gauge(
             "epd_llm_kv_usage",
-            "KV usage (0..1): pool=full / swa (a group's pages), all (the storage)",
+            "KV usage (0..1): pool=full / window (the fullest window group's pages), all (the storage)",
             ["pool"],
             registry=r,
         )
@@ -112,7 +112,7 @@ class _Metrics:
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         self.kv_usage.labels(pool="full").set(s.kv_full_usage)
-        self.kv_usage.labels(pool="swa").set(s.kv_swa_usage)
+        self.kv_usage.labels(pool="window").set(s.kv_window_usage)
         self.kv_usage.labels(pool="all").set(s.kv_pool_usage)
         self.tokens_per_s.set(s.tokens_per_s)
         self.gen_tokens.set(s.generation_tokens_total)
@@ -323,7 +323,6 @@ def create_app(
                 "kv_handoff": engine.handoff.stats() if engine.handoff else None,
                 "kv_tiers": engine.kv_tier_stats(),
                 "page_size": engine.kv.page_size,
-                "sliding_window": engine.model_config.sliding_window,
                 # the KV cache groups (llm_core.caches.kv_groups): spec, layers, pages and bytes
                 "kv_groups": engine.kv.describe_groups(),
                 # what they draw from: one shared block pool (or a pool per group) and its bytes

@@ -28,12 +28,12 @@ class EngineConfig:
     later than 90% of ``max_queue_wait_s`` (or of the client's shorter timeout) at the measured tokens per
     second (``admission_seed_tokens_per_s`` until measured); ``max_waiting`` requests
     waiting is a memory guard. ``kv_memory_bytes`` is one block pool that every KV group draws
-    from; ``swa_fraction`` splits it into a pool per group instead (a fixed share for the windows).
+    from; ``window_fraction`` splits it into a pool per group instead (a fixed share for the windows).
     """
 
     kv_memory_bytes: int = 64 * 1024 * 1024
     page_size: int = 16
-    swa_fraction: float | None = None
+    window_fraction: float | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int | None = None  # per-sequence cap on one step's prefill chunk

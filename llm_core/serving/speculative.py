@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from epd_common.runtime import torch_threads
-from llm_core.caches.kv_pool import DualKVCache
+from llm_core.caches.kv_pool import PagedKVCache
 from llm_core.kernels.attention_batch import AttentionBatch
 from llm_core.models.decoder import RopeTables
 from llm_core.models.mtp import MTPHeads
@@ -130,7 +130,7 @@ class Speculator:
         self,
         heads: MTPHeads,
         target: TargetModel,
-        kv: DualKVCache,
+        kv: PagedKVCache,
         num_steps: int,
         sampling: SequenceSampling,
     ) -> None:

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from epd_common.runtime import torch_threads
-from llm_core.caches.kv_pool import DualKVCache, KVLayout
+from llm_core.caches.kv_pool import KVLayout, PagedKVCache
 from llm_core.kernels.attention_batch import build_attention_batch
 from llm_core.models.decoder import DecoderForCausalLM
 from llm_core.models.mtp import MTPHeads
@@ -158,7 +158,7 @@ def _paged_greedy(model: DecoderForCausalLM, prompts: Tensor, new_tokens: int) -
     pages = -(-total // _PAGE)
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     layout = KVLayout.from_model_config(model.config, dtype)
-    kv = DualKVCache(layout, n * pages, n * pages, _PAGE, dtype, device)
+    kv = PagedKVCache(layout, _PAGE, dtype, device, group_pages=n * pages)
     table = [list(range(b * pages, (b + 1) * pages)) for b in range(n)]
     seqs = prompts.clone()
     out = [seqs]

@@ -1,6 +1,6 @@
 """bench.kv_affinity without a service: the trace is deterministic per seed, a session's history
 grows by exactly its previous turn, sessions share exactly the system prompt, images recur in the
-history once sent; the KV budget splits as the engine's own ``plan_pools`` does and leaves round
+history once sent; the KV budget splits as the engine's own ``plan_group_pools`` does and leaves round
 robin short of what it needs; and the summary arithmetic (gains, load ratio, verdicts) on
 hand-made results."""
 
@@ -34,7 +34,7 @@ from bench.kv_affinity_trace import (
     turn_messages,
     user_message,
 )
-from llm_core.caches.kv_pool import KVCacheConfig, KVLayout, plan_pools
+from llm_core.caches.kv_pool import KVCacheConfig, KVLayout, plan_group_pools
 from llm_core.models.checkpoint import default_llm_config
 
 CFG = TraceConfig(sessions=6, turns=5, seed=3)
@@ -148,8 +148,8 @@ def test_kv_budget_splits_like_the_engine_and_starves_round_robin(
     b = kv_budget(trace, concurrency, 4, 16)
     layout = KVLayout.from_model_config(default_llm_config(), torch.float32)
     # the engine gets the pages the budget names (the engine's own split from the two flags)
-    plan = plan_pools(layout, KVCacheConfig(b.kv_memory_bytes, b.page_size, b.swa_fraction))
-    assert (plan.num_full_pages, plan.num_swa_pages) == (b.full_pages, b.swa_pages)
+    plan = plan_group_pools(layout.groups, KVCacheConfig(b.kv_memory_bytes, b.page_size, b.swa_fraction))
+    assert plan == (b.full_pages, b.swa_pages)
     # the CLI hands the fraction over as repr(): it round-trips exactly
     assert float(repr(b.swa_fraction)) == b.swa_fraction
     full_tokens = b.full_pages * b.page_size

@@ -34,7 +34,7 @@ def trace_batches(seed: int, n: int) -> list[KVEventBatch]:
 
 
 def reference(batches: list[KVEventBatch]) -> dict[int, int]:
-    index = EnginePageIndex(P, WINDOW)
+    index = EnginePageIndex(P, (None, WINDOW))
     for b in batches:
         index.apply(b)
     return dict(index._pages)
@@ -53,7 +53,7 @@ class Follower:
     """An index kept by a subscriber, with the sequence numbers it was handed."""
 
     def __init__(self, sub_cls: type[KVEventSubscriber] = KVEventSubscriber, **kw: object) -> None:
-        self.index = EnginePageIndex(P, WINDOW)
+        self.index = EnginePageIndex(P, (None, WINDOW))
         self.seqs: list[int] = []
         self.resets = 0
         self._sub_cls = sub_cls

@@ -16,7 +16,7 @@ import pytest
 
 from epd.llm_routing import page_naming
 from epd.llm_routing.kv_event_subscriber import SubscriberCounters
-from epd.llm_routing.llm_router import LLMRouter, NoEngineAvailable, connect_address, health_window
+from epd.llm_routing.llm_router import LLMRouter, NoEngineAvailable, connect_address, health_windows
 from epd.llm_routing.load_counters import Dispatch
 from epd.llm_routing.policy import RouterConfig
 from epd_common.messages.kv_events import AllBlocksCleared, KVEventBatch
@@ -117,7 +117,7 @@ class FakeEngine:
         return {
             "status": "ok",
             "page_size": self.page_size,
-            "sliding_window": WINDOW,
+            "kv_groups": groups_health(WINDOW),
             "kv_events_endpoint": f"fake://{self.url}" if self.events else None,
             "kv_events_replay_endpoint": None,
             "instance_id": self.instance_id,
@@ -173,6 +173,14 @@ class Cluster:
 
 def tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randint(100, 10_000) for _ in range(n)]
+
+
+def groups_health(window: int) -> list[dict[str, Any]]:
+    """/health's ``kv_groups`` of a model with one window (what the router reads of them)."""
+    return [
+        {"group": 0, "kind": "full_attention", "sliding_window": None},
+        {"group": 1, "kind": "sliding_window", "sliding_window": window},
+    ]
 
 
 def test_follow_up_turns_go_to_the_engine_holding_their_prefix_and_hits_are_predicted_exactly() -> None:
@@ -438,7 +446,7 @@ def test_an_approximate_index_is_kept_across_health_reports_and_rebuilt_for_a_ne
     c = Cluster(1, events=False)
     c.router.route(list(range(40)), 40, 4, "r").finish()
     assert c.router.stats().engines[0].index_pages == 10
-    c.router.on_health("http://e0", {**c.engines["http://e0"].health(), "sliding_window": 33})
+    c.router.on_health("http://e0", {**c.engines["http://e0"].health(), "kv_groups": groups_health(33)})
     assert c.router.stats().engines[0].index_pages == 10  # no window applies without events
     c.router.on_health("http://e0", {**c.engines["http://e0"].health(), "page_size": 8})
     st = c.router.stats().engines[0]
@@ -458,11 +466,13 @@ def test_external_load_steers_only_when_configured() -> None:
             assert len(picks) == 2
 
 
-def test_health_window_reads_the_engine_kv_groups() -> None:
+def test_health_windows_reads_the_engine_kv_groups() -> None:
     full = {"group": 0, "kind": "full_attention", "sliding_window": None}
-    swa = {"group": 1, "kind": "sliding_window", "sliding_window": 128}
+    narrow = {"group": 1, "kind": "sliding_window", "sliding_window": 6}
+    wide = {"group": 2, "kind": "sliding_window", "sliding_window": 17}
     # a full-attention engine has no window rule (its events name group 0 only)
-    assert health_window({"kv_groups": [full], "sliding_window": 32768}) == 1
-    assert health_window({"kv_groups": [full, swa], "sliding_window": 128}) == 128
-    assert health_window({"sliding_window": 64}) == 64  # an engine that lists no groups
-    assert health_window({}) is None
+    assert health_windows({"kv_groups": [full]}) == (None,)
+    # every window group in group order, whatever order /health lists them in
+    assert health_windows({"kv_groups": [wide, full, narrow]}) == (None, 6, 17)
+    assert health_windows({"sliding_window": 64}) == (None, 64)  # the previous release's engine
+    assert health_windows({}) is None

@@ -1,26 +1,27 @@
 """The router's page index against the engine's own prefix cache: fed the radix cache's KV events,
 ``EnginePageIndex.hit_tokens`` equals ``RadixCache.match_prefix(...).length`` for every probe after
-every operation (inserts, locks, SWA trims and tombstones, full evictions, heals), directly and
-through a real publisher and subscriber on loopback. Plus the group rules and the approximate index."""
+every operation (inserts, locks, window trims and tombstones, full evictions, heals), with one
+window group or two (windows 6 and 17), directly and through a real publisher and subscriber on
+loopback. Plus the group rules and the approximate index."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import msgpack
 import pytest
 
 from epd.llm_routing.kv_event_subscriber import KVEventSubscriber
-from epd.llm_routing.llm_router import health_window
+from epd.llm_routing.llm_router import health_windows
 from epd.llm_routing.page_index import ApproxPageIndex, EnginePageIndex
 from epd_common.messages.kv_events import (
     FULL_GROUP,
-    SWA_GROUP,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    SwaTombstoned,
+    decode_batch,
 )
 from epd_common.messages.page_hash import page_hashes
 from llm_core.caches.page_pool import PagePool
@@ -33,15 +34,21 @@ def held_pages(index: EnginePageIndex) -> dict[int, int]:
     return index._pages
 
 
-def window_of(trace: Trace, window: int) -> int:
-    return window if trace.swa_aware else (1 << 62) + 1  # SWA-unaware: the whole prefix is the window
+def windows_of(trace: Trace) -> tuple[int | None, ...]:
+    if trace.window_aware:
+        return trace.windows
+    return tuple(None if w is None else (1 << 62) + 1 for w in trace.windows)  # unaware: the whole prefix
 
 
-@pytest.mark.parametrize(("window", "swa_aware"), [(9, True), (6, True), (3, True), (1, True), (9, False)])
+@pytest.mark.parametrize(
+    ("window", "window_aware"), [(9, True), (6, True), (3, True), (1, True), (9, False), ((6, 17), True)]
+)
 @pytest.mark.parametrize("seed", range(4))
-def test_index_fed_the_radix_events_hits_what_the_radix_hits(seed: int, window: int, swa_aware: bool) -> None:
-    trace = Trace(seed, window, swa_aware)
-    index = EnginePageIndex(P, window_of(trace, window))
+def test_index_fed_the_radix_events_hits_what_the_radix_hits(
+    seed: int, window: int | tuple[int, ...], window_aware: bool
+) -> None:
+    trace = Trace(seed, window, window_aware)
+    index = EnginePageIndex(P, windows_of(trace))
     index.apply(KVEventBatch(0.0, (AllBlocksCleared(),)))  # the engine's first batch
     nonzero = 0
     seen: set[str] = set()
@@ -51,7 +58,7 @@ def test_index_fed_the_radix_events_hits_what_the_radix_hits(seed: int, window: 
         for e in events:
             group = getattr(e, "group_idx", None)
             healed = (
-                isinstance(e, BlockStored) and group == SWA_GROUP and e.block_hashes[0] in held_pages(index)
+                isinstance(e, BlockStored) and group != FULL_GROUP and e.block_hashes[0] in held_pages(index)
             )
             seen.add(f"{type(e).__name__}/{group}" + ("/heal" if healed else ""))
         index.apply(KVEventBatch(0.0, tuple(events)))
@@ -61,10 +68,11 @@ def test_index_fed_the_radix_events_hits_what_the_radix_hits(seed: int, window: 
             assert index.hit_tokens(page_hashes(key, P), len(key) - 1) == want, key
             nonzero += want > 0
     assert nonzero > 100  # the trace reached states with hits, not just an empty tree
-    # every kind of change happened: new pages, SWA drops, removals (and heals where SWA matters)
+    # every kind of change happened: new pages, window drops, removals (and heals where a window matters)
     kinds = {"BlockStored/0", "BlockRemoved/0"}
-    if swa_aware and window > 1:
-        kinds |= {"BlockStored/1", "SwaTombstoned/1", "BlockRemoved/1", "BlockStored/1/heal"}
+    for g, w in enumerate(trace.windows):
+        if window_aware and w is not None and w > 1:
+            kinds |= {f"BlockStored/{g}", f"BlockRemoved/{g}", f"BlockStored/{g}/heal"}
     assert kinds <= seen, seen
     # every page the index holds is one the tree holds
     held = {h for nd in trace.cache._nodes.values() for h in nd.page_hashes}
@@ -73,7 +81,7 @@ def test_index_fed_the_radix_events_hits_what_the_radix_hits(seed: int, window: 
 
 def test_index_through_a_real_publisher_and_subscriber() -> None:
     trace = Trace(11, 9)
-    index = EnginePageIndex(P, 9)
+    index = EnginePageIndex(P, trace.windows)
     pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
     applied: list[int] = []
     done = threading.Event()
@@ -115,23 +123,26 @@ def stored(hashes: tuple[int, ...], group: int | None, kind: str | None = None) 
 def test_group_rules() -> None:
     key = list(range(5 * P))
     h = tuple(page_hashes(key, P))
-    index = EnginePageIndex(P, 2 * P + 1)  # W-1 = 2 pages
+    index = EnginePageIndex(P, (None, 2 * P + 1))  # W-1 = 2 pages
     index.apply(KVEventBatch(0.0, (stored(h, FULL_GROUP, "full_attention"),)))
     assert index.hit_tokens(h, 5 * P) == 0  # full KV alone: no window is live
-    index.apply(KVEventBatch(0.0, (stored(h[2:4], SWA_GROUP, "sliding_window"),)))
+    index.apply(KVEventBatch(0.0, (stored(h[2:4], 1, "sliding_window"),)))
     assert index.hit_tokens(h, 5 * P) == 4 * P  # window [2, 4) live
     assert index.hit_tokens(h, 4 * P - 1) == 0  # the boundary at 4 is past max_tokens
-    index.apply(KVEventBatch(0.0, (SwaTombstoned(h[3:4]),)))
+    index.apply(KVEventBatch(0.0, (BlockRemoved(h[3:4], group_idx=1),)))
     assert index.hit_tokens(h, 5 * P) == 0
-    index.apply(KVEventBatch(0.0, (stored(h[:2], SWA_GROUP, "sliding_window"),)))
-    assert index.hit_tokens(h, 5 * P) == 3 * P  # SWA live on pages 0-2: b = 3, window [1, 3)
-    index.apply(KVEventBatch(0.0, (BlockRemoved(h[1:2], group_idx=SWA_GROUP),)))
+    index.apply(KVEventBatch(0.0, (stored(h[:2], 1, "sliding_window"),)))
+    assert index.hit_tokens(h, 5 * P) == 3 * P  # window live on pages 0-2: b = 3, window [1, 3)
+    # the previous release's name for a window group's removal still reads as one
+    legacy = {
+        "ts": 0.0,
+        "events": [{"type": "SwaTombstoned", "block_hashes": [h[1]], "medium": "CPU", "group_idx": 1}],
+    }
+    index.apply(decode_batch(msgpack.packb(legacy)))
     assert index.hit_tokens(h, 5 * P) == P  # live 0, 2: only b = 1 (window clipped to [0, 1))
-    assert len(index) == 5  # a group-1 removal drops the SWA state only; the full KV stays
+    assert len(index) == 5  # a group-1 removal drops that group's state only; the full KV stays
     index.apply(
-        KVEventBatch(
-            0.0, (stored(h[1:2], SWA_GROUP, "sliding_window"), BlockRemoved(h[1:], group_idx=FULL_GROUP))
-        )
+        KVEventBatch(0.0, (stored(h[1:2], 1, "sliding_window"), BlockRemoved(h[1:], group_idx=FULL_GROUP)))
     )
     assert index.hit_tokens(h, 5 * P) == P and len(index) == 1  # only page 0 is left
     index.apply(KVEventBatch(0.0, (stored(h[1:2], FULL_GROUP, "full_attention"),)))
@@ -142,12 +153,12 @@ def test_group_rules() -> None:
 def test_events_without_a_group_are_full_and_live() -> None:
     # a vLLM engine serving a model without SWA layers: no group, or a group this index does not know
     h = tuple(page_hashes(list(range(3 * P)), P))
-    index = EnginePageIndex(P, 1)
+    index = EnginePageIndex(P)
     index.apply(KVEventBatch(0.0, (stored(h[:2], None, "full_attention"), stored(h[2:], 7))))
     assert index.hit_tokens(h, 3 * P) == 3 * P
     index.apply(KVEventBatch(0.0, (BlockRemoved(h[1:2]),)))  # no group: the page is gone
     assert index.hit_tokens(h, 3 * P) == P
-    windowed = EnginePageIndex(P, 2 * P + 1)
+    windowed = EnginePageIndex(P, (None, 2 * P + 1))
     windowed.apply(KVEventBatch(0.0, (stored(h, None, "full_attention"),)))
     assert windowed.hit_tokens(h, 3 * P) == 3 * P
 
@@ -155,7 +166,7 @@ def test_events_without_a_group_are_full_and_live() -> None:
 def test_chained_names_stop_the_walk_at_the_first_missing_page() -> None:
     a = page_hashes([1] * P + [2] * P, P)
     b = page_hashes([9] * P + [2] * P, P)  # page 1 has the same tokens but another prefix
-    index = EnginePageIndex(P, 1)
+    index = EnginePageIndex(P)
     index.apply(KVEventBatch(0.0, (stored(tuple(a), FULL_GROUP), stored((b[1],), FULL_GROUP))))
     assert index.hit_tokens(b, 2 * P) == 0
     assert index.hit_tokens(a, 2 * P) == 2 * P
@@ -179,7 +190,9 @@ def test_approx_index_forgets_after_the_ttl_and_refreshes_on_record() -> None:
 
 def test_invalid_geometry_is_refused() -> None:
     with pytest.raises(ValueError, match="page_size"):
-        EnginePageIndex(0, 4)
+        EnginePageIndex(0, (None, 4))
+    with pytest.raises(ValueError, match="group 0 full attention"):
+        EnginePageIndex(P, (4,))
     with pytest.raises(ValueError, match="ttl_s"):
         ApproxPageIndex(P, ttl_s=0)
 
@@ -189,9 +202,9 @@ def test_full_attention_engine_events_predict_its_hits() -> None:
     /health that the engine has no window group, predicts exactly the tree's hits."""
     pool = PagePool(64, P, "full")
     tree = RadixCache(P, (None,), (pool.free,), record_events=True)
-    window = health_window({"kv_groups": [{"group": 0, "kind": "full_attention", "sliding_window": None}]})
-    assert window == 1
-    index = EnginePageIndex(P, window)
+    windows = health_windows({"kv_groups": [{"group": 0, "kind": "full_attention", "sliding_window": None}]})
+    assert windows == (None,)
+    index = EnginePageIndex(P, windows)
     keys = [list(range(24)), [*range(12), *range(50, 62)], list(range(100, 108))]
     for key in keys:
         pages = pool.alloc(len(key) // P)

@@ -12,15 +12,22 @@ P = 4
 
 
 class Trace:
-    """A real RadixCache with its pools, driven by a seeded random trace of what an engine does."""
+    """A real RadixCache with its pools, driven by a seeded random trace of what an engine does.
 
-    def __init__(self, seed: int, window: int, swa_aware: bool = True, pages: int = 48) -> None:
+    ``window``: one window group's window, or a tuple of several (one KV group each, after the
+    full-attention group)."""
+
+    def __init__(
+        self, seed: int, window: int | tuple[int, ...], window_aware: bool = True, pages: int = 48
+    ) -> None:
         self.rng = random.Random(seed)
-        self.full, self.swa = PagePool(pages, P, "full"), PagePool(pages, P, "swa")
+        windows = (window,) if isinstance(window, int) else window
+        self.windows: tuple[int | None, ...] = (None, *windows)
+        self.pools = [PagePool(pages, P, f"group{g}") for g in range(len(self.windows))]
         self.cache = RadixCache(
-            P, (None, window), (self.full.free, self.swa.free), swa_aware=swa_aware, record_events=True
+            P, self.windows, [pool.free for pool in self.pools], window_aware=window_aware, record_events=True
         )
-        self.swa_aware = swa_aware
+        self.window_aware = window_aware
         self.keys: list[list[int]] = []
         self.locks: list[PrefixLock] = []
 
@@ -43,32 +50,36 @@ class Trace:
         elif op < 0.65 and self.locks:
             cache.unlock(self.locks.pop(rng.randrange(len(self.locks))))
         elif op < 0.85:
-            cache.evict_swa(rng.randint(1, 8))
+            cache.evict_window(rng.randint(1, 8), rng.randrange(1, len(self.windows)))
         else:
             cache.evict_full(rng.randint(1, 8))
 
     def insert(self, key: list[int]) -> None:
         n = len(key) // P
-        if self.full.num_free < n:
-            self.cache.evict_full(n - self.full.num_free)
-        fp = self.full.alloc(n)
+        full = self.pools[0]
+        if full.num_free < n:
+            self.cache.evict_full(n - full.num_free)
+        fp = full.alloc(n)
         if fp is None:
             return
-        if not self.swa_aware and self.swa.num_free < n:
-            self.cache.evict_swa(n - self.swa.num_free)  # SWA-unaware: every page keeps its SWA KV
-        sp: list[int] = []
-        for _ in range(n):
-            # a finished sequence's early SWA pages may have left its window (tombstones in the
-            # insert), and a full SWA pool gives none; a live tail over a tombstone heals it
-            got = self.swa.alloc(1) if (self.rng.random() < 0.75 or not self.swa_aware) else None
-            sp.append(got[0] if got else NOT_RESIDENT)
-        if not self.swa_aware and NOT_RESIDENT in sp:
-            self.full.free(fp)
-            self.swa.free([s for s in sp if s != NOT_RESIDENT])
+        rows: list[list[int]] = [fp]
+        for g, pool in enumerate(self.pools[1:], start=1):
+            if not self.window_aware and pool.num_free < n:
+                self.cache.evict_window(n - pool.num_free, g)  # unaware: every page keeps its window KV
+            row: list[int] = []
+            for _ in range(n):
+                # a finished sequence's early window pages may have left its window (tombstones in
+                # the insert), and a full pool gives none; a live tail over a tombstone heals it
+                got = pool.alloc(1) if (self.rng.random() < 0.75 or not self.window_aware) else None
+                row.append(got[0] if got else NOT_RESIDENT)
+            rows.append(row)
+        if not self.window_aware and any(NOT_RESIDENT in row for row in rows):
+            for pool, row in zip(self.pools, rows, strict=False):
+                pool.free([x for x in row if x != NOT_RESIDENT])
             return
-        res = self.cache.insert(key, fp, sp)
-        self.full.free(res.full_to_free)
-        self.swa.free(res.swa_to_free)
+        res = self.cache.insert(key, *rows)
+        for pool, freed in zip(self.pools, res.to_free, strict=True):
+            pool.free(freed)
         self.keys.append(key)
 
     def probes(self) -> list[list[int]]:

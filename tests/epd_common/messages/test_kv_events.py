@@ -8,12 +8,10 @@ import pytest
 
 from epd_common.messages.kv_events import (
     FULL_GROUP,
-    SWA_GROUP,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    SwaTombstoned,
     decode_batch,
     encode_batch,
 )
@@ -55,7 +53,7 @@ EVENTS = (
         kv_cache_spec_kind="full_attention",
     ),
     BlockStored(
-        (13,), 12, (8, 9, 10, 11), 4, group_idx=SWA_GROUP, kv_cache_spec_kind="sliding_window",
+        (13,), 12, (8, 9, 10, 11), 4, group_idx=1, kv_cache_spec_kind="sliding_window",
         kv_cache_spec_sliding_window=129,
     ),
     BlockRemoved((11,), group_idx=FULL_GROUP),
@@ -83,17 +81,21 @@ def test_we_read_vllm_batches_and_skip_unknown_types() -> None:
     theirs = VBatch(2.0, [VStored([7], 3, [1, 2], 2, None, "GPU", None), VRemoved([7], "GPU")])
     got = decode_batch(msgspec.msgpack.encode(theirs))
     assert got.events == (BlockStored((7,), 3, (1, 2), 2, medium="GPU"), BlockRemoved((7,), "GPU"))
-    ours = KVEventBatch(3.0, (SwaTombstoned((5, 6)), *EVENTS))
+    # a window group's KV leaving while the full KV stays is that group's BlockRemoved: vLLM's own
+    # event, so a strict vLLM decoder reads every event we write
+    ours = KVEventBatch(3.0, (BlockRemoved((5, 6), group_idx=2), *EVENTS))
     assert decode_batch(encode_batch(ours)) == ours
-    # a vLLM consumer knows no SwaTombstoned: a strict struct decoder refuses the tag, so consumers
-    # decode events one by one (as they must for any newer schema) and skip it
-    raw = msgspec.msgpack.decode(encode_batch(ours))
-    assert raw["events"][0] == {
-        "type": "SwaTombstoned",
-        "block_hashes": [5, 6],
-        "medium": "CPU",
-        "group_idx": 1,
-    }
+    got = msgspec.msgpack.decode(encode_batch(ours), type=VBatch)
+    assert isinstance(got.events[0], VRemoved) and got.events[0].group_idx == 2
+
+
+def test_the_previous_release_window_removal_reads_as_that_group_removal() -> None:
+    legacy = {"ts": 1.0, "events": [
+        {"type": "SwaTombstoned", "block_hashes": [5, 6], "medium": "CPU", "group_idx": 2},
+        {"type": "SwaTombstoned", "block_hashes": [7], "medium": "CPU"},  # its group defaulted to 1
+    ]}  # fmt: skip
+    got = decode_batch(msgspec.msgpack.encode(legacy))
+    assert got.events == (BlockRemoved((5, 6), group_idx=2), BlockRemoved((7,), group_idx=1))
 
 
 def test_malformed_payload_is_a_value_error() -> None:

@@ -61,8 +61,8 @@ def test_full_attention_model_keeps_one_row_and_no_window_state() -> None:
         assert step(kv, shadow, a, n)
         shadow.check(a)
     st = kv.of(a)
-    assert len(st.pages) == 1 and NOT_RESIDENT not in st.pages[0] and st.swa_pages == []
-    assert st.swa_pin_end == st.swa_prompt_pin == 0  # nothing to pin without a window
+    assert len(st.pages) == 1 and NOT_RESIDENT not in st.pages[0] and len(st.pages) == 1
+    assert st.pin_end == st.prompt_pin == 0  # nothing to pin without a window
     assert kv.allocate(a, 1)
     tables = build_page_tables([a], [kv.rows(a)], [1], P)  # one group: one table, no SWA table to fill
     assert len(tables.page_tables) == len(tables.slots) == 1
@@ -116,9 +116,9 @@ def test_hit_needs_every_window_group() -> None:
     assert tree.match_prefix(key).length == 24
     # trimming the narrow group (W-1 = 4 tokens: 1 page) to the window before the node's end
     # splits the node; the hit stays at the end
-    assert tree.evict_swa(5, 1) == 5 and tree.match_prefix(key).length == 24
+    assert tree.evict_window(5, 1) == 5 and tree.match_prefix(key).length == 24
     # the wide group (W-1 = 12 tokens: 3 pages) trims the upper node to the window of its own end
-    assert tree.evict_swa(2, 2) == 2 and tree.match_prefix(key).length == 24
+    assert tree.evict_window(2, 2) == 2 and tree.match_prefix(key).length == 24
     tree.check_integrity()
     # a key that ends inside the trimmed part: neither window is live before its boundary
     assert tree.match_prefix(key[:12]).length == 0

@@ -41,7 +41,7 @@ def test_full_attention_model_has_one_group() -> None:
     assert g.group_id == 0 and g.layers == (0, 1, 2) and g.num_mtp_layers == 0
     assert g.spec.kind == FULL_ATTENTION and g.spec.sliding_window is None and g.spec.window_tokens is None
     assert g.bytes_per_token == 3 * 2 * (8 + 8) * 2
-    assert KVLayout.from_model_config(cfg).groups() == (kv_groups_from_config(cfg, dtype_bytes=2))
+    assert KVLayout.from_model_config(cfg).groups == kv_groups_from_config(cfg, dtype_bytes=2)
 
 
 def test_mimo_has_a_full_and_a_sliding_window_group() -> None:
@@ -50,16 +50,17 @@ def test_mimo_has_a_full_and_a_sliding_window_group() -> None:
     assert [g.spec.kind for g in groups] == [FULL_ATTENTION, SLIDING_WINDOW]
     full, swa = groups
     assert full.layers == cfg.full_layer_ids
-    assert swa.layers == (*cfg.swa_layer_ids, cfg.num_hidden_layers) and swa.num_mtp_layers == 1
+    assert swa.layers == (*cfg.window_layer_ids, cfg.num_hidden_layers) and swa.num_mtp_layers == 1
     assert swa.spec.sliding_window == cfg.sliding_window and swa.spec.window_tokens == cfg.sliding_window - 1
     assert swa.spec.sinks and not full.spec.sinks  # the release's sink bias is on SWA layers only
     assert (full.spec.kv_heads, swa.spec.kv_heads) == (cfg.num_key_value_heads, cfg.swa_num_key_value_heads)
-    # the layout's groups name the same layers and page sizes (it records no sinks)
+    # the layout is those groups
     layout = KVLayout.from_model_config(cfg, torch.bfloat16, mtp_layers=1)
-    assert [(g.layers, g.page_bytes(16)) for g in layout.groups(1)] == [
-        (g.layers, g.page_bytes(16)) for g in groups
+    assert layout.groups == groups
+    assert [g.bytes_per_token for g in groups] == [
+        layout.bytes_per_token(sliding=False),
+        layout.bytes_per_token(sliding=True),
     ]
-    assert [g.bytes_per_token for g in groups] == [layout.full_bytes_per_token, layout.swa_bytes_per_token]
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from epd_common.messages.cache_keys import MediaSpan
 from llm_core.caches.kv_blocks import GroupBlocks
 from llm_core.caches.kv_group_manager import FullAttentionManager, SlidingWindowManager
+from llm_core.caches.kv_groups import window_pages
 from llm_core.caches.kv_manager import KVManager
-from llm_core.caches.kv_pool import swa_pages_per_sequence
 from llm_core.caches.page_pool import PagePool
 from llm_core.caches.seq_kv import NOT_RESIDENT
 from llm_core.request import Sequence
@@ -39,25 +39,25 @@ class Shadow:
         keys = seq.cache_keys
         for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
             ident = tuple(keys[: pos + 1])
-            self.full[self.kv.of(seq).full_slot(pos, P)] = ident
-            self.swa[self.kv.of(seq).swa_slot(pos, P)] = ident
+            self.full[self.kv.of(seq).pages[0][pos // P] * P + pos % P] = ident
+            self.swa[self.kv.of(seq).pages[1][pos // P] * P + pos % P] = ident
 
     def check(self, seq: Sequence) -> None:
         keys = seq.cache_keys
-        lo = self.kv.first_live_swa_page(seq.num_computed_tokens) * P
+        lo = self.kv.windows[0].first_live_page(seq.num_computed_tokens) * P
         for pos in range(seq.num_computed_tokens):
             ident = tuple(keys[: pos + 1])
-            assert self.full.get(self.kv.of(seq).full_slot(pos, P)) == ident, (
+            assert self.full.get(self.kv.of(seq).pages[0][pos // P] * P + pos % P) == ident, (
                 f"full KV of {seq.seq_id}@{pos} lost"
             )
             if pos >= lo:
-                assert self.swa.get(self.kv.of(seq).swa_slot(pos, P)) == ident, (
+                assert self.swa.get(self.kv.of(seq).pages[1][pos // P] * P + pos % P) == ident, (
                     f"SWA KV of {seq.seq_id}@{pos} lost"
                 )
 
 
 def make_manager(
-    full_pages: int, swa_pages: int, window: int, swa_aware: bool = True, swa_blocks: int = 0
+    full_pages: int, swa_pages: int, window: int, window_aware: bool = True, swa_blocks: int = 0
 ) -> KVManager:
     """A pool per group; or with ``swa_blocks`` (what an SWA page costs), one shared block pool
     of the same bytes (a full page one block) from which both groups take their pages."""
@@ -67,7 +67,7 @@ def make_manager(
                 FullAttentionManager(PagePool(full_pages, P, "full")),
                 SlidingWindowManager(PagePool(swa_pages, P, "swa"), window),
             ],
-            swa_aware=swa_aware,
+            window_aware=window_aware,
         )
     blocks = PagePool(full_pages + swa_blocks * swa_pages, P, "blocks")
     return KVManager(
@@ -75,7 +75,7 @@ def make_manager(
             FullAttentionManager(GroupBlocks(blocks, 1, "full")),
             SlidingWindowManager(GroupBlocks(blocks, swa_blocks, "swa"), window),
         ],
-        swa_aware=swa_aware,
+        window_aware=window_aware,
     )
 
 
@@ -101,12 +101,12 @@ def test_swa_pages_stay_within_window_during_decode() -> None:
     for _ in range(40):
         assert run_step(kv, shadow, seq, 1)
         st = kv.of(seq)
-        resident = sum(1 for p in st.swa_pages if p != NOT_RESIDENT)
+        resident = sum(1 for p in st.pages[1] if p != NOT_RESIDENT)
         # the moving window, plus the window kept at the prompt's end (``pin_prompt_end``)
-        pinned = sum(hi - lo for lo, hi in kv.windows[0].pinned_pages((st.swa_pin_end, st.swa_prompt_pin)))
-        assert st.swa_prompt_pin == 28 and pinned == 2  # pages [(28 - 8) // 4, 28 // 4)
-        assert resident <= swa_pages_per_sequence(window, P) + pinned
-        assert kv.swa_pool.num_used == resident
+        pinned = sum(hi - lo for lo, hi in kv.windows[0].pinned_pages(st.pin_ends))
+        assert st.prompt_pin == 28 and pinned == 2  # pages [(28 - 8) // 4, 28 // 4)
+        assert resident <= window_pages(window, P) + pinned
+        assert kv.groups[1].pool.num_used == resident
         assert kv.full_pool.num_used * P >= seq.num_computed_tokens
         shadow.check(seq)
         kv.check_integrity([seq])
@@ -172,21 +172,21 @@ def test_eviction_makes_room_and_failure_takes_nothing() -> None:
     kv.commit(big, 40)
     huge = Sequence("huge", list(range(900, 920)))
     kv.match_prefix(huge)
-    before = (kv.full_pool.num_free, kv.swa_pool.num_free)
+    before = (kv.full_pool.num_free, kv.groups[1].pool.num_free)
     assert kv.allocate(huge, 20) is False
-    assert (kv.full_pool.num_free, kv.swa_pool.num_free) == before
+    assert (kv.full_pool.num_free, kv.groups[1].pool.num_free) == before
     kv.check_integrity([big, huge])
 
 
 def test_swa_unaware_mode_keeps_every_swa_page() -> None:
-    kv = make_manager(64, 64, window=9, swa_aware=False)
+    kv = make_manager(64, 64, window=9, window_aware=False)
     shadow = Shadow(kv)
     seq = Sequence(0, list(range(30)))
     kv.match_prefix(seq)
     assert run_step(kv, shadow, seq, 30)
     for _ in range(10):
         assert run_step(kv, shadow, seq, 1)
-    assert kv.swa_pool.num_used == kv.full_pool.num_used
+    assert kv.groups[1].pool.num_used == kv.full_pool.num_used
     kv.release(seq)
     assert kv.radix is not None and kv.radix.num_tombstones() == 0
     kv.check_integrity([])
@@ -211,15 +211,15 @@ OPS = st.lists(
     window=st.sampled_from([1, 3, 5, 9, 16]),
     pages=st.integers(6, 30),
     swa_pages=st.integers(0, 24),
-    swa_aware=st.booleans(),
+    window_aware=st.booleans(),
     swa_blocks=st.sampled_from([0, 1, 3]),
 )
 def test_random_workload_keeps_integrity_and_never_loses_locked_kv(
-    ops: list[tuple[str, int]], window: int, pages: int, swa_pages: int, swa_aware: bool, swa_blocks: int
+    ops: list[tuple[str, int]], window: int, pages: int, swa_pages: int, window_aware: bool, swa_blocks: int
 ) -> None:
     # SWA pools from barely one window (pressure, tombstones) to roomy (branch-point pins); a pool
     # per group, or one shared block pool (swa_blocks > 0) where either group can run the other short.
-    kv = make_manager(pages, swa_pages_per_sequence(window, P) + 2 + swa_pages, window, swa_aware, swa_blocks)
+    kv = make_manager(pages, window_pages(window, P) + 2 + swa_pages, window, window_aware, swa_blocks)
     shadow = Shadow(kv)
     running: list[Sequence] = []
     history: list[list[int]] = []
@@ -259,7 +259,7 @@ def test_random_workload_keeps_integrity_and_never_loses_locked_kv(
             if op == "finish" and len(seq.token_ids) < 40:
                 history.append(seq.token_ids)
         elif op == "evict_swa" and kv.radix is not None:
-            kv.radix.evict_swa(rng.randint(1, 4))
+            kv.radix.evict_window(rng.randint(1, 4), 1)
         elif op == "evict_full" and kv.radix is not None:
             kv.radix.evict_full(rng.randint(1, 4))
         kv.check_integrity(running)
@@ -270,7 +270,7 @@ def test_random_workload_keeps_integrity_and_never_loses_locked_kv(
     kv.check_integrity([])
     assert kv.radix is not None
     kv.radix.evict_full(1 << 30)
-    assert kv.full_pool.num_used == 0 and kv.swa_pool.num_used == 0
+    assert kv.full_pool.num_used == 0 and kv.groups[1].pool.num_used == 0
 
 
 def test_page_tables_follow_attention_batch_semantics() -> None:
@@ -286,14 +286,14 @@ def test_page_tables_follow_attention_batch_semantics() -> None:
     tables = build_page_tables([long, short], [kv.rows(long), kv.rows(short)], [1, 1], P)
     lng, sht = kv.of(long), kv.of(short)
     assert tables.page_tables[0].dtype == torch.int32 and tables.page_tables[0].shape == (2, 10)
-    assert tables.page_tables[0][0].tolist() == lng.full_pages
-    assert tables.page_tables[0][1, :1].tolist() == sht.full_pages
+    assert tables.page_tables[0][0].tolist() == lng.pages[0]
+    assert tables.page_tables[0][1, :1].tolist() == sht.pages[0]
     swa_row = tables.page_tables[1][0].tolist()
     # Position 37 reads keys [29, 37]: logical pages 7..9 are resident, everything before is not.
     assert all(p == NOT_RESIDENT for p in swa_row[:7]) and all(p != NOT_RESIDENT for p in swa_row[7:10])
     assert tables.page_tables[1][1, 1:].tolist() == [NOT_RESIDENT] * 9  # padding of the short row
-    assert tables.slots[0].tolist() == [lng.full_pages[9] * P + 1, sht.full_pages[0] * P + 3]
-    assert tables.slots[1].tolist() == [lng.swa_pages[9] * P + 1, sht.swa_pages[0] * P + 3]
+    assert tables.slots[0].tolist() == [lng.pages[0][9] * P + 1, sht.pages[0][0] * P + 3]
+    assert tables.slots[1].tolist() == [lng.pages[1][9] * P + 1, sht.pages[1][0] * P + 3]
     assert tables.slots[0].dtype == torch.int64
 
 
@@ -313,11 +313,11 @@ def test_page_table_slots_of_chunks_across_pages() -> None:
     want_full, want_swa = [], []
     for s, n in zip((a, b), counts, strict=True):
         for pos in range(s.num_computed_tokens, s.num_computed_tokens + n):
-            want_full.append(kv.of(s).full_slot(pos, P))
-            want_swa.append(kv.of(s).swa_slot(pos, P))
+            want_full.append(kv.of(s).pages[0][pos // P] * P + pos % P)
+            want_swa.append(kv.of(s).pages[1][pos // P] * P + pos % P)
     assert tables.slots[0].tolist() == want_full and tables.slots[1].tolist() == want_swa
     assert tables.slots[0].dtype == tables.slots[1].dtype == torch.int64
-    a_full, b_full = kv.of(a).full_pages, kv.of(b).full_pages
+    a_full, b_full = kv.of(a).pages[0], kv.of(b).pages[0]
     assert tables.page_tables[0].shape == (2, len(a_full))
     assert tables.page_tables[0][1].tolist() == b_full + [NOT_RESIDENT] * (len(a_full) - len(b_full))
 
@@ -356,16 +356,16 @@ def test_pin_is_dropped_when_the_pool_is_tight() -> None:
     kv.release(a)
     b = Sequence("b", [*range(12), *range(50, 100)])
     assert kv.match_prefix(b) == 0
-    assert kv.of(b).swa_pin_end == 12  # full KV matched 3 pages, but their window is gone
+    assert kv.of(b).pin_end == 12  # full KV matched 3 pages, but their window is gone
     while b.num_computed_tokens < 20:
         assert run_step(kv, shadow, b, 1)
-    assert all(p != NOT_RESIDENT for p in kv.of(b).swa_pages[1:3])  # the pinned window before 12
+    assert all(p != NOT_RESIDENT for p in kv.of(b).pages[1][1:3])  # the pinned window before 12
     # 40 more tokens need 10 new SWA pages; 5 are free and a's 3 cached ones can be evicted:
     # only with the pin's 2 pages back does it fit.
-    assert kv.pages_needed(b, 40).swa == 10 and kv.swa_pool.num_free == 5
-    assert kv.radix is not None and kv.radix.evictable_swa_pages() == 3
+    assert kv.pages_needed(b, 40).per_group[1] == 10 and kv.groups[1].pool.num_free == 5
+    assert kv.radix is not None and kv.radix.evictable_window_pages(1) == 3
     assert run_step(kv, shadow, b, 40)
-    assert kv.of(b).swa_pin_end == 0 and kv.of(b).swa_pages[1:3] == [NOT_RESIDENT] * 2
+    assert kv.of(b).pin_end == 0 and kv.of(b).pages[1][1:3] == [NOT_RESIDENT] * 2
     shadow.check(b)
     kv.check_integrity([b])
     kv.release(b)
@@ -390,5 +390,5 @@ def test_a_shared_block_pool_lends_one_group_what_the_other_does_not_use() -> No
         outcomes.append(done)
         if swa_blocks:
             blocks = kv.full_pool.blocks
-            assert kv.swa_pool.num_used <= 2 and blocks.num_used == 8 + 2 * kv.swa_pool.num_used
+            assert kv.groups[1].pool.num_used <= 2 and blocks.num_used == 8 + 2 * kv.groups[1].pool.num_used
     assert outcomes == [16, 32]

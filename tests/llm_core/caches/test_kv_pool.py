@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from llm_core.caches.kv_groups import KVGroup, KVGroupSpec, kv_groups
+from llm_core.caches.kv_groups import layer_spec, window_pages
 from llm_core.caches.kv_manager import KVManager, group_managers
 from llm_core.caches.kv_pool import (
-    DualKVCache,
     KVCacheConfig,
     KVLayout,
-    balanced_swa_fraction,
+    PagedKVCache,
+    balanced_window_share,
     plan_group_pools,
-    plan_pools,
-    swa_pages_per_sequence,
 )
 from llm_core.caches.page_pool import PagePool
 from llm_core.caches.seq_kv import NOT_RESIDENT
@@ -28,13 +27,12 @@ from tests.llm_core.conftest import TINY_MIMO_CONFIG
 
 def small_layout() -> KVLayout:
     # 7 layers, 0 and 5 full (the agreed rule), as in the tiny test checkpoint.
-    return KVLayout(
-        layer_is_swa=tuple(not (i == 0 or (i + 1) % 6 == 0) for i in range(7)),
+    return KVLayout.hybrid(
+        [None if i == 0 or (i + 1) % 6 == 0 else 8 for i in range(7)],
         full_kv_heads=2,
-        swa_kv_heads=4,
+        window_kv_heads=4,
         head_dim=32,
         v_head_dim=16,
-        sliding_window=8,
         dtype_bytes=4,
     )
 
@@ -55,16 +53,16 @@ def test_page_pool_alloc_free_conserves_pages() -> None:
         pool.free([a[0]])
 
 
-def test_swa_pages_per_sequence_bounds_any_window_placement() -> None:
+def test_window_pages_bounds_any_window_placement() -> None:
     for window in (1, 2, 8, 9, 17, 128, 129):
         for page in (1, 4, 16):
             worst = 0
             for p in range(0, 3 * window + 3 * page):  # query position; keys [p-W+1, p]
                 lo = max(0, p - window + 1)
                 worst = max(worst, p // page - lo // page + 1)
-            assert worst <= swa_pages_per_sequence(window, page)
+            assert worst <= window_pages(window, page)
             if window >= page:
-                assert worst == swa_pages_per_sequence(window, page)
+                assert worst == window_pages(window, page)
 
 
 def test_layout_from_model_configs_matches_modeling_shapes() -> None:
@@ -76,50 +74,58 @@ def test_layout_from_model_configs_matches_modeling_shapes() -> None:
     assert KVLayout.from_model_config(hf, dtype=torch.float32) == small_layout()
     ours = DecoderConfig.from_hf_dict(hf.to_dict())
     layout = KVLayout.from_model_config(ours, dtype=torch.float32)
-    assert layout == small_layout()
-    assert layout.num_full_layers == 2 and layout.num_swa_layers == 5
-    assert layout.full_bytes_per_token == 2 * 2 * (32 + 16) * 4
-    assert layout.swa_bytes_per_token == 5 * 4 * (32 + 16) * 4
+    # ours knows the window layers' sinks (transformers' config class reads none): the same KV
+    assert [
+        dataclasses.replace(g, spec=dataclasses.replace(g.spec, sinks=False)) for g in layout.groups
+    ] == list(small_layout().groups)
+    assert [g.num_layers for g in layout.groups] == [2, 5]
+    assert layout.bytes_per_token(sliding=False) == 2 * 2 * (32 + 16) * 4
+    assert layout.bytes_per_token(sliding=True) == 5 * 4 * (32 + 16) * 4
+    assert KVLayout.from_description(layout.describe()) == layout
 
 
-def test_plan_pools_stays_within_budget_and_balances() -> None:
+def plan_bytes(layout: KVLayout, pages: tuple[int, ...], page: int) -> int:
+    return sum(n * g.page_bytes(page) for n, g in zip(pages, layout.groups, strict=True))
+
+
+def test_plan_group_pools_stays_within_budget_and_balances() -> None:
     layout = small_layout()
     budget = 8 << 20
     for ctx in (64, 1024, 8192):
         cfg = KVCacheConfig(memory_budget_bytes=budget, page_size=16, balance_context_len=ctx)
-        plan = plan_pools(layout, cfg)
-        assert plan.total_bytes <= budget
+        n_full, n_window = plan = plan_group_pools(layout.groups, cfg)
+        assert plan_bytes(layout, plan, 16) <= budget
         # Both pools run out at about the same number of sequences of length ctx.
-        seqs_full = plan.num_full_pages / math.ceil(ctx / 16)
-        seqs_swa = plan.num_swa_pages / min(swa_pages_per_sequence(8, 16), math.ceil(ctx / 16))
-        assert abs(seqs_full - seqs_swa) <= max(1.0, 0.02 * seqs_full)  # page rounding
-    frac = balanced_swa_fraction(layout, 8192, 16)
+        seqs_full = n_full / math.ceil(ctx / 16)
+        seqs_window = n_window / min(window_pages(8, 16), math.ceil(ctx / 16))
+        assert abs(seqs_full - seqs_window) <= max(1.0, 0.02 * seqs_full)  # page rounding
+    frac = balanced_window_share(layout.groups, 8192, 16)
     assert 0 < frac < 0.1  # a window of one page against 512 pages of full KV
     # Headroom for the prefill in flight comes on top of the balanced windows.
-    base = plan_pools(
-        layout, KVCacheConfig(memory_budget_bytes=budget, page_size=16, balance_context_len=1024)
+    base = plan_group_pools(
+        layout.groups, KVCacheConfig(memory_budget_bytes=budget, page_size=16, balance_context_len=1024)
     )
-    roomy = plan_pools(
-        layout,
+    roomy = plan_group_pools(
+        layout.groups,
         KVCacheConfig(
-            memory_budget_bytes=budget, page_size=16, balance_context_len=1024, swa_headroom_tokens=4096
+            memory_budget_bytes=budget, page_size=16, balance_context_len=1024, window_headroom_tokens=4096
         ),
     )
-    assert roomy.num_swa_pages >= base.num_swa_pages + 512 // 16 - 1 and roomy.total_bytes <= budget
-    with pytest.raises(ValueError, match="swa_fraction"):
-        KVCacheConfig(memory_budget_bytes=budget, swa_fraction=1.5)
+    assert roomy[1] >= base[1] + 512 // 16 - 1 and plan_bytes(layout, roomy, 16) <= budget
+    with pytest.raises(ValueError, match="window_fraction"):
+        KVCacheConfig(memory_budget_bytes=budget, window_fraction=1.5)
 
 
-def test_dual_kv_cache_layers_use_their_pool_shapes() -> None:
+def test_paged_kv_cache_layers_use_their_pool_shapes() -> None:
     layout = small_layout()
-    kv = DualKVCache(layout, num_full_pages=6, num_swa_pages=3, page_size=4)
+    kv = PagedKVCache(layout, page_size=4, group_pages=(6, 3))
     assert kv.num_layers == 7
     for i in range(7):
         layer = kv.layer(i)
-        assert layer.is_swa == layout.layer_is_swa[i]
-        n, h = (3, 4) if layer.is_swa else (6, 2)
+        assert layer.window == (None if i in (0, 5) else 8)
+        n, h = (6, 2) if layer.window is None else (3, 4)
         assert layer.k.shape == (n, 4, h, 32) and layer.v.shape == (n, 4, h, 16)
-    assert kv.full_pages.num_pages == 6 and kv.swa_pages.num_pages == 3
+    assert [p.num_pages for p in kv.pools] == [6, 3]
     # A flat slot addresses the same element as [page, offset].
     kv.layer(1).k[2, 3] = 7.0
     assert torch.equal(kv.layer(1).k.view(-1, 4, 32)[2 * 4 + 3], kv.layer(1).k[2, 3])
@@ -128,18 +134,17 @@ def test_dual_kv_cache_layers_use_their_pool_shapes() -> None:
 
 def test_a_budget_buys_one_shared_block_pool_or_with_a_fixed_split_a_pool_per_group() -> None:
     layout = small_layout()
-    shared = DualKVCache.from_budget(layout, KVCacheConfig(memory_budget_bytes=1 << 20, page_size=4))
+    shared = PagedKVCache.from_budget(layout, KVCacheConfig(memory_budget_bytes=1 << 20, page_size=4))
     assert shared.blocks is not None and shared.block_layout is not None
     # a block is 1 slot (the full group's 2 layers of 2 heads fill one 4-head slot); a SWA page 5
     assert shared.block_layout.num_slots == 1 and shared.block_layout.blocks_per_page == (1, 5)
     assert shared.blocks.num_pages == (1 << 20) // shared.block_bytes
-    assert shared.full_pages.num_pages == shared.blocks.num_pages
-    assert shared.swa_pages.num_pages == shared.blocks.num_pages // 5
+    assert [p.num_pages for p in shared.pools] == [shared.blocks.num_pages, shared.blocks.num_pages // 5]
     assert shared.describe_pool()["bytes"] == shared.blocks.num_pages * shared.block_bytes <= 1 << 20
-    fixed = KVCacheConfig(memory_budget_bytes=1 << 20, page_size=4, swa_fraction=0.4)
-    split = DualKVCache.from_budget(layout, fixed)
+    fixed = KVCacheConfig(memory_budget_bytes=1 << 20, page_size=4, window_fraction=0.4)
+    split = PagedKVCache.from_budget(layout, fixed)
     assert split.blocks is None
-    assert (split.full_pages.num_pages, split.swa_pages.num_pages) == plan_pools(layout, fixed)[:2]
+    assert tuple(p.num_pages for p in split.pools) == plan_group_pools(layout.groups, fixed)
 
 
 def test_kv_capacity_bench_quick_dual_pool_beats_uniform(tmp_path: Path) -> None:
@@ -164,12 +169,17 @@ def test_kv_capacity_bench_quick_dual_pool_beats_uniform(tmp_path: Path) -> None
 def test_one_window_plan_follows_the_documented_split(fraction: float | None, full_only: bool) -> None:
     layout = small_layout()
     if full_only:
-        layout = KVLayout(**{**layout.__dict__, "layer_is_swa": (False,) * 7})
+        layout = KVLayout.hybrid(
+            [None] * 7, full_kv_heads=2, window_kv_heads=4, head_dim=32, v_head_dim=16, dtype_bytes=4
+        )
     page, ctx = 16, 1000
-    full_page, swa_page = page * layout.full_bytes_per_token, page * layout.swa_bytes_per_token
+    full_page, swa_page = (
+        page * layout.bytes_per_token(sliding=False),
+        page * layout.bytes_per_token(sliding=True),
+    )
     for budget, headroom_tokens in ((1 << 20, 0), (3 << 20, 200), (12345678, 2048)):
         cfg = KVCacheConfig(
-            budget, page, fraction, balance_context_len=ctx, swa_headroom_tokens=headroom_tokens
+            budget, page, fraction, balance_context_len=ctx, window_headroom_tokens=headroom_tokens
         )
         # KVCacheConfig's rule, written out: the SWA pool gets the fraction, or the prefill headroom
         # plus the share at which both pools run out together for ctx tokens
@@ -180,19 +190,14 @@ def test_one_window_plan_follows_the_documented_split(fraction: float | None, fu
         else:
             headroom = min(math.ceil(headroom_tokens / page) * swa_page, budget // 2)
             full = math.ceil(ctx / page) * full_page
-            swa = min(swa_pages_per_sequence(8, page), math.ceil(ctx / page)) * swa_page
+            swa = min(window_pages(8, page), math.ceil(ctx / page)) * swa_page
             swa_budget = headroom + int((budget - headroom) * (swa / (full + swa)))
         n_full = (budget - swa_budget) // full_page
-        want = [swa_budget // swa_page if g.spec.is_sliding else n_full for g in layout.groups()]
-        assert plan_group_pools(layout.groups(), cfg) == tuple(want)
-        plan = plan_pools(layout, cfg)
-        assert (plan.num_full_pages, plan.num_swa_pages) == (
-            n_full,
-            swa_budget // swa_page if swa_page else n_full,
-        )
+        want = [swa_budget // swa_page if g.spec.is_sliding else n_full for g in layout.groups]
+        assert plan_group_pools(layout.groups, cfg) == tuple(want)
 
 
-def two_window_groups(windows: tuple[int, int]) -> tuple[KVLayout, tuple[KVGroup, ...]]:
+def two_window_layout(windows: tuple[int, int]) -> KVLayout:
     """8 layers: 0 and 4 full (2 KV heads), 1-3 window windows[0] (4 heads), 5-7 windows[1] (1 head)."""
     kinds: list[int | None] = [
         None,
@@ -205,21 +210,19 @@ def two_window_groups(windows: tuple[int, int]) -> tuple[KVLayout, tuple[KVGroup
         windows[1],
     ]
     heads = {None: 2, windows[0]: 4, windows[1]: 1}
-    specs = [
-        KVGroupSpec("full_attention" if w is None else "sliding_window", heads[w], 16, 8, 4, w) for w in kinds
-    ]
-    layout = KVLayout(tuple(w is not None for w in kinds), 2, 4, 16, 8, min(windows), 4)
-    return layout, kv_groups(specs)
+    return KVLayout.of_layers([layer_spec(w, heads[w], 16, 8, 4) for w in kinds])
 
 
-@pytest.mark.parametrize("swa_fraction", [None, 0.5], ids=["shared_blocks", "pool_per_group"])
-def test_two_window_sizes_get_a_group_each_and_free_by_their_own_window(swa_fraction: float | None) -> None:
+@pytest.mark.parametrize("window_fraction", [None, 0.5], ids=["shared_blocks", "pool_per_group"])
+def test_two_window_sizes_get_a_group_each_and_free_by_their_own_window(
+    window_fraction: float | None,
+) -> None:
     page = 4
-    layout, groups = two_window_groups((6, 17))
-    cfg = KVCacheConfig(1 << 20, page, swa_fraction=swa_fraction, balance_context_len=64)
-    kv = DualKVCache.from_budget(layout, cfg, groups=groups)
+    layout = two_window_layout((6, 17))
+    cfg = KVCacheConfig(1 << 20, page, window_fraction=window_fraction, balance_context_len=64)
+    kv = PagedKVCache.from_budget(layout, cfg)
     assert [g.spec.sliding_window for g in kv.groups] == [None, 6, 17]
-    assert [p.name for p in kv.pools] == ["full", "swa6", "swa17"]
+    assert [p.name for p in kv.pools] == ["full", "window6", "window17"]
     for i, g in enumerate(kv.layer_group):  # each layer's tensors have its group's KV shape
         spec = kv.groups[g].spec
         assert kv.layer(i).k.shape[1:] == (page, spec.kv_heads, 16)

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import torch
 
-from llm_core.caches.kv_pool import DualKVCache, KVLayout
+from llm_core.caches.kv_pool import KVLayout, PagedKVCache
 from llm_core.caches.page_map import GroupPageMap
 from llm_core.caches.seq_kv import NOT_RESIDENT
 
 PAGE = 4
 
 
-def shared_cache() -> DualKVCache:
+def shared_cache() -> PagedKVCache:
     # layers 0 and 3 full (2 KV heads), the other 5 a window (4 heads): a full page is 1 block
     # (both full layers share the block's one slot), a window page 5 blocks
-    layout = KVLayout((False, True, True, False, True, True, True), 2, 4, 8, 8, sliding_window=6)
-    return DualKVCache(layout, 0, 0, PAGE, num_blocks=40)
+    layout = KVLayout.hybrid(
+        (None, 6, 6, None, 6, 6, 6), full_kv_heads=2, window_kv_heads=4, head_dim=8, v_head_dim=8
+    )
+    return PagedKVCache(layout, PAGE, num_blocks=40)
 
 
 def test_each_view_reads_its_layers_physical_pages() -> None:
@@ -56,8 +58,8 @@ def test_a_pool_per_group_maps_nothing() -> None:
 
 
 def test_a_full_attention_model_keeps_its_tables() -> None:
-    layout = KVLayout((False,) * 4, 2, 2, 8, 8, sliding_window=6)
-    kv = DualKVCache(layout, 0, 0, PAGE, num_blocks=8)
+    layout = KVLayout.hybrid((None,) * 4, full_kv_heads=2, window_kv_heads=2, head_dim=8, v_head_dim=8)
+    kv = PagedKVCache(layout, PAGE, num_blocks=8)
     assert kv.page_map.layer_view == (0, 0, 0, 0)
     table, slot = torch.tensor([[5, 1]], dtype=torch.int32), torch.tensor([6])
     tables, slots = kv.page_map.view_tables((table,), (slot,), PAGE)

@@ -10,10 +10,12 @@ from llm_core.caches.radix_cache import NOT_RESIDENT, RadixCache
 P = 4  # page size in tokens
 
 
-def make_cache(window: int, swa_aware: bool = True, pages: int = 64) -> tuple[RadixCache, PagePool, PagePool]:
+def make_cache(
+    window: int, window_aware: bool = True, pages: int = 64
+) -> tuple[RadixCache, PagePool, PagePool]:
     full = PagePool(pages, P, "full")
     swa = PagePool(pages, P, "swa")
-    return RadixCache(P, (None, window), (full.free, swa.free), swa_aware=swa_aware), full, swa
+    return RadixCache(P, (None, window), (full.free, swa.free), window_aware=window_aware), full, swa
 
 
 def key_of(*pages: int) -> list[int]:
@@ -29,7 +31,7 @@ def insert(cache: RadixCache, full: PagePool, swa: PagePool, key: list[int], liv
     sp = [swa.alloc(1)[0] if alive else NOT_RESIDENT for alive in live]  # type: ignore[index]
     res = cache.insert(key, fp, sp)
     full.free(res.full_to_free)
-    swa.free(res.swa_to_free)
+    swa.free(res.to_free[1])
 
 
 def reference_hit(full_present: int, swa_live: list[bool], window: int, limit: int) -> int:
@@ -72,7 +74,7 @@ def test_window_long_live_tail_after_tombstone_restores_hit() -> None:
     # One live page short of the window: no boundary qualifies at all.
     assert cache.match_prefix(key_of(1, 2, 3, 4, 5)).length == 0
     hit = cache.match_prefix(key_of(1, 2, 3, 4, 5, 6))
-    assert hit.swa_pages[:4] == [NOT_RESIDENT] * 4 and NOT_RESIDENT not in hit.swa_pages[4:]
+    assert hit.pages[1][:4] == [NOT_RESIDENT] * 4 and NOT_RESIDENT not in hit.pages[1][4:]
 
 
 def test_evicting_first_full_block_gives_no_hit() -> None:
@@ -105,14 +107,14 @@ def test_swa_eviction_tombstones_oldest_and_keeps_locked_window() -> None:
     lock = cache.lock(hit.node)
     # Nothing is full-evictable while locked, but SWA outside the locked window is.
     assert cache.evictable_full_pages() == 0
-    assert cache.evictable_swa_pages() == 0  # one node: the window lock covers all of it
+    assert cache.evictable_window_pages(1) == 0  # one node: the window lock covers all of it
     cache.unlock(lock)
     insert(cache, full, swa, key_of(1, 2, 3, 4, 5, 6), [True] * 6)  # splits: [1..4] + [5, 6]
     hit = cache.match_prefix(key_of(1, 2, 3, 4, 5, 6))
     lock = cache.lock(hit.node)
     cache.check_integrity([lock])
-    assert cache.evictable_swa_pages() == 4  # pages 0-3 are outside the 2-page locked window
-    freed = cache.evict_swa(100)
+    assert cache.evictable_window_pages(1) == 4  # pages 0-3 are outside the 2-page locked window
+    freed = cache.evict_window(100, 1)
     # Trimmed to its window ([1, 2] tombstoned), then [3, 4] itself: two tombstones.
     assert freed == 4 and cache.num_tombstones() == 2
     assert cache.match_prefix(key_of(1, 2, 3, 4, 5, 6)).length == 24  # tail window still live
@@ -126,7 +128,7 @@ def test_swa_eviction_trims_to_the_boundary_window_first() -> None:
     cache, full, swa = make_cache(window=9)  # a boundary needs 2 pages of SWA
     insert(cache, full, swa, key_of(1, 2, 3, 4, 5, 6), [True] * 6)
     insert(cache, full, swa, key_of(7, 8), [True] * 2)  # more recent, exactly one window
-    assert cache.evict_swa(1) == 4  # the old node's pages 0-3 serve no node boundary
+    assert cache.evict_window(1, 1) == 4  # the old node's pages 0-3 serve no node boundary
     assert cache.match_prefix(key_of(1, 2, 3, 4, 5, 6)).length == 24  # its boundary still hits
     assert cache.match_prefix(key_of(7, 8)).length == 8
     assert cache.match_prefix(key_of(1, 2, 3, 9)).length == 0  # only a mid-node branch is lost
@@ -144,7 +146,7 @@ def test_lock_survives_split_and_unlock_restores_counts() -> None:
     cache.check_integrity([lock])
     cache.unlock(lock)
     cache.check_integrity([])
-    assert cache.evictable_full_pages() == 5 and cache.evictable_swa_pages() == 5
+    assert cache.evictable_full_pages() == 5 and cache.evictable_window_pages(1) == 5
 
 
 def test_tombstone_healed_by_recompute() -> None:
@@ -170,14 +172,14 @@ def test_partial_heal_splits_tombstone() -> None:
 
 
 def test_swa_unaware_mode_never_tombstones() -> None:
-    cache, full, swa = make_cache(window=9, swa_aware=False)
+    cache, full, swa = make_cache(window=9, window_aware=False)
     insert(cache, full, swa, key_of(1, 2, 3), [True] * 3)
     insert(cache, full, swa, key_of(1, 2, 3, 4, 5), [True] * 5)
     lock = cache.lock(cache.match_prefix(key_of(1, 2, 3, 4, 5)).node)
-    assert cache.evictable_swa_pages() == 0  # every SWA page of a hit is in use
-    assert cache.evict_swa(10) == 0 and cache.num_tombstones() == 0
+    assert cache.evictable_window_pages(1) == 0  # every SWA page of a hit is in use
+    assert cache.evict_window(10, 1) == 0 and cache.num_tombstones() == 0
     cache.unlock(lock)
-    assert cache.evict_swa(2) == 2  # removes the leaf [4, 5] whole
+    assert cache.evict_window(2, 1) == 2  # removes the leaf [4, 5] whole
     assert cache.match_prefix(key_of(1, 2, 3, 4, 5)).length == 12
     assert cache.num_tombstones() == 0
     cache.check_integrity([])
@@ -196,7 +198,7 @@ def test_hit_matches_reference_on_all_liveness_patterns(window: int) -> None:
             got = cache.match_prefix(key, touch=False)
             assert got.length == want, (live, limit_pages)
             lo = max(0, want - window + 1) // P
-            assert all(p != NOT_RESIDENT for p in got.swa_pages[lo:])
+            assert all(p != NOT_RESIDENT for p in got.pages[1][lo:])
         cache.check_integrity()
 
 

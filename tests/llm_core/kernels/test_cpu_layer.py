@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from llm_core.backends.selector import select_backends
-from llm_core.caches.kv_pool import DualKVCache
+from llm_core.caches.kv_pool import PagedKVCache
 from llm_core.kernels import cpu_layer
 from llm_core.kernels.attention_batch import AttentionBatch, build_attention_batch
 from llm_core.models.checkpoint import LoadedLLM, load_llm
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def zeroed_kv(config: DecoderConfig, num_pages: int, dtype: torch.dtype = torch.float32) -> DualKVCache:
+def zeroed_kv(config: DecoderConfig, num_pages: int, dtype: torch.dtype = torch.float32) -> PagedKVCache:
     kv = make_kv(config, num_pages, dtype)  # NaN-poisoned; zero it so that pools compare with torch.equal
     for i in range(kv.num_layers):
         kv.layer(i).k.zero_()
@@ -180,7 +180,7 @@ def test_paged_forward_equals_the_modules(loaded: LoadedLLM) -> None:
     assert rel_err(outs[0], outs[1]) <= 1e-6
 
 
-def prefill_then_two_decode_steps(model: DecoderForCausalLM, kv: DualKVCache) -> torch.Tensor:
+def prefill_then_two_decode_steps(model: DecoderForCausalLM, kv: PagedKVCache) -> torch.Tensor:
     """The hidden states of a prefill chunk then two decode steps of two sequences."""
     ids = [prompt(29, seed=8), prompt(13, seed=9)]
     full_free, swa_free = free_lists(16, seed=2)
@@ -267,7 +267,7 @@ def bf16_and_twin(model_dir: Path) -> tuple[DecoderForCausalLM, DecoderForCausal
 
 
 def run_kernel(
-    model: DecoderForCausalLM, i: int, batch: AttentionBatch, seed: int, kv: DualKVCache
+    model: DecoderForCausalLM, i: int, batch: AttentionBatch, seed: int, kv: PagedKVCache
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, residual) after layer i through the layer kernel, its KV written into ``kv``."""
     layer, config = model.model.layers[i], model.config

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llm_core.models.checkpoint import CheckpointError, default_llm_config, load_llm, write_checkpoint
-from llm_core.models.config import FULL, SWA, ConfigError, DecoderConfig
+from llm_core.models.config import FULL, SLIDING, ConfigError, DecoderConfig
 from llm_core.models.decoder import DecoderForCausalLM
 from llm_core.models.random_init import init_random_weights
 
@@ -154,7 +154,7 @@ def test_config_original_release_spelling() -> None:
         "add_swa_attention_sink_bias": True,
     }
     cfg = DecoderConfig.from_hf_dict(d)
-    assert cfg.layer_types == (FULL, SWA, SWA, FULL)
+    assert cfg.layer_types == (FULL, SLIDING, SLIDING, FULL)
     assert cfg.mlp_layer_types == ("dense", "sparse", "dense", "sparse")
     assert cfg.sliding_window == 128  # window size excludes the query in this spelling
     assert cfg.num_kv_heads(0) == 2 and cfg.num_kv_heads(1) == 8

@@ -1,7 +1,7 @@
 """DecoderForCausalLM parity: dense and paged forward vs transformers' MiMoV2FlashForCausalLM, chunked
 prefill vs one chunk, decode steps vs dense, and a mixed batch vs each sequence alone.
 
-KV lives in the real DualKVCache (poisoned with NaN). Pages are handed out here from shuffled free
+KV lives in the real PagedKVCache (poisoned with NaN). Pages are handed out here from shuffled free
 lists rather than by the allocator, so page tables are deliberately non-contiguous and an indexing
 slip in the slot or table math cannot cancel out.
 """
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from llm_core.backends.selector import select_backends
-from llm_core.caches.kv_pool import DualKVCache, KVLayout
+from llm_core.caches.kv_pool import KVLayout, PagedKVCache
 from llm_core.kernels import cpu_attention
 from llm_core.kernels.attention_batch import build_attention_batch
 from llm_core.models.checkpoint import LoadedLLM, load_llm
@@ -36,10 +36,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def make_kv(
     config: DecoderConfig, num_pages: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
-) -> DualKVCache:
+) -> PagedKVCache:
     """The real dual pool, poisoned with NaN so a read of a slot nobody wrote is loud."""
     layout = KVLayout.from_model_config(config, dtype)
-    kv = DualKVCache(layout, num_pages, num_pages, PAGE, dtype, device)
+    kv = PagedKVCache(layout, PAGE, dtype, device, group_pages=num_pages)
     for i in range(kv.num_layers):
         kv.layer(i).k.fill_(float("nan"))
         kv.layer(i).v.fill_(float("nan"))
@@ -97,7 +97,7 @@ def cpu_backends(model: DecoderForCausalLM, **override: str) -> Iterator[None]:
 
 def step(
     model: DecoderForCausalLM,
-    kv: DualKVCache,
+    kv: PagedKVCache,
     seqs: list[PagedSeq],
     chunks: list[torch.Tensor],
     device: str = "cpu",
@@ -202,7 +202,7 @@ def test_decode_steps_match_dense_with_swa_pages_freed(loaded: LoadedLLM) -> Non
         for i, page in enumerate(seq.swa[: max(0, first_needed) // PAGE]):
             if page is not None:
                 for lk in (kv.layer(j) for j in range(kv.num_layers)):
-                    if lk.is_swa:
+                    if lk.window is not None:
                         lk.k[page].fill_(float("nan"))
                         lk.v[page].fill_(float("nan"))
             seq.swa[i] = None
@@ -301,10 +301,10 @@ def test_rope_tables_are_the_rotary_of_the_positions(loaded: LoadedLLM) -> None:
     assert {t[0].shape[0] for t in model._rope_cache.values()} == {4096}
 
 
-def shared_kv(config: DecoderConfig, num_blocks: int, seed: int) -> DualKVCache:
+def shared_kv(config: DecoderConfig, num_blocks: int, seed: int) -> PagedKVCache:
     """One shared block pool (``kv_blocks``), poisoned with NaN, its free blocks shuffled so that a
     page's blocks and the pages of a sequence are scattered through the slot tensors."""
-    kv = DualKVCache(KVLayout.from_model_config(config, torch.float32), 0, 0, PAGE, num_blocks=num_blocks)
+    kv = PagedKVCache(KVLayout.from_model_config(config, torch.float32), PAGE, num_blocks=num_blocks)
     for i in range(kv.num_layers):
         kv.layer(i).k.fill_(float("nan"))
         kv.layer(i).v.fill_(float("nan"))
@@ -315,7 +315,7 @@ def shared_kv(config: DecoderConfig, num_blocks: int, seed: int) -> DualKVCache:
 
 
 def viewed_step(
-    model: DecoderForCausalLM, kv: DualKVCache, seqs: list[PagedSeq], chunks: list[torch.Tensor]
+    model: DecoderForCausalLM, kv: PagedKVCache, seqs: list[PagedSeq], chunks: list[torch.Tensor]
 ) -> torch.Tensor:
     """``step`` on a shared pool: pages come from each group's allocator, and the batch's group
     tables are mapped to the layers' views (``page_map``) as the model runner maps them."""

@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from epd_common.checkpoint import shards as shard_reader
 from llm_core.models.checkpoint import CheckpointError, LoadedLLM, load_llm
-from llm_core.models.config import FULL, SWA
+from llm_core.models.config import FULL, SLIDING
 from llm_core.prompts.tokenizer import load_tokenizer
 from tests.fixtures import mimo_v2 as fx
 from tests.fixtures.mimo_v2_reference import (
@@ -148,7 +148,7 @@ def test_fixture_has_the_release_layout(mimo_v2_dir: Path) -> None:
 def test_config_reads_the_release_spelling(ours: LoadedLLM) -> None:
     cfg = ours.config
     assert ours.architecture == "MiMoV2ForCausalLM"
-    assert cfg.layer_types == (FULL, SWA, SWA, SWA, SWA, FULL, SWA)
+    assert cfg.layer_types == (FULL, SLIDING, SLIDING, SLIDING, SLIDING, FULL, SLIDING)
     assert cfg.mlp_layer_types == ("dense",) + ("sparse",) * 6
     assert cfg.sliding_window == fx.WINDOW + 1  # sliding_window_size previous tokens + the query
     assert (cfg.num_kv_heads(0), cfg.num_kv_heads(1)) == (2, 4)

@@ -35,7 +35,7 @@ def test_parameter_names_and_shapes() -> None:
     }
     assert shapes == {f"layers.{i}.{k}": v for i in range(2) for k, v in want.items()}
     attn = heads_module.heads()[1].self_attn
-    assert attn.is_swa and attn.window == cfg.sliding_window and attn.num_kv_heads == kv
+    assert attn.window is not None and attn.window == cfg.sliding_window and attn.num_kv_heads == kv
 
 
 def test_head_count_from_names() -> None:

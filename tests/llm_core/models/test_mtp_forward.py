@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from llm_core.backends.selector import select_backends
-from llm_core.caches.kv_pool import DualKVCache, KVLayout
+from llm_core.caches.kv_pool import KVLayout, PagedKVCache
 from llm_core.kernels import cpu_attention
 from llm_core.kernels.attention_batch import AttentionBatch, build_attention_batch
 from llm_core.models.checkpoint import LoadedLLM, default_llm_config, load_llm
@@ -161,10 +161,10 @@ def hiddens(n: int, hidden: int, seed: int) -> Tensor:
     return torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed))
 
 
-def mtp_kv(config: DecoderConfig, num_pages: int, dtype: torch.dtype = torch.float32) -> DualKVCache:
+def mtp_kv(config: DecoderConfig, num_pages: int, dtype: torch.dtype = torch.float32) -> PagedKVCache:
     """The dual pool with the heads' layers appended, poisoned with NaN (a read nobody wrote is loud)."""
     layout = KVLayout.from_model_config(config, dtype, mtp_layers=NUM_HEADS)
-    kv = DualKVCache(layout, num_pages, num_pages, PAGE, dtype)
+    kv = PagedKVCache(layout, PAGE, dtype, group_pages=num_pages)
     for i in range(kv.num_layers):
         kv.layer(i).k.fill_(float("nan"))
         kv.layer(i).v.fill_(float("nan"))
@@ -184,7 +184,7 @@ class Pages:
             self.full.append(self.full_free.pop())
             self.swa.append(self.swa_free.pop())
 
-    def drop_before(self, first_needed: int, kv: DualKVCache, layers: range) -> None:
+    def drop_before(self, first_needed: int, kv: PagedKVCache, layers: range) -> None:
         """Unmap (and poison in ``layers``) SWA pages wholly before position ``first_needed``."""
         for i in range(max(0, first_needed) // PAGE):
             page = self.swa[i]
@@ -210,7 +210,7 @@ def batch_of(seqs: list[Pages], spans: list[tuple[int, int]]) -> AttentionBatch:
 def run_paged(
     heads: MTPHeads,
     target: DecoderForCausalLM,
-    kv: DualKVCache,
+    kv: PagedKVCache,
     tokens: list[Tensor],
     inputs: list[Tensor],
     steps: Sequence[tuple[int, ...]],
@@ -223,7 +223,7 @@ def run_paged(
     step. Returns outputs[b] [D, S_b, hidden]."""
     layers = range(target.config.num_hidden_layers, target.config.num_hidden_layers + heads.num_layers)
     window = target.config.sliding_window
-    full_free, swa_free = free_lists(kv.full_pages.num_pages, seed=11)
+    full_free, swa_free = free_lists(kv.pools[0].num_pages, seed=11)
     seqs = [Pages(full_free, swa_free) for _ in tokens]
     done = [0] * len(tokens)
     outs: list[list[list[Tensor]]] = [[[] for _ in range(heads.num_layers)] for _ in tokens]
@@ -394,7 +394,9 @@ def test_paged_equals_dense(
     for i in range(cfg.num_hidden_layers):
         assert kv.layer(i).k.isnan().all() and kv.layer(i).v.isnan().all(), f"target layer {i} was written"
     for j in range(NUM_HEADS):
-        assert kv.layer(heads.kv_layer(j)).is_swa and not kv.layer(heads.kv_layer(j)).k.isnan().all()
+        assert (
+            kv.layer(heads.kv_layer(j)).window is not None and not kv.layer(heads.kv_layer(j)).k.isnan().all()
+        )
 
 
 @pytest.mark.parametrize("backend", sorted({b for b, _ in backends()}))

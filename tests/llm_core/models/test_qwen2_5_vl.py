@@ -105,7 +105,7 @@ def test_family_and_shards(qwen_dir: Path, qwen_llm: LoadedLLM, monkeypatch: pyt
     assert qwen_llm.architecture == "Qwen2_5_VLForConditionalGeneration"
     assert isinstance(qwen_llm.positions, MRopePositions)
     cfg = qwen_llm.config
-    assert cfg.mrope_section == (4, 6, 6) and cfg.attention_bias and cfg.num_swa_layers == 0
+    assert cfg.mrope_section == (4, 6, 6) and cfg.attention_bias and cfg.num_window_layers == 0
     opened: list[str] = []
     real = shard_reader.safe_open
 

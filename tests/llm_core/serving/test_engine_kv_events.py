@@ -16,7 +16,6 @@ from epd_common.messages.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    SwaTombstoned,
     decode_batch,
 )
 from epd_common.messages.page_hash import page_hashes
@@ -59,7 +58,7 @@ def tree_pages(engine: LLMEngine) -> dict[int, bool]:
     while stack:
         nd = stack.pop()
         for c in nd.children.values():
-            out.update((h, c.swa_pages is not None) for h in c.page_hashes)
+            out.update((h, c.pages[1] is not None) for h in c.page_hashes)
             stack.append(c)
     return out
 
@@ -95,12 +94,10 @@ def test_events_rebuild_the_tree_and_name_pages_by_content(loaded: Any) -> None:
     kinds = set()
     for _, batch in batches:
         for e in batch.events:
-            kinds.add(type(e).__name__)
+            kinds.add(f"{type(e).__name__}/{getattr(e, 'group_idx', None)}")
             if isinstance(e, BlockStored):
                 for h in e.block_hashes:
                     pages[h] = e.group_idx != FULL_GROUP
-            elif isinstance(e, SwaTombstoned):
-                pages.update((h, False) for h in e.block_hashes)
             elif isinstance(e, BlockRemoved):
                 for h in e.block_hashes:
                     if e.group_idx == FULL_GROUP:
@@ -110,7 +107,8 @@ def test_events_rebuild_the_tree_and_name_pages_by_content(loaded: Any) -> None:
             else:
                 pages.clear()
     assert pages == tree_pages(engine)
-    assert {"BlockStored", "SwaTombstoned", "BlockRemoved"} <= kinds, kinds
+    # window KV dropped while the full KV stays (group 1) and pages removed (group 0), as vLLM names them
+    assert {"BlockStored/0", "BlockStored/1", "BlockRemoved/1", "BlockRemoved/0"} <= kinds, kinds
     # the shared system prompt's pages are named by its content, as a router computes them
     assert set(page_hashes(system, 4)) <= set(pages)
 
@@ -133,7 +131,10 @@ def test_health_reports_routing_fields_and_request_ids(loaded: Any) -> None:
         bad = client.post("/v1/completions", json=body, headers={"X-Request-Id": "no spaces"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Request-Id"
         h = client.get("/health").json()
-    assert h["page_size"] == 4 and h["sliding_window"] == loaded.config.sliding_window
+    assert h["page_size"] == 4 and [g["sliding_window"] for g in h["kv_groups"]] == [
+        None,
+        loaded.config.sliding_window,
+    ]
     assert h["kv_events_endpoint"].startswith("tcp://127.0.0.1:")
     assert h["kv_events_replay_endpoint"].startswith("tcp://127.0.0.1:")
     assert len(h["instance_id"]) == 16

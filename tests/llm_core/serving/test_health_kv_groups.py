@@ -56,7 +56,7 @@ def test_mimo_has_a_full_and_a_sliding_window_group(tiny_mimo_dir: Path) -> None
     config = load_llm(tiny_mimo_dir).config
     assert [(g["group"], g["kind"]) for g in groups] == [(0, "full_attention"), (1, "sliding_window")]
     assert groups[1]["sliding_window"] == config.sliding_window
-    assert [g["num_layers"] for g in groups] == [config.num_full_layers, len(config.swa_layer_ids)]
+    assert [g["num_layers"] for g in groups] == [config.num_full_layers, config.num_window_layers]
 
 
 def test_mtp_heads_join_the_sliding_window_group(tiny_mimo_dir: Path) -> None:
@@ -72,4 +72,4 @@ def test_mtp_heads_join_the_sliding_window_group(tiny_mimo_dir: Path) -> None:
         ("full_attention", 0),
         ("sliding_window", 2),
     ]
-    assert groups[1]["num_layers"] == len(loaded.config.swa_layer_ids) + 2
+    assert groups[1]["num_layers"] == loaded.config.num_window_layers + 2

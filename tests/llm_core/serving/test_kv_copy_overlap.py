@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from llm_core.caches.host_restore import HostRestore
-from llm_core.caches.kv_pool import DualKVCache, KVLayout, LayerKV, PageRows
+from llm_core.caches.kv_pool import KVLayout, LayerKV, PagedKVCache, PageRows
 from llm_core.caches.layer_gate import LayerCopyFailed
 from llm_core.kv_transfer.kv_import import KVImport
 from llm_core.kv_transfer.layer_plan import LayerPlan
@@ -89,10 +89,10 @@ def test_a_restored_session_gives_the_recomputed_ids(
 class HalfK(HostRestore):
     """A wrong copy: full layers' K of the copied positions halved."""
 
-    def write_layer(self, kv: DualKVCache, layer: int, rows: PageRows, lo: int, hi: int) -> None:
+    def write_layer(self, kv: PagedKVCache, layer: int, rows: PageRows, lo: int, hi: int) -> None:
         super().write_layer(kv, layer, rows, lo, hi)
         dst = kv.layer_storage(layer)
-        if dst.is_swa:
+        if dst.window is not None:
             return
         p, pages = self.page_size, kv.physical(layer, rows[0])  # this layer's pages in its tensor
         for pos in range(lo, hi):
@@ -118,7 +118,7 @@ def test_the_forward_waits_for_each_layers_copy(
     events: list[tuple[str, float]] = []  # in the order they happened (list.append is atomic)
 
     class SlowLayer1(HostRestore):
-        def write_layer(self, kv: DualKVCache, layer: int, rows: PageRows, lo: int, hi: int) -> None:
+        def write_layer(self, kv: PagedKVCache, layer: int, rows: PageRows, lo: int, hi: int) -> None:
             beside = layer == 1 and kv.gate is not None  # a copy beside a forward, not before it
             if beside:
                 events.append(("copy1-start", time.perf_counter()))
@@ -156,9 +156,11 @@ def test_the_forward_waits_for_each_layers_copy(
 
 
 def test_an_imports_per_layer_writes_equal_its_chunk_write() -> None:
-    layout = KVLayout((False, True, True, False), 2, 4, 8, 6, sliding_window=6, dtype_bytes=4)
+    layout = KVLayout.hybrid(
+        (None, 6, 6, None), full_kv_heads=2, window_kv_heads=4, head_dim=8, v_head_dim=6, dtype_bytes=4
+    )
     page = 4
-    src = DualKVCache(layout, 16, 16, page)
+    src = PagedKVCache(layout, page, group_pages=16)
     gen = torch.Generator().manual_seed(3)
     for i in range(layout.num_layers):
         lk = src.layer_storage(i)
@@ -169,7 +171,7 @@ def test_an_imports_per_layer_writes_equal_its_chunk_write() -> None:
     payload = read(bytearray(pack(plan, src, [rows, rows]).numpy().tobytes()), layout, page, torch.float32)
     imp = KVImport(payload, first_token=7, nbytes=0, seconds=0.0)
     dst_rows = [9, 3, 5, 0, 12, 7]
-    whole, layered = DualKVCache(layout, 16, 16, page), DualKVCache(layout, 16, 16, page)
+    whole, layered = PagedKVCache(layout, page, group_pages=16), PagedKVCache(layout, page, group_pages=16)
     for lo, hi in ((0, 9), (9, 22)):  # two chunks, the second reaching the window pages
         imp.write(whole, [dst_rows, dst_rows], lo, hi)
         for i in range(layout.num_layers):
@@ -189,19 +191,23 @@ class RecordingSource:
 
     start, end, first_token = 0, 8, None
 
-    def write(self, kv: DualKVCache, rows: PageRows, lo: int, hi: int) -> None:
+    def write(self, kv: PagedKVCache, rows: PageRows, lo: int, hi: int) -> None:
         for i in range(kv.num_layers):
             self.write_layer(kv, i, rows, lo, hi)
 
-    def write_layer(self, kv: DualKVCache, layer: int, rows: PageRows, lo: int, hi: int) -> None:
+    def write_layer(self, kv: PagedKVCache, layer: int, rows: PageRows, lo: int, hi: int) -> None:
         time.sleep(self.delay_s)
         if layer == self.fail_at:
             raise ValueError(f"layer {layer} lost")
         self.layers.append(layer)
 
 
-def small_kv() -> DualKVCache:
-    return DualKVCache(KVLayout((False, True, True, False, True), 2, 4, 8, 8, sliding_window=6), 4, 4, 4)
+def small_kv() -> PagedKVCache:
+    return PagedKVCache(
+        KVLayout.hybrid((None, 6, 6, None, 6), full_kv_heads=2, window_kv_heads=4, head_dim=8, v_head_dim=8),
+        4,
+        group_pages=4,
+    )
 
 
 def test_a_failed_copy_fails_the_forward_with_its_error_and_clears_the_gate() -> None:

@@ -67,14 +67,14 @@ def reference(
 ) -> dict[str, Any]:
     """The step's inputs from the definitions (see the module docstring)."""
     ids, pos, full_slots, swa_slots, lens, cu = [], [], [], [], [], [0]
-    width = max(1, max(len(kv.of(s).full_pages) for s in seqs))
+    width = max(1, max(len(kv.of(s).pages[0]) for s in seqs))
     for s, n in zip(seqs, counts, strict=True):
         start = s.num_computed_tokens
         for i in range(start, start + n):
             ids.append(s.token_ids[i])
             pos.append(scheme.positions(s, i, i + 1)[:, 0].tolist())
-            full_slots.append(kv.of(s).full_slot(i, P))
-            swa_slots.append(kv.of(s).swa_slot(i, P))
+            full_slots.append(kv.of(s).pages[0][i // P] * P + i % P)
+            swa_slots.append(kv.of(s).pages[1][i // P] * P + i % P)
         lens.append(start + n)
         cu.append(cu[-1] + n)
     positions = torch.tensor(pos).t()  # [dims, T]
@@ -86,10 +86,10 @@ def reference(
         "seq_lens": lens,
         "cu_seqlens_q": cu,
         "full_page_table": [
-            kv.of(s).full_pages + [NOT_RESIDENT] * (width - len(kv.of(s).full_pages)) for s in seqs
+            kv.of(s).pages[0] + [NOT_RESIDENT] * (width - len(kv.of(s).pages[0])) for s in seqs
         ],
         "swa_page_table": [
-            kv.of(s).swa_pages + [NOT_RESIDENT] * (width - len(kv.of(s).swa_pages)) for s in seqs
+            kv.of(s).pages[1] + [NOT_RESIDENT] * (width - len(kv.of(s).pages[1])) for s in seqs
         ],
     }
 
@@ -165,7 +165,7 @@ def test_decode_steps_equal_the_definitions(scheme_name: str) -> None:
         for s in seqs:
             kv.commit(s, 1)
             s.output_ids.append(rng.randrange(50))
-    assert any(p == NOT_RESIDENT for s in seqs for p in kv.of(s).swa_pages)  # the window did drop pages
+    assert any(p == NOT_RESIDENT for s in seqs for p in kv.of(s).pages[1])  # the window did drop pages
     for inp, snap in kept:
         assert snapshot(inp) == snap
 

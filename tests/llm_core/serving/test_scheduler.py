@@ -208,7 +208,7 @@ def test_preemption_frees_requeues_and_recomputes() -> None:
             if before[s.seq_id] is SequenceStatus.RUNNING and s.status is SequenceStatus.WAITING:
                 preempted = s
                 held = sched.kv.of(s)
-                assert s.num_computed_tokens == 0 and not held.full_pages and not held.swa_pages
+                assert s.num_computed_tokens == 0 and not any(held.pages)
                 assert held.prefix_lock is None and s in sched.waiting
     assert preempted is not None and preempted.num_preemptions >= 1 and sched.num_preemptions >= 1
     assert preempted is seqs[-1]  # the newest running sequence is the victim
@@ -232,8 +232,8 @@ def test_add_rejects_requests_that_can_never_fit() -> None:
         sched.add(seq("e", 8))
     assert e.value.status == 503
     small_swa = make(swa_pages=2, window=9)
-    with pytest.raises(RequestTooLarge, match="SWA"):
-        small_swa.add(seq("f", 40))  # a 2-page window needs 3 SWA pages in a step
+    with pytest.raises(RequestTooLarge, match="window-9"):
+        small_swa.add(seq("f", 40))  # a 2-page window needs 3 window pages in a step
 
 
 def test_abort_releases_running_and_waiting() -> None:
@@ -242,7 +242,7 @@ def test_abort_releases_running_and_waiting() -> None:
     sched.add(a)
     sched.add(b)
     step(sched)
-    assert sched.abort("a") is a and a.status is SequenceStatus.ABORTED and not sched.kv.of(a).full_pages
+    assert sched.abort("a") is a and a.status is SequenceStatus.ABORTED and not any(sched.kv.of(a).pages)
     assert sched.abort("b") is b and sched.abort("b") is None
     assert not sched.has_work()
     sched.kv.check_integrity([])
@@ -283,7 +283,7 @@ def test_random_traffic_drains_with_integrity(
             assert len(s.output_ids) == s.max_new_tokens
     assert sched.kv.radix is not None
     sched.kv.radix.evict_full(1 << 30)
-    assert sched.kv.full_pool.num_used == 0 and sched.kv.swa_pool.num_used == 0
+    assert sched.kv.full_pool.num_used == 0 and sched.kv.groups[1].pool.num_used == 0
 
 
 def test_measured_step_cost_bounds_prefill_beside_decodes() -> None:

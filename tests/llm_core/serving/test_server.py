@@ -294,12 +294,12 @@ def test_models_health_metrics(client: TestClient) -> None:
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 256
     health = client.get("/health").json()
     assert health["status"] == "ok"
-    assert {"num_running", "num_waiting", "kv_full_usage", "kv_swa_usage", "tokens_per_s"} <= set(health)
+    assert {"num_running", "num_waiting", "kv_full_usage", "kv_window_usage", "tokens_per_s"} <= set(health)
     # the backends the model was loaded with (llm_core.backends), one name per kind
     assert set(health["backends"]) == {"attention", "moe", "norm", "layer"}
     client.post("/v1/completions", json={"prompt": "count me", **GREEDY})
     text = client.get("/metrics").text
-    assert "epd_llm_generation_tokens_total" in text and 'epd_llm_kv_usage{pool="swa"}' in text
+    assert "epd_llm_generation_tokens_total" in text and 'epd_llm_kv_usage{pool="window"}' in text
     assert 'epd_llm_requests_total{status="200"}' in text
 
 
