@@ -4,19 +4,22 @@
     residual += attention(h) @ Wo                    (qkv projection, rotary, KV store, attention)
     x = mlp(norm2(residual))                         (dense SwiGLU, or router + routed experts)
 
-``x`` and ``residual`` [T, hidden] are updated in place. The model offers each block's parameters
+``forward`` takes (x, residual) [T, hidden] and returns the block's (x, residual) (residual None:
+the first block, where the residual stream starts as x). The model offers each block's parameters
 (``BlockParams``, after the attention and MLP weights are packed) to ``pack``; a backend that
-supports the block returns what it will run it with, else None, and the model then runs that
-block's modules (through the attention, MoE and norm backends). "none" supports no block; "cpu"
-is the C decoder-layer kernel (``kernels.cpu_layer``: CPU, float32 compute over float32 or bf16
-weights and KV, input-major weights).
+supports the block returns what it will run it with, else None, and that block then runs through
+the model's modules runner (``llm_core.models.module_block``: the attention, MoE and norm backends
+under the same ``BlockRunner`` interface), so a layer always hands its whole forward to one
+runner. "none" supports no block; "cpu" is the C decoder-layer kernel (``kernels.cpu_layer``: CPU,
+float32 compute over float32 or bf16 weights and KV, input-major weights, x and residual updated
+in place).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, cast
+from typing import ClassVar, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -62,6 +65,33 @@ PackedLayer = object
 LayerStep = object
 
 
+class BlockRunner(Protocol):
+    """What runs a whole pre-norm block: a layer backend, or the model's modules runner."""
+
+    def begin(self, batch: AttentionBatch) -> LayerStep:
+        """A forward's state, before its first block."""
+        ...
+
+    def hidden_input(self, x: Tensor, owned: bool) -> Tensor:
+        """The hidden state the first block takes: ``x`` [T, hidden], or the copy this runner
+        computes on (``owned``: x is a temporary of the caller's, free to overwrite)."""
+        ...
+
+    def forward(
+        self,
+        packed: PackedLayer,
+        step: LayerStep,
+        kv: LayerKVLike,
+        cos: Tensor,
+        sin: Tensor,
+        x: Tensor,
+        residual: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        """One block: (x, residual) [T, hidden] -> the block's (mlp output, residual), whose sum
+        is the hidden state after it; residual None: the first block. cos/sin [T, width]."""
+        ...
+
+
 class LayerBackend(ABC):
     name: ClassVar[str]
 
@@ -77,6 +107,9 @@ class LayerBackend(ABC):
     def begin(self, batch: AttentionBatch) -> LayerStep:
         """A forward's state, before its first block."""
 
+    def hidden_input(self, x: Tensor, owned: bool) -> Tensor:
+        return x
+
     @abstractmethod
     def forward(
         self,
@@ -86,11 +119,9 @@ class LayerBackend(ABC):
         cos: Tensor,
         sin: Tensor,
         x: Tensor,
-        residual: Tensor,
-        first: bool,
-    ) -> None:
-        """Run one block in place on x and residual [T, hidden] (contiguous, the caller's to
-        overwrite); ``first``: the residual stream starts here (residual = x). cos/sin [T, width]."""
+        residual: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        """``BlockRunner.forward`` for a block ``pack`` took."""
 
 
 class NoLayer(LayerBackend):
@@ -115,9 +146,8 @@ class NoLayer(LayerBackend):
         cos: Tensor,
         sin: Tensor,
         x: Tensor,
-        residual: Tensor,
-        first: bool,
-    ) -> None:
+        residual: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
         raise AssertionError("the 'none' layer backend packs no block")
 
 
@@ -175,6 +205,13 @@ class CpuLayer(LayerBackend):
         cpu_layer.set_threads(torch.get_num_threads())
         return cpu_layer.StepArgs(batch)
 
+    def hidden_input(self, x: Tensor, owned: bool) -> Tensor:
+        """The kernel computes in float32 whatever the weights' storage and writes x in place: a
+        float32 temporary of the caller's as it is, else a float32 copy."""
+        if owned and x.dtype == torch.float32 and x.is_contiguous():
+            return x
+        return x.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+
     def forward(
         self,
         packed: PackedLayer,
@@ -183,11 +220,13 @@ class CpuLayer(LayerBackend):
         cos: Tensor,
         sin: Tensor,
         x: Tensor,
-        residual: Tensor,
-        first: bool,
-    ) -> None:
+        residual: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        first = residual is None
         if first:  # once per forward: the kernel takes fp32 CPU memory
             assert x.dtype == torch.float32 and x.device.type == "cpu", (x.dtype, x.device)
+            residual = torch.empty_like(x)
+        assert residual is not None
         cpu_layer.decoder_layer_cpu(
             cast(cpu_layer.LayerWeights, packed),
             cast(cpu_layer.StepArgs, step),
@@ -198,3 +237,4 @@ class CpuLayer(LayerBackend):
             residual,
             first,
         )
+        return x, residual

@@ -242,6 +242,8 @@ def load_llm(
     model.after_load()  # backends for this device and dtype, and the weight layout they read
     model.requires_grad_(False)  # serving only; also lets inference-mode tensors mix with weights
     mtp = _load_mtp(mtp_state, config, dtype, device, model_dir, declared) if mtp_state else None
+    if mtp is not None:
+        mtp.after_load(model.backends)  # the target's backends, and the packed layout a paged forward reads
     architecture = language_architecture(raw).name
     return LoadedLLM(model, config, model_dir, family.position_scheme(raw), architecture, mtp)
 

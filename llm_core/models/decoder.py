@@ -24,8 +24,10 @@ runs each layer's attention between its projections over the pools (one call per
 and decode alike); the MoE and norm backends run the router, the experts and the norms. A layer
 backend that supports a whole layer (the CPU kernel: norms, projections, rotary + KV store +
 attention, router and experts in one C call on two buffers updated in place) is offered each
-layer's parameters, and the layers it takes run through it; the others run their modules.
-``forward_dense`` is the plain unpaged reference (one sequence, no cache).
+layer's parameters; each layer hands its whole paged forward to one runner, that backend when it
+took the layer, else the modules runner (``module_block``). The paged path reads the packed
+weights only (q/k/v and gate/up stacked at load); ``forward_dense`` is the plain unpaged
+reference (one sequence, no cache) over the modules' own weights.
 Parameter names match transformers' in-memory module tree, so a converted state dict loads as is.
 The model knows nothing about scheduling, sampling or where KV pages come from.
 """
@@ -41,8 +43,8 @@ from torch import Tensor, nn
 from llm_core.backends.attention import AttentionBackend
 from llm_core.backends.layer import (
     BlockParams,
+    BlockRunner,
     DenseMlpParams,
-    LayerBackend,
     LayerStep,
     MoEParams,
     PackedLayer,
@@ -51,9 +53,10 @@ from llm_core.backends.norm import NormBackend
 from llm_core.backends.selector import Backends, reference_backends, select_backends
 from llm_core.backends.specs import AttentionSpec
 from llm_core.kernels.attention import masked_attention
-from llm_core.kernels.attention_batch import AttentionBatch, PagedKV
+from llm_core.kernels.attention_batch import AttentionBatch, LayerKVLike, PagedKV
 from llm_core.kernels.weight_layout import input_major
 from llm_core.models.config import DecoderConfig
+from llm_core.models.module_block import MODULES, ModuleBlock
 from llm_core.models.moe import DenseMLP, SparseMoE
 from llm_core.models.rope import PartialRotary, apply_partial_rotary_, mrope_rows
 
@@ -156,57 +159,30 @@ class MiMoAttention(nn.Module):
     def _qkv(
         self, x: Tensor, positions: Tensor, rope: RopeTables | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """x [T, hidden] -> q [T, H, D], k [T, Hkv, D] (rotated), v [T, Hkv, Dv] (value-scaled)."""
+        """x [T, hidden] -> q [T, H, D], k [T, Hkv, D] (rotated), v [T, Hkv, Dv] (value-scaled), by
+        the modules' own projections (the dense reference's)."""
         n = x.shape[0]
-        if self.qkv_weight is not None:
-            return self._qkv_fused(x, positions, rope)
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.v_head_dim) * self.v_scale
         cos, sin = self._cos_sin(positions, q.dtype, rope)
         return apply_partial_rotary_(q, cos, sin), apply_partial_rotary_(k, cos, sin), v  # fresh tensors
 
-    def _qkv_fused(
-        self, x: Tensor, positions: Tensor, rope: RopeTables | None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """``_qkv`` with one matmul, and one rotary pass over q and k together (they are adjacent)::
-
-        qkv row   [ q: H * D | k: Hkv * D | v: Hkv * Dv ]
-                  [ rotated as H + Hkv heads ]
-        """
-        assert self.qkv_weight is not None
-        n, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + Hkv) * D + Hkv * Dv]
-        split = (heads + kv_heads) * dim
-        qk = qkv[:, :split].view(n, heads + kv_heads, dim)
-        v = qkv[:, split:].view(n, kv_heads, self.v_head_dim) * self.v_scale
-        cos, sin = self._cos_sin(positions, x.dtype, rope)
-        qk = apply_partial_rotary_(qk, cos, sin)  # [T, H + Hkv, D], in the qkv temporary
-        return qk[:, :heads], qk[:, heads:], v
-
     def qkv_rows(self, x: Tensor) -> Tensor:
-        """x [T, hidden] -> qkv [T, (H + Hkv) * D + Hkv * Dv] (contiguous, a temporary of ours)."""
-        if self.qkv_weight is not None:
-            return F.linear(x, self.qkv_weight, self.qkv_bias)
-        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        """x [T, hidden] -> qkv [T, (H + Hkv) * D + Hkv * Dv] (contiguous, a temporary of ours), by
+        the stacked projection ``after_load`` packed."""
+        assert self.qkv_weight is not None, "a paged forward needs after_load's packed weights"
+        return F.linear(x, self.qkv_weight, self.qkv_bias)
 
-    def forward(
-        self,
-        x: Tensor,
-        positions: Tensor,
-        batch: AttentionBatch,
-        kv: PagedKV,
-        rope: RopeTables | None = None,
+    def forward_paged(
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerKVLike, batch: AttentionBatch
     ) -> Tensor:
-        """Paged: write this step's KV into the layer's pool, then attend. x [T, hidden] -> [T, hidden].
-        Everything between the two projections is the attention backend's (rotary, KV store,
-        attention)."""
-        layer_kv = kv.layer(self.layer_idx)
-        assert layer_kv.window == self.window, f"layer {self.layer_idx}: its KV group's window differs"
-        slots, table = batch.slots[layer_kv.group], batch.page_tables[layer_kv.group]
-        cos, sin = self._cos_sin(positions, x.dtype, rope)
+        """Write this step's KV into the layer's pages (``kv``: this layer's), then attend:
+        x [T, hidden] -> [T, hidden]. Everything between the two projections is the attention
+        backend's (rotary, KV store, attention)."""
+        slots, table = batch.slots[kv.group], batch.page_tables[kv.group]
         out = self.backend.forward(
-            self.spec, self.qkv_rows(x), cos, sin, self.sinks, layer_kv, slots, table, batch
+            self.spec, self.qkv_rows(x), cos, sin, self.sinks, kv, slots, table, batch
         )  # [T, H, Dv]
         return self.o_proj(out.reshape(x.shape[0], -1))
 
@@ -229,75 +205,86 @@ class MiMoDecoderLayer(nn.Module):
             self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # The layer backend and what it runs this layer with, when it took the layer (``after_load``).
-        self.layer_backend: LayerBackend = REFERENCE.layer
-        self.packed: PackedLayer | None = None
+        # What runs this layer's paged forward, and what it runs it with (``after_load``): the layer
+        # backend and its packed block when it took the layer, else the modules runner.
+        self.runner: BlockRunner = MODULES
+        self.block: PackedLayer = self.module_block()
         # What that path reads every step, as plain attributes (a submodule lookup costs ~0.3 us).
         self._kv_layer, self._window = layer_idx, self.self_attn.window
         self._rope_key = self.self_attn.rotary.key
 
+    def module_block(self) -> ModuleBlock:
+        """This layer as the modules runner runs it."""
+        mlp = self.mlp
+        assert isinstance(mlp, (SparseMoE, DenseMLP))
+        return ModuleBlock(
+            self.input_layernorm, self.self_attn, self.post_attention_layernorm, mlp.forward_packed
+        )
+
+    def run_modules(self) -> None:
+        """Run this layer's paged forward as its modules (what ``after_load`` does when no layer
+        backend takes it)."""
+        self.runner, self.block = MODULES, self.module_block()
+
     def after_load(self, backends: Backends) -> None:
         """Give the modules their backends (which lay out their weights), then offer the layer to
-        the layer backend."""
+        the layer backend: its runner from now on when it takes it, else the modules runner."""
         self.input_layernorm.backend = backends.norm
         self.post_attention_layernorm.backend = backends.norm
         self.self_attn.after_load(backends.attention)
         mlp = self.mlp
         assert isinstance(mlp, (SparseMoE, DenseMLP))
         mlp.after_load(backends.moe)
-        self.layer_backend = backends.layer
         params = self.block_params()
-        self.packed = None if params is None else backends.layer.pack(params)
+        packed = None if params is None else backends.layer.pack(params)
+        if packed is None:
+            self.run_modules()
+        else:
+            self.runner, self.block = backends.layer, packed
 
     def forward(
         self,
         x: Tensor,
         residual: Tensor | None,
         positions: Tensor,
-        batch: AttentionBatch | None,
-        kv: PagedKV | None,
-        rope: RopeTables | None = None,
-        step: LayerStep = None,
+        batch: AttentionBatch,
+        kv: PagedKV,
+        rope: RopeTables | None,
+        step: LayerStep,
     ) -> tuple[Tensor, Tensor]:
-        """(x, residual) -> (mlp output, residual): the hidden state after the layer is their sum,
-        left for the next norm to add (fused with it). The first layer takes the embeddings as x and
-        residual None::
+        """Paged: (x, residual) -> (mlp output, residual), whose sum is the hidden state after the
+        layer, left for the next norm to add (fused with it); the first layer takes the embeddings
+        as x and residual None::
 
             residual = residual + x;  h = attn(norm1(residual))
             residual = residual + h;  return mlp(norm2(residual)), residual
 
-        Paged (``batch`` given) and taken by the layer backend: one call of it with ``step`` (its
-        ``begin(batch)``), updating x (contiguous, the caller's to overwrite) and the residual in
-        place. ``batch`` None: the dense reference (one sequence, no cache)."""
-        if batch is not None and self.packed is not None:
-            assert kv is not None
-            layer_kv = kv.layer(self._kv_layer)
-            assert layer_kv.window == self._window, f"layer {self._kv_layer}: its KV group's window differs"
-            key = self._rope_key
-            cos, sin = (
-                rope[key]
-                if rope is not None and key in rope
-                else self.self_attn._cos_sin(positions, x.dtype, rope)
-            )
-            first = residual is None
-            residual = torch.empty_like(x) if residual is None else residual
-            self.layer_backend.forward(self.packed, step, layer_kv, cos, sin, x, residual, first)
-            return x, residual
+        The whole block is the runner's (one call, with ``step``: its ``begin(batch)``)."""
+        layer_kv = kv.layer(self._kv_layer)
+        assert layer_kv.window == self._window, f"layer {self._kv_layer}: its KV group's window differs"
+        key = self._rope_key
+        cos, sin = (
+            rope[key]
+            if rope is not None and key in rope
+            else self.self_attn._cos_sin(positions, x.dtype, rope)
+        )
+        return self.runner.forward(self.block, step, layer_kv, cos, sin, x, residual)
+
+    def forward_dense(
+        self, x: Tensor, residual: Tensor | None, positions: Tensor, rope: RopeTables | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """The reference of ``forward``: one sequence, no cache, the modules' own weights."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        if batch is None:
-            h = self.self_attn.forward_dense(h, positions, rope)
-        else:
-            assert kv is not None
-            h = self.self_attn(h, positions, batch, kv, rope)
+        h = self.self_attn.forward_dense(h, positions, rope)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
 
     def block_params(self) -> BlockParams | None:
-        """This layer's parameters as a layer backend takes them, or None before ``after_load``
-        packed them (or when its two norms' eps differ)."""
+        """This layer's parameters as a layer backend takes them (after ``after_load`` packed them),
+        or None when its two norms' eps differ."""
         mlp = self.mlp
         mlp_params: DenseMlpParams | MoEParams
         if isinstance(mlp, SparseMoE):
@@ -306,9 +293,7 @@ class MiMoDecoderLayer(nn.Module):
                 gate.weight, gate.e_score_correction_bias, experts.gate_up_proj, experts.down_proj, gate.spec
             )
         else:
-            assert isinstance(mlp, DenseMLP)
-            if mlp.gate_up_weight is None:
-                return None
+            assert isinstance(mlp, DenseMLP) and mlp.gate_up_weight is not None, "packed by after_load"
             mlp_params = DenseMlpParams(mlp.gate_up_weight, mlp.down_proj.weight)
         return block_params(self.input_layernorm, self.post_attention_layernorm, self.self_attn, mlp_params)
 
@@ -317,9 +302,10 @@ def block_params(
     ln1: RMSNorm, ln2: RMSNorm, attn: MiMoAttention, mlp: DenseMlpParams | MoEParams
 ) -> BlockParams | None:
     """A pre-norm block's parameters (norm, attention, residual, norm, MLP, residual: a decoder
-    layer, or an MTP head's block) for a layer backend; None when the attention is not packed or
+    layer, or an MTP head's block) for a layer backend, after ``after_load`` packed them; None when
     the norms' eps differ."""
-    if attn.qkv_weight is None or ln1.eps != ln2.eps:
+    assert attn.qkv_weight is not None, "packed by after_load"
+    if ln1.eps != ln2.eps:
         return None
     return BlockParams(
         ln1.weight,
@@ -357,8 +343,10 @@ class DecoderForCausalLM(nn.Module):
         self.tie_weights()
         # What runs the kernels (``after_load``); the torch reference until then.
         self.backends: Backends = REFERENCE
-        # Some layer runs through the layer backend, which overwrites the hidden state in place.
-        self._layer_backend_runs = False
+        # The layers' runners, each once (``after_load``): every step begins each, and the first
+        # layer's takes the hidden input; ``_runner_of[i]``: layer i's index among them.
+        self._runners: list[BlockRunner] = [MODULES]
+        self._runner_of: list[int] = [0] * config.num_hidden_layers
         # (cos, sin) fp32 [positions, width] per (rope_dim, theta), for positions 0 .. n - 1: a step
         # gathers its rows instead of computing its angles (~10 small ops per layer type and step).
         self._rope_cache: dict[tuple[int, float], tuple[Tensor, Tensor]] = {}
@@ -389,13 +377,20 @@ class DecoderForCausalLM(nn.Module):
             layer.after_load(backends)
         if self.lm_head.weight is not self.model.embed_tokens.weight:  # lookups want rows contiguous
             self.lm_head.weight.data = input_major(self.lm_head.weight.data)
-        taken = [layer.packed is not None for layer in layers]
+        taken = [layer.runner is not MODULES for layer in layers]
         if any(taken) and not all(taken) and self.model.embed_tokens.weight.dtype != torch.float32:
             # the layer backend computes in float32, modules in the weights' dtype: one or the other
             for layer in layers:
-                layer.packed = None
-        self._layer_backend_runs = any(layer.packed is not None for layer in layers)
+                layer.run_modules()
+        self.set_runners()
         return backends
+
+    def set_runners(self) -> None:
+        """Record the layers' runners (after ``after_load``, or after a layer's runner changed)."""
+        runners = [layer.runner for layer in self.model.decoder_layers()]
+        # a layer backend first: the first layer's input is then the one it computes on
+        self._runners = sorted(set(runners), key=lambda r: r is MODULES)
+        self._runner_of = [self._runners.index(r) for r in runners]
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """input_ids [T] -> [T, hidden]; the runner overwrites placeholder rows with media embeddings."""
@@ -420,20 +415,14 @@ class DecoderForCausalLM(nn.Module):
         x = self.embed(input_ids) if input_embeds is None else input_embeds
         assert x.shape[0] == positions.shape[-1] == batch.num_tokens, "tokens, positions, slots disagree"
         assert positions.dim() == (2 if self.config.mrope_section else 1), "M-RoPE takes [3, T] positions"
-        if self._layer_backend_runs:
-            # The layer backend computes in float32 whatever the weights' storage, and updates x in
-            # place: a fresh float32 embedding, else a float32 copy.
-            fresh = input_embeds is None and x.dtype == torch.float32
-            x = (
-                x.contiguous()
-                if fresh
-                else x.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
-            )
+        # the hidden state the runners compute on (a layer backend: float32 it may overwrite; the
+        # embedding lookup is a temporary of ours, input embeddings are the caller's)
+        x = self._runners[0].hidden_input(x, owned=input_embeds is None)
         rope = self.rope_tables(positions, x.dtype)
-        step = self.backends.layer.begin(batch)
+        steps = [runner.begin(batch) for runner in self._runners]
         residual = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, positions, batch, kv, rope, step)
+        for layer, k in zip(self.model.layers, self._runner_of, strict=True):
+            x, residual = layer(x, residual, positions, batch, kv, rope, steps[k])
         return self._final_norm(x, residual)
 
     def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> RopeTables:
@@ -490,6 +479,6 @@ class DecoderForCausalLM(nn.Module):
             rope_positions = positions[None].expand(3, -1)
         rope = None if rope_positions is None else self.rope_tables(rope_positions, x.dtype)
         residual = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, positions, None, None, rope)
+        for layer in self.model.decoder_layers():
+            x, residual = layer.forward_dense(x, residual, positions, rope)
         return self.compute_logits(self._final_norm(x, residual))[None]

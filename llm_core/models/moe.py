@@ -55,10 +55,14 @@ class DenseMLP(nn.Module):
         self.down_proj.weight.data = packed.down_weight
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+        """The dense reference's: the modules' own gate and up projections."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward_packed(self, x: Tensor) -> Tensor:
+        """A paged forward's: gate and up in one product, by the stacked weight ``after_load`` packed."""
+        assert self.gate_up_weight is not None, "a paged forward needs after_load's packed weights"
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class TopKRouter(nn.Module):
@@ -125,4 +129,8 @@ class SparseMoE(nn.Module):
         self.experts.after_load(backend)
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.experts(x, self.gate(x))
+
+    def forward_packed(self, x: Tensor) -> Tensor:
+        """A paged forward's (the experts have one layout: ``after_load`` re-lays them in place)."""
         return self.experts(x, self.gate(x))

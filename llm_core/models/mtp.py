@@ -36,11 +36,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from epd_common.runtime import torch_threads
-from llm_core.backends.layer import DenseMlpParams, LayerBackend, PackedLayer
+from llm_core.backends.layer import BlockRunner, DenseMlpParams, PackedLayer
 from llm_core.backends.selector import Backends
 from llm_core.kernels.attention_batch import AttentionBatch, PagedKV
 from llm_core.models.config import SLIDING, DecoderConfig
-from llm_core.models.decoder import REFERENCE, MiMoAttention, RMSNorm, RopeTables, block_params
+from llm_core.models.decoder import MiMoAttention, RMSNorm, RopeTables, block_params
+from llm_core.models.module_block import MODULES, ModuleBlock
 from llm_core.models.moe import DenseMLP
 
 # At most this many rows, a head's input mix runs on one torch thread (``MTPHeads.forward_layer``).
@@ -105,11 +106,17 @@ class MTPLayer(nn.Module):
         prev_hidden = prev_hidden.to(embeds.dtype)
         return self.eh_proj(torch.cat([_norm(self.enorm, embeds), _norm(self.hnorm, prev_hidden)], dim=-1))
 
-    def after_load(self, backends: Backends) -> PackedLayer | None:
+    def module_block(self) -> ModuleBlock:
+        """The block between ``mix`` and ``final_layernorm`` as the modules runner runs it."""
+        return ModuleBlock(
+            self.input_layernorm, self.self_attn, self.pre_mlp_layernorm, self.mlp.forward_packed
+        )
+
+    def after_load(self, backends: Backends) -> tuple[BlockRunner, PackedLayer]:
         """Give the modules their backends (which lay out their weights), then offer the block
-        between ``mix`` and ``final_layernorm`` (norm, SWA attention, norm, dense MLP, both
-        residuals: a target decoder layer's shape) to the layer backend; returns what it will run
-        the block with, or None (the modules run it)."""
+        between ``mix`` and ``final_layernorm`` (norm, window attention, norm, dense MLP, both
+        residuals: a target decoder layer's shape) to the layer backend; returns what runs the
+        block and what with: the layer backend when it took it, else the modules runner."""
         for norm in (
             self.enorm,
             self.hnorm,
@@ -121,15 +128,15 @@ class MTPLayer(nn.Module):
         self.self_attn.after_load(backends.attention)
         self.mlp.after_load(backends.moe)
         mlp = self.mlp
-        if mlp.gate_up_weight is None:
-            return None
+        assert mlp.gate_up_weight is not None, "packed by after_load"
         params = block_params(
             self.input_layernorm,
             self.pre_mlp_layernorm,
             self.self_attn,
             DenseMlpParams(mlp.gate_up_weight, mlp.down_proj.weight),
         )
-        return None if params is None else backends.layer.pack(params)
+        packed = None if params is None else backends.layer.pack(params)
+        return (MODULES, self.module_block()) if packed is None else (backends.layer, packed)
 
     def finish(self, x: Tensor, attn: Tensor) -> Tensor:
         """x [T, hidden] (the block input), attn [T, hidden] (its attention output) -> h^{j+1}."""
@@ -164,9 +171,10 @@ class MTPHeads(nn.Module):
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList(MTPLayer(config, config.num_hidden_layers + j) for j in range(num_layers))
-        # The layer backend, and what it runs each head's block with (None: the head's modules).
-        self.layer_backend: LayerBackend = REFERENCE.layer
-        self._packed: list[PackedLayer | None] = [None] * num_layers
+        # What runs each head's block in a paged forward, and what with (``after_load``).
+        self._blocks: list[tuple[BlockRunner, PackedLayer]] = [
+            (MODULES, h.module_block()) for h in self.heads()
+        ]
 
     def heads(self) -> list[MTPLayer]:
         return cast(list[MTPLayer], list(self.layers))
@@ -183,8 +191,7 @@ class MTPHeads(nn.Module):
         """The after-load hook (as the target's ``DecoderForCausalLM.after_load``; pass the target's
         backends). Only for serving: the packed copies it makes go stale when the weights change,
         so call it again after any change, and not while training."""
-        self.layer_backend = backends.layer
-        self._packed = [head.after_load(backends) for head in self.heads()]
+        self._blocks = [head.after_load(backends) for head in self.heads()]
 
     def _head(self, j: int, rope: RopeTables | None) -> MTPLayer:
         assert 0 <= j < len(self.layers), f"MTP head {j} of {len(self.layers)}"
@@ -224,27 +231,20 @@ class MTPHeads(nn.Module):
             "token_ids, prev_hidden and positions disagree"
         )
         assert batch.num_tokens == t, "batch describes a different number of rows"
-        packed = self._packed[j]
-        if packed is not None:
-            # The block in one call of the layer backend, as the target's layers run: x becomes
-            # the MLP's output and residual x + attn, whose sum final_layernorm normalizes.
-            threads = torch.get_num_threads()
-            # A few rows right after a layer call (the target's or the previous head's), on one
-            # thread: the CPU layer kernel's workers still spin on the other cores, and a torch
-            # op split over threads would wait for one (~0.1 ms here, the product itself ~10 us).
-            # A prefill chunk's rows are worth the threads.
-            with torch_threads(1 if t <= SMALL_MIX_ROWS else threads):
-                # [T, hidden] float32, as the layer backend computes
-                x = head.mix(embed(token_ids), prev_hidden).to(torch.float32).contiguous()
-            residual = torch.empty_like(x)
-            step = self.layer_backend.begin(batch)
-            cos, sin = rope[head.self_attn.rotary.key]
-            layer_kv = kv.layer(head.self_attn.layer_idx)
-            self.layer_backend.forward(packed, step, layer_kv, cos, sin, x, residual, first=True)
-            return head.final_layernorm.add_forward(x, residual)[0]
-        x = head.mix(embed(token_ids), prev_hidden)  # [T, hidden]
-        attn = head.self_attn(_norm(head.input_layernorm, x), positions, batch, kv, rope)
-        return head.finish(x, attn)
+        runner, block = self._blocks[j]
+        # The block in one call of its runner, as the target's layers run: x becomes the MLP's
+        # output and residual x + attn, whose sum final_layernorm normalizes.
+        threads = torch.get_num_threads()
+        # A few rows right after a layer call (the target's or the previous head's), on one
+        # thread: the CPU layer kernel's workers still spin on the other cores, and a torch op
+        # split over threads would wait for one (~0.1 ms here, the product itself ~10 us). A
+        # prefill chunk's rows are worth the threads.
+        with torch_threads(1 if t <= SMALL_MIX_ROWS else threads):
+            x = runner.hidden_input(head.mix(embed(token_ids), prev_hidden), owned=True)  # [T, hidden]
+        cos, sin = rope[head.self_attn.rotary.key]
+        layer_kv = kv.layer(head.self_attn.layer_idx)
+        x, residual = runner.forward(block, runner.begin(batch), layer_kv, cos, sin, x, None)
+        return head.final_layernorm.add_forward(x, residual)[0]
 
     def forward_layer_dense(
         self,

@@ -138,8 +138,8 @@ def dense_hidden(model: DecoderForCausalLM, ids: Tensor) -> Tensor:
     step (the same modules and arguments, so ``lm_head`` of this is exactly its logits)."""
     positions = torch.arange(ids.shape[0], device=ids.device)
     x, residual = model.embed(ids), None
-    for layer in model.model.layers:
-        x, residual = layer(x, residual, positions, None, None, None)
+    for layer in model.model.decoder_layers():
+        x, residual = layer.forward_dense(x, residual, positions)
     return model._final_norm(x, residual)
 
 
@@ -291,10 +291,6 @@ def distill_mtp_heads(
     (False: start from their current weights). ``model`` is only read. Returns with the heads in
     eval mode and without gradients."""
     assert heads.config.hidden_size == model.config.hidden_size
-    # packed copies (``MTPHeads.after_load``) would be read instead of the trained weights
-    assert all(h.self_attn.qkv_weight is None and h.mlp.gate_up_weight is None for h in heads.heads()), (
-        "distill unfused heads"
-    )
     assert recipe.prompt_len >= 2 and recipe.new_tokens > max(CHAIN_LENGTHS) + 1
     times: dict[str, float] = {}
     with torch_threads(recipe.threads):

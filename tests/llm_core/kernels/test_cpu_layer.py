@@ -22,6 +22,7 @@ from llm_core.kernels.attention_batch import AttentionBatch, build_attention_bat
 from llm_core.models.checkpoint import LoadedLLM, load_llm
 from llm_core.models.config import DecoderConfig
 from llm_core.models.decoder import DecoderForCausalLM
+from llm_core.models.module_block import MODULES
 from llm_core.models.moe import DenseMLP, SparseMoE
 from tests.llm_core.conftest import build_tiny_mimo
 from tests.llm_core.models.test_decoder import (
@@ -68,13 +69,17 @@ def run_layer_both_ways(
     positions = batch.positions()
     first = i == 0
     kv_modules, kv_kernel = zeroed_kv(config, 16), zeroed_kv(config, 16)
-    weights = layer.packed  # what the CPU layer backend took the layer with
+    weights = layer.block  # what the CPU layer backend took the layer with
     assert isinstance(weights, cpu_layer.LayerWeights)
-    layer.packed = None  # the layer's modules, through the CPU attention, MoE and norm backends
-    try:
-        out, res = layer(x, None if first else residual, positions, batch, kv_modules, {})
-    finally:
-        layer.packed = weights
+    # the layer's modules, through the CPU attention, MoE and norm backends
+    out, res = MODULES.forward(
+        layer.module_block(),
+        MODULES.begin(batch),
+        kv_modules.layer(i),
+        *layer.self_attn._cos_sin(positions, torch.float32, {}),
+        x,
+        None if first else residual,
+    )
     xk, rk = x.clone(), residual.clone()
     cos, sin = layer.self_attn._cos_sin(positions, torch.float32, {})
     cpu_layer.decoder_layer_cpu(
@@ -172,7 +177,7 @@ def test_layer_with_qkv_bias_equals_the_modules(tiny_mimo_dir: Path) -> None:
 def test_paged_forward_equals_the_modules(loaded: LoadedLLM) -> None:
     """A prefill chunk then two decode steps of two sequences, with and without the layer kernel."""
     model, config = loaded.model, loaded.config
-    assert all(layer.packed is not None for layer in model.model.decoder_layers())
+    assert all(layer.runner is model.backends.layer for layer in model.model.decoder_layers())
     outs = []
     for on in (True, False):
         with cpu_backends(model, **({} if on else {"layer": "none"})):
@@ -198,20 +203,20 @@ def test_model_falls_back_to_the_modules(loaded: LoadedLLM) -> None:
     compares tensor identities at step time.)"""
     model = loaded.model
     layers = model.model.decoder_layers()
-    assert all(layer.packed is not None for layer in layers)
+    assert all(layer.runner is model.backends.layer for layer in layers)
     assert select_backends("cpu", torch.float64).layer.name == "none"  # not fp32
     unfused = DecoderForCausalLM(loaded.config)
     assert unfused.backends.names()["layer"] == "none"
-    assert all(layer.packed is None for layer in unfused.model.decoder_layers())
+    assert all(layer.runner is MODULES for layer in unfused.model.decoder_layers())
     with cpu_backends(model, attention="torch"):
         assert model.backends.layer.name == "none"
-        assert all(layer.packed is None for layer in layers)
-    assert all(layer.packed is not None for layer in layers)
+        assert all(layer.runner is MODULES for layer in layers)
+    assert all(layer.runner is model.backends.layer for layer in layers)
 
 
 def test_errors_are_value_errors(loaded: LoadedLLM) -> None:
     layer = loaded.model.model.decoder_layers()[2]
-    weights = layer.packed
+    weights = layer.block
     assert isinstance(weights, cpu_layer.LayerWeights)
     batch = prefill_then_decode_batch([12], [12])
     kv = zeroed_kv(loaded.config, 16)
@@ -261,7 +266,7 @@ def bf16_and_twin(model_dir: Path) -> tuple[DecoderForCausalLM, DecoderForCausal
                 state[name].copy_(t.float())
     twin.after_load()
     assert bf16.backends.layer.name == "cpu" and all(
-        layer.packed is not None for layer in bf16.model.decoder_layers()
+        layer.runner is bf16.backends.layer for layer in bf16.model.decoder_layers()
     )
     return bf16, twin
 
@@ -275,7 +280,7 @@ def run_kernel(
     x = torch.randn(batch.num_tokens, config.hidden_size, generator=g)
     residual = torch.randn(batch.num_tokens, config.hidden_size, generator=g)
     cos, sin = layer.self_attn._cos_sin(batch.positions(), torch.float32, {})
-    weights = layer.packed
+    weights = layer.block
     assert isinstance(weights, cpu_layer.LayerWeights)
     cpu_layer.decoder_layer_cpu(
         weights, cpu_layer.StepArgs(batch), kv.layer(i), cos, sin, x, residual, i == 0
@@ -331,7 +336,7 @@ def test_bf16_kv_pools_store_as_torch_rounds_and_attend_like_the_modules(
             g = torch.Generator().manual_seed(i)
             x = torch.randn(batch.num_tokens, config.hidden_size, generator=g)
             residual = torch.randn(batch.num_tokens, config.hidden_size, generator=g)
-            refs.append(layer(x, None if i == 0 else residual, batch.positions(), batch, kv_ref, {}))
+            refs.append(layer(x, None if i == 0 else residual, batch.positions(), batch, kv_ref, {}, batch))
     kv, kv_f32 = zeroed_kv(config, 16, torch.bfloat16), zeroed_kv(config, 16)
     for i, (out, res) in enumerate(refs):
         xk, rk = run_kernel(model, i, batch, i, kv)

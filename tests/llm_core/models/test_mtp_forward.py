@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from llm_core.backends.selector import select_backends
+from llm_core.backends.selector import reference_backends, select_backends
 from llm_core.caches.kv_pool import KVLayout, PagedKVCache
 from llm_core.kernels import cpu_attention
 from llm_core.kernels.attention_batch import AttentionBatch, build_attention_batch
@@ -133,6 +133,7 @@ def random_heads(cfg: DecoderConfig, seed: int) -> MTPHeads:
                 p.copy_(torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+    heads.after_load(reference_backends())  # packed for a paged forward; the dense one reads the modules
     return heads.requires_grad_(False)
 
 
@@ -145,6 +146,7 @@ def cfg() -> DecoderConfig:
 def target(cfg: DecoderConfig) -> DecoderForCausalLM:
     model = DecoderForCausalLM(cfg).eval()
     init_random_weights(model, seed=3, std=0.5)  # embeddings of norm ~8: enorm must rescale them
+    model.after_load(reference_backends())  # the torch reference's kernels over the packed weights
     return model.requires_grad_(False)
 
 

@@ -62,6 +62,7 @@ def fresh_data(default: LoadedLLM) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def _untrained_target(seed: int = DEFAULT_SEED) -> DecoderForCausalLM:
     model = DecoderForCausalLM(default_llm_config())
     init_random_weights(model, seed)
+    model.after_load()  # the packed layout its paged forward reads
     return model.eval().requires_grad_(False)
 
 
