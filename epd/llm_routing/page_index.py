@@ -59,10 +59,16 @@ def longest_hit(
     ``windows``: per window group, (its bit, W-1: the keys a resumed query reads before its
     boundary). ``state_of(h)``: the group bits of page ``h`` (0: absent). O(pages walked).
     """
+    n = min(len(hashes), max_tokens // page_size)
+    if not windows:  # every boundary of present pages is a hit: the last one is (no list per page)
+        i = 0
+        while i < n and state_of(hashes[i]) & PRESENT:
+            i += 1
+        return i * page_size
     best = 0
     need = [w for _, w in windows]
     runs = [0] * len(windows)  # per window group: tokens of consecutive live pages ending at b
-    for i in range(min(len(hashes), max_tokens // page_size)):
+    for i in range(n):
         state = state_of(hashes[i])
         if not state & PRESENT:
             break  # chained names: no later page of this request can be present

@@ -92,7 +92,10 @@ class BlockRunner(Protocol):
         ...
 
 
-class LayerBackend(ABC):
+class LayerBackend(BlockRunner, ABC):
+    """A kernel backend for whole blocks: ``pack`` takes a block's parameters, and the
+    ``BlockRunner`` methods run the blocks it took."""
+
     name: ClassVar[str]
 
     def describe(self) -> str:
@@ -103,25 +106,8 @@ class LayerBackend(ABC):
     def pack(self, params: BlockParams) -> PackedLayer | None:
         """After-load hook: what this backend runs the block with, or None when it cannot."""
 
-    @abstractmethod
-    def begin(self, batch: AttentionBatch) -> LayerStep:
-        """A forward's state, before its first block."""
-
     def hidden_input(self, x: Tensor, owned: bool) -> Tensor:
         return x
-
-    @abstractmethod
-    def forward(
-        self,
-        packed: PackedLayer,
-        step: LayerStep,
-        kv: LayerKVLike,
-        cos: Tensor,
-        sin: Tensor,
-        x: Tensor,
-        residual: Tensor | None,
-    ) -> tuple[Tensor, Tensor]:
-        """``BlockRunner.forward`` for a block ``pack`` took."""
 
 
 class NoLayer(LayerBackend):
