@@ -155,6 +155,21 @@ def test_prefill_on_one_engine_and_decode_on_another_gives_the_plain_ids(two_win
         b.stop()
 
 
+def settled(endpoint: str) -> list[tuple[int, Any]]:
+    """Every batch the engine published, once no new one came for 50 ms (the publisher thread
+    sends what the last request's release queued): what a subscriber has when the next request
+    is routed."""
+    batches = replay_all(endpoint)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        again = replay_all(endpoint)
+        if len(again) == len(batches):
+            return again
+        batches = again
+    return batches
+
+
 def test_the_router_index_fed_the_engine_events_predicts_its_cached_tokens(two_windows: LoadedLLM) -> None:
     cfg = EngineConfig(kv_memory_bytes=160 << 10, max_model_len=512, page_size=PAGE)
     pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
@@ -169,8 +184,7 @@ def test_the_router_index_fed_the_engine_events_predicts_its_cached_tokens(two_w
         probes = [*prompts(), [9 + (5 * i) % 120 for i in range(70)], prompts()[2][:30]]
         for rnd in range(3):
             for p in probes:
-                time.sleep(0.05)  # the publisher thread sends what the last request queued
-                batches = replay_all(pub.replay_endpoint or "")
+                batches = settled(pub.replay_endpoint or "")
                 for _, batch in batches[applied:]:
                     index.apply(batch)
                 applied = len(batches)
