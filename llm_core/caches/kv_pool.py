@@ -43,9 +43,9 @@ from llm_core.caches.kv_groups import (
     KVGroup,
     KVGroupSpec,
     kv_groups,
+    kv_groups_from_config,
     layer_groups,
     layer_spec,
-    layer_specs_from_config,
     window_pages,
 )
 from llm_core.caches.layer_gate import LayerGate
@@ -103,16 +103,19 @@ class KVLayout:
         head_dim: int,
         v_head_dim: int,
         dtype_bytes: int = 2,
+        num_mtp_layers: int = 0,
     ) -> KVLayout:
         """A plan by window per layer (None: full attention): full-attention layers with
-        ``full_kv_heads`` KV heads, windowed ones with ``window_kv_heads``, no sinks."""
+        ``full_kv_heads`` KV heads, windowed ones with ``window_kv_heads``, no sinks; the last
+        ``num_mtp_layers`` are the MTP heads'."""
         return cls.of_layers(
             [
                 layer_spec(
                     w, full_kv_heads if w is None else window_kv_heads, head_dim, v_head_dim, dtype_bytes
                 )
                 for w in layer_windows
-            ]
+            ],
+            num_mtp_layers,
         )
 
     @classmethod
@@ -131,7 +134,7 @@ class KVLayout:
         assert mtp_layers >= 0, mtp_layers
         width = _DTYPE_BYTES[dtype]
         if hasattr(cfg, "window"):  # our DecoderConfig: every layer's own window, heads and sinks
-            return cls.of_layers(layer_specs_from_config(cfg, width, mtp_layers), mtp_layers)
+            return cls(kv_groups_from_config(cfg, width, mtp_layers))
         n, window = int(cfg.num_hidden_layers), int(cfg.sliding_window)
         types = getattr(cfg, "layer_types", None) or [
             "full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)
@@ -139,13 +142,15 @@ class KVLayout:
         windows = [window if str(t).startswith("sliding") else None for t in types] + [window] * mtp_layers
         full_heads = int(cfg.num_key_value_heads)
         window_heads = getattr(cfg, "swa_num_key_value_heads", None) or 2 * full_heads  # the checkpoint's key
-        head_dim = int(cfg.head_dim)
-        v_head_dim = int(getattr(cfg, "v_head_dim", None) or head_dim)
-        specs = [
-            layer_spec(w, full_heads if w is None else int(window_heads), head_dim, v_head_dim, width)
-            for w in windows
-        ]
-        return cls.of_layers(specs, mtp_layers)
+        return cls.hybrid(
+            windows,
+            full_kv_heads=full_heads,
+            window_kv_heads=int(window_heads),
+            head_dim=int(cfg.head_dim),
+            v_head_dim=int(getattr(cfg, "v_head_dim", None) or cfg.head_dim),
+            dtype_bytes=width,
+            num_mtp_layers=mtp_layers,
+        )
 
     @property
     def num_layers(self) -> int:
