@@ -103,7 +103,14 @@ def test_kill9_engine_loses_no_request_and_rejoins(two_engines: ServeProcess) ->
     pid = engine_pid(two_engines, home)
     os.kill(pid, signal.SIGKILL)
     wait_until(lambda: not pid_alive(pid), 10, "the killed engine to be reaped")
-    # Every chat now completes on the surviving engine (re-routed before any output).
+    # The supervisor tells the router once it has reaped the child: a zombie is already "not
+    # alive" above, so wait for the router's own view before counting where requests go.
+    wait_until(
+        lambda: not next(e for e in routing(two_engines)["engines"] if e["url"] == home)["live"],
+        10,
+        "the router to mark the killed engine down",
+    )
+    # Every chat now completes on the surviving engine, none of them tried on the dead one.
     for i in range(3):
         body, engine = chat(two_engines, [{"role": "user", "content": f"after the kill {i}"}])
         assert engine != home and body["choices"][0]["message"]["role"] == "assistant"
