@@ -9,7 +9,7 @@ STAMP := $(VENV)/.epd-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py epd_common/native.py scripts/setup_env.sh media_io/preprocess/_patchify.c media_io/_jpeg.c $(wildcard llm_core/kernels/_*.c llm_core/kernels/_*.h)
+$(STAMP): pyproject.toml setup.py epd_common/native.py scripts/setup_env.sh media_io/preprocess/_patchify.c media_io/_jpeg.c epd_common/_mkl_cpu.c $(wildcard llm_core/kernels/_*.c llm_core/kernels/_*.h)
 	VENV=$(VENV) bash scripts/setup_env.sh
 	@touch $(STAMP)
 

@@ -6,3 +6,7 @@ Benchmarks run from a source checkout only: the package is not in the wheel. A b
 the product packages and the shared test fixtures (``tests.fixtures``: clips, the media server,
 tiny checkpoints); nothing in the product imports ``bench``.
 """
+
+from epd_common.mkl_dispatch import use_mkl_avx512
+
+use_mkl_avx512()  # before any benchmark loads torch: in-process runs measure what epd's processes run

@@ -8,6 +8,7 @@ import sys
 
 from epd.allocator import keep_freed_memory
 from epd_common.child_process import arm_from_env
+from epd_common.mkl_dispatch import use_mkl_avx512
 
 # subcommand -> (module, help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -41,6 +42,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     arm_from_env()  # a supervised child stops with its parent (where no setpriv did that)
     keep_freed_memory()  # every role process starts here (the supervisor spawns `epd <role>`)
+    use_mkl_avx512()  # before any role imports torch
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(only=command if command in SUBCOMMANDS else "").parse_args(argv)

@@ -1,5 +1,6 @@
 """Leaf modules every epd package may import: settings and runtime paths, admission, the client
-error channel, native-build checks, the cluster store (``store``), what a checkpoint directory is
+error channel, native-build checks, which code MKL runs (``mkl_dispatch``, applied before torch
+loads), the cluster store (``store``), what a checkpoint directory is
 (``checkpoint``: the one config.json and safetensors reader, ``CheckpointError``, the architecture
 registry) and what the roles send each other (``messages``: ``EmbeddingRef``, the cache-key rule,
 the engine's completion request and chunks, the embedding-cache reader interface).

@@ -34,6 +34,7 @@ _LLM_COMMON = ("llm_core/kernels/_kernels.h",)
 EXTENSIONS: dict[str, tuple[str, ...]] = {
     "media_io.preprocess._patchify": ("media_io/preprocess/_patchify.c",),
     "media_io._jpeg": ("media_io/_jpeg.c",),
+    "epd_common._mkl_cpu": ("epd_common/_mkl_cpu.c",),
     "llm_core.kernels._paged_attention": (
         "llm_core/kernels/_paged_attention.c",
         *_LLM_COMMON,

@@ -135,7 +135,18 @@ static void moe_sum_part(void *ctx, int p, int parts) {
     moe_sum_contrib(j->pb, j->contrib, t0, t1);
 }
 
-/* The routed experts over the pool's threads: expert ranges of about equal assignments, each
+/* What streaming an expert's weight costs, in rows of its products: a row of an expert does 2
+ * FLOPs per weight element, and a core computes about 10 FLOPs in the time its share of memory
+ * bandwidth brings one byte (~200 GFLOPS against ~20 GB/s here), so a weight of es-byte elements
+ * costs about 5 x es rows. Only the split between threads reads it; the bits never depend on it. */
+#define MOE_WEIGHT_ROWS(es) (5 * (es))
+
+static inline Py_ssize_t moe_expert_cost(const MoePlan *plan, Py_ssize_t e, Py_ssize_t weight_rows) {
+    const Py_ssize_t rows = plan->start[e + 1] - plan->start[e];
+    return rows > 0 ? weight_rows + rows : 0;
+}
+
+/* The routed experts over the pool's threads: expert ranges of about equal cost, each
  * expert through the small-M product or, with many rows, single-threaded BLAS (_moe.h). */
 static const char *moe_parallel(const MoeProblem *moe, int parts) {
     if (parts <= 1) return moe_run(moe);
@@ -145,10 +156,20 @@ static const char *moe_parallel(const MoeProblem *moe, int parts) {
     if (err == NULL) job.contrib = malloc((size_t)(moe->T * moe->K * moe->H) * sizeof(float));
     if (err == NULL && job.contrib == NULL) err = "moe_experts: out of memory";
     if (err == NULL) {
-        const Py_ssize_t n = moe->T * moe->K;
-        Py_ssize_t e = 0;
+        /* Ranges of about equal cost, not equal rows: an expert with tokens streams its whole
+         * weight once (most of a decode step's cost: a few rows an expert) and then pays per row
+         * (most of a prefill chunk's: hundreds), so it costs MOE_WEIGHT_ROWS(es) rows plus its
+         * own. With 16 experts and 64 rows, equal rows left one thread up to 10 weights to stream
+         * against the other's 6. */
+        const Py_ssize_t weight_rows = MOE_WEIGHT_ROWS(moe->wbf16 ? 2 : 4);
+        Py_ssize_t total = 0;
+        for (Py_ssize_t x = 0; x < moe->E; x++) total += moe_expert_cost(&plan, x, weight_rows);
+        Py_ssize_t e = 0, before = 0; /* the cost of experts [0, e) */
         for (int p = 1; p < parts; p++) {
-            while (e < moe->E && plan.start[e] < n * p / parts) e++;
+            const Py_ssize_t target = total * p / parts;
+            /* take expert e while at least half of its cost lies before the target */
+            while (e < moe->E && 2 * before + moe_expert_cost(&plan, e, weight_rows) <= 2 * target)
+                before += moe_expert_cost(&plan, e++, weight_rows);
             job.bounds[p] = e;
         }
         job.bounds[parts] = moe->E;

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from epd_common import native
+from epd_common.mkl_dispatch import mkl_runs_avx512
 
 
 def load(name: str) -> ModuleType | None:
@@ -61,25 +62,17 @@ def bind_sgemm(kernel: ModuleType | None) -> bool:
     return True
 
 
-def _cpu_vendor() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:  # pragma: no cover - not Linux
-        pass
-    return ""
-
-
-@functools.cache  # the CPU does not change: read /proc/cpuinfo once
+@functools.cache  # the CPU and MKL's code path do not change once torch is loaded
 def expert_blas_min_rows() -> int:
     """Rows from which a routed expert multiplies through BLAS (single-threaded MKL on one of the
-    layer pool's threads, ``_moe.h``) rather than the small-M product, chosen for this CPU at
-    import: every expert (1) on an Intel CPU, where MKL's AVX-512 sgemm ran 1.6-2.3x our AVX2
-    small-M product for an expert of 1-4 rows and 3x at 256 (served medium model, c = 8: 171 vs
-    103 tokens/s: docs/performance.md); experts of 16 rows or more (a prefill chunk's) elsewhere,
-    where MKL's speed was not measured and the small-M product was the faster one for decode."""
-    return 1 if _cpu_vendor() == "GenuineIntel" else 16
+    layer pool's threads, ``_moe.h``) rather than the small-M product, chosen for this process at
+    import: every expert (1) where MKL runs its AVX-512 code (an Intel CPU with it, or an AMD one
+    where ``epd_common.mkl_dispatch`` let it), which ran 1.6-2.3x our AVX2 small-M product for an
+    expert of 1-4 rows and 3x at 256 (Intel, served medium model, c = 8: 171 vs 103 tokens/s), and
+    on a Zen 5 AMD cut a decode step's routed experts at c = 32 from 33.3 to 24.9 ms against our
+    AVX-512 product (docs/performance.md); experts of 16 rows or more (a prefill chunk's) where
+    MKL runs its AVX2 code, where the small-M product was the faster one for decode."""
+    return 1 if mkl_runs_avx512() else 16
 
 
 # A bf16 expert goes through BLAS from this many rows at the least: its weight is first widened
