@@ -97,6 +97,35 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def _busy_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU time of the whole machine so far (/proc/stat's first line)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_for_quiet_cpu(busy_below: float = 0.05, window_s: float = 0.25, timeout_s: float = 10.0) -> float:
+    """Wait until the machine's CPUs were busy less than ``busy_below`` of the time over a whole
+    ``window_s`` (at most ``timeout_s``); returns the seconds waited. Between the sides of an
+    interleaved benchmark: a server keeps working after its last answer (vLLM's CPU build kept a
+    core busy for ~1 s after a closed-loop wave), and the side driven next would start on a core
+    short. Where /proc/stat is missing it returns at once."""
+    start = time.monotonic()
+    try:
+        last = _busy_jiffies()
+        while time.monotonic() - start < timeout_s:
+            time.sleep(window_s)
+            now = _busy_jiffies()
+            busy, total = now[0] - last[0], now[1] - last[1]
+            if total > 0 and busy / total < busy_below:
+                break
+            last = now
+    except OSError:
+        pass
+    return time.monotonic() - start
+
+
 def machine_info() -> dict[str, Any]:
     """CPU model, usable cores, torch threads and the GPU (if any): print it with every result."""
     info: dict[str, Any] = {

@@ -21,7 +21,10 @@ requests (token-id prompts, ``ignore_eos``):
   from the pool layout the engine allocates (full layers every token, SWA layers their window's
   pages).
 
-Both servers are up at once and driven one at a time: each of ``--repeats`` repeats runs every
+Both servers are up at once and driven one at a time (each timed run waits first until the
+machine's CPUs are quiet, ``bench.common.wait_for_quiet_cpu``: vLLM's CPU build kept a core busy
+for ~1 s after a wave, which cost the side driven next ~25% of its tokens/s and doubled its wave
+TTFT): each of ``--repeats`` repeats runs every
 level on both (which side goes first alternates), and a row reports the median repeat, so a slow
 spell of a shared machine hits both alike. They run as their users would: llama-server with ``--parallel`` = the largest concurrency,
 ``-t``/``-tb`` = the cores, its defaults otherwise (window-sized SWA cache, flash-attention auto,
@@ -99,6 +102,7 @@ from bench.common import (
     percentiles,
     print_table,
     usable_cores,
+    wait_for_quiet_cpu,
     write_json,
 )
 from bench.gguf_stage import convert_to_gguf
@@ -578,6 +582,7 @@ def run_level(
     """One streamed closed loop; the prompts depend on the level, seed and repeat only, so every
     side gets the same."""
     prompts = make_prompts(max(concurrency, MIN_REQUESTS), seed + 1000 * repeat + concurrency)
+    wait_for_quiet_cpu()  # the side driven before may still be busy after its last answer
     wall, results = asyncio.run(closed_loop(url, side, prompts, concurrency, max_tokens, True))
     short = [r.tokens for r in results if r.tokens != max_tokens]
     if short:  # a truncated answer would count as speed

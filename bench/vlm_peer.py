@@ -39,7 +39,9 @@ Workloads, each a closed loop at ``--concurrency`` (16) of ``--requests`` reques
     text    text only, a distinct prompt per request
 
 ``--repeats`` repeats run every workload on every side, the side order rotating per repeat, so
-that a slow spell of a shared machine hits all sides alike. Then:
+that a slow spell of a shared machine hits all sides alike; each phase starts once the machine's
+CPUs are quiet (``bench.common.wait_for_quiet_cpu``: a server's work after its last answer does
+not land on the next side's phase). Then:
 
     vllm given embeds   the cold chats sent to the same vLLM as epd sends them (one
                         ``image_embeds`` part of each image's grid, random values, a fresh uuid):
@@ -104,6 +106,7 @@ from bench.common import (
     percentiles,
     print_table,
     usable_cores,
+    wait_for_quiet_cpu,
     write_json,
 )
 from bench.llm import TINY_QWEN_FIXTURE, build_once, cache_dir
@@ -613,6 +616,7 @@ def drive(
     answers: dict[int, Answer] = {}
     send = send_one if encode else chat_sender(answers)
     side.place()
+    wait_for_quiet_cpu()  # the side driven before may still be busy after its last answer
 
     def body(i: int) -> dict[str, Any]:
         if encode:

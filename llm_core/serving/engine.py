@@ -371,7 +371,10 @@ class LLMEngine:
     # ---- engine thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
+        idle = True
         while not self._stop.is_set():
+            if idle and self.scheduler.has_work():
+                self._gather_burst()
             self._wake.clear()  # a submit or abort after this point makes the wait below return
             try:
                 busy = self._step()
@@ -382,6 +385,7 @@ class LLMEngine:
                 with self._lock:
                     self._fail([r.seq for r in self._requests.values()])
                 busy = True
+            idle = not busy
             if not busy:
                 self._busy_since = None  # the wait below is idle time, not the rate's
                 self._wake.wait(0.05)  # idle, or nothing fits in KV until a sequence finishes
@@ -389,6 +393,19 @@ class LLMEngine:
             for rid in list(self._requests):
                 self.scheduler.abort(rid)
                 self._finish(self._requests[rid], "abort", [])
+
+    def _gather_burst(self) -> None:
+        """Before an idle engine's first step: wait while requests keep arriving, each within
+        ``burst_quiet_ms`` of the last, for at most ``burst_gather_ms`` (``EngineConfig``), so
+        that a burst shares its first steps. Every submit sets ``_wake``."""
+        cfg = self.config
+        if cfg.burst_gather_ms <= 0 or cfg.burst_quiet_ms <= 0:
+            return
+        end = time.perf_counter() + cfg.burst_gather_ms / 1e3
+        while not self._stop.is_set() and (left := end - time.perf_counter()) > 0:
+            self._wake.clear()
+            if not self._wake.wait(min(cfg.burst_quiet_ms / 1e3, left)):
+                return  # quiet: the burst, if any, is in
 
     def _step(self) -> bool:
         """Schedule, run and publish one step; False when there was nothing to run."""

@@ -368,3 +368,36 @@ def test_stop_leaves_resources_open_while_a_step_still_runs(loaded: Any) -> None
     release.set()
     engine.stop()
     assert closed == ["kv_events"] and engine._thread is None
+
+
+def test_an_idle_engine_gathers_a_burst_into_its_first_step(loaded: Any) -> None:
+    """Requests arriving one after another, each within ``burst_quiet_ms`` of the last, share the
+    first step; once they stop coming the step starts without waiting out ``burst_gather_ms``."""
+    engine = make_engine(loaded, start=False, burst_gather_ms=5000.0, burst_quiet_ms=300.0)
+    real = engine.runner.execute
+    batches: list[int] = []
+
+    def record(batch: Any) -> Any:
+        batches.append(len(batch.seqs))
+        return real(batch)
+
+    engine.runner.execute = record  # type: ignore[method-assign]
+    engine.start()
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+    async def burst() -> tuple[list[list[StepOutput]], float]:
+        tasks = []
+        for i in range(4):  # 30 ms apart: well inside the 300 ms quiet window
+            tasks.append(asyncio.ensure_future(collect(engine, prompt_of(8, 20 + i), sp)))
+            await asyncio.sleep(0.03)
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*tasks)
+        return outs, time.perf_counter() - t0
+
+    try:
+        outs, after_last = asyncio.run(burst())
+        assert all(o[-1].finish_reason == "length" for o in outs)
+        assert batches[0] == 4, batches  # one step took the whole burst
+        assert after_last < 4.0, after_last  # it began once the burst went quiet, not at the cap
+    finally:
+        engine.stop()
