@@ -35,7 +35,7 @@ SHIM = "epd_common._mkl_cpu"
 
 class MklDispatch(NamedTuple):
     applied: bool
-    reason: str  # why (not), for a log line or /health
+    reason: str  # why (not), in words
 
 
 def decide(cpuinfo: str, env: Mapping[str, str], torch_loaded: bool) -> MklDispatch:
