@@ -18,9 +18,9 @@ The rate is measured over busy time only (time with work in flight), so an idle 
 rate it last showed rather than decaying towards zero; and only from completions that had company
 (another unit still in flight), whose spacing is the stage's throughput: a lone unit's completion
 is its latency, which understates a stage that overlaps or batches. Failed units (a bad input
-refused in a millisecond) are not samples either. A batch's completions, delivered one by one
-within a blink of each other (``CLUMP_FRACTION`` of the busy time before the first), are one
-sample, a clump: counted apart, the first four delivered of a batch of 150 were four samples, 4
+refused in a millisecond) are not samples either, nor do they cut the busy time the next
+completion is measured over. A batch's completions, delivered one by one within a blink of each
+other (``CLUMP_FRACTION`` of the busy time before the first), are one sample, a clump: counted apart, the first four delivered of a batch of 150 were four samples, 4
 items over the whole batch's time, a rate 40 times too low that refused the rest of a burst the
 stage was about to drain. It is the units completed per busy second over the samples of the last
 ``max_age_s`` seconds (at most ``window``, at least ``min_samples`` of the newest whatever their
@@ -124,19 +124,24 @@ class ServiceRate:
         assert self._in_flight > 0, "finished() without started()"
         now = time.monotonic() if now is None else now
         assert self._busy_since is not None
-        # The first completion of a busy period is the pipeline's latency, not its spacing: a burst
-        # of 200 into an idle stage would read as a few items per second and be refused.
-        if ok and self._in_flight >= 2 and self._spaced:
-            gap = max(now - self._busy_since, 0.0)
-            if self._open_gap is not None and gap < max(CLUMP_S, CLUMP_FRACTION * self._open_gap):
-                self._merge(now, units, gap)
+        # A failure leaves the clock alone: the busy time since the last completion belongs to the
+        # next one. Restarting it here, refusals interleaved with completions (a full queue
+        # refusing 45 items/s while 37/s were done) cut every gap short: the rate read 2.5x what
+        # was served and Retry-After half the real drain.
+        if ok:
+            # The first completion of a busy period is the pipeline's latency, not its spacing: a
+            # burst of 200 into an idle stage would read as a few items per second and be refused.
+            if self._in_flight >= 2 and self._spaced:
+                gap = max(now - self._busy_since, 0.0)
+                if self._open_gap is not None and gap < max(CLUMP_S, CLUMP_FRACTION * self._open_gap):
+                    self._merge(now, units, gap)
+                else:
+                    self._add(now, units, gap)
+                    self._open_gap = gap
             else:
-                self._add(now, units, gap)
-                self._open_gap = gap
-        else:
-            self._open_gap = None
-        self._spaced = True
-        self._busy_since = now
+                self._open_gap = None
+            self._spaced = True
+            self._busy_since = now
         self._in_flight -= 1
         if self._in_flight == 0:
             self._busy_since = None

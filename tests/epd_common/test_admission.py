@@ -53,6 +53,19 @@ def test_failed_items_are_not_samples() -> None:
     assert rate.per_s() == 3.0
 
 
+def test_failures_between_completions_do_not_shorten_their_spacing() -> None:
+    # A full queue refusing items between two completions: the stage still took 1 s per item.
+    rate = ServiceRate(seed_per_s=100.0, min_samples=1)
+    for _ in range(14):
+        rate.started(now=0.0)
+    rate.finished(now=1.0)  # the first of the busy period: its latency
+    for t in range(2, 6):
+        for k in range(1, 3):
+            rate.finished(now=t - 1 + 0.3 * k, ok=False)  # refused at t-0.7 and t-0.4
+        rate.finished(now=float(t))  # a sample: 1 s of busy time since the last completion
+    assert rate.per_s() == pytest.approx(1.0)
+
+
 def test_finished_without_started_is_a_bug() -> None:
     with pytest.raises(AssertionError):
         ServiceRate(1.0).finished(now=0.0)
