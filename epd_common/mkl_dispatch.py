@@ -107,6 +107,20 @@ def mkl_runs_avx512(cpuinfo: str | None = None) -> bool:
     return vendor == "GenuineIntel" and all(f in flags for f in AVX512_FLAGS)
 
 
+# Flags of the dot products MKL's bf16 x bf16 -> float32 product is fast with (either).
+BF16_DOT_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def mkl_runs_bf16_dot(cpuinfo: str | None = None) -> bool:
+    """Whether MKL's bf16 product runs on bf16 dot-product instructions here: its AVX-512 code
+    (``mkl_runs_avx512``) on a CPU with AVX512-BF16 or AMX-BF16. There it ran at about twice
+    sgemm's FLOPs (the decoder-layer kernel's bf16 products, ``llm_core.kernels.c_kernel``)."""
+    if cpuinfo is None:
+        cpuinfo = _read_cpuinfo()
+    _, flags = _first_processor(cpuinfo)
+    return mkl_runs_avx512(cpuinfo) and any(f in flags for f in BF16_DOT_FLAGS)
+
+
 def _load_global() -> bool:
     """Load the shim with its symbols in the process's global scope (an extension module is
     otherwise loaded with local ones, which MKL would not see)."""

@@ -13,10 +13,11 @@
  *
  * Threads (set_threads, _pool.h): attention is split by query rows (ranges of about equal work, a
  * long prompt's queries too; every new key is stored first), the routed experts by expert (each
- * part stores its weighted rows, then the rows are summed per token in expert order),
- * decode-sized projections by 16-column strip. Every part writes its own outputs
- * and every sum runs in the same order, so any thread count gives the same bits. Prefill-sized
- * projections are BLAS calls, which use BLAS's own threads.
+ * part stores its weighted rows, then the rows are summed per token in expert order), the
+ * projections by 16-column strip (prefill-sized ones as one single-threaded BLAS call per part:
+ * MKL's own OpenMP team, spinning after each call, slowed everything the pool ran next), the norms
+ * and the router of a prefill by rows. Every part writes its own outputs and every sum runs in the
+ * same order, so any thread count gives the same bits.
  *
  * Why: a decode step of a small model spends as much time between the kernels (module calls,
  * argument checks, tensor allocations, buffer exports: ~15 Python-level operations per layer) as
@@ -29,8 +30,12 @@
  * kernel's SwiGLU (its own exponential), not torch's silu: float32 rounding again.
  *
  * Storage in bf16 (w_bf16, kv_bf16): the projection and expert weights (and their packed copies),
- * and the KV pools, may be bfloat16; a bf16 value widens to float32 exactly as it is read, so a
- * bf16 weight gives the bits of a float32 weight of the same values. New keys and values are rounded
+ * and the KV pools, may be bfloat16; a bf16 value widens to float32 exactly as it is read. With bf16
+ * products (set_bf16_products, _blas.h; on by default where MKL has a fast bf16 product) and bf16
+ * weights, every product's input rows are rounded to bf16 first (the normed rows, which the router
+ * reads too, the attention output, the activated MLP rows), as a bf16 model's activations are, and
+ * products of many rows run in MKL's bf16 x bf16 -> float32 product; off, the inputs stay float32 and
+ * a bf16 weight gives the bits of a float32 weight of the same values. New keys and values are rounded
  * to bf16 as torch's .to(torch.bfloat16) rounds. Everything else stays float32: x, residual, norm
  * and router weights, biases, sinks, scratch.
  *
@@ -89,6 +94,76 @@ static void project_part(void *ctx, int p, int parts) {
     if (j->bias != NULL)
         for (Py_ssize_t r = 0; r < j->M; r++)
             for (Py_ssize_t c = s0 * 16; c < s1 * 16; c++) j->y[r * j->N + c] += j->bias[c];
+}
+
+/* A product of many rows on the pool's threads: part p computes its share of the 16-column strips
+ * (the last one may be narrower) for every row, BLAS single-threaded in each (linear_kind). */
+typedef struct {
+    const float *x;
+    Py_ssize_t ldx;
+    const void *w; /* [K, N] of kind */
+    int kind;
+    const float *bias;
+    float *y;
+    Py_ssize_t M, K, N;
+    const char *err[POOL_MAX];
+} GemmJob;
+
+static void gemm_part(void *ctx, int p, int parts) {
+    GemmJob *j = ctx;
+    Py_ssize_t s0, s1;
+    pool_split((j->N + 15) / 16, p, parts, &s0, &s1);
+    const Py_ssize_t c0 = s0 * 16, c1 = s1 * 16 < j->N ? s1 * 16 : j->N;
+    if (c1 <= c0) return;
+    const int before = blas_threads_local(1);
+    j->err[p] = linear_kind(j->x, j->ldx, weight_columns(j->w, j->kind, c0), j->N, j->kind,
+                            j->bias != NULL ? j->bias + c0 : NULL, j->y + c0, j->N, j->M, j->K, c1 - c0);
+    blas_threads_local(before);
+}
+
+/* Rows of a layer's norm (rms_norm_rows: with residual, the add in place first), then with round
+ * the normed rows rounded to bf16 (bf16 products): part p takes rows [t0, t1) of an even split. */
+typedef struct {
+    const float *x, *residual, *w;
+    float *out, *sum;
+    Py_ssize_t T, D;
+    float eps;
+    int round;
+} NormJob;
+
+static void norm_part(void *ctx, int p, int parts) {
+    const NormJob *j = ctx;
+    Py_ssize_t t0, t1;
+    pool_split(j->T, p, parts, &t0, &t1);
+    if (t1 <= t0) return;
+    const Py_ssize_t o = t0 * j->D;
+    rms_norm_rows(j->x + o, j->residual != NULL ? j->residual + o : NULL, j->w, j->out + o,
+                  j->sum != NULL ? j->sum + o : NULL, t1 - t0, j->D, j->eps);
+    if (j->round) round_bf16_rows(j->out + o, j->D, t1 - t0, j->D);
+}
+
+/* Rows from which a layer's norms and router split over the pool (fewer: a decode step's few
+ * rows cost less than waking a thread). */
+#define ROWS_PARALLEL_MIN 64
+
+static void norm_rows(const NormJob *job) {
+    const int parts = job->T >= ROWS_PARALLEL_MIN ? pool_size() : 1;
+    if (parts > 1) pool_run(parts, norm_part, (void *)job);
+    else norm_part((void *)job, 0, 1);
+}
+
+/* The router over the pool: part p routes tokens [t0, t1) with its own work buffer. */
+typedef struct {
+    const Route *rt;
+    float *work;
+    Py_ssize_t work_floats;
+} RouteJob;
+
+static void route_part(void *ctx, int p, int parts) {
+    const RouteJob *j = ctx;
+    Py_ssize_t t0, t1;
+    pool_split(j->rt->T, p, parts, &t0, &t1);
+    for (Py_ssize_t t = t0; t < t1; t++) route_token(j->rt, t, j->work + p * j->work_floats);
 }
 
 /* Attention: part p stores the new keys of rows [t0, t1) of an even split, then (a second region)
@@ -182,17 +257,42 @@ static const char *moe_parallel(const MoeProblem *moe, int parts) {
     return err;
 }
 
-/* y [M, N] = x [M, K] (row stride ldx) @ w (+ bias), w and its packed copy float32 or bf16: the
- * packed copy (or NULL) for small M, split over the pool's threads, else BLAS (its own threads; a
- * bf16 weight widened first). NULL or a static error message. */
-static const char *project(const float *x, Py_ssize_t ldx, const void *w, const void *packed, int bf16,
+/* y [M, N] = x [M, K] (row stride ldx) @ w (+ bias), w and its packed copy float32 or bf16 (kind:
+ * _blas.h's W_*): the packed copy (or NULL) for small M, else BLAS (linear_kind: a bf16 weight
+ * widened first, or with bf16 inputs MKL's bf16 product), either split over the pool's threads by
+ * column strips. NULL or a static error message. */
+static const char *project(const float *x, Py_ssize_t ldx, const void *w, const void *packed, int kind,
                            const float *bias, float *y, Py_ssize_t M, Py_ssize_t K, Py_ssize_t N) {
-    if (packed == NULL || M > PACKED_MAX_ROWS) return linear_any(x, ldx, w, bf16, bias, y, M, K, N, 0);
+    const int packed_rows = packed != NULL && M <= PACKED_MAX_ROWS;
+    if (!packed_rows && blas_threads_local != NULL) {
+        /* split over the pool, not BLAS's own threads: MKL's OpenMP team keeps spinning after a
+         * call and, on two cores, slows the pool's work that comes next (bf16, decode c = 32:
+         * attention 3.3 -> 12.3 ms, experts 15 -> 27 ms a step; a 136-row step's norms 1 -> 16) */
+        GemmJob job = {x, ldx, w, kind, bias, y, M, K, N, {NULL}};
+        const int parts = pool_size();
+        pool_run(parts, gemm_part, &job);
+        for (int p = 0; p < parts; p++)
+            if (job.err[p] != NULL) return job.err[p];
+        return NULL;
+    }
+    if (!packed_rows) return linear_any(x, ldx, w, kind, bias, y, M, K, N, 0);
     const float *rows[PACKED_MAX_ROWS];
     for (Py_ssize_t r = 0; r < M; r++) rows[r] = x + r * ldx;
-    ProjectJob job = {rows, packed, bias, y, M, K, N, bf16};
+    ProjectJob job = {rows, packed, bias, y, M, K, N, kind != W_F32};
     pool_run(pool_size(), project_part, &job);
     return NULL;
+}
+
+/* bf16 products (_blas.h): set by set_bf16_products, read as each layer call starts. */
+static int bf16_products = 0;
+
+/* set_bf16_products(on): with bf16 weights, round every product's input rows to bf16 (_blas.h). */
+static PyObject *py_set_bf16_products(PyObject *self, PyObject *args) {
+    int on;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    bf16_products = on;
+    Py_RETURN_NONE;
 }
 
 /* ---- phase profile (profile(on), phase_seconds()): where a layer's time goes, off by default -------
@@ -225,6 +325,7 @@ typedef struct {
     /* the projection weights and their strip-packed copies (or NULL): float32, or bf16 with wbf16 */
     const void *qkv_w, *o_w, *qkv_p, *o_p, *gate_up_p, *down_p;
     int wbf16;
+    int round_bf16; /* bf16 products (_blas.h): every product's input rows rounded to bf16 first */
     float eps;
     Py_ssize_t T, hidden, qkv_dim;
     AttnProblem attn;
@@ -235,7 +336,8 @@ typedef struct {
     /* scratch */
     float *h, *qkv, *a, *g;
     int64_t *experts;
-    float *weights, *route_work;
+    float *weights, *route_work; /* route_work: route_floats per pool thread */
+    Py_ssize_t route_floats;
 } Layer;
 
 /* Runs the layer; NULL or a static error message. Called without the GIL. */
@@ -244,12 +346,13 @@ static const char *layer_run(Layer *ly) {
     int64_t mark = profiling ? clock_ns() : 0;
     if (ly->first) {
         memcpy(ly->residual, ly->x, (size_t)(T * Hd) * sizeof(float));
-        rms_norm_rows(ly->residual, NULL, ly->ln1, ly->h, NULL, T, Hd, ly->eps);
+        norm_rows(&(NormJob){ly->residual, NULL, ly->ln1, ly->h, NULL, T, Hd, ly->eps, ly->round_bf16});
     } else {
-        rms_norm_rows(ly->x, ly->residual, ly->ln1, ly->h, ly->residual, T, Hd, ly->eps);
+        norm_rows(&(NormJob){ly->x, ly->residual, ly->ln1, ly->h, ly->residual, T, Hd, ly->eps, ly->round_bf16});
     }
+    const int kind = !ly->wbf16 ? W_F32 : ly->round_bf16 ? W_BF16_INPUTS : W_BF16;
     phase_end(PH_NORM, &mark);
-    const char *err = project(ly->h, Hd, ly->qkv_w, ly->qkv_p, ly->wbf16, ly->qkv_b, ly->qkv, T, Hd, ly->qkv_dim);
+    const char *err = project(ly->h, Hd, ly->qkv_w, ly->qkv_p, kind, ly->qkv_b, ly->qkv, T, Hd, ly->qkv_dim);
     if (err != NULL) return err;
     phase_end(PH_QKV, &mark);
     const int parts = pool_size();
@@ -262,25 +365,32 @@ static const char *layer_run(Layer *ly) {
         if (attn.err[p] != NULL) return attn.err[p];
     phase_end(PH_ATTENTION, &mark);
     const Py_ssize_t attn_dim = ly->attn.H * ly->attn.Dv;
-    err = project(ly->a, attn_dim, ly->o_w, ly->o_p, ly->wbf16, NULL, ly->h, T, attn_dim, Hd);
+    if (ly->round_bf16) round_bf16_rows(ly->a, attn_dim, T, attn_dim);
+    err = project(ly->a, attn_dim, ly->o_w, ly->o_p, kind, NULL, ly->h, T, attn_dim, Hd);
     if (err != NULL) return err;
     phase_end(PH_O_PROJ, &mark);
-    rms_norm_rows(ly->h, ly->residual, ly->ln2, ly->g, ly->residual, T, Hd, ly->eps);
+    /* rounded with bf16 products: the router's input too, as a bf16 model's */
+    norm_rows(&(NormJob){ly->h, ly->residual, ly->ln2, ly->g, ly->residual, T, Hd, ly->eps, ly->round_bf16});
     phase_end(PH_NORM, &mark);
     if (ly->E == 0) { /* dense SwiGLU: [T, 2I] = g @ gate_up, activated in place, then down from the gate half */
         float *gu = ly->h; /* free again, and sized for [T, 2I] too */
-        err = project(ly->g, Hd, ly->gate_up, ly->gate_up_p, ly->wbf16, NULL, gu, T, Hd, 2 * I);
+        err = project(ly->g, Hd, ly->gate_up, ly->gate_up_p, kind, NULL, gu, T, Hd, 2 * I);
         if (err != NULL) return err;
         for (Py_ssize_t r = 0; r < T; r++) swiglu(gu + r * 2 * I, I);
-        err = project(gu, 2 * I, ly->down, ly->down_p, ly->wbf16, NULL, ly->x, T, I, Hd);
+        if (ly->round_bf16) round_bf16_rows(gu, 2 * I, T, I);
+        err = project(gu, 2 * I, ly->down, ly->down_p, kind, NULL, ly->x, T, I, Hd);
         phase_end(PH_DENSE_MLP, &mark);
         return err;
     }
     ly->route.x = ly->g;
-    for (Py_ssize_t t = 0; t < T; t++) route_token(&ly->route, t, ly->route_work);
+    RouteJob route = {&ly->route, ly->route_work, ly->route_floats};
+    const int route_parts = T >= ROWS_PARALLEL_MIN ? parts : 1;
+    if (route_parts > 1) pool_run(route_parts, route_part, &route);
+    else route_part(&route, 0, 1);
     phase_end(PH_ROUTER, &mark);
     const MoeProblem moe = {ly->g,      ly->weights, ly->gate_up, ly->down, ly->experts, ly->x,
-                            T,          ly->K,       ly->E,       Hd,       I,           ly->wbf16};
+                            T,          ly->K,       ly->E,       Hd,       I,           ly->wbf16,
+                            ly->round_bf16};
     err = moe_parallel(&moe, parts);
     phase_end(PH_EXPERTS, &mark);
     return err;
@@ -314,6 +424,7 @@ static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
                           &gate_up, &down, &router_w, &router_b, &ly.E, &ly.I, &ly.K, &n_group, &topk_group, &norm,
                           &scaling, &qkv_p, &o_p, &gate_up_p, &down_p, &ly.wbf16))
         return NULL;
+    ly.round_bf16 = ly.wbf16 && bf16_products;
     PyObject *result = NULL;
     float *scratch = NULL;
     int64_t *experts = NULL;
@@ -356,7 +467,7 @@ static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
      * a [T, H * Dv], then for the routing its weights [T, K] and work; experts int64 [T, K] apart */
     const Py_ssize_t h_width = Hd > 2 * I ? Hd : 2 * I, route_floats = (Py_ssize_t)(route_work_bytes(&ly.route) / f);
     const Py_ssize_t part[6] = {T * h_width, T * Hd, T * ly.qkv_dim, T * H * Dv, E > 0 ? T * ly.K : 0,
-                                E > 0 ? route_floats : 0};
+                                E > 0 ? route_floats * pool_size() : 0};
     Py_ssize_t offset[7] = {0};
     for (int i = 0; i < 6; i++) offset[i + 1] = offset[i] + (part[i] + 15) / 16 * 16;
     scratch = aligned_alloc(64, (size_t)(offset[6] ? offset[6] : 16) * sizeof(float));
@@ -368,6 +479,7 @@ static PyObject *py_decoder_layer(PyObject *self, PyObject *args) {
     ly.h = scratch + offset[0], ly.g = scratch + offset[1], ly.qkv = scratch + offset[2], ly.a = scratch + offset[3];
     if (E > 0) {
         ly.experts = experts, ly.weights = scratch + offset[4], ly.route_work = scratch + offset[5];
+        ly.route_floats = route_floats;
         ly.route.experts = ly.experts, ly.route.weights = ly.weights;
     }
     if (attention_setup_fused(&ly.attn, ly.qkv, &cos, &sin, &slots, v_scale)) goto done;
@@ -446,6 +558,10 @@ static PyMethodDef methods[] = {
      "decode-sized projections are split over (workers are created on first need)."},
     BIND_SGEMM_METHOD,
     SET_BLAS_MIN_ROWS_METHOD,
+    SET_BF16_GEMM_METHOD,
+    {"set_bf16_products", py_set_bf16_products, METH_VARARGS,
+     "set_bf16_products(on): with bf16 weights, round every product's input rows to bf16 (a bf16 model's "
+     "activations), sums in float32."},
     {NULL, NULL, 0, NULL},
 };
 

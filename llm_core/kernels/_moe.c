@@ -30,14 +30,17 @@
 
 #define KERNEL "moe_experts" /* error messages start with this */
 
-/* moe_experts(x, experts, weights, gate_up, down, out, T, K, E, H, I[, bf16]) -> None */
+/* moe_experts(x, experts, weights, gate_up, down, out, T, K, E, H, I[, bf16, bf16_inputs]) -> None;
+ * bf16_inputs (bf16 products, _blas.h): x's rows are bf16 values (the caller rounded them) and each
+ * expert's activated rows are rounded too. */
 static PyObject *py_moe_experts(PyObject *self, PyObject *args) {
     Py_buffer x, experts, weights, gate_up, down, out;
     MoeProblem pb = {0};
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*nnnnn|p", &x, &experts, &weights, &gate_up, &down, &out, &pb.T, &pb.K,
-                          &pb.E, &pb.H, &pb.I, &pb.wbf16))
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*nnnnn|pp", &x, &experts, &weights, &gate_up, &down, &out, &pb.T, &pb.K,
+                          &pb.E, &pb.H, &pb.I, &pb.wbf16, &pb.round_bf16))
         return NULL;
+    pb.round_bf16 = pb.round_bf16 && pb.wbf16;
     PyObject *result = NULL;
     const Py_ssize_t f = (Py_ssize_t)sizeof(float), wf = pb.wbf16 ? 2 : f;
     if (pb.T < 0 || pb.K < 1 || pb.E < 1 || pb.H < 1 || pb.I < 1) {
@@ -129,13 +132,15 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"moe_experts", py_moe_experts, METH_VARARGS,
-     "moe_experts(x, experts, weights, gate_up, down, out, T, K, E, H, I[, bf16]): float32 SwiGLU experts over "
-     "routed tokens, weighted and summed per token into out [T, H]; releases the GIL."},
+     "moe_experts(x, experts, weights, gate_up, down, out, T, K, E, H, I[, bf16, bf16_inputs]): SwiGLU experts "
+     "over routed tokens, weighted and summed per token into out [T, H] (float32 sums; bf16_inputs: x holds bf16 "
+     "values and the activated rows are rounded to bf16 too); releases the GIL."},
     {"route", py_route, METH_VARARGS,
      "route(x, weight, bias, experts, weights, T, H, E, K, n_group, topk_group, norm, scaling): sigmoid routing "
      "with a selection bias and group-limited top-k, into experts int64 [T, K] and weights float32 [T, K]."},
     BIND_SGEMM_METHOD,
     SET_BLAS_MIN_ROWS_METHOD,
+    SET_BF16_GEMM_METHOD,
     {"simd", py_simd, METH_NOARGS, "simd() -> 'avx512', 'avx2' or 'scalar': the products in use."},
     {"set_simd", py_set_simd, METH_VARARGS, "set_simd(name): use the 'avx512', 'avx2' or 'scalar' products."},
     {NULL, NULL, 0, NULL},

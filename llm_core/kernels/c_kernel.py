@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from epd_common import native
-from epd_common.mkl_dispatch import mkl_runs_avx512
+from epd_common.mkl_dispatch import mkl_runs_avx512, mkl_runs_bf16_dot
 
 
 def load(name: str) -> ModuleType | None:
@@ -75,6 +75,15 @@ def expert_blas_min_rows() -> int:
     return 1 if mkl_runs_avx512() else 16
 
 
+@functools.cache  # as expert_blas_min_rows: fixed once torch is loaded
+def bf16_products_default() -> bool:
+    """Whether the decoder-layer kernel runs bf16 weights as bf16 products by default (``_blas.h``:
+    every product's input rounded to bf16, many rows in MKL's bf16 x bf16 -> float32 product):
+    where that product has bf16 dot products under it (``mkl_runs_bf16_dot``), about twice
+    sgemm's FLOPs; elsewhere the inputs stay float32 (as fast there, and a rounding less)."""
+    return mkl_runs_bf16_dot()
+
+
 # A bf16 expert goes through BLAS from this many rows at the least: its weight is first widened
 # to float32 (a pass over it at write bandwidth), which pays only when many rows share it; fewer
 # rows stream the bf16 weight through the small-M product.
@@ -88,9 +97,11 @@ def blas_thresholds(n: int, bf16: int | None = None) -> tuple[int, int]:
 
 
 def bind_blas(kernel: ModuleType | None) -> bool:
-    """``bind_sgemm``, then the routed experts' BLAS thresholds (``expert_blas_min_rows``)."""
+    """``bind_sgemm``, then the routed experts' BLAS thresholds (``expert_blas_min_rows``) and
+    whether bf16 products of many rows run in MKL's bf16 product (``bf16_products_default``)."""
     if not bind_sgemm(kernel):
         return False
     assert kernel is not None
     kernel.set_blas_min_rows(*blas_thresholds(expert_blas_min_rows()))
+    kernel.set_bf16_gemm(bf16_products_default())
     return True

@@ -18,16 +18,28 @@ from torch's silu). The packed copies add the attention and dense-MLP projection
 once more; the routed experts (most of a MoE model) are not copied.
 
 With several threads (``set_threads``; the model passes torch's intra-op thread count) a layer's
-attention is split by query rows (a long prompt's too), its routed experts by expert and its
-decode-sized projections by column strip, with the same bits for any count.
+attention is split by query rows (a long prompt's too), its routed experts by expert, its
+projections by column strip (a prefill's as single-threaded BLAS calls on the layer's threads:
+MKL's own OpenMP threads spin after each call and slowed the layer's next work on two cores), and
+a prefill's norms and router by rows, with the same bits for any count.
 
 Activations, sums, norms and router run in float32. The projection and expert weights may be
-stored in float32 or bfloat16 (``STORAGE_DTYPES``), and so may the KV pools: a bf16 value is widened
-to float32 as it is read (exact), so bf16 weights give the bits of float32 weights holding the same
-values; new keys and values are rounded to bf16 as ``.to(torch.bfloat16)`` rounds. A prefill-sized
-product widens its bf16 weight into a per-thread scratch 512 columns at a time, each block one
-sgemm into its columns of the output (every output still sums its products in one call). CPU
-only, projection weights input-major (``weight_layout``). ``AVAILABLE`` is False when the
+stored in float32 or bfloat16 (``STORAGE_DTYPES``), and so may the KV pools; new keys and values
+are rounded to bf16 as ``.to(torch.bfloat16)`` rounds. bf16 weights run one of two ways
+(``set_bf16_products``, chosen at import by ``c_kernel.bf16_products_default``):
+
+- bf16 products (where MKL's bf16 product has AVX512-BF16 or AMX under it): every product's input
+  rows are rounded to bf16 (the normed rows, which the router also reads, the attention output,
+  the activated MLP rows), as a bf16 model's activations are, and sums stay float32. A
+  prefill-sized product runs in MKL's bf16 x bf16 -> float32 product (about twice sgemm's FLOPs);
+  a decode-sized one is the strip product over those rounded rows: the same math, float32 sums in
+  another order.
+- float32 inputs (elsewhere): a bf16 value is widened to float32 as it is read (exact), so bf16
+  weights give the bits of float32 weights holding the same values. A prefill-sized product
+  widens its bf16 weight into a per-thread scratch 512 columns at a time, each block one sgemm
+  into its columns of the output (every output still sums its products in one call).
+
+CPU only, projection weights input-major (``weight_layout``). ``AVAILABLE`` is False when the
 extension was not built or torch's sgemm could not be bound; ``backends.selector`` then chooses no
 layer backend and the model runs its modules. ``backends.layer.CpuLayer`` is the caller.
 """
@@ -62,6 +74,33 @@ def set_threads(n: int) -> int:
     Every count gives the same bits. The model sets torch's intra-op thread count per forward."""
     assert _kernel is not None
     return int(_kernel.set_threads(n))
+
+
+def set_bf16_products(on: bool) -> None:
+    """With bf16 weights, round every product's input rows to bf16 from now on (``on``; module
+    doc). Chosen at import (``c_kernel.bf16_products_default``); this exists for tests of both.
+    Which product multiplies many rows then: ``cpu_moe.set_bf16_gemm``."""
+    assert _kernel is not None
+    global _bf16_products
+    _bf16_products = on
+    _kernel.set_bf16_products(on)
+
+
+def bf16_products() -> bool:
+    """Whether bf16 weights run as bf16 products (``set_bf16_products``)."""
+    return _bf16_products
+
+
+_bf16_products = False
+if AVAILABLE:
+    set_bf16_products(c_kernel.bf16_products_default())
+
+
+def set_bf16_gemm(on: bool) -> bool:
+    """Multiply many rows of bf16 products in MKL's bf16 product (``on``) or as sgemm over the
+    widened weight; returns whether MKL's is bound (``cpu_moe.set_bf16_gemm`` sets both kernels)."""
+    assert _kernel is not None
+    return bool(_kernel.set_bf16_gemm(on))
 
 
 def set_blas_min_rows(n: int, bf16: int) -> None:

@@ -74,6 +74,19 @@ def set_blas_min_rows(n: int, bf16: int | None = None) -> None:
 _blas_min_rows = c_kernel.blas_thresholds(c_kernel.expert_blas_min_rows())  # as bind_blas set them
 
 
+def set_bf16_gemm(on: bool) -> bool:
+    """bf16 products of many rows (``moe_experts_cpu(bf16_inputs=True)``, the decoder-layer kernel's
+    ``set_bf16_products``) run in MKL's bf16 product (``on``) or as sgemm over the widened weight
+    from now on, in this kernel and the decoder-layer kernel alike (the same math; chosen at
+    import by ``c_kernel.bf16_products_default``). Returns whether MKL's product is bound."""
+    from llm_core.kernels import cpu_layer
+
+    bound = bool(_kernel.set_bf16_gemm(on)) if _kernel is not None else False
+    if cpu_layer.AVAILABLE:
+        bound = cpu_layer.set_bf16_gemm(on)
+    return bound
+
+
 def supports(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
     """True when the kernel can run these tensors: built, CPU, x fp32, weights fp32 or bf16 (both
     the same) laid out [E, in, out]."""
@@ -88,11 +101,15 @@ def supports(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
     )
 
 
-def moe_experts_cpu(x: Tensor, experts: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+def moe_experts_cpu(
+    x: Tensor, experts: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, bf16_inputs: bool = False
+) -> Tensor:
     """x [T, H] routed to ``experts`` [T, K] with ``weights`` [T, K] -> [T, H] fp32 (module doc).
 
     gate_up [E, 2I, H] and down [E, H, I] as ``GroupedExperts`` holds them after ``after_load``.
-    Raises RuntimeError when the kernel cannot run them, ValueError for an expert id out of range."""
+    ``bf16_inputs`` with bf16 weights: bf16 products (``cpu_layer``'s module doc), x and each
+    expert's activated rows rounded to bf16 before their products. Raises RuntimeError when the
+    kernel cannot run them, ValueError for an expert id out of range."""
     if _kernel is None or not supports(x, gate_up, down):
         raise RuntimeError(
             "moe_experts_cpu needs the built kernel, fp32 CPU x and fp32/bf16 [E, in, out] weights"
@@ -104,8 +121,9 @@ def moe_experts_cpu(x: Tensor, experts: Tensor, weights: Tensor, gate_up: Tensor
     num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
     assert down.shape == (num_experts, hidden, inter), (gate_up.shape, down.shape)
     out = x.new_empty(num_tokens, hidden)
+    bf16_inputs = bf16_inputs and gu.dtype is torch.bfloat16
     _kernel.moe_experts(
-        _buf(x),
+        _buf(x.to(torch.bfloat16).to(torch.float32) if bf16_inputs else x),
         _buf(experts.to(torch.int64)),
         _buf(weights.to(torch.float32)),
         _buf(gu),
@@ -117,6 +135,7 @@ def moe_experts_cpu(x: Tensor, experts: Tensor, weights: Tensor, gate_up: Tensor
         hidden,
         inter,
         gu.dtype is torch.bfloat16,
+        bf16_inputs,
     )
     return out
 

@@ -126,3 +126,27 @@ def test_the_kernels_send_every_expert_to_mkl_where_it_runs_avx512() -> None:
     from llm_core.kernels.c_kernel import expert_blas_min_rows
 
     assert expert_blas_min_rows() == (1 if mkl_runs_avx512() else 16)
+
+
+@pytest.mark.parametrize(
+    ("vendor", "flags", "applied", "expected"),
+    [
+        ("AuthenticAMD", ZEN5_FLAGS, True, True),
+        ("AuthenticAMD", ZEN5_FLAGS, False, False),  # MKL's AVX2 code: no bf16 dot products in it
+        ("GenuineIntel", ZEN5_FLAGS.replace(" avx512_bf16", ""), False, False),  # Skylake-server class
+        ("GenuineIntel", ZEN5_FLAGS.replace("avx512_bf16", "amx_bf16"), False, True),
+    ],
+)
+def test_mkl_runs_bf16_dot(
+    monkeypatch: pytest.MonkeyPatch, vendor: str, flags: str, applied: bool, expected: bool
+) -> None:
+    monkeypatch.setattr(mkl_dispatch, "_state", MklDispatch(applied, "test"))
+    assert mkl_dispatch.mkl_runs_bf16_dot(cpuinfo(vendor, flags)) is expected
+
+
+def test_the_layer_kernel_runs_bf16_products_where_mkl_has_bf16_dot_products() -> None:
+    from llm_core.kernels import cpu_layer
+
+    if not cpu_layer.AVAILABLE:
+        pytest.skip("the layer kernel is not built")
+    assert cpu_layer.bf16_products() is mkl_dispatch.mkl_runs_bf16_dot()

@@ -10,6 +10,7 @@ modules, and the errors.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 
 from llm_core.backends.selector import select_backends
 from llm_core.caches.kv_pool import PagedKVCache
-from llm_core.kernels import cpu_layer
+from llm_core.kernels import c_kernel, cpu_layer, cpu_moe
 from llm_core.kernels.attention_batch import AttentionBatch, build_attention_batch
 from llm_core.models.checkpoint import LoadedLLM, load_llm
 from llm_core.models.config import DecoderConfig
@@ -246,7 +247,23 @@ def test_errors_are_value_errors(loaded: LoadedLLM) -> None:
         )
 
 
-# ---- bf16 storage: weights and KV pools in bf16, everything computed in float32 ----------------
+# ---- bf16 storage: weights and KV pools in bf16; inputs float32 or bf16 products ---------------
+
+
+@pytest.fixture
+def float32_inputs() -> Iterator[None]:
+    """bf16 weights with float32 product inputs (``cpu_layer.set_bf16_products(False)``), then the
+    choice made at import again."""
+    cpu_layer.set_bf16_products(False)
+    yield
+    cpu_layer.set_bf16_products(c_kernel.bf16_products_default())
+
+
+@pytest.fixture
+def bf16_products() -> Iterator[None]:
+    cpu_layer.set_bf16_products(True)
+    yield
+    cpu_layer.set_bf16_products(c_kernel.bf16_products_default())
 
 
 @pytest.fixture(scope="module")
@@ -290,7 +307,10 @@ def run_kernel(
 
 @pytest.mark.parametrize("news", [[40, 33], [1, 1]])  # BLAS (widened weights) / the packed bf16 strips
 def test_bf16_weights_give_the_bits_of_their_float32_values(
-    bf16_pair: tuple[DecoderForCausalLM, DecoderForCausalLM], news: list[int], expert_product: str
+    bf16_pair: tuple[DecoderForCausalLM, DecoderForCausalLM],
+    news: list[int],
+    expert_product: str,
+    float32_inputs: None,
 ) -> None:
     """A bf16 weight widens to float32 exactly as it is read, and the products and sums run as for a
     float32 weight: every layer's output, residual and stored KV equal the float32 twin's bit for bit."""
@@ -304,7 +324,7 @@ def test_bf16_weights_give_the_bits_of_their_float32_values(
 
 
 def test_bf16_projections_wider_than_a_widened_block_give_the_float32_bits(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, float32_inputs: None
 ) -> None:
     """A prefill's projections widen a bf16 weight 512 columns at a time and run BLAS with its own
     threads on each block: a dense MLP of 640 gate/up columns (512 + 128) still gives the float32
@@ -318,6 +338,31 @@ def test_bf16_projections_wider_than_a_widened_block_give_the_float32_bits(
         kv_a, kv_b = zeroed_kv(bf16.config, 16), zeroed_kv(bf16.config, 16)
         got, want = run_kernel(bf16, i, batch, i, kv_a), run_kernel(twin, i, batch, i, kv_b)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"layer {i}"
+
+
+@pytest.mark.parametrize("news", [[40, 33], [1, 1]])  # BLAS / the packed strips
+def test_bf16_products_round_the_inputs_and_agree_in_every_product(
+    bf16_pair: tuple[DecoderForCausalLM, DecoderForCausalLM],
+    news: list[int],
+    expert_product: str,
+    bf16_products: None,
+) -> None:
+    """bf16 products: every product's inputs rounded to bf16, as a bf16 model's are. Each layer is
+    then near its float32-input twin (another rounding of the inputs, not another computation),
+    but not equal to it; and products of many rows give the same answer in MKL's bf16 product as
+    in sgemm over the widened weight, float32 sums apart."""
+    bf16, twin = bf16_pair
+    batch = prefill_then_decode_batch([40, 33], news)
+    for i in range(len(bf16.model.layers)):
+        outs = []
+        for gemm in (True, False):
+            cpu_moe.set_bf16_gemm(gemm)
+            outs.append(run_kernel(bf16, i, batch, i, zeroed_kv(bf16.config, 16)))
+        cpu_moe.set_bf16_gemm(c_kernel.bf16_products_default())
+        want = run_kernel(twin, i, batch, i, zeroed_kv(bf16.config, 16))
+        assert rel_err(outs[0][0], outs[1][0]) <= 1e-5, f"layer {i}"
+        assert rel_err(outs[0][1], outs[1][1]) <= 1e-5, f"layer {i}"
+        assert 1e-5 < rel_err(outs[0][0], want[0]) <= 1e-2, f"layer {i}"
 
 
 @pytest.mark.parametrize("news", [[40, 33], [1, 1]])

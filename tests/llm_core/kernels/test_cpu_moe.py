@@ -10,7 +10,7 @@ import torch
 
 from llm_core.backends.moe import CpuMoE
 from llm_core.backends.moe_torch import TorchMoE
-from llm_core.kernels import cpu_moe
+from llm_core.kernels import c_kernel, cpu_moe
 from llm_core.models.moe import Routing, SparseMoE, TopKRouter
 from tests.llm_core.conftest import simd_fixture
 from tests.llm_core.models.test_decoder_moe import moe_config, per_token_reference
@@ -164,6 +164,98 @@ def test_rows_per_expert_from_one_to_thousands_against_float64(
             x, experts, weights, gu.float().transpose(1, 2), dn.float().transpose(1, 2)
         )
         assert torch.equal(out, same)
+
+
+def bf16_values(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).double()
+
+
+def bf16_products_reference(
+    x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gu: torch.Tensor, dn: torch.Tensor
+) -> torch.Tensor:
+    """``float64_reference`` as a bf16 model multiplies: x and each activated row rounded to bf16
+    before their products, the products and sums in float64."""
+    inter = dn.shape[1]
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(experts.shape[1]):
+            e = int(experts[t, k])
+            h = bf16_values(x[t]) @ gu[e].double()
+            a = bf16_values(torch.nn.functional.silu(h[:inter]) * h[inter:])
+            out[t] += float(weights[t, k]) * (a @ dn[e].double())
+    return out
+
+
+@pytest.fixture(params=["mkl_bf16", "widened"])
+def bf16_gemm(request: pytest.FixtureRequest) -> Any:
+    """bf16 products of many rows in MKL's bf16 product, then as sgemm over the widened weight."""
+    on = request.param == "mkl_bf16"
+    if on and not cpu_moe.set_bf16_gemm(True):
+        cpu_moe.set_bf16_gemm(c_kernel.bf16_products_default())
+        pytest.skip("torch's BLAS has no bf16 product here")
+    cpu_moe.set_bf16_gemm(on)
+    yield request.param
+    cpu_moe.set_bf16_gemm(c_kernel.bf16_products_default())
+
+
+@pytest.mark.parametrize(
+    "rows", [[1, 0, 0, 2], [15, 16, 0, 17], [0, 64, 3, 0], [300, 1, 0, 0], [4096, 0, 0, 0], [0, 0, 0, 0]]
+)
+def test_bf16_products_from_one_row_to_thousands_against_float64(
+    rows: list[int], expert_product: str, bf16_gemm: str
+) -> None:
+    """bf16 products (bf16 weights, x and the activated rows rounded to bf16, float32 sums), expert
+    e given rows[e] tokens, through the small-M product and BLAS (MKL's bf16 product or the widened
+    weight): the float64 answer of that math. An activated value the kernel and the reference round
+    to neighbouring bf16 values (their float32 and float64 SwiGLU straddling a tie) moves an output
+    by a bf16 step of one term (about one activated value in 30,000): every output within 2e-3,
+    and all but 1% within float32 rounding."""
+    num_experts, hidden, inter = len(rows), 48, 32
+    g = torch.Generator().manual_seed(sum(rows) + 9)
+    gu = (torch.randn(num_experts, hidden, 2 * inter, generator=g) * 0.2).to(torch.bfloat16)
+    dn = (torch.randn(num_experts, inter, hidden, generator=g) * 0.2).to(torch.bfloat16)
+    experts = torch.tensor([e for e, n in enumerate(rows) for _ in range(n)], dtype=torch.int64)
+    experts = experts[torch.randperm(len(experts), generator=g)].reshape(-1, 1)
+    x = torch.randn(len(experts), hidden, generator=g)
+    weights = torch.rand(len(experts), 1, generator=g) + 0.5
+    args = (x, experts, weights, gu.transpose(1, 2), dn.transpose(1, 2))
+    out = cpu_moe.moe_experts_cpu(*args, bf16_inputs=True)
+    want = bf16_products_reference(x, experts, weights, gu, dn)
+    torch.testing.assert_close(out.double(), want, rtol=2e-3, atol=2e-3)
+    if len(experts):
+        close = (out.double() - want).abs() <= 1e-5 * (1 + want.abs())
+        assert close.double().mean() >= 0.99
+        # the inputs really are rounded: float32 inputs give another answer
+        assert (cpu_moe.moe_experts_cpu(*args) - out).abs().max() > 1e-4
+
+
+def test_bf16_products_agree_across_products_to_float32_rounding() -> None:
+    """A mixed batch (experts below and above 16 rows) of bf16 products through the small-M
+    product, MKL's bf16 product and sgemm over the widened weight: the same math, float32 sums in
+    other orders."""
+    rows = [1, 3, 15, 16, 40, 0, 200, 7]
+    g = torch.Generator().manual_seed(12)
+    gu = (torch.randn(len(rows), 48, 64, generator=g) * 0.2).to(torch.bfloat16)
+    dn = (torch.randn(len(rows), 32, 48, generator=g) * 0.2).to(torch.bfloat16)
+    experts = torch.tensor([e for e, n in enumerate(rows) for _ in range(n)]).reshape(-1, 1)
+    x = torch.randn(len(experts), 48, generator=g)
+    weights = torch.rand(len(experts), 1, generator=g)
+    before = cpu_moe.blas_min_rows(), cpu_moe.bf16_blas_min_rows()
+    outs = []
+    try:
+        for n, gemm in ((1 << 30, True), (1, True), (1, False), (16, True)):
+            cpu_moe.set_blas_min_rows(n, n)
+            cpu_moe.set_bf16_gemm(gemm)
+            outs.append(
+                cpu_moe.moe_experts_cpu(
+                    x, experts, weights, gu.transpose(1, 2), dn.transpose(1, 2), bf16_inputs=True
+                )
+            )
+    finally:
+        cpu_moe.set_blas_min_rows(*before)
+        cpu_moe.set_bf16_gemm(c_kernel.bf16_products_default())
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-6)
 
 
 def test_bf16_weights_wider_than_a_widened_block_give_the_float32_bits() -> None:
