@@ -47,7 +47,8 @@ class EngineConfig:
     # ``burst_quiet_ms`` of the last), at most ``burst_gather_ms`` in all, before its first step:
     # a burst's prompts then share the first steps instead of one prompt running alone while the
     # rest queue behind it (a wave of 32 reached the engine over ~6-10 ms, 0.1-0.2 ms apart, and
-    # the first step took one prompt). 0: start at once. A lone request waits burst_quiet_ms.
+    # the first step took one prompt). 0: start at once. A lone request waits burst_quiet_ms; within
+    # a burst the quiet is 3x that, and the gather ends once the waiting prompts fill a step.
     burst_gather_ms: float = 10.0
     burst_quiet_ms: float = 1.0
     max_waiting: int = 4096  # memory guard (requests waiting); admission is by expected wait

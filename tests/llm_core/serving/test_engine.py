@@ -401,3 +401,34 @@ def test_an_idle_engine_gathers_a_burst_into_its_first_step(loaded: Any) -> None
         assert after_last < 4.0, after_last  # it began once the burst went quiet, not at the cap
     finally:
         engine.stop()
+
+
+def test_a_burst_that_fills_a_step_starts_without_waiting_for_quiet(loaded: Any) -> None:
+    """The gather ends once the waiting prompts fill a step (``max_num_batched_tokens``), however
+    long the quiet it would otherwise wait for; a lone request waits the quiet once."""
+    engine = make_engine(
+        loaded, start=False, burst_gather_ms=20_000.0, burst_quiet_ms=4000.0, max_num_batched_tokens=32
+    )
+    real = engine.runner.execute
+    batches: list[int] = []
+
+    def record(batch: Any) -> Any:
+        batches.append(len(batch.seqs))
+        return real(batch)
+
+    engine.runner.execute = record  # type: ignore[method-assign]
+    engine.start()
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+    async def burst() -> float:
+        t0 = time.perf_counter()
+        # 2 x 16 prompt tokens fill the 32-token step: submitted together, the first step starts at once
+        await asyncio.gather(*(collect(engine, prompt_of(16, 40 + i), sp) for i in range(2)))
+        return time.perf_counter() - t0
+
+    try:
+        took = asyncio.run(burst())
+        assert batches[0] == 2, batches
+        assert took < 4.0, took  # neither the 4 s quiet nor its 12 s within a burst
+    finally:
+        engine.stop()
