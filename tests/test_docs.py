@@ -26,6 +26,7 @@ FOREIGN_FLAGS = {
     "--sessions", "--epd-cpus", "--images", "--engines", "--policies", "--workloads", "--open-requests",
     "--tiny-qwen", "--chunks", "--vllm-bind", "--lengths", "--text-requests", "--vllm-frontend-cpus",
     "--benches",  # scripts/compare_benches.py
+    "--sizes", "--concurrency",  # bench.llm_peer, bench.step_profile
     # vLLM
     "--ec-transfer-config", "--enable-mm-embeds", "--max-num-seqs", "--mm-processor-kwargs",
     "--tensor-parallel-size", "--block-size", "--enable-prompt-tokens-details", "--enable-scale-out",
