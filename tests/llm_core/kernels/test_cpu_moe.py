@@ -229,17 +229,24 @@ def test_bf16_products_from_one_row_to_thousands_against_float64(
         assert (cpu_moe.moe_experts_cpu(*args) - out).abs().max() > 1e-4
 
 
+def mixed_batch(seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """x, experts, weights and [E, in, out] gate_up / down weights in ``dtype`` of a batch whose
+    experts get 0 to 200 rows, below and above the BLAS threshold."""
+    rows = [1, 3, 15, 16, 40, 0, 200, 7]
+    g = torch.Generator().manual_seed(seed)
+    gu = (torch.randn(len(rows), 48, 64, generator=g) * 0.2).to(dtype)
+    dn = (torch.randn(len(rows), 32, 48, generator=g) * 0.2).to(dtype)
+    experts = torch.tensor([e for e, n in enumerate(rows) for _ in range(n)]).reshape(-1, 1)
+    x = torch.randn(len(experts), 48, generator=g)
+    weights = torch.rand(len(experts), 1, generator=g)
+    return x, experts, weights, gu, dn
+
+
 def test_bf16_products_agree_across_products_to_float32_rounding() -> None:
     """A mixed batch (experts below and above 16 rows) of bf16 products through the small-M
     product, MKL's bf16 product and sgemm over the widened weight: the same math, float32 sums in
     other orders."""
-    rows = [1, 3, 15, 16, 40, 0, 200, 7]
-    g = torch.Generator().manual_seed(12)
-    gu = (torch.randn(len(rows), 48, 64, generator=g) * 0.2).to(torch.bfloat16)
-    dn = (torch.randn(len(rows), 32, 48, generator=g) * 0.2).to(torch.bfloat16)
-    experts = torch.tensor([e for e, n in enumerate(rows) for _ in range(n)]).reshape(-1, 1)
-    x = torch.randn(len(experts), 48, generator=g)
-    weights = torch.rand(len(experts), 1, generator=g)
+    x, experts, weights, gu, dn = mixed_batch(12, torch.bfloat16)
     before = cpu_moe.blas_min_rows(), cpu_moe.bf16_blas_min_rows()
     outs = []
     try:
@@ -286,13 +293,7 @@ def test_bf16_weights_wider_than_a_widened_block_give_the_float32_bits() -> None
 def test_both_products_agree_to_float32_rounding() -> None:
     """A mixed batch (experts below and above 16 rows) through the small-M product, BLAS and the
     threshold chosen at import: float32 rounding apart."""
-    rows = [1, 3, 15, 16, 40, 0, 200, 7]
-    g = torch.Generator().manual_seed(11)
-    gu = torch.randn(len(rows), 48, 64, generator=g) * 0.2
-    dn = torch.randn(len(rows), 32, 48, generator=g) * 0.2
-    experts = torch.tensor([e for e, n in enumerate(rows) for _ in range(n)]).reshape(-1, 1)
-    x = torch.randn(len(experts), 48, generator=g)
-    weights = torch.rand(len(experts), 1, generator=g)
+    x, experts, weights, gu, dn = mixed_batch(11, torch.float32)
     before = cpu_moe.blas_min_rows(), cpu_moe.bf16_blas_min_rows()
     outs = []
     try:

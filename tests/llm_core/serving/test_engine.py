@@ -370,10 +370,8 @@ def test_stop_leaves_resources_open_while_a_step_still_runs(loaded: Any) -> None
     assert closed == ["kv_events"] and engine._thread is None
 
 
-def test_an_idle_engine_gathers_a_burst_into_its_first_step(loaded: Any) -> None:
-    """Requests arriving one after another, each within ``burst_quiet_ms`` of the last, share the
-    first step; once they stop coming the step starts without waiting out ``burst_gather_ms``."""
-    engine = make_engine(loaded, start=False, burst_gather_ms=5000.0, burst_quiet_ms=300.0)
+def recorded_batch_sizes(engine: LLMEngine) -> list[int]:
+    """The number of sequences of each step the engine runs from now on (filled as it runs)."""
     real = engine.runner.execute
     batches: list[int] = []
 
@@ -382,6 +380,14 @@ def test_an_idle_engine_gathers_a_burst_into_its_first_step(loaded: Any) -> None
         return real(batch)
 
     engine.runner.execute = record  # type: ignore[method-assign]
+    return batches
+
+
+def test_an_idle_engine_gathers_a_burst_into_its_first_step(loaded: Any) -> None:
+    """Requests arriving one after another, each within ``burst_quiet_ms`` of the last, share the
+    first step; once they stop coming the step starts without waiting out ``burst_gather_ms``."""
+    engine = make_engine(loaded, start=False, burst_gather_ms=5000.0, burst_quiet_ms=300.0)
+    batches = recorded_batch_sizes(engine)
     engine.start()
     sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
@@ -409,14 +415,7 @@ def test_a_burst_that_fills_a_step_starts_without_waiting_for_quiet(loaded: Any)
     engine = make_engine(
         loaded, start=False, burst_gather_ms=20_000.0, burst_quiet_ms=4000.0, max_num_batched_tokens=32
     )
-    real = engine.runner.execute
-    batches: list[int] = []
-
-    def record(batch: Any) -> Any:
-        batches.append(len(batch.seqs))
-        return real(batch)
-
-    engine.runner.execute = record  # type: ignore[method-assign]
+    batches = recorded_batch_sizes(engine)
     engine.start()
     sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
