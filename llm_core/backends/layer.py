@@ -145,8 +145,10 @@ class CpuLayer(LayerBackend):
     def describe(self) -> str:
         return (
             f"one C call per layer (attention {cpu_attention.simd()}, small-M products {cpu_moe.simd()}; "
-            f"torch's sgemm for prefill and for experts of {cpu_moe.blas_min_rows()}+ rows, "
-            f"{cpu_moe.bf16_blas_min_rows()}+ with bf16 weights; {torch.get_num_threads()} threads)"
+            f"torch's sgemm on the layer's threads for prefill and for experts of {cpu_moe.blas_min_rows()}+ rows, "
+            f"{cpu_moe.bf16_blas_min_rows()}+ with bf16 weights; bf16 weights as "
+            f"{'bf16 products (MKL bf16 GEMM)' if cpu_layer.bf16_products() else 'float32 inputs'}; "
+            f"{torch.get_num_threads()} threads)"
         )
 
     def pack(self, params: BlockParams) -> PackedLayer | None:
