@@ -148,6 +148,11 @@ static const char *linear_bf16_gemm(const float *x, Py_ssize_t ldx, const void *
  * inputs already rounded to bf16 (bf16 products), which may take MKL's bf16 product. */
 enum { W_F32 = 0, W_BF16 = 1, W_BF16_INPUTS = 2 };
 
+/* The kind of a product of weights stored bf16 (wbf16) or float32, inputs rounded to bf16 or not. */
+static inline int weight_kind(int wbf16, int round_bf16) {
+    return !wbf16 ? W_F32 : round_bf16 ? W_BF16_INPUTS : W_BF16;
+}
+
 /* y [M, N] (row stride ldy) = x @ w (+ bias) for w [K, N] (row stride ldw) of kind (W_*): columns
  * [c0, c0 + N) of a wider weight and output are w, bias and y offset by c0. float32: linear; bf16:
  * linear_bf16, or with bf16 inputs and bf16_gemm linear_bf16_gemm. NULL or a static error message. */

@@ -146,10 +146,10 @@ static void norm_part(void *ctx, int p, int parts) {
  * rows cost less than waking a thread). */
 #define ROWS_PARALLEL_MIN 64
 
-static void norm_rows(const NormJob *job) {
-    const int parts = job->T >= ROWS_PARALLEL_MIN ? pool_size() : 1;
-    if (parts > 1) pool_run(parts, norm_part, (void *)job);
-    else norm_part((void *)job, 0, 1);
+/* fn over T rows: split over the pool from ROWS_PARALLEL_MIN rows, else on the caller alone. */
+static void rows_run(Py_ssize_t T, pool_fn fn, void *job) {
+    if (T >= ROWS_PARALLEL_MIN && pool_size() > 1) pool_run(pool_size(), fn, job);
+    else fn(job, 0, 1);
 }
 
 /* The router over the pool: part p routes tokens [t0, t1) with its own work buffer. */
@@ -346,11 +346,12 @@ static const char *layer_run(Layer *ly) {
     int64_t mark = profiling ? clock_ns() : 0;
     if (ly->first) {
         memcpy(ly->residual, ly->x, (size_t)(T * Hd) * sizeof(float));
-        norm_rows(&(NormJob){ly->residual, NULL, ly->ln1, ly->h, NULL, T, Hd, ly->eps, ly->round_bf16});
+        rows_run(T, norm_part, &(NormJob){ly->residual, NULL, ly->ln1, ly->h, NULL, T, Hd, ly->eps, ly->round_bf16});
     } else {
-        norm_rows(&(NormJob){ly->x, ly->residual, ly->ln1, ly->h, ly->residual, T, Hd, ly->eps, ly->round_bf16});
+        rows_run(T, norm_part,
+                 &(NormJob){ly->x, ly->residual, ly->ln1, ly->h, ly->residual, T, Hd, ly->eps, ly->round_bf16});
     }
-    const int kind = !ly->wbf16 ? W_F32 : ly->round_bf16 ? W_BF16_INPUTS : W_BF16;
+    const int kind = weight_kind(ly->wbf16, ly->round_bf16);
     phase_end(PH_NORM, &mark);
     const char *err = project(ly->h, Hd, ly->qkv_w, ly->qkv_p, kind, ly->qkv_b, ly->qkv, T, Hd, ly->qkv_dim);
     if (err != NULL) return err;
@@ -370,7 +371,7 @@ static const char *layer_run(Layer *ly) {
     if (err != NULL) return err;
     phase_end(PH_O_PROJ, &mark);
     /* rounded with bf16 products: the router's input too, as a bf16 model's */
-    norm_rows(&(NormJob){ly->h, ly->residual, ly->ln2, ly->g, ly->residual, T, Hd, ly->eps, ly->round_bf16});
+    rows_run(T, norm_part, &(NormJob){ly->h, ly->residual, ly->ln2, ly->g, ly->residual, T, Hd, ly->eps, ly->round_bf16});
     phase_end(PH_NORM, &mark);
     if (ly->E == 0) { /* dense SwiGLU: [T, 2I] = g @ gate_up, activated in place, then down from the gate half */
         float *gu = ly->h; /* free again, and sized for [T, 2I] too */
@@ -383,10 +384,7 @@ static const char *layer_run(Layer *ly) {
         return err;
     }
     ly->route.x = ly->g;
-    RouteJob route = {&ly->route, ly->route_work, ly->route_floats};
-    const int route_parts = T >= ROWS_PARALLEL_MIN ? parts : 1;
-    if (route_parts > 1) pool_run(route_parts, route_part, &route);
-    else route_part(&route, 0, 1);
+    rows_run(T, route_part, &(RouteJob){&ly->route, ly->route_work, ly->route_floats});
     phase_end(PH_ROUTER, &mark);
     const MoeProblem moe = {ly->g,      ly->weights, ly->gate_up, ly->down, ly->experts, ly->x,
                             T,          ly->K,       ly->E,       Hd,       I,           ly->wbf16,

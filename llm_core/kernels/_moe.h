@@ -131,7 +131,7 @@ static const char *moe_experts_range(const MoeProblem *pb, const MoePlan *plan, 
     }
     float *hidden = scratch, *y = scratch + most * 2 * I, *gathered = y + most * H;
     const Strips gate_up_rows = {16, 2 * I, pb->wbf16}, down_rows = {16, H, pb->wbf16}; /* row-major [in, out] */
-    const int kind = !pb->wbf16 ? W_F32 : pb->round_bf16 ? W_BF16_INPUTS : W_BF16; /* linear_any's */
+    const int kind = weight_kind(pb->wbf16, pb->round_bf16); /* linear_any's */
     const char *err = NULL;
     for (Py_ssize_t e = e0; e < e1; e++) {
         const Py_ssize_t c = plan->start[e + 1] - plan->start[e];
